@@ -1,0 +1,1 @@
+"""RL algorithms in pure torch (no megatron import): FlashREINFORCE, baselines, corrections."""

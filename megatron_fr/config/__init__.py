@@ -1,0 +1,6 @@
+"""Typed configuration schemas. Imports neither torch nor megatron, so recipes load anywhere."""
+
+from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.config.parallel import ParallelConfig
+
+__all__ = ["FlashReinforceConfig", "ParallelConfig"]

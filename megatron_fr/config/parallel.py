@@ -1,0 +1,60 @@
+"""Parallel layout of the learner: one config that both torch.distributed and megatron's
+parallel_state are initialised from (megatron_fr.parallel.state.initialize)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class ParallelConfig(BaseModel):
+    """Megatron model-parallel sizes. Data parallelism is what is left of the world size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor: PositiveInt = 1
+    """Tensor-parallel size (TP). Must divide the attention query groups and the vocabulary."""
+    pipeline: PositiveInt = 1
+    """Pipeline-parallel size (PP). The loss lives on the last stage only."""
+    context: PositiveInt = 1
+    """Context-parallel size (CP): one trajectory's tokens are split over this many ranks."""
+    expert: PositiveInt = 1
+    """Expert-parallel size (EP) for MoE layers. Must divide the number of experts."""
+    expert_tensor: PositiveInt | None = None
+    """Expert tensor-parallel size (ETP); None means the same as `tensor`, as in megatron."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor > 1; required by megatron for MoE with TP>1)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend; auto picks nccl when CUDA is available and gloo otherwise."""
+    timeout_minutes: PositiveInt = Field(default=30)
+    """Collective timeout for the process groups."""
+
+    @property
+    def effective_expert_tensor(self) -> int:
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for `world_size` ranks; raises ValueError naming the size that does not fit."""
+        self.validate_world(world_size)
+        return world_size // (self.tensor * self.pipeline * self.context)
+
+    def validate_world(self, world_size: int) -> None:
+        """Check the layout against the world size, with megatron's own divisibility rules."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        dense = self.tensor * self.pipeline * self.context
+        if world_size % dense:
+            raise ValueError(
+                f"world_size {world_size} is not divisible by tensor ({self.tensor}) x pipeline "
+                f"({self.pipeline}) x context ({self.context}) = {dense}"
+            )
+        expert = self.effective_expert_tensor * self.expert * self.pipeline
+        if world_size % expert:
+            raise ValueError(
+                f"world_size {world_size} is not divisible by expert_tensor "
+                f"({self.effective_expert_tensor}) x expert ({self.expert}) x pipeline "
+                f"({self.pipeline}) = {expert}"
+            )
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel needs tensor > 1")

@@ -1,0 +1,60 @@
+"""The one wrapper around torch.distributed + megatron's parallel_state.
+
+``initialize(ParallelConfig)`` is the only place the process groups are created: it starts
+torch.distributed from the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as
+torchrun and srun launchers set them) unless already started, validates the layout against
+the world size, installs the CPU shims when CUDA is absent, and builds megatron's groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.parallel.cpu_shims import apply_cpu_shims
+
+
+def resolve_backend(config: ParallelConfig) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
+    """Start torch.distributed (if needed) and megatron's model-parallel groups for `config`.
+
+    Raises ValueError, before any group is built, when the layout does not fit the world size.
+    """
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=resolve_backend(config),
+            timeout=datetime.timedelta(minutes=config.timeout_minutes),
+        )
+    config.validate_world(dist.get_world_size())
+    apply_cpu_shims()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor,
+        pipeline_model_parallel_size=config.pipeline,
+        context_parallel_size=config.context,
+        expert_model_parallel_size=config.expert,
+        expert_tensor_parallel_size=config.effective_expert_tensor,
+        distributed_timeout_minutes=config.timeout_minutes,
+    )
+    if seed is not None:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    """Tear down megatron's groups (the default group is left to its owner)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
