@@ -14,7 +14,8 @@ class FlashReinforceConfig(BaseModel):
 
     delta: float = 3e-3
     """Gate threshold on the mean per-token Bernoulli KL of a trajectory; inf disables the gate.
-    Paper settings: 3e-3 default, 1e-3 tool use / ALFWorld, 5e-3 R1-Distill lag 4, 1e-2 Qwen3-MoE."""
+    Paper settings: 3e-3 default, 1e-3 tool use and ALFWorld, 5e-3 R1-Distill at lag 4,
+    1e-2 for the Qwen3-30B-A3B comparison."""
     negative_token_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
     """q: a failed trajectory keeps only its ceil(q * T) highest-entropy policy tokens (1 = off)."""
 

@@ -9,6 +9,7 @@ stopped by their own handles before this returns.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -57,11 +58,23 @@ def _rank_main(
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         _teardown()
+
+
+def _to_bytes(value: Any) -> bytes:
+    """Serialise a rank's result: tensors put on a queue as-is are shared through file
+    descriptors that die with the rank process, before the parent reads them."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def _teardown() -> None:
@@ -114,7 +127,7 @@ def run_on_ranks(
     failures = {rank: payload for rank, (ok, payload) in outcomes.items() if not ok}
     if failures:
         raise RankFailure(failures)
-    return [outcomes[rank][1] for rank in range(world_size)]
+    return [_from_bytes(outcomes[rank][1]) for rank in range(world_size)]
 
 
 def _collect(results: Any, procs: list[Any], timeout_s: float) -> dict[int, tuple[bool, Any]]:
@@ -141,8 +154,10 @@ def _collect(results: Any, procs: list[Any], timeout_s: float) -> dict[int, tupl
             break
     for rank in range(len(procs)):
         if rank not in outcomes:
-            reason = "stopped after another rank failed" if time.monotonic() < deadline else (
-                f"timed out after {timeout_s:.0f} s"
+            reason = (
+                "stopped after another rank failed"
+                if time.monotonic() < deadline
+                else (f"timed out after {timeout_s:.0f} s")
             )
             outcomes[rank] = (False, reason)
     return outcomes

@@ -1,0 +1,252 @@
+"""The FlashREINFORCE policy loss (ALGORITHM.md), in one segment-based core.
+
+    L = -(1/B) sum_i (m_i A_i / T_i) sum_t rho_{i,t} pi_{i,t},   rho = exp(pi - mu) detached,
+    m_i = [ max(0, mean_t d_{i,t}) <= delta ],  d = Bernoulli KL(exp(mu) || exp(pi)) per token.
+
+Everything is written over *segments*: each token carries the id of the trajectory it belongs
+to (-1 for none). A plain [B, T] batch is the special case "segment = row"
+(flash_reinforce_loss); the parallel path (megatron_fr.parallel.loss) feeds packed rows,
+context-parallel slices and micro-batches through the same core and passes a
+``reduce_segments`` hook that sums per-trajectory partials over the ranks that share a
+trajectory. That hook runs BEFORE the gate decision, so every rank reaches the same m_i, and
+the loss of each micro-batch is its share of L (divided by the global B), so that summing over
+micro-batches and data-parallel ranks gives exactly L.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_fr.algo import checks
+
+PROBABILITY_CLAMP = 1e-6
+"""p = exp(mu) and q = exp(pi) are clamped to [1e-6, 1 - 1e-6] inside the Bernoulli KL."""
+
+
+class RatioOverflowError(FloatingPointError):
+    """exp(pi - mu) is not finite on a token that would contribute gradient."""
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """Per-trajectory outcome of the trust region, indexed by global trajectory id [B]."""
+
+    sequence_kl: Tensor
+    """D_i = max(0, mean_t d_{i,t}) (0 for trajectories absent from this call)."""
+    token_count: Tensor
+    """T_i, policy tokens of trajectory i (0 when absent)."""
+    admitted: Tensor
+    """m_i (bool); False for absent trajectories."""
+
+    @property
+    def present(self) -> Tensor:
+        return self.token_count > 0
+
+
+def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
+    """Per-token d = p log(p/q) + (1-p) log((1-p)/(1-q)), p = exp(mu), q = exp(pi), clamped."""
+    low, high = PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP
+    p = behavior_log_probs.exp().clamp(low, high)
+    q = log_probs.exp().clamp(low, high)
+    return p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def trust_region_gate(
+    log_probs: Tensor,
+    behavior_log_probs: Tensor,
+    action_mask: Tensor,
+    segment_ids: Tensor,
+    num_trajectories: int,
+    delta: float,
+    reduce_segments: Callable[[Tensor], Tensor] | None = None,
+) -> GateResult:
+    """Decide m_i for every trajectory present in the tokens given.
+
+    ``reduce_segments`` receives a [2, B] tensor (sum of d, token count per trajectory) and
+    must return its sum over every rank holding tokens of the same trajectories (context
+    parallelism); by default the tokens given are the whole trajectories.
+    """
+    tokens = action_mask & (segment_ids >= 0)
+    kl = bernoulli_kl(behavior_log_probs.detach(), log_probs.detach())
+    segment = segment_ids[tokens]
+    partial = torch.zeros(2, num_trajectories, dtype=kl.dtype, device=kl.device)
+    partial[0].index_add_(0, segment, kl[tokens])
+    partial[1].index_add_(0, segment, torch.ones_like(kl[tokens]))
+    if reduce_segments is not None:
+        partial = reduce_segments(partial)
+    kl_sum, token_count = partial[0], partial[1]
+    present = token_count > 0
+    sequence_kl = torch.where(present, kl_sum / token_count.clamp_min(1), 0).clamp_min(0)
+    admitted = present & (sequence_kl <= delta)
+    return GateResult(sequence_kl=sequence_kl, token_count=token_count, admitted=admitted)
+
+
+def negative_token_keep_mask(
+    entropies: Tensor,
+    action_mask: Tensor,
+    segment_ids: Tensor,
+    positions: Tensor,
+    failures: Tensor,
+    fraction: float,
+) -> Tensor:
+    """Keep mask of the negative-token filter (ALGORITHM.md step 5), same shape as the mask.
+
+    A failed trajectory keeps its ceil(q * T_i) highest-entropy policy tokens; ties go to the
+    earlier position, so the choice is the same however the tokens are laid out. All tokens of
+    each trajectory must be given (context-parallel callers gather them first). Other policy
+    tokens are all kept.
+    """
+    tokens = action_mask & (segment_ids >= 0)
+    keep = tokens.clone()
+    if fraction >= 1.0:
+        return keep
+    segment, entropy, position = segment_ids[tokens], entropies[tokens], positions[tokens]
+    # Lexicographic sort by (segment, -entropy, position) via three stable sorts.
+    order = torch.argsort(position, stable=True)
+    order = order[torch.argsort(-entropy[order], stable=True)]
+    order = order[torch.argsort(segment[order], stable=True)]
+    counts = torch.bincount(segment, minlength=failures.numel())
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device) - starts[segment[order]]
+    # round() absorbs float noise such as 0.3 * 10 = 3.0000000000000004 before the ceil.
+    quota = torch.ceil(torch.round(fraction * counts.double(), decimals=9)).long()
+    kept = ~failures[segment] | (rank < quota[segment])
+    keep[tokens] = kept
+    return keep
+
+
+def importance_ratios(
+    log_probs: Tensor, behavior_log_probs: Tensor, contributing: Tensor
+) -> Tensor:
+    """rho = exp(pi - mu), detached and unclipped; raises if it overflows where it counts."""
+    ratios = (log_probs.detach() - behavior_log_probs.detach()).exp()
+    overflow = contributing & ~torch.isfinite(ratios)
+    if overflow.any():
+        where = overflow.nonzero()[0].tolist()
+        worst = (log_probs.detach() - behavior_log_probs.detach())[overflow].max().item()
+        raise RatioOverflowError(
+            f"importance ratio exp(pi - mu) overflows on an admitted token at index {where} "
+            f"(log-ratio {worst:.4g}); the behaviour log-probs do not match this policy"
+        )
+    return torch.where(contributing, ratios, 0)
+
+
+def segment_policy_loss(
+    log_probs: Tensor,
+    behavior_log_probs: Tensor,
+    gate: GateResult,
+    advantages: Tensor,
+    keep: Tensor,
+    segment_ids: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-(1/B) sum over kept tokens of (m_i A_i / T_i) rho pi.
+
+    Returns (loss, ratios, contributing): ratios are 0 off the contributing tokens, which are
+    the kept policy tokens of admitted trajectories.
+    """
+    num_trajectories = advantages.numel()
+    weight = torch.where(gate.admitted, advantages / gate.token_count.clamp_min(1), 0)
+    segment = segment_ids.clamp_min(0)
+    contributing = keep & gate.admitted[segment]
+    ratios = importance_ratios(log_probs, behavior_log_probs, contributing)
+    token_weight = torch.where(contributing, weight[segment] * ratios, 0)
+    loss = -(token_weight * torch.where(contributing, log_probs, 0)).sum() / num_trajectories
+    return loss, ratios, contributing
+
+
+def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict[str, Tensor]:
+    """Diagnostics of ALGORITHM.md for the trajectories in ``gate`` (NaN where there are none)."""
+    present_kl = gate.sequence_kl[gate.present]
+    admitted_ratios = ratios[contributing]
+
+    def stat(values: Tensor, reduce) -> Tensor:
+        return reduce(values) if values.numel() else values.new_tensor(math.nan)
+
+    return {
+        "acceptance_rate": stat(gate.admitted[gate.present].double(), torch.mean),
+        "sequence_kl": gate.sequence_kl,
+        "sequence_kl_mean": stat(present_kl, torch.mean),
+        "sequence_kl_max": stat(present_kl, torch.max),
+        "admitted": gate.admitted,
+        "retained_tokens": contributing.sum(),
+        "ratio_mean": stat(admitted_ratios, torch.mean),
+        "ratio_max": stat(admitted_ratios, torch.max),
+    }
+
+
+def check_filter_inputs(
+    fraction: float, entropies: Tensor | None, failures: Tensor | None, log_probs: Tensor
+) -> None:
+    if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
+        raise ValueError(f"negative_token_fraction q must be in [0, 1], got {fraction}")
+    if fraction == 1.0:
+        return
+    if entropies is None or failures is None:
+        raise ValueError("negative_token_fraction < 1 needs both entropies and failures")
+    checks.check_same_shape("log_probs", log_probs, entropies=entropies)
+    if not torch.isfinite(entropies).all():
+        raise ValueError("entropies has non-finite values")
+    if failures.dtype != torch.bool or failures.shape != log_probs.shape[:1]:
+        raise ValueError(
+            f"failures must be bool of shape [{log_probs.shape[0]}], "
+            f"got {failures.dtype} {tuple(failures.shape)}"
+        )
+
+
+def check_delta(delta: float) -> None:
+    if math.isnan(delta) or delta < 0:
+        raise ValueError(f"delta must be >= 0 (inf disables the gate), got {delta}")
+
+
+def flash_reinforce_loss(
+    log_probs: Tensor,
+    behavior_log_probs: Tensor,
+    rewards: Tensor,
+    action_mask: Tensor,
+    *,
+    delta: float = 3e-3,
+    negative_token_fraction: float = 1.0,
+    entropies: Tensor | None = None,
+    failures: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """FlashREINFORCE on one complete batch of B trajectories, one per row of [B, T].
+
+    log_probs: current-policy log-probs of the sampled tokens (carries the gradient);
+    behavior_log_probs: the inference engine's log-probs of the same tokens; rewards: [B];
+    action_mask: bool [B, T], True on policy tokens. Returns (loss, metrics); metrics include
+    acceptance_rate, sequence_kl [B], admitted [B], advantages [B], retained_tokens.
+    """
+    checks.check_action_mask(action_mask)
+    checks.check_float(log_probs=log_probs, behavior_log_probs=behavior_log_probs)
+    checks.check_same_shape(
+        "action_mask", action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
+    )
+    checks.check_same_dtype(log_probs=log_probs, behavior_log_probs=behavior_log_probs)
+    checks.check_log_probs("log_probs", log_probs, action_mask)
+    checks.check_log_probs("behavior_log_probs", behavior_log_probs, action_mask)
+    checks.check_rewards(rewards, action_mask.shape[0])
+    check_delta(delta)
+    check_filter_inputs(negative_token_fraction, entropies, failures, log_probs)
+
+    batch, length = action_mask.shape
+    segment_ids = torch.arange(batch, device=action_mask.device)[:, None].expand(batch, length)
+    advantages = (rewards - rewards.mean()).to(log_probs.dtype)
+    gate = trust_region_gate(log_probs, behavior_log_probs, action_mask, segment_ids, batch, delta)
+    keep = action_mask
+    if negative_token_fraction < 1.0:
+        positions = torch.arange(length, device=action_mask.device).expand(batch, length)
+        keep = negative_token_keep_mask(
+            entropies, action_mask, segment_ids, positions, failures, negative_token_fraction
+        )
+    loss, ratios, contributing = segment_policy_loss(
+        log_probs, behavior_log_probs, gate, advantages, keep, segment_ids
+    )
+    metrics = gate_metrics(gate, ratios, contributing)
+    metrics["advantages"] = advantages.detach()
+    return loss, metrics

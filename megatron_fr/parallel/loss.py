@@ -1,0 +1,182 @@
+"""The FlashREINFORCE loss as the learner calls it: one micro-batch on one rank.
+
+Inputs are this rank's view of a micro-batch: vocab-parallel logits (tensor parallelism),
+a context-parallel slice of each row, rows that may pack several trajectories. Every token
+carries the global id of its trajectory (segment_ids, -1 for padding), so per-trajectory sums
+need no offsets bookkeeping after packing or CP slicing.
+
+Order of operations (ALGORITHM.md, "Under parallelism"):
+  1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group;
+  2. per-trajectory KL sums and token counts, summed over the CP group, then the gate, so
+     every CP rank (and every TP rank) reaches the same m_i;
+  3. the negative-token filter on whole trajectories (gathered over CP);
+  4. this micro-batch's share of L, divided by the GLOBAL number of trajectories B, so that
+     the sum over micro-batches and data-parallel ranks is exactly L.
+Advantages come from the whole batch (GlobalBatch), computed before any split.
+Every TP rank returns the same loss value; megatron's reductions must not average it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_fr.algo import checks
+from megatron_fr.algo.flash_reinforce import (
+    check_delta,
+    gate_metrics,
+    negative_token_keep_mask,
+    segment_policy_loss,
+    trust_region_gate,
+)
+from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
+
+
+@dataclass(frozen=True)
+class LossBatch:
+    """This rank's slice of one micro-batch, all [rows, S_local] (CP-sliced when CP > 1)."""
+
+    target_ids: Tensor
+    """Token whose log-prob each position scores (the next token); 0 on padding."""
+    behavior_log_probs: Tensor
+    """mu: the inference engine's log-prob of each target token, as it sampled it."""
+    action_mask: Tensor
+    """True on policy tokens (not prompt, observation or padding)."""
+    segment_ids: Tensor
+    """Global index (0..B-1) of the trajectory each token belongs to; -1 for padding."""
+    positions: Tensor
+    """Position of each token in its un-split row: orders tokens for the entropy tie-break."""
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Per-trajectory quantities of the whole batch (all DP ranks), computed once per step."""
+
+    advantages: Tensor
+    """A_i [B] (for FlashREINFORCE: R_i - mean R over the whole batch)."""
+    failures: Tensor | None = None
+    """[B] bool, trajectories labelled failed (only needed when q < 1)."""
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.advantages.numel()
+
+
+def _sum_over(group: dist.ProcessGroup | None):
+    def reduce(partial: Tensor) -> Tensor:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(partial, group=group)
+        return partial
+
+    return reduce
+
+
+def _gather_along_sequence(tensor: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _keep_mask(
+    entropies: Tensor, batch: LossBatch, failures: Tensor, fraction: float, cp_group
+) -> Tensor:
+    """Negative-token filter on whole trajectories: gather the CP slices, decide, slice back."""
+    gathered = [
+        _gather_along_sequence(t, cp_group)
+        for t in (entropies, batch.action_mask, batch.segment_ids, batch.positions)
+    ]
+    keep = negative_token_keep_mask(*gathered, failures=failures, fraction=fraction)
+    width = batch.action_mask.shape[-1]
+    rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    return keep[..., rank * width : (rank + 1) * width]
+
+
+def _check(batch: LossBatch, global_batch: GlobalBatch) -> None:
+    checks.check_same_shape(
+        "target_ids",
+        batch.target_ids,
+        behavior_log_probs=batch.behavior_log_probs,
+        action_mask=batch.action_mask,
+        segment_ids=batch.segment_ids,
+        positions=batch.positions,
+    )
+    checks.check_action_mask(batch.action_mask, require_tokens=False)
+    checks.check_log_probs("behavior_log_probs", batch.behavior_log_probs, batch.action_mask)
+    checks.check_rewards(global_batch.advantages)
+    policy_segments = batch.segment_ids[batch.action_mask]
+    if policy_segments.numel() and (
+        policy_segments.min() < 0 or policy_segments.max() >= global_batch.num_trajectories
+    ):
+        raise ValueError(
+            f"segment_ids of policy tokens must be trajectory ids in "
+            f"[0, {global_batch.num_trajectories}); got [{policy_segments.min().item()}, "
+            f"{policy_segments.max().item()}]"
+        )
+
+
+def flash_reinforce_parallel_loss(
+    logits: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: FlashReinforceConfig,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's contribution to L and its metrics (per-trajectory ones are [B]).
+
+    logits: [rows, S_local, V / tp], this rank's vocab shard. The contributions of all
+    micro-batches and data-parallel ranks add up to the single-process flash_reinforce_loss
+    of the whole batch, and so do their gradients.
+    """
+    _check(batch, global_batch)
+    check_delta(config.delta)
+    fraction = config.negative_token_fraction
+    if fraction < 1.0 and global_batch.failures is None:
+        raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures")
+    log_probs, entropies = vocab_parallel_log_probs(
+        logits, batch.target_ids, tp_group, with_entropy=fraction < 1.0
+    )
+    behavior = batch.behavior_log_probs.to(log_probs.dtype)
+    gate = trust_region_gate(
+        log_probs,
+        behavior,
+        batch.action_mask,
+        batch.segment_ids,
+        global_batch.num_trajectories,
+        config.delta,
+        reduce_segments=_sum_over(cp_group),
+    )
+    keep = batch.action_mask & (batch.segment_ids >= 0)
+    if fraction < 1.0:
+        keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
+    advantages = global_batch.advantages.to(log_probs.dtype)
+    loss, ratios, contributing = segment_policy_loss(
+        log_probs, behavior, gate, advantages, keep, batch.segment_ids
+    )
+    metrics = gate_metrics(gate, ratios, contributing)
+    metrics["present"] = gate.present
+    metrics["log_probs"] = log_probs.detach()
+    return loss, metrics
+
+
+def agreed_admission(
+    per_micro_batch: list[dict[str, Tensor]], group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
+    """(admitted [B], present [B]) over all micro-batches and the ranks of ``group``.
+
+    Pass megatron's data-parallel group with context parallelism: each trajectory lives in
+    exactly one micro-batch of one DP rank (and all its CP peers), so the union is the batch.
+    """
+    admitted = torch.stack([m["admitted"] for m in per_micro_batch]).any(0).to(torch.int64)
+    present = torch.stack([m["present"] for m in per_micro_batch]).any(0).to(torch.int64)
+    both = torch.stack([admitted, present])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return both[0].bool(), both[1].bool()
