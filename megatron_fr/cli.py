@@ -1,0 +1,31 @@
+"""The `megatron-fr` command: one subcommand per job.
+
+megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_fr.learner import smoke
+
+    parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    smoke_parser = commands.add_parser(
+        "smoke", help="CPU smoke run: a tiny megatron GPT learns a toy reward (gloo ranks)"
+    )
+    smoke.add_arguments(smoke_parser)
+    smoke_parser.set_defaults(run=smoke.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The megatron learner: model build, forward-backward with the parallel loss, optimizer step."""
