@@ -71,3 +71,14 @@ def check_rewards(rewards: Tensor, batch_size: int | None = None) -> None:
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:8].tolist()
         raise ValueError(f"rewards are non-finite at {bad}")
+
+
+def check_policy_log_probs(action_mask: Tensor, **log_probs: Tensor) -> None:
+    """The common contract of every policy loss: a bool [B, T] mask with a policy token per
+    row, and same-shape, same-dtype float log-prob tensors, finite and <= 0 on policy tokens."""
+    check_action_mask(action_mask)
+    check_float(**log_probs)
+    check_same_shape("action_mask", action_mask, **log_probs)
+    check_same_dtype(**log_probs)
+    for name, tensor in log_probs.items():
+        check_log_probs(name, tensor, action_mask)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from megatron_fr.algo import checks
+from megatron_fr.algo.advantages import flash_reinforce_advantages
 
 PROBABILITY_CLAMP = 1e-6
 """p = exp(mu) and q = exp(pi) are clamped to [1e-6, 1 - 1e-6] inside the Bernoulli KL."""
@@ -222,21 +223,16 @@ def flash_reinforce_loss(
     action_mask: bool [B, T], True on policy tokens. Returns (loss, metrics); metrics include
     acceptance_rate, sequence_kl [B], admitted [B], advantages [B], retained_tokens.
     """
-    checks.check_action_mask(action_mask)
-    checks.check_float(log_probs=log_probs, behavior_log_probs=behavior_log_probs)
-    checks.check_same_shape(
-        "action_mask", action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
+    checks.check_policy_log_probs(
+        action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
     )
-    checks.check_same_dtype(log_probs=log_probs, behavior_log_probs=behavior_log_probs)
-    checks.check_log_probs("log_probs", log_probs, action_mask)
-    checks.check_log_probs("behavior_log_probs", behavior_log_probs, action_mask)
     checks.check_rewards(rewards, action_mask.shape[0])
     check_delta(delta)
     check_filter_inputs(negative_token_fraction, entropies, failures, log_probs)
 
     batch, length = action_mask.shape
     segment_ids = torch.arange(batch, device=action_mask.device)[:, None].expand(batch, length)
-    advantages = (rewards - rewards.mean()).to(log_probs.dtype)
+    advantages = flash_reinforce_advantages(rewards).to(log_probs.dtype)
     gate = trust_region_gate(log_probs, behavior_log_probs, action_mask, segment_ids, batch, delta)
     keep = action_mask
     if negative_token_fraction < 1.0:

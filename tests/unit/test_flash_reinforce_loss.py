@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import log_sigmoid
 
 from megatron_fr.algo.flash_reinforce import RatioOverflowError, flash_reinforce_loss
 
@@ -51,8 +52,8 @@ def random_batch(seed, dtype=torch.float64, batch=None, length=None):
     # Per-row drift: some rows barely move (admitted), others move a lot (rejected).
     drift = torch.rand(batch, 1, generator=gen, dtype=dtype) ** 3 * 2
     policy_logit = behavior_logit + drift * torch.randn(batch, length, generator=gen, dtype=dtype)
-    mu = torch.nn.functional.logsigmoid(behavior_logit)
-    pi = torch.nn.functional.logsigmoid(policy_logit)
+    mu = log_sigmoid(behavior_logit)
+    pi = log_sigmoid(policy_logit)
     rewards = torch.randn(batch, generator=gen, dtype=dtype)
     entropies = torch.rand(batch, length, generator=gen, dtype=dtype).round(decimals=1)
     failures = torch.rand(batch, generator=gen) < 0.5
@@ -123,7 +124,7 @@ def test_delta_zero_admits_only_exact_matches():
 
 def test_all_rejected_batch_has_zero_loss_and_gradient():
     pi, mu, rewards, mask, *_ = random_batch(11, batch=5, length=8)
-    pi = torch.nn.functional.logsigmoid(torch.logit(mu.exp()) + 3.0)
+    pi = log_sigmoid(torch.logit(mu.exp()) + 3.0)
     pi_grad = pi.clone().requires_grad_(True)
     loss, metrics = flash_reinforce_loss(pi_grad, mu, rewards, mask, delta=1e-4)
     loss.backward()
