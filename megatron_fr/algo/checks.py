@@ -6,6 +6,8 @@ or a packing bug is reported where it enters the loss instead of surfacing as a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -82,3 +84,10 @@ def check_policy_log_probs(action_mask: Tensor, **log_probs: Tensor) -> None:
     check_same_dtype(**log_probs)
     for name, tensor in log_probs.items():
         check_log_probs(name, tensor, action_mask)
+
+
+def check_non_negative(**values: float) -> None:
+    """Scalar hyperparameters that must be >= 0 (inf allowed, NaN refused)."""
+    for name, value in values.items():
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")

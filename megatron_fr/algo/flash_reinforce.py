@@ -200,11 +200,6 @@ def check_filter_inputs(
         )
 
 
-def check_delta(delta: float) -> None:
-    if math.isnan(delta) or delta < 0:
-        raise ValueError(f"delta must be >= 0 (inf disables the gate), got {delta}")
-
-
 def flash_reinforce_loss(
     log_probs: Tensor,
     behavior_log_probs: Tensor,
@@ -227,7 +222,7 @@ def flash_reinforce_loss(
         action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
     )
     checks.check_rewards(rewards, action_mask.shape[0])
-    check_delta(delta)
+    checks.check_non_negative(delta=delta)
     check_filter_inputs(negative_token_fraction, entropies, failures, log_probs)
 
     batch, length = action_mask.shape

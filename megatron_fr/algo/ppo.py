@@ -13,7 +13,6 @@ unclipped branch is the minimum and 0 where the clipped one is.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -46,12 +45,6 @@ def _check_correction_weights(weights: Tensor, action_mask: Tensor) -> None:
         raise ValueError("correction_weights must be finite and >= 0 on policy tokens")
 
 
-def _check_clip_range(eps_low: float, eps_high: float) -> None:
-    for name, value in (("eps_low", eps_low), ("eps_high", eps_high)):
-        if math.isnan(value) or value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 def _check_inputs(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -65,7 +58,7 @@ def _check_inputs(
     checks.check_policy_log_probs(action_mask, log_probs=log_probs, old_log_probs=old_log_probs)
     checks.check_float(advantages=advantages)
     _check_advantages(advantages, action_mask)
-    _check_clip_range(eps_low, eps_high)
+    checks.check_non_negative(eps_low=eps_low, eps_high=eps_high)
     if aggregation not in ("token_mean", "sample_mean"):
         raise ValueError(
             f"unknown aggregation {aggregation!r}; known: ['sample_mean', 'token_mean']"

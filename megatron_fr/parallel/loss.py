@@ -26,7 +26,6 @@ from torch import Tensor
 
 from megatron_fr.algo import checks
 from megatron_fr.algo.flash_reinforce import (
-    check_delta,
     gate_metrics,
     negative_token_keep_mask,
     segment_policy_loss,
@@ -136,7 +135,7 @@ def flash_reinforce_parallel_loss(
     of the whole batch, and so do their gradients.
     """
     _check(batch, global_batch)
-    check_delta(config.delta)
+    checks.check_non_negative(delta=config.delta)
     fraction = config.negative_token_fraction
     if fraction < 1.0 and global_batch.failures is None:
         raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures")
