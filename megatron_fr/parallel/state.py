@@ -51,6 +51,9 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
     if seed is not None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        # megatron initialises some weights (router, norms) from the default generator and
+        # others from its tracked model-parallel states: seed both, as megatron's training does.
+        torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
 
 
