@@ -74,3 +74,16 @@ def test_bad_targets_are_refused(targets, message):
     logits, _ = _inputs()
     with pytest.raises(ValueError, match=message):
         vocab_parallel_log_probs(logits, targets)
+
+
+@pytest.mark.gpu
+def test_cuda_bfloat16_matches_cpu_float32():
+    logits, targets = _inputs(torch.float32, shape=(4, 64, 1000))
+    cpu, _ = vocab_parallel_log_probs(logits, targets, with_entropy=True)
+    leaf = logits.to("cuda", torch.bfloat16).requires_grad_(True)
+    gpu, entropy = vocab_parallel_log_probs(leaf, targets.cuda(), with_entropy=True)
+    gpu.sum().backward()
+    expected = torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, targets[..., None])
+    torch.testing.assert_close(gpu.cpu(), expected[..., 0], rtol=0, atol=1e-5)
+    assert (gpu.cpu() - cpu).abs().max() < 0.1  # bf16 rounding of the logits themselves
+    assert leaf.grad.dtype == torch.bfloat16 and torch.isfinite(entropy).all()

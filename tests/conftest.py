@@ -1,0 +1,15 @@
+"""Test tiers: `gpu` tests are skipped, with the reason shown, where CUDA is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (this machine has none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
