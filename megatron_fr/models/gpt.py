@@ -1,0 +1,153 @@
+"""HFModelSpec + ParallelConfig -> megatron TransformerConfig and GPTModel.
+
+megatron's config is built from ours, never the other way. The layer spec is
+transformer-engine's when TE and CUDA are both present, megatron's local spec otherwise (CPU),
+so the same code builds the model on an H100 node and in CPU CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from contextlib import nullcontext
+
+import torch
+
+import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.models.hf_config import HFModelSpec
+
+
+def use_transformer_engine() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def check_layout(spec: HFModelSpec, parallel: ParallelConfig) -> None:
+    """The divisibility rules megatron would otherwise assert deep inside model build."""
+    tp = parallel.tensor
+    if spec.num_key_value_heads % tp:
+        raise ValueError(
+            f"tensor parallel size {tp} does not divide the {spec.num_key_value_heads} query "
+            f"groups (num_key_value_heads); TP shards whole groups"
+        )
+    if spec.vocab_size % tp:
+        raise ValueError(f"tensor parallel size {tp} does not divide vocab_size {spec.vocab_size}")
+    if spec.is_moe and spec.num_experts % parallel.expert:
+        raise ValueError(
+            f"expert parallel size {parallel.expert} does not divide the {spec.num_experts} experts"
+        )
+    if not spec.is_moe and parallel.expert > 1:
+        raise ValueError(f"expert parallel size {parallel.expert} set for a dense model")
+    if spec.num_layers % parallel.pipeline:
+        raise ValueError(
+            f"pipeline parallel size {parallel.pipeline} does not divide {spec.num_layers} layers"
+        )
+
+
+def transformer_config(
+    spec: HFModelSpec,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.bfloat16,
+    initialize: bool = True,
+):
+    """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning)."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_layout(spec, parallel)
+    moe = {}
+    if spec.is_moe:
+        moe = dict(
+            num_moe_experts=spec.num_experts,
+            moe_router_topk=spec.num_experts_per_tok,
+            moe_ffn_hidden_size=spec.moe_intermediate_size,
+            # HF: softmax over all experts, top-k, renormalised iff norm_topk_prob. megatron's
+            # softmax over the top-k logits is that renormalised form; pre-softmax is the other.
+            moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=spec.router_aux_loss_coef,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=use_transformer_engine(),
+        )
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=parallel.effective_expert_tensor,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=initialize,
+        **moe,
+    )
+
+
+def layer_spec(spec: HFModelSpec):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    num_experts = spec.num_experts if spec.is_moe else None
+    if use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm
+    )
+
+
+def build_gpt_model(
+    spec: HFModelSpec,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.bfloat16,
+    meta: bool = False,
+):
+    """This rank's GPTModel stage. meta=True allocates nothing (parameter counts, planning)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec, parallel, params_dtype=params_dtype, initialize=not meta)
+    with torch.device("meta") if meta else nullcontext():
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(spec),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta),
+            parallel_output=True,
+        )
+
+
+def parameter_counts(model: torch.nn.Module, num_experts: int, top_k: int) -> tuple[int, int]:
+    """(total, active per token): expert parameters count top_k / num_experts of their size.
+
+    Works on megatron and HF models alike: expert parameters are those named "experts".
+    """
+    total = expert = 0
+    for name, parameter in model.named_parameters():
+        total += parameter.numel()
+        if ".experts." in name:
+            expert += parameter.numel()
+    if num_experts == 0:
+        return total, total
+    return total, total - expert + expert * top_k // num_experts
