@@ -1,0 +1,1 @@
+"""HF <-> megatron name and layout mapping, shared by the conversion tools and weight sync."""

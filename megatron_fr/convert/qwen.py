@@ -1,0 +1,189 @@
+"""HF <-> megatron tensor mapping for Qwen2, Qwen3 and Qwen3-MoE (unsharded tensors).
+
+One layer at a time, so a converter can stream a checkpoint with bounded memory. Names follow
+HF checkpoints (what save_pretrained writes: per-expert keys) and megatron's GPTModel with
+either layer spec. Layout facts:
+  - linear_qkv fuses q/k/v per query group: [groups, (heads_per_group + 2) * head_dim, hidden],
+    each group holding its q heads, then its k head, then its v head (biases alike);
+  - linear_fc1 = cat([gate_proj, up_proj], dim 0);
+  - experts are global here; EP sharding (global = ep_rank * local_count + local) is applied by
+    whoever shards the model, not by the name mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megatron_fr.models.hf_config import HFModelSpec
+
+Tensors = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class MegatronNames:
+    """Where a layer's tensors live in megatron: the local and TE specs differ in the norms
+    (TE fuses them into the following linear) and in expert naming (grouped GEMM)."""
+
+    te_spec: bool = False
+
+    def input_norm(self, layer: str) -> str:
+        if self.te_spec:
+            return f"{layer}.self_attention.linear_qkv.layer_norm_weight"
+        return f"{layer}.input_layernorm.weight"
+
+    def pre_mlp_norm(self, layer: str, moe: bool) -> str:
+        if self.te_spec and not moe:
+            return f"{layer}.mlp.linear_fc1.layer_norm_weight"
+        return f"{layer}.pre_mlp_layernorm.weight"
+
+    def expert(self, layer: str, expert: int, linear: str) -> str:
+        if self.te_spec:
+            return f"{layer}.mlp.experts.{linear}.weight{expert}"
+        return f"{layer}.mlp.experts.local_experts.{expert}.{linear}.weight"
+
+
+def fuse_qkv(spec: HFModelSpec, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """HF q/k/v (weights [out, hidden] or biases [out]) -> megatron's grouped linear_qkv."""
+    groups, head_dim = spec.num_key_value_heads, spec.head_dim
+    per_group = spec.num_attention_heads // groups
+    rest = q.shape[1:]
+    parts = (
+        q.reshape(groups, per_group * head_dim, *rest),
+        k.reshape(groups, head_dim, *rest),
+        v.reshape(groups, head_dim, *rest),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(spec: HFModelSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    groups, head_dim = spec.num_key_value_heads, spec.head_dim
+    per_group = spec.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(-1, *rest).contiguous(),
+        k.reshape(-1, *rest).contiguous(),
+        v.reshape(-1, *rest).contiguous(),
+    )
+
+
+def _one_to_one(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str, str]:
+    """megatron name -> HF name for a layer's tensors that map without reshaping."""
+    layer, hf = f"decoder.layers.{index}", f"model.layers.{index}"
+    pairs = {
+        names.input_norm(layer): f"{hf}.input_layernorm.weight",
+        names.pre_mlp_norm(layer, spec.is_moe): f"{hf}.post_attention_layernorm.weight",
+        f"{layer}.self_attention.linear_proj.weight": f"{hf}.self_attn.o_proj.weight",
+    }
+    if spec.qk_layernorm:
+        pairs[f"{layer}.self_attention.q_layernorm.weight"] = f"{hf}.self_attn.q_norm.weight"
+        pairs[f"{layer}.self_attention.k_layernorm.weight"] = f"{hf}.self_attn.k_norm.weight"
+    if spec.is_moe:
+        pairs[f"{layer}.mlp.router.weight"] = f"{hf}.mlp.gate.weight"
+        for e in range(spec.num_experts):
+            pairs[names.expert(layer, e, "linear_fc2")] = f"{hf}.mlp.experts.{e}.down_proj.weight"
+    else:
+        pairs[f"{layer}.mlp.linear_fc2.weight"] = f"{hf}.mlp.down_proj.weight"
+    return pairs
+
+
+def _fc1_pairs(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str, str]:
+    """megatron linear_fc1 name -> HF prefix whose gate_proj/up_proj it fuses."""
+    layer, hf = f"decoder.layers.{index}", f"model.layers.{index}"
+    if not spec.is_moe:
+        return {f"{layer}.mlp.linear_fc1.weight": f"{hf}.mlp"}
+    return {
+        names.expert(layer, e, "linear_fc1"): f"{hf}.mlp.experts.{e}"
+        for e in range(spec.num_experts)
+    }
+
+
+def hf_layer_names(spec: HFModelSpec, index: int) -> list[str]:
+    """Every HF tensor name of decoder layer `index` (what a layer-by-layer reader loads)."""
+    hf = f"model.layers.{index}.self_attn"
+    names = list(_one_to_one(spec, MegatronNames(), index).values())
+    names += [f"{hf}.{p}_proj.weight" for p in "qkv"]
+    if spec.qkv_bias:
+        names += [f"{hf}.{p}_proj.bias" for p in "qkv"]
+    for prefix in _fc1_pairs(spec, MegatronNames(), index).values():
+        names += [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+    return names
+
+
+def layer_hf_to_megatron(
+    spec: HFModelSpec, hf: Tensors, index: int, names: MegatronNames = MegatronNames()
+) -> Tensors:
+    """One decoder layer: HF tensors (by HF name) -> megatron tensors (by megatron name)."""
+    out = {mname: hf[hname] for mname, hname in _one_to_one(spec, names, index).items()}
+    attn, layer = f"model.layers.{index}.self_attn", f"decoder.layers.{index}.self_attention"
+    out[f"{layer}.linear_qkv.weight"] = fuse_qkv(
+        spec, *(hf[f"{attn}.{p}_proj.weight"] for p in "qkv")
+    )
+    if spec.qkv_bias:
+        out[f"{layer}.linear_qkv.bias"] = fuse_qkv(
+            spec, *(hf[f"{attn}.{p}_proj.bias"] for p in "qkv")
+        )
+    for mname, prefix in _fc1_pairs(spec, names, index).items():
+        out[mname] = torch.cat([hf[f"{prefix}.gate_proj.weight"], hf[f"{prefix}.up_proj.weight"]])
+    return out
+
+
+def layer_megatron_to_hf(
+    spec: HFModelSpec, meg: Tensors, index: int, names: MegatronNames = MegatronNames()
+) -> Tensors:
+    """One decoder layer: megatron tensors -> HF tensors, exactly as save_pretrained names them."""
+    out = {hname: meg[mname] for mname, hname in _one_to_one(spec, names, index).items()}
+    attn, layer = f"model.layers.{index}.self_attn", f"decoder.layers.{index}.self_attention"
+    for p, tensor in zip("qkv", split_qkv(spec, meg[f"{layer}.linear_qkv.weight"]), strict=True):
+        out[f"{attn}.{p}_proj.weight"] = tensor
+    if spec.qkv_bias:
+        for p, tensor in zip("qkv", split_qkv(spec, meg[f"{layer}.linear_qkv.bias"]), strict=True):
+            out[f"{attn}.{p}_proj.bias"] = tensor
+    for mname, prefix in _fc1_pairs(spec, names, index).items():
+        gate, up = meg[mname].chunk(2, dim=0)
+        out[f"{prefix}.gate_proj.weight"] = gate.contiguous()
+        out[f"{prefix}.up_proj.weight"] = up.contiguous()
+    return out
+
+
+def outer_pairs(spec: HFModelSpec) -> dict[str, str]:
+    """megatron name -> HF name for the embedding, final norm and (untied) output layer."""
+    pairs = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+    }
+    if not spec.tie_word_embeddings:
+        pairs["output_layer.weight"] = "lm_head.weight"
+    return pairs
+
+
+def hf_to_megatron(
+    spec: HFModelSpec, hf: Tensors, names: MegatronNames = MegatronNames()
+) -> Tensors:
+    """A whole (small) checkpoint; refuses missing or unexpected tensors by name."""
+    expected = set(outer_pairs(spec).values())
+    for index in range(spec.num_layers):
+        expected.update(hf_layer_names(spec, index))
+    missing, extra = sorted(expected - hf.keys()), sorted(hf.keys() - expected)
+    if missing or extra:
+        raise ValueError(
+            f"HF checkpoint does not match the config: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    out = {mname: hf[hname] for mname, hname in outer_pairs(spec).items()}
+    for index in range(spec.num_layers):
+        out.update(layer_hf_to_megatron(spec, hf, index, names))
+    return out
+
+
+def megatron_to_hf(
+    spec: HFModelSpec, meg: Tensors, names: MegatronNames = MegatronNames()
+) -> Tensors:
+    out = {hname: meg[mname] for mname, hname in outer_pairs(spec).items()}
+    for index in range(spec.num_layers):
+        out.update(layer_megatron_to_hf(spec, meg, index, names))
+    return out
