@@ -18,13 +18,13 @@ would otherwise do are done here by hand (see expected_grad and reduce_sequence_
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_fr.config import ParallelConfig
+from megatron_fr.convert.shard import global_name, load_full_state, shard_tensor
 from megatron_fr.parallel.spawn import run_on_ranks
 
 SEED, VOCAB, SEQ, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_EXPERTS = 1234, 128, 16, 2, 3, 4
@@ -35,7 +35,6 @@ LAYOUTS = {
 }
 SCHEDULE_LAYOUT = "tp2_sp"
 LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-5
-_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def build_model(layout: ParallelConfig):
@@ -146,39 +145,8 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {name: param.grad.detach().clone() for name, param in model.named_parameters()}
 
 
-def reference_name(name: str) -> str:
-    """The TP1/EP1 name of a parameter: local expert j on EP rank r is global r * n_local + j."""
-    from megatron.core import parallel_state as ps
-
-    num_local = NUM_EXPERTS // ps.get_expert_model_parallel_world_size()
-    first = ps.get_expert_model_parallel_rank() * num_local
-    return _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first + int(m.group(1))}.", name)
-
-
-def _shard_rank_and_size(name: str) -> tuple[int, int]:
-    """Experts are split over the expert-tensor-parallel group, everything else over TP."""
-    from megatron.core import parallel_state as ps
-
-    if ".experts." in name:
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
-def shard(full: torch.Tensor, name: str, param: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's slice of a full (TP1) tensor, split as megatron splits its master weights:
-    chunks of size/(world*stride) along partition_dim, every world-th chunk from this rank."""
-    rank, size = _shard_rank_and_size(name)
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
-        return full
-    dim, stride = param.partition_dim, param.partition_stride
-    chunks = full.split(full.shape[dim] // (size * stride), dim=dim)
-    return torch.cat(chunks[rank::size], dim=dim)
-
-
 def load_reference(model, reference: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(shard(reference[reference_name(name)], name, param))
+    load_full_state(model, reference, NUM_EXPERTS)
 
 
 def reduce_sequence_parallel(model) -> None:
@@ -201,7 +169,7 @@ def expected_grad(name: str, param, reference_grads: dict[str, torch.Tensor]) ->
     megatron's DDP divides expert gradients by)."""
     from megatron.core import parallel_state as ps
 
-    expected = shard(reference_grads[reference_name(name)], name, param)
+    expected = shard_tensor(reference_grads[global_name(name, NUM_EXPERTS)], name, param)
     if ".experts." in name:
         replicas = ps.get_data_parallel_world_size() // ps.get_expert_data_parallel_world_size()
         expected = expected * replicas

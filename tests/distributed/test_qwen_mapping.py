@@ -55,26 +55,41 @@ def tiny_checkpoint(model_type: str, directory) -> tuple[dict, dict, torch.Tenso
     return config_dict, load_file(f"{directory}/model.safetensors"), tokens, logits
 
 
-def megatron_logits(rank: int, world_size: int, config: dict, tensors: dict, tokens):
+LAYOUTS = {  # name -> (ParallelConfig kwargs, families it applies to)
+    "tp1": (dict(), ("qwen3_moe", "qwen3", "qwen2")),
+    "tp2": (dict(tensor=2), ("qwen3", "qwen2")),
+    "tp2_sp": (dict(tensor=2, sequence_parallel=True), ("qwen3_moe",)),
+    "ep2": (dict(expert=2), ("qwen3_moe",)),
+    "tp2_ep2_sp": (dict(tensor=2, expert=2, sequence_parallel=True), ("qwen3_moe",)),
+}
+
+
+def megatron_logits(rank: int, world_size: int, cases: dict) -> dict:
+    """Full-vocab logits of the converted model under every layout, on every rank."""
     from megatron_fr.config import ParallelConfig
+    from megatron_fr.convert.shard import load_full_state
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.parallel import state
 
-    state.initialize(ParallelConfig(), seed=0)
-    spec = load_hf_config(config)
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.float32).eval()
-    parameters = dict(model.named_parameters())
-    assert parameters.keys() == tensors.keys(), parameters.keys() ^ tensors.keys()
-    with torch.no_grad():
-        for name, parameter in parameters.items():
-            parameter.copy_(tensors[name])
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        return model(tokens, positions, attention_mask=None)
+    results = {}
+    for layout, (kwargs, families) in LAYOUTS.items():
+        parallel = ParallelConfig(**kwargs)
+        state.initialize(parallel, seed=0)
+        for model_type in families:
+            config, tensors, tokens = cases[model_type]
+            spec = load_hf_config(config)
+            model = build_gpt_model(spec, parallel, params_dtype=torch.float32).eval()
+            load_full_state(model, tensors, spec.num_experts)
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            with torch.no_grad():
+                logits = model(tokens, positions, attention_mask=None, runtime_gather_output=True)
+            results[layout, model_type] = logits
+    return results
 
 
 @pytest.mark.distributed
 def test_round_trip_is_bitwise_and_logits_match_transformers(tmp_path):
-    cases = {}
+    cases, expected = {}, {}
     for model_type in TINY:
         config, hf, tokens, logits = tiny_checkpoint(model_type, tmp_path / model_type)
         spec = load_hf_config(config)
@@ -83,10 +98,13 @@ def test_round_trip_is_bitwise_and_logits_match_transformers(tmp_path):
         assert back.keys() == hf.keys(), model_type
         for name, tensor in hf.items():
             assert torch.equal(back[name], tensor), f"{model_type}: {name} changed"
-        cases[model_type] = (config, megatron, tokens, logits)
-    for model_type, (config, megatron, tokens, logits) in cases.items():
-        ours = run_on_ranks(megatron_logits, 1, config, megatron, tokens)[0]
-        assert (ours - logits).abs().max() <= 1e-4, f"{model_type}: max |dlogit| too large"
+        cases[model_type] = (config, megatron, tokens)
+        expected[model_type] = logits
+    for rank_results in run_on_ranks(megatron_logits, 4, cases, timeout_s=600):
+        assert len(rank_results) == 8
+        for (layout, model_type), logits in rank_results.items():
+            error = (logits - expected[model_type]).abs().max().item()
+            assert error <= 1e-4, f"{model_type} at {layout}: max |dlogit| {error}"
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path):

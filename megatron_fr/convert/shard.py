@@ -1,0 +1,60 @@
+"""Full (TP1/EP1) megatron tensors <-> this rank's shards, the way megatron splits them.
+
+Used to load a converted checkpoint into a model of any TP/EP/ETP layout and, in reverse, by
+weight sync. A parameter tagged ``tensor_model_parallel`` is split along ``partition_dim`` into
+world * stride chunks and rank r holds every world-th chunk starting at r (stride 2 is how
+megatron interleaves [gate; up] of a gated fc1). Experts are split over the expert-tensor-
+parallel group, everything else over TP; local expert j on EP rank r is global r * n_local + j.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+
+import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
+
+
+def global_name(name: str, num_experts: int) -> str:
+    """The TP1/EP1 name of a parameter (expert indices made global), either layer spec."""
+    from megatron.core import parallel_state as ps
+
+    if ".experts." not in name:
+        return name
+    num_local = num_experts // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * num_local
+    name = _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first + int(m.group(1))}.", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{first + int(m.group(2))}", name)
+
+
+def _shard_rank_and_size(name: str) -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    if ".experts." in name:
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
+    """This rank's slice of the full tensor for parameter `name`."""
+    rank, size = _shard_rank_and_size(name)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    chunks = full.split(full.shape[dim] // (size * stride), dim=dim)
+    return torch.cat(chunks[rank::size], dim=dim)
+
+
+def load_full_state(model: torch.nn.Module, full: dict[str, Tensor], num_experts: int) -> None:
+    """Copy each of this rank's parameters from the full (TP1/EP1) tensors, by global name."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = full.get(global_name(name, num_experts))
+            if source is None:
+                raise KeyError(f"no tensor {global_name(name, num_experts)!r} for {name!r}")
+            param.copy_(shard_tensor(source, name, param))
