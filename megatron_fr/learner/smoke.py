@@ -33,34 +33,29 @@ class SmokeConfig:
 
 
 def build_model(config: SmokeConfig):
-    """A 2-layer Qwen-like dense GPT (RMSNorm, SwiGLU, GQA, RoPE) on megatron's local spec."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    """A 2-layer dense Qwen3-shaped GPT (RMSNorm, q/k norm, SwiGLU, GQA, RoPE), fp32."""
+    from megatron_fr.config import ParallelConfig
+    from megatron_fr.models.gpt import build_gpt_model
+    from megatron_fr.models.hf_config import HFModelSpec
 
-    transformer = TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=config.tensor_parallel,
-        params_dtype=torch.float32,
-    )
-    return GPTModel(
-        config=transformer,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = HFModelSpec(
+        model_type="qwen3",
         vocab_size=config.vocab,
-        max_sequence_length=config.prompt_length + config.response_length,
-        position_embedding_type="rope",
-        parallel_output=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=config.prompt_length + config.response_length,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_layernorm=True,
     )
+    parallel = ParallelConfig(tensor=config.tensor_parallel)
+    return build_gpt_model(spec, parallel, params_dtype=torch.float32)
 
 
 def _forward(model, tokens: torch.Tensor, gather: bool) -> torch.Tensor:
