@@ -13,6 +13,7 @@ import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -78,11 +79,16 @@ def _from_bytes(payload: bytes) -> Any:
 
 
 def _teardown() -> None:
-    """Destroy megatron's groups (if it was initialised) and the default group."""
-    try:
-        from megatron_fr.parallel import state
+    """Destroy megatron's groups (if this rank used megatron) and the default group.
 
-        state.destroy()
+    megatron is looked up in sys.modules rather than imported: importing it only to find it
+    unused would cost a rank that never touched it seconds of start-up.
+    """
+    try:
+        if "megatron.core.parallel_state" in sys.modules:
+            from megatron_fr.parallel import state
+
+            state.destroy()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
