@@ -62,17 +62,17 @@ def check_log_probs(name: str, log_probs: Tensor, action_mask: Tensor) -> None:
         )
 
 
-def check_rewards(rewards: Tensor, batch_size: int | None = None) -> None:
-    """Finite float rewards of shape [B]."""
+def check_rewards(rewards: Tensor, batch_size: int | None = None, name: str = "rewards") -> None:
+    """Finite float per-trajectory values of shape [B] (rewards, or advantages via `name`)."""
     if rewards.dim() != 1:
-        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+        raise ValueError(f"{name} must be [B], got shape {tuple(rewards.shape)}")
     if batch_size is not None and rewards.shape[0] != batch_size:
-        raise ValueError(f"rewards has {rewards.shape[0]} entries, expected B = {batch_size}")
+        raise ValueError(f"{name} has {rewards.shape[0]} entries, expected B = {batch_size}")
     if not rewards.is_floating_point():
-        raise ValueError(f"rewards must be a floating-point tensor, got {rewards.dtype}")
+        raise ValueError(f"{name} must be a floating-point tensor, got {rewards.dtype}")
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero().flatten()[:8].tolist()
-        raise ValueError(f"rewards are non-finite at {bad}")
+        raise ValueError(f"{name} are non-finite at {bad}")
 
 
 def check_policy_log_probs(action_mask: Tensor, **log_probs: Tensor) -> None:

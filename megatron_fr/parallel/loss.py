@@ -107,7 +107,7 @@ def _check(batch: LossBatch, global_batch: GlobalBatch) -> None:
     )
     checks.check_action_mask(batch.action_mask, require_tokens=False)
     checks.check_log_probs("behavior_log_probs", batch.behavior_log_probs, batch.action_mask)
-    checks.check_rewards(global_batch.advantages)
+    checks.check_rewards(global_batch.advantages, name="advantages")
     policy_segments = batch.segment_ids[batch.action_mask]
     if policy_segments.numel() and (
         policy_segments.min() < 0 or policy_segments.max() >= global_batch.num_trajectories
