@@ -19,3 +19,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert torch.allclose(actual, expected, rtol=0, atol=atol), (actual - expected).abs().max()
+
+
+def random_policy_mask(
+    gen: torch.Generator, batch: int, length: int, density: float = 0.7
+) -> torch.Tensor:
+    """A bool [batch, length] action mask with gaps and at least one policy token per row."""
+    mask = torch.rand(batch, length, generator=gen) < density
+    mask[torch.arange(batch), torch.randint(0, length, (batch,), generator=gen)] = True
+    return mask

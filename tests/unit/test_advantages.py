@@ -8,7 +8,7 @@ from typing import get_args
 
 import pytest
 import torch
-from helpers import assert_close, log_sigmoid
+from helpers import assert_close, log_sigmoid, random_policy_mask
 
 from megatron_fr.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -195,8 +195,7 @@ def token_batch(seed, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(1, 6, (1,), generator=gen))
     length = int(torch.randint(1, 11, (1,), generator=gen))
-    mask = torch.rand(batch, length, generator=gen) < 0.6
-    mask[torch.arange(batch), torch.randint(0, length, (batch,), generator=gen)] = True
+    mask = random_policy_mask(gen, batch, length, density=0.6)
     log_probs = log_sigmoid(torch.randn(batch, length, generator=gen) * 2)
     ref = log_sigmoid(torch.randn(batch, length, generator=gen) * 2)
     rewards = torch.randn(batch, generator=gen, dtype=dtype)

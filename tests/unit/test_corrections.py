@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, log_sigmoid
+from helpers import assert_close, log_sigmoid, random_policy_mask
 
 from megatron_fr.algo.corrections import (
     sequence_mask,
@@ -20,8 +20,7 @@ def random_batch(seed, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(1, 8, (1,), generator=gen))
     length = int(torch.randint(1, 10, (1,), generator=gen))
-    mask = torch.rand(batch, length, generator=gen) < 0.7
-    mask[torch.arange(batch), torch.randint(0, length, (batch,), generator=gen)] = True
+    mask = random_policy_mask(gen, batch, length)
     behavior_logit = torch.randn(batch, length, generator=gen, dtype=dtype) * 2
     drift = torch.rand(batch, 1, generator=gen, dtype=dtype) * 1.5
     logit = behavior_logit + drift * torch.randn(batch, length, generator=gen, dtype=dtype)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import log_sigmoid
+from helpers import log_sigmoid, random_policy_mask
 
 from megatron_fr.algo.flash_reinforce import RatioOverflowError, flash_reinforce_loss
 
@@ -46,8 +46,7 @@ def random_batch(seed, dtype=torch.float64, batch=None, length=None):
     gen = torch.Generator().manual_seed(seed)
     batch = batch or int(torch.randint(1, 9, (1,), generator=gen))
     length = length or int(torch.randint(1, 13, (1,), generator=gen))
-    mask = torch.rand(batch, length, generator=gen) < 0.7
-    mask[torch.arange(batch), torch.randint(0, length, (batch,), generator=gen)] = True
+    mask = random_policy_mask(gen, batch, length)
     behavior_logit = torch.randn(batch, length, generator=gen, dtype=dtype) * 2
     # Per-row drift: some rows barely move (admitted), others move a lot (rejected).
     drift = torch.rand(batch, 1, generator=gen, dtype=dtype) ** 3 * 2

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, log_sigmoid
+from helpers import assert_close, log_sigmoid, random_policy_mask
 
 from megatron_fr.algo.flash_reinforce import RatioOverflowError
 from megatron_fr.algo.ppo import ppo_clip_loss
@@ -17,8 +17,7 @@ def random_batch(seed, token_advantages=False, dtype=torch.float64, batch=None, 
     gen = torch.Generator().manual_seed(seed)
     batch = batch or int(torch.randint(1, 7, (1,), generator=gen))
     length = length or int(torch.randint(1, 11, (1,), generator=gen))
-    mask = torch.rand(batch, length, generator=gen) < 0.7
-    mask[torch.arange(batch), torch.randint(0, length, (batch,), generator=gen)] = True
+    mask = random_policy_mask(gen, batch, length)
     old_logit = torch.randn(batch, length, generator=gen, dtype=dtype) * 2
     log_probs = log_sigmoid(old_logit + torch.randn(batch, length, generator=gen, dtype=dtype))
     old_log_probs = log_sigmoid(old_logit)
