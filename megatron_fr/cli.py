@@ -1,6 +1,8 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
+megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
+                                        megatron-to-hf, verify)
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_fr.convert import cli as convert
     from megatron_fr.learner import smoke
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
@@ -19,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     smoke.add_arguments(smoke_parser)
     smoke_parser.set_defaults(run=smoke.main)
+    convert_parser = commands.add_parser(
+        "convert", help="HF <-> megatron checkpoint conversion and logit verification"
+    )
+    convert.add_arguments(convert_parser)
+    convert_parser.set_defaults(run=convert.run)
     return parser
 
 

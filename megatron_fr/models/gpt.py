@@ -49,8 +49,12 @@ def transformer_config(
     *,
     params_dtype: torch.dtype = torch.bfloat16,
     initialize: bool = True,
+    on_cpu: bool = False,
 ):
-    """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning)."""
+    """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning).
+
+    on_cpu keeps the parameters in host memory even where CUDA is present (conversion tools).
+    """
     from megatron.core.transformer import TransformerConfig
 
     check_layout(spec, parallel)
@@ -66,7 +70,7 @@ def transformer_config(
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=spec.router_aux_loss_coef,
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=use_transformer_engine(),
+            moe_grouped_gemm=use_transformer_engine() and not on_cpu,
         )
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -91,18 +95,19 @@ def transformer_config(
         expert_tensor_parallel_size=parallel.effective_expert_tensor,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=on_cpu or not torch.cuda.is_available(),
         perform_initialization=initialize,
         **moe,
     )
 
 
-def layer_spec(spec: HFModelSpec):
+def layer_spec(spec: HFModelSpec, *, on_cpu: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = spec.num_experts if spec.is_moe else None
-    if use_transformer_engine():
+    if use_transformer_engine() and not on_cpu:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_layernorm
         )
@@ -117,16 +122,25 @@ def build_gpt_model(
     *,
     params_dtype: torch.dtype = torch.bfloat16,
     meta: bool = False,
+    initialize: bool = True,
+    on_cpu: bool = False,
 ):
-    """This rank's GPTModel stage. meta=True allocates nothing (parameter counts, planning)."""
+    """This rank's GPTModel stage.
+
+    meta=True allocates nothing (parameter counts, planning); initialize=False allocates
+    without random init (the weights are about to be loaded); on_cpu=True builds the local-spec
+    model in host memory even on a GPU node (checkpoint conversion).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, parallel, params_dtype=params_dtype, initialize=not meta)
+    config = transformer_config(
+        spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta, on_cpu=on_cpu
+    )
     with torch.device("meta") if meta else nullcontext():
         return GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec),
+            transformer_layer_spec=layer_spec(spec, on_cpu=on_cpu),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(),

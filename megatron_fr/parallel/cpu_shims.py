@@ -73,6 +73,8 @@ def apply_cpu_shims() -> None:
     _shim_numpy_split_sizes()  # MoE alltoall split sizes
     _shim_uneven_gather()  # MoE alltoall under TP + SP
     _shim_schedule_cuda_device()  # get_forward_backward_func() at PP=1
+    _shim_checkpoint_preload()  # dist_checkpointing.save (torch_dist)
+    _shim_tied_embedding_sync()  # tied embeddings at PP > 1
 
 
 def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -280,10 +282,12 @@ def _shim_uneven_gather() -> None:
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` in torch calls to the CPU."""
+    """Rewrites ``device="cuda"`` in torch calls to the CPU; ``tensor.cuda()`` stays put."""
 
     def __torch_function__(self, func, _types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         device = kwargs.get("device")
         if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
@@ -306,3 +310,41 @@ def _shim_schedule_cuda_device() -> None:
         return schedule
 
     _replace(schedules, "forward_backward_no_pipelining", make)
+
+
+def _shim_tied_embedding_sync() -> None:
+    """Covers LanguageModule.setup_embeddings_and_output_layer, which at PP > 1 with tied
+    embeddings moves the last stage's copy of the embedding ``.cuda()`` before all-reducing it
+    from the first stage; under the mode the copy stays on the CPU and gloo reduces it."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with _CudaDeviceToCpu():
+                return original(self, *args, **kwargs)
+
+        return setup
+
+    _replace(LanguageModule, "setup_embeddings_and_output_layer", make)
+
+
+# --- dist_checkpointing: megatron.core.dist_checkpointing.strategies.filesystem_async ---------
+
+
+def _shim_checkpoint_preload() -> None:
+    """Covers FileSystemWriterAsync.preload_tensors, which after its device-to-host copies calls
+    torch.cuda.synchronize() whenever non_blocking (the default); on the CPU the copies are
+    already synchronous, so it is called with non_blocking=False."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def preload(write_buckets: Any, non_blocking: bool = True) -> Any:
+            return original(write_buckets, non_blocking=False)
+
+        return staticmethod(preload)
+
+    _replace(FileSystemWriterAsync, "preload_tensors", make)

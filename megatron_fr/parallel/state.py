@@ -57,6 +57,18 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
+def initialize_single_process(config: ParallelConfig | None = None, seed: int | None = None):
+    """For tools that run alone (checkpoint conversion): a one-rank gloo group on a free
+    loopback port, unless torch.distributed is already running, then ``initialize``."""
+    from megatron_fr.parallel.spawn import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+    initialize(config or ParallelConfig(), seed)
+
+
 def destroy() -> None:
     """Tear down megatron's groups (the default group is left to its owner)."""
     if parallel_state.model_parallel_is_initialized():

@@ -1,0 +1,132 @@
+"""`convert_checkpoint` / `megatron-fr convert`: HF <-> megatron checkpoints, and a logit check.
+
+hf-to-megatron --hf-dir D --out O          HF safetensors -> megatron torch_dist (any layout)
+megatron-to-hf --megatron-dir O --out D2   -> sharded safetensors + index + config.json
+verify --hf-dir D --megatron-dir O [--tp N --ep N --etp N --pp N]
+                                           max |dlogit| vs transformers; exit 1 above --tolerance
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import resource
+import sys
+import time
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '1024' -> bytes (decimal units, as save_pretrained's max_shard_size)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 5GB, 500MB)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="direction", required=True, metavar="ACTION")
+    to_megatron = commands.add_parser(
+        "hf-to-megatron", help="HF safetensors directory -> megatron torch_dist checkpoint"
+    )
+    to_megatron.add_argument("--hf-dir", required=True, help="directory with config.json")
+    to_megatron.add_argument("--out", required=True, help="new directory (must not exist)")
+    to_megatron.set_defaults(action=_hf_to_megatron)
+
+    to_hf = commands.add_parser(
+        "megatron-to-hf", help="megatron torch_dist checkpoint -> HF sharded safetensors"
+    )
+    to_hf.add_argument("--megatron-dir", required=True)
+    to_hf.add_argument("--out", required=True, help="new directory (must not exist)")
+    to_hf.add_argument(
+        "--hf-config-dir",
+        help="take config.json (and tokenizer files) from here instead of the checkpoint's "
+        "own hf_config.json",
+    )
+    to_hf.add_argument(
+        "--max-shard-size", type=parse_size, default="5GB", help="per file (default 5GB)"
+    )
+    to_hf.set_defaults(action=_megatron_to_hf)
+
+    verify = commands.add_parser(
+        "verify", help="run both models on the same tokens, print max |dlogit|"
+    )
+    verify.add_argument("--hf-dir", required=True)
+    verify.add_argument("--megatron-dir", required=True)
+    for flag, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
+        verify.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size")
+    verify.add_argument("--etp", type=int, default=None, help="expert tensor parallel (= tp)")
+    verify.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
+    verify.add_argument(
+        "--tolerance", type=float, default=1e-4, help="max |dlogit| allowed (default 1e-4)"
+    )
+    verify.set_defaults(action=_verify)
+
+
+def _summary(what: str, report, started: float) -> None:
+    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(
+        f"{what}: {report.tensors} tensors, {report.bytes / 2**30:.3f} GiB {report.dtype}, "
+        f"{time.monotonic() - started:.1f} s, peak RSS {peak_gib:.2f} GiB"
+    )
+
+
+def _hf_to_megatron(args: argparse.Namespace) -> int:
+    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
+
+    started = time.monotonic()
+    report = hf_to_megatron_checkpoint(args.hf_dir, args.out)
+    _summary(f"wrote {args.out}", report, started)
+    return 0
+
+
+def _megatron_to_hf(args: argparse.Namespace) -> int:
+    from megatron_fr.convert.checkpoint import megatron_to_hf_checkpoint
+
+    started = time.monotonic()
+    report = megatron_to_hf_checkpoint(
+        args.megatron_dir,
+        args.out,
+        hf_config_dir=args.hf_config_dir,
+        max_shard_bytes=args.max_shard_size,
+    )
+    _summary(f"wrote {args.out}", report, started)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megatron_fr.convert.verify import verify_checkpoint, verify_layout
+    from megatron_fr.models.hf_config import load_hf_config
+
+    spec = load_hf_config(json.loads((Path(args.hf_dir) / "config.json").read_text()))
+    parallel = verify_layout(spec, args.tp, args.ep, args.etp, args.pp)
+    error = verify_checkpoint(args.hf_dir, args.megatron_dir, parallel, seq=args.seq)
+    verdict = "OK" if error <= args.tolerance else "FAIL"
+    layout = f"tp{args.tp} ep{args.ep} etp{parallel.effective_expert_tensor} pp{args.pp}"
+    print(f"max |dlogit| = {error:.3e} at {layout} (tolerance {args.tolerance:g}): {verdict}")
+    return 0 if verdict == "OK" else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen action; bad input is one line on stderr and exit status 2."""
+    try:
+        return args.action(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="convert_checkpoint",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

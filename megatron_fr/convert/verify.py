@@ -1,0 +1,153 @@
+"""Check a megatron checkpoint against its HF source: same tokens, compare the logits.
+
+The HF model runs in this process (fp32); the megatron model runs on spawned gloo ranks in
+the requested TP/EP/ETP/PP layout, loading the torch_dist checkpoint (megatron reshards it at
+load), then upcast to fp32. Pipeline stages hand their activations on with plain send/recv.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """One megatron checkpoint, evaluated in one layout on the given tokens."""
+
+    megatron_dir: str
+    config: dict
+    parallel: ParallelConfig
+    tokens: torch.Tensor
+
+
+def verify_layout(
+    spec: HFModelSpec,
+    tensor: int = 1,
+    expert: int = 1,
+    expert_tensor: int | None = None,
+    pipeline: int = 1,
+) -> ParallelConfig:
+    """The ParallelConfig for a verify run; ValueError (naming the setting) if it cannot fit.
+
+    MoE with TP > 1 needs sequence parallelism (megatron requires it), so it is switched on.
+    """
+    from megatron_fr.models.gpt import check_layout
+
+    parallel = ParallelConfig(
+        tensor=tensor,
+        expert=expert,
+        expert_tensor=expert_tensor,
+        pipeline=pipeline,
+        sequence_parallel=spec.is_moe and tensor > 1,
+    )
+    check_layout(spec, parallel)
+    return parallel
+
+
+def world_size_for(parallel: ParallelConfig) -> int:
+    """The fewest ranks that hold one copy of the model in this layout."""
+    return parallel.pipeline * math.lcm(
+        parallel.tensor, parallel.expert * parallel.effective_expert_tensor
+    )
+
+
+def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _pipeline_forward(model, tokens: torch.Tensor, parallel: ParallelConfig):
+    """Logits on the last stage (full vocab, [b, s, V]); None on the other stages."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).expand_as(tokens)
+    local_seq = seq // parallel.tensor if parallel.sequence_parallel else seq
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(local_seq, batch, model.config.hidden_size, dtype=torch.float32)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        output = model(tokens, positions, attention_mask=None, runtime_gather_output=True)
+    if not ps.is_pipeline_last_stage():
+        dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return output
+
+
+def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -> list:
+    """Run every job on this rank; the last stage's logits (TP rank 0, DP rank 0) or None."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_fr.convert.checkpoint import load_megatron_checkpoint, megatron_dtype
+    from megatron_fr.models.gpt import build_gpt_model
+    from megatron_fr.parallel import state
+
+    results = []
+    for job in jobs:
+        state.initialize(job.parallel, seed=0)
+        spec = load_hf_config(job.config)
+        model = build_gpt_model(
+            spec,
+            job.parallel,
+            params_dtype=megatron_dtype(Path(job.megatron_dir)),
+            initialize=False,
+        )
+        load_megatron_checkpoint(model, job.megatron_dir)
+        model = model.float().eval()
+        logits = _pipeline_forward(model, job.tokens, job.parallel)
+        keep = (
+            logits is not None
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+        )
+        results.append(logits if keep else None)
+    return results
+
+
+def collect_logits(per_rank: list[list]) -> list[torch.Tensor]:
+    """Job by job, the one logits tensor some rank returned."""
+    by_job = zip(*per_rank, strict=True)
+    return [next(logits for logits in job if logits is not None) for job in by_job]
+
+
+def random_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=generator)
+
+
+def verify_checkpoint(
+    hf_dir: str | Path,
+    megatron_dir: str | Path,
+    parallel: ParallelConfig,
+    *,
+    seq: int = 16,
+    timeout_s: float = 1800.0,
+) -> float:
+    """max |megatron logit - HF logit| over a batch of random tokens, in the given layout."""
+    from megatron_fr.parallel.spawn import run_on_ranks
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    spec = load_hf_config(config)
+    if seq % parallel.tensor:
+        seq += parallel.tensor - seq % parallel.tensor
+    tokens = random_tokens(spec.vocab_size, seq=seq)
+    job = VerifyJob(str(megatron_dir), config, parallel, tokens)
+    per_rank = run_on_ranks(
+        megatron_logits_on_rank, world_size_for(parallel), [job], timeout_s=timeout_s
+    )
+    (logits,) = collect_logits(per_rank)
+    return (logits - hf_logits(hf_dir, tokens)).abs().max().item()
