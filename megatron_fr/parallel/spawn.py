@@ -111,11 +111,13 @@ def run_on_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    # Not daemonic: a rank may start processes of its own (megatron's checkpoint writer starts
+    # a multiprocessing Manager); the finally below stops every rank by its handle instead.
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(rank, world_size, port, fn, args, results, threads_per_rank),
-            daemon=True,
+            daemon=False,
         )
         for rank in range(world_size)
     ]

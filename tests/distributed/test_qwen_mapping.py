@@ -5,55 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from tiny_qwen import TINY, tiny_checkpoint
 
 from megatron_fr.convert.qwen import hf_to_megatron, megatron_to_hf
 from megatron_fr.models.hf_config import load_hf_config
 from megatron_fr.parallel.spawn import run_on_ranks
-
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-)
-TINY = {
-    "qwen3_moe": dict(
-        COMMON,
-        head_dim=16,
-        rope_theta=1e6,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
-    "qwen3": dict(COMMON, head_dim=16, rope_theta=1e6),
-    "qwen2": dict(COMMON, rope_theta=1e4, tie_word_embeddings=True),
-}
-
-
-def tiny_checkpoint(model_type: str, directory) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
-    """(config dict, HF tensors as saved, tokens, HF logits) of a random tiny model."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = CONFIG_MAPPING[model_type](**TINY[model_type])
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor shows
-        for name, parameter in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                parameter.add_(torch.randn_like(parameter) * 0.1)
-    model.save_pretrained(directory)
-    tokens = torch.randint(0, 128, (2, 12))
-    with torch.no_grad():
-        logits = model(tokens).logits
-    config_dict = config.to_dict() | {"model_type": model_type}
-    return config_dict, load_file(f"{directory}/model.safetensors"), tokens, logits
-
 
 LAYOUTS = {  # name -> (ParallelConfig kwargs, families it applies to)
     "tp1": (dict(), ("qwen3_moe", "qwen3", "qwen2")),
