@@ -12,6 +12,7 @@ either layer spec. Layout facts:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from torch import Tensor
 from megatron_fr.models.hf_config import HFModelSpec
 
 Tensors = dict[str, Tensor]
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -132,21 +134,53 @@ def layer_hf_to_megatron(
     return out
 
 
+def megatron_tensor_to_hf(
+    spec: HFModelSpec, name: str, tensor: Tensor, names: MegatronNames = MegatronNames()
+) -> Tensors:
+    """One megatron tensor (global layer and expert indices) -> the HF tensor(s) it holds.
+
+    Each megatron tensor maps on its own (a fused QKV to q/k/v, an fc1 to gate/up), so weight
+    sync can convert tensor by tensor with memory bounded by the largest one.
+    """
+    match = _LAYER.match(name)
+    if match is None:
+        pairs = outer_pairs(spec)
+        if name not in pairs:
+            raise KeyError(f"{name}: not a tensor of this {spec.model_type} model")
+        return {pairs[name]: tensor}
+    index = int(match.group(1))
+    one_to_one = _one_to_one(spec, names, index)
+    attn, layer = f"model.layers.{index}.self_attn", f"decoder.layers.{index}.self_attention"
+    if name in one_to_one:
+        return {one_to_one[name]: tensor}
+    for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
+        if name == f"{layer}.linear_qkv.{kind}":
+            parts = split_qkv(spec, tensor)
+            return {f"{attn}.{p}_proj.{kind}": t for p, t in zip("qkv", parts, strict=True)}
+    prefix = _fc1_pairs(spec, names, index).get(name)
+    if prefix is None:
+        raise KeyError(f"{name}: not a tensor of this {spec.model_type} model")
+    gate, up = tensor.chunk(2, dim=0)
+    return {
+        f"{prefix}.gate_proj.weight": gate.contiguous(),
+        f"{prefix}.up_proj.weight": up.contiguous(),
+    }
+
+
+def megatron_layer_names(spec: HFModelSpec, index: int, names: MegatronNames = MegatronNames()):
+    """Every megatron tensor name of decoder layer `index` (global expert indices)."""
+    layer = f"decoder.layers.{index}.self_attention"
+    qkv = [f"{layer}.linear_qkv.weight"] + ([f"{layer}.linear_qkv.bias"] if spec.qkv_bias else [])
+    return [*_one_to_one(spec, names, index), *qkv, *_fc1_pairs(spec, names, index)]
+
+
 def layer_megatron_to_hf(
     spec: HFModelSpec, meg: Tensors, index: int, names: MegatronNames = MegatronNames()
 ) -> Tensors:
     """One decoder layer: megatron tensors -> HF tensors, exactly as save_pretrained names them."""
-    out = {hname: meg[mname] for mname, hname in _one_to_one(spec, names, index).items()}
-    attn, layer = f"model.layers.{index}.self_attn", f"decoder.layers.{index}.self_attention"
-    for p, tensor in zip("qkv", split_qkv(spec, meg[f"{layer}.linear_qkv.weight"]), strict=True):
-        out[f"{attn}.{p}_proj.weight"] = tensor
-    if spec.qkv_bias:
-        for p, tensor in zip("qkv", split_qkv(spec, meg[f"{layer}.linear_qkv.bias"]), strict=True):
-            out[f"{attn}.{p}_proj.bias"] = tensor
-    for mname, prefix in _fc1_pairs(spec, names, index).items():
-        gate, up = meg[mname].chunk(2, dim=0)
-        out[f"{prefix}.gate_proj.weight"] = gate.contiguous()
-        out[f"{prefix}.up_proj.weight"] = up.contiguous()
+    out = {}
+    for name in megatron_layer_names(spec, index, names):
+        out.update(megatron_tensor_to_hf(spec, name, meg[name], names))
     return out
 
 

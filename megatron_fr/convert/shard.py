@@ -20,6 +20,13 @@ _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
+def expert_global_name(name: str, ep_rank: int, num_local: int) -> str:
+    """The name of EP rank `ep_rank`'s local expert parameter `name` with its global index."""
+    first = ep_rank * num_local
+    name = _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first + int(m.group(1))}.", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{first + int(m.group(2))}", name)
+
+
 def global_name(name: str, num_experts: int) -> str:
     """The TP1/EP1 name of a parameter (expert indices made global), either layer spec."""
     from megatron.core import parallel_state as ps
@@ -27,9 +34,7 @@ def global_name(name: str, num_experts: int) -> str:
     if ".experts." not in name:
         return name
     num_local = num_experts // ps.get_expert_model_parallel_world_size()
-    first = ps.get_expert_model_parallel_rank() * num_local
-    name = _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first + int(m.group(1))}.", name)
-    return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{first + int(m.group(2))}", name)
+    return expert_global_name(name, ps.get_expert_model_parallel_rank(), num_local)
 
 
 def _shard_rank_and_size(name: str) -> tuple[int, int]:
@@ -48,6 +53,15 @@ def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
     dim, stride = param.partition_dim, param.partition_stride
     chunks = full.split(full.shape[dim] // (size * stride), dim=dim)
     return torch.cat(chunks[rank::size], dim=dim)
+
+
+def unshard_tensor(shards: list[Tensor], param: torch.nn.Parameter) -> Tensor:
+    """The full tensor from every rank's shard (rank order): the inverse of shard_tensor."""
+    if len(shards) == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shards[0]
+    dim, stride = param.partition_dim, param.partition_stride
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
 
 
 def load_full_state(model: torch.nn.Module, full: dict[str, Tensor], num_experts: int) -> None:

@@ -34,13 +34,13 @@ TINY = {
 
 
 def tiny_checkpoint(
-    model_type: str, directory, max_shard_size: str | None = None
+    model_type: str, directory, max_shard_size: str | None = None, seed: int = 0
 ) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
     """(config dict, HF tensors as saved, tokens, HF logits) of a random tiny model saved by
     save_pretrained into `directory` (sharded with an index when max_shard_size is given)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = CONFIG_MAPPING[model_type](**TINY[model_type])
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a swapped tensor shows

@@ -1,0 +1,1 @@
+"""Rollout side: SGLang's wire format, the load-balancing client and server launching."""

@@ -1,0 +1,355 @@
+"""Rollout client: turns one prompt into exactly one finished Rollout over several SGLang servers.
+
+    generate(prompt) ─► pick server (session sticky, else least outstanding requests)
+                          │ POST /generate (rid.<segment>.<attempt>)
+            connection error / timeout / 5xx ──► mark server down, retry on another server
+            4xx / malformed response ──────────► raise (naming the server and the field)
+                          │ finish_reason "abort" (server paused for a weight update)
+                          └─► re-submit prompt + tokens so far, budget reduced, tag new tokens
+                              with the version the server reports for that segment
+
+Invariant: each generate call yields one Rollout or raises one exception; a retried or
+continued segment replaces nothing already kept, so no request is lost or counted twice.
+Use: `async with RolloutClient(RolloutClientConfig(urls=[...])) as c: await c.generate(ids, sp)`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+)
+
+from megatron_fr.rollout.protocol import (
+    GENERATE_PATH,
+    HEALTH_PATH,
+    FinishReason,
+    GenerateOutput,
+    MalformedResponse,
+    SamplingParams,
+    generate_request,
+    parse_generate_response,
+)
+
+
+class RolloutClientConfig(BaseModel):
+    """Where the servers are and how hard to try each request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: tuple[str, ...] = Field(min_length=1)
+    """Base URLs of the SGLang (or CPU engine) servers, e.g. "http://node3:30000"."""
+    request_timeout_s: PositiveFloat = 600.0
+    """Whole-request limit. A request sent to a paused server waits for the weight update, so
+    this must cover one update plus the longest generation."""
+    connect_timeout_s: PositiveFloat = 10.0
+    """TCP connect limit: how fast an unreachable server is given up on."""
+    max_attempts: PositiveInt = 3
+    """Tries per segment (first try included) before the call fails."""
+    server_cooldown_s: NonNegativeFloat = 30.0
+    """How long a server that failed is avoided (it is still used when no other is left)."""
+    max_continuations: NonNegativeInt = 8
+    """Re-submissions after finish_reason "abort"; past it the partial Rollout is returned as
+    "abort"."""
+    return_routed_experts: bool = False
+    """Ask SGLang for the routed experts of every token (MoE routing replay in the learner)."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        cleaned = tuple(url.rstrip("/") for url in urls)
+        for i, url in enumerate(cleaned):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls[{i}] must start with http:// or https://, got {url!r}")
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError(f"urls has duplicates: {list(cleaned)}")
+        return cleaned
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One finished generation: what the learner stores with the trajectory."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """Behavior log-prob of each output token, as the server reported it when sampling."""
+    token_versions: list[str]
+    """Weight version of each output token; changes where a weight update split the request."""
+    finish_reason: FinishReason
+    routed_experts: list[object] | None
+    """One routed-experts payload per segment, in order (segment k covers its own prompt,
+    which includes the tokens of segments < k); None unless the config asks for them."""
+    server: str
+    """The server that produced the last segment."""
+    attempts: int
+    """POST /generate sent for this rollout, over all segments and retries."""
+    continuations: int
+
+
+@dataclass
+class ClientMetrics:
+    """Counters since the client was created (read them; the client alone writes them)."""
+
+    requests: Counter[str] = field(default_factory=Counter)
+    """POST /generate sent, per server."""
+    failures: Counter[str] = field(default_factory=Counter)
+    """Failed POST /generate (any reason), per server."""
+    retries: int = 0
+    continuations: int = 0
+
+
+class RolloutError(RuntimeError):
+    """A generate call that could not produce a Rollout."""
+
+
+class RequestRejected(RolloutError):
+    """A server answered 4xx: the request itself is wrong, so retrying elsewhere would not help."""
+
+
+class ServersUnavailable(RolloutError):
+    """Every attempt failed on connection error, timeout or 5xx."""
+
+
+class _Retryable(Exception):
+    """A failure of the server, not of the request."""
+
+
+@dataclass
+class _Server:
+    url: str
+    outstanding: int = 0
+    sent: int = 0
+    down_until: float = 0.0
+
+
+class RolloutClient:
+    """Least-outstanding-requests client over `config.urls` (one per SGLang server)."""
+
+    def __init__(self, config: RolloutClientConfig) -> None:
+        self.config = config
+        self.metrics = ClientMetrics()
+        self._servers = {url: _Server(url) for url in config.urls}
+        self._sessions: dict[str, str] = {}
+        self._http: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(
+            total=config.request_timeout_s, sock_connect=config.connect_timeout_s
+        )
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        # Created on first use: aiohttp binds a session to the running event loop.
+        if self._http is None:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._http
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a finished multi-turn session's server (the map would otherwise only grow)."""
+        self._sessions.pop(session_id, None)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        session_id: str | None = None,
+        behavior_correction: bool = False,
+        rid: str | None = None,
+    ) -> Rollout:
+        """Generate up to `sampling.max_new_tokens` tokens after `input_ids`.
+
+        `behavior_correction=True` means the learner will weight tokens by the returned
+        log-probs, which SGLang computes before top-p/top-k truncation: such sampling is refused
+        before anything is sent. `session_id` keeps the turns of one conversation on one server
+        (its prefix cache) while that server is up."""
+        if behavior_correction and (mismatch := sampling.logprob_mismatch()):
+            raise ValueError(f"behavior_correction needs untruncated sampling: {mismatch}")
+        rid = rid or uuid.uuid4().hex
+        prompt = list(input_ids)
+        output_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[str] = []
+        experts: list[object] = []
+        attempts = continuations = 0
+        while True:
+            budget = sampling.max_new_tokens - len(output_ids)
+            segment = sampling.model_copy(update={"max_new_tokens": budget})
+            out, server, tries = await self._generate_segment(
+                prompt + output_ids, segment, session_id, f"{rid}.{continuations}"
+            )
+            attempts += tries
+            output_ids += out.output_ids
+            logprobs += out.output_logprobs
+            versions += out.token_versions
+            experts.append(out.routed_experts)
+            finish = self._overall_finish(out.finish_reason, output_ids, sampling)
+            if finish != "abort" or continuations == self.config.max_continuations:
+                break
+            continuations += 1
+            self.metrics.continuations += 1
+        return Rollout(
+            rid=rid,
+            prompt_ids=prompt,
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            token_versions=versions,
+            finish_reason=finish,
+            routed_experts=experts if self.config.return_routed_experts else None,
+            server=server,
+            attempts=attempts,
+            continuations=continuations,
+        )
+
+    @staticmethod
+    def _overall_finish(
+        finish: FinishReason, output_ids: list[int], sampling: SamplingParams
+    ) -> FinishReason:
+        """An aborted segment that already ends the rollout (stop token or full budget) is not
+        continued."""
+        if finish != "abort":
+            return finish
+        if output_ids and output_ids[-1] in sampling.stop_token_ids:
+            return "stop"
+        if len(output_ids) >= sampling.max_new_tokens:
+            return "length"
+        return "abort"
+
+    async def _generate_segment(
+        self, prompt: list[int], sampling: SamplingParams, session_id: str | None, rid: str
+    ) -> tuple[GenerateOutput, str, int]:
+        """One segment on one server, retried on another server when the server fails.
+        Returns (output, server url, attempts)."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        for attempt in range(1, self.config.max_attempts + 1):
+            server = self._pick(session_id, tried)
+            tried.add(server.url)
+            if attempt > 1:
+                self.metrics.retries += 1
+            body = generate_request(
+                prompt,
+                sampling,
+                rid=f"{rid}.{attempt}",
+                return_routed_experts=self.config.return_routed_experts,
+            )
+            try:
+                out = await self._post_generate(server, body)
+            except _Retryable as exc:
+                server.down_until = time.monotonic() + self.config.server_cooldown_s
+                errors.append(f"{server.url}: {exc}")
+                continue
+            if len(out.output_ids) > sampling.max_new_tokens:
+                self.metrics.failures[server.url] += 1
+                raise MalformedResponse(
+                    "output_ids",
+                    f"{len(out.output_ids)} tokens for max_new_tokens={sampling.max_new_tokens}",
+                    server.url,
+                )
+            if session_id is not None:
+                self._sessions[session_id] = server.url
+            return out, server.url, attempt
+        raise ServersUnavailable(
+            f"/generate failed {self.config.max_attempts} time(s): " + "; ".join(errors)
+        )
+
+    def _pick(self, session_id: str | None, tried: set[str]) -> _Server:
+        """The session's server while it is up, else the up server with the fewest outstanding
+        requests (then the fewest sent, so sequential calls also alternate). Servers already
+        tried for this segment come last, down ones by the end of their cooldown."""
+        now = time.monotonic()
+        sticky = self._servers.get(self._sessions.get(session_id, "")) if session_id else None
+        if sticky is not None and sticky.url not in tried and sticky.down_until <= now:
+            chosen = sticky
+        else:
+            fresh = [s for s in self._servers.values() if s.url not in tried]
+            chosen = min(
+                fresh or self._servers.values(),
+                key=lambda s: (max(s.down_until - now, 0.0), s.outstanding, s.sent),
+            )
+        chosen.sent += 1
+        return chosen
+
+    async def _post_generate(self, server: _Server, body: dict) -> GenerateOutput:
+        server.outstanding += 1
+        self.metrics.requests[server.url] += 1
+        try:
+            payload = await self._post_json(server.url, body)
+        except (_Retryable, RequestRejected):
+            self.metrics.failures[server.url] += 1
+            raise
+        finally:
+            server.outstanding -= 1
+        try:
+            return parse_generate_response(payload)
+        except MalformedResponse as exc:
+            self.metrics.failures[server.url] += 1
+            raise exc.from_server(server.url) from exc
+
+    async def _post_json(self, url: str, body: dict) -> object:
+        try:
+            async with self._session().post(
+                url + GENERATE_PATH, json=body, timeout=self._timeout
+            ) as resp:
+                raw = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status >= 400:
+            text = raw[:500].decode(errors="replace")
+            if resp.status >= 500:
+                raise _Retryable(f"HTTP {resp.status}: {text}")
+            raise RequestRejected(f"{url} rejected /generate with HTTP {resp.status}: {text}")
+        try:
+            return json.loads(raw)
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise MalformedResponse("response", f"not JSON ({exc})", url) from exc
+
+    async def wait_healthy(self, deadline_s: float) -> None:
+        """Poll GET /health on every server until all answer 200; TimeoutError naming the
+        servers that did not, with their last error, once `deadline_s` seconds have passed."""
+        deadline = time.monotonic() + deadline_s
+        pending = {url: "not polled yet" for url in self._servers}
+        while pending:
+            results = await asyncio.gather(*(self._health(url, deadline) for url in pending))
+            pending = {url: err for url, err in zip(pending, results, strict=True) if err}
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                detail = "; ".join(f"{url}: {err}" for url, err in pending.items())
+                raise TimeoutError(f"servers not healthy after {deadline_s} s: {detail}")
+            await asyncio.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+
+    async def _health(self, url: str, deadline: float) -> str | None:
+        """None when `url` answers /health with 200, else what went wrong."""
+        limit = max(min(self.config.connect_timeout_s, deadline - time.monotonic()), 0.05)
+        try:
+            async with self._session().get(
+                url + HEALTH_PATH, timeout=aiohttp.ClientTimeout(total=limit)
+            ) as resp:
+                return None if resp.status == 200 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"

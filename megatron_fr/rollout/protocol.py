@@ -1,0 +1,462 @@
+"""SGLang's HTTP wire format, written once: request bodies the project sends and strict parsing of
+the /generate response.
+
+Every key sent here is a field of SGLang's own request type (sglang 0.5.23,
+srt/managers/io_struct.py); tests/unit/test_rollout_protocol.py checks that against the installed
+source. The response is validated strictly because the learner trusts it blindly: a behavior
+log-prob paired with the wrong token, or a positive "log-prob", silently corrupts the importance
+ratio, so a response that breaks the contract is refused with the offending field named
+(`meta_info.output_token_logprobs[3][1]`), never repaired.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+
+GENERATE_PATH = "/generate"
+HEALTH_PATH = "/health"
+PAUSE_GENERATION_PATH = "/pause_generation"
+CONTINUE_GENERATION_PATH = "/continue_generation"
+ABORT_REQUEST_PATH = "/abort_request"
+INIT_WEIGHTS_UPDATE_GROUP_PATH = "/init_weights_update_group"
+DESTROY_WEIGHTS_UPDATE_GROUP_PATH = "/destroy_weights_update_group"
+BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
+END_WEIGHT_UPDATE_PATH = "/end_weight_update"
+UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
+UPDATE_WEIGHTS_FROM_TENSOR_PATH = "/update_weights_from_tensor"
+UPDATE_WEIGHTS_FROM_DISK_PATH = "/update_weights_from_disk"
+UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+RunnerSelector = Literal["target", "draft", "all"]
+
+# SGLang samples greedily (top_k = 1) below this temperature (sampling_params._SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-6
+
+
+class SamplingParams(BaseModel):
+    """The sampling parameters the project uses; `to_json()` is SGLang's `sampling_params`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Softmax temperature. SGLang treats values below 1e-6 as greedy decoding."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass; 1.0 keeps the whole distribution."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables (SGLang refuses 0 and other negatives)."""
+    max_new_tokens: PositiveInt
+    """Most tokens to generate for this request (a continuation counts what came before)."""
+    stop_token_ids: tuple[NonNegativeInt, ...] = ()
+    """Token ids that end generation (in addition to the model's EOS)."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_or_positive(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
+        return value
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    def logprob_mismatch(self) -> str | None:
+        """Why the log-probs SGLang reports are not those of the distribution it sampled from, or
+        None when they are. SGLang returns log_softmax(logits / temperature) computed BEFORE
+        top-p/top-k truncation (srt/layers/sampler.py), and for greedy decoding the log-softmax
+        of the raw logits; an importance ratio built on them would be wrong."""
+        if self.temperature < GREEDY_TEMPERATURE:
+            return f"temperature={self.temperature} is greedy decoding (SGLang sets top_k=1)"
+        if self.top_p < 1.0:
+            return f"top_p={self.top_p} < 1 truncates the sampling distribution"
+        if self.top_k > 0:
+            return f"top_k={self.top_k} truncates the sampling distribution"
+        return None
+
+
+def _version_str(value: str | int, name: str) -> str:
+    """SGLang carries weight versions as strings; the project counts them as ints."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise TypeError(f"{name} must be a str or int, got {type(value).__name__}")
+    return str(value)
+
+
+def _optional_version(value: str | int | None) -> str | None:
+    return None if value is None else _version_str(value, "weight_version")
+
+
+def _check_prompt(ids: object, name: str) -> None:
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"{name} must be a non-empty list of token ids")
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"{name}[{i}] must be a non-negative int, got {token!r}")
+
+
+def generate_request(
+    input_ids: list[int] | list[list[int]],
+    sampling: SamplingParams,
+    *,
+    rid: str | list[str] | None = None,
+    return_routed_experts: bool = False,
+) -> dict[str, object]:
+    """Body of POST /generate for one prompt or a batch (a list of prompts), token in, token out.
+
+    `logprob_start_len: -1` asks for the log-probs of the OUTPUT tokens only: the behavior
+    log-probs the learner needs. A batch shares one `sampling_params` (SGLang broadcasts it); a
+    str `rid` for a batch is a prefix SGLang expands per item, a list must give one per prompt."""
+    batched = bool(input_ids) and isinstance(input_ids[0], list)
+    if batched:
+        for b, ids in enumerate(input_ids):
+            _check_prompt(ids, f"input_ids[{b}]")
+        if isinstance(rid, list) and len(rid) != len(input_ids):
+            raise ValueError(f"rid has {len(rid)} ids for a batch of {len(input_ids)} prompts")
+    else:
+        _check_prompt(input_ids, "input_ids")
+        if isinstance(rid, list):
+            raise ValueError("rid must be a str for a single prompt, got a list")
+    body: dict[str, object] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling.to_json(),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "return_routed_experts": return_routed_experts,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+class MalformedResponse(ValueError):
+    """A /generate response that breaks SGLang's contract. `path` names the offending field."""
+
+    def __init__(self, path: str, problem: str, server: str | None = None) -> None:
+        self.path = path
+        self.problem = problem
+        self.server = server
+        origin = f" from {server}" if server else ""
+        super().__init__(f"malformed /generate response{origin}: {path}: {problem}")
+
+    def from_server(self, server: str) -> MalformedResponse:
+        """The same error, saying which server sent the response."""
+        return MalformedResponse(self.path, self.problem, server)
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One finished /generate response, validated."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """Behavior log-prob of each output token, as SGLang computed it when sampling."""
+    finish_reason: FinishReason
+    weight_version: str
+    """The version the server reports for the response (its latest weights)."""
+    token_versions: list[str]
+    """The weight version of each output token: from `meta_info.weight_versions` spans when the
+    server updated its weights mid-request, else `weight_version` for all of them."""
+    routed_experts: object | None
+    """SGLang's routed-experts payload (base64), kept opaque; None unless requested."""
+    prompt_tokens: int | None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(mapping: dict, key: str, prefix: str) -> object:
+    if key not in mapping:
+        raise MalformedResponse(_join(prefix, key), "missing")
+    return mapping[key]
+
+
+def _parse_output_ids(body: dict, prefix: str) -> list[int]:
+    path = _join(prefix, "output_ids")
+    output_ids = _require(body, "output_ids", prefix)
+    if not isinstance(output_ids, list):
+        raise MalformedResponse(path, f"expected a list of ints, got {type(output_ids).__name__}")
+    for i, token in enumerate(output_ids):
+        if not _is_int(token) or token < 0:
+            raise MalformedResponse(f"{path}[{i}]", f"expected a token id, got {token!r}")
+    return output_ids
+
+
+def _parse_logprobs(meta: dict, output_ids: list[int], prefix: str) -> list[float]:
+    path = _join(prefix, "output_token_logprobs")
+    entries = _require(meta, "output_token_logprobs", prefix)
+    if not isinstance(entries, list):
+        raise MalformedResponse(path, f"expected a list, got {type(entries).__name__}")
+    if len(entries) != len(output_ids):
+        raise MalformedResponse(
+            path, f"has {len(entries)} entries for {len(output_ids)} output_ids"
+        )
+    logprobs = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise MalformedResponse(f"{path}[{i}]", "expected [logprob, token_id, text|null]")
+        logprob, token, text = entry
+        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+            raise MalformedResponse(f"{path}[{i}][0]", f"expected a float, got {logprob!r}")
+        if not math.isfinite(logprob) or logprob > 0:
+            raise MalformedResponse(f"{path}[{i}][0]", f"expected finite <= 0, got {logprob!r}")
+        if token != output_ids[i] or not _is_int(token):
+            raise MalformedResponse(
+                f"{path}[{i}][1]", f"token id {token!r} != output_ids[{i}] = {output_ids[i]}"
+            )
+        if text is not None and not isinstance(text, str):
+            raise MalformedResponse(f"{path}[{i}][2]", f"expected str or null, got {text!r}")
+        logprobs.append(float(logprob))
+    return logprobs
+
+
+def _parse_finish_reason(meta: dict, prefix: str) -> FinishReason:
+    path = _join(prefix, "finish_reason")
+    reason = meta.get("finish_reason")
+    if reason is None:
+        raise MalformedResponse(path, "missing or null (the request did not finish)")
+    if not isinstance(reason, dict):
+        raise MalformedResponse(path, f"expected an object, got {type(reason).__name__}")
+    kind = reason.get("type")
+    if kind not in FINISH_REASONS:
+        raise MalformedResponse(f"{path}.type", f"expected one of {FINISH_REASONS}, got {kind!r}")
+    return kind
+
+
+def _parse_version(meta: dict, prefix: str) -> str:
+    path = _join(prefix, "weight_version")
+    version = meta.get("weight_version")
+    if isinstance(version, str):
+        return version
+    if _is_int(version):
+        return str(version)
+    raise MalformedResponse(path, f"expected a string, got {version!r}")
+
+
+def _parse_version_spans(meta: dict, count: int, fallback: str, prefix: str) -> list[str]:
+    """Per-token versions from SGLang's `weight_versions` spans ([{version, start, end}], which
+    must tile [0, len(output_ids)) in order); all `fallback` when the server sent none."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [fallback] * count
+    path = _join(prefix, "weight_versions")
+    if not isinstance(spans, list):
+        raise MalformedResponse(path, f"expected a list, got {type(spans).__name__}")
+    versions: list[str] = []
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise MalformedResponse(f"{path}[{i}]", "expected {version, start, end}")
+        start, end, version = span.get("start"), span.get("end"), span.get("version")
+        if not isinstance(version, str):
+            raise MalformedResponse(f"{path}[{i}].version", f"expected a string, got {version!r}")
+        if start != len(versions) or not _is_int(start):
+            raise MalformedResponse(
+                f"{path}[{i}].start", f"expected {len(versions)}, got {start!r}"
+            )
+        if not _is_int(end) or not start <= end <= count:
+            raise MalformedResponse(f"{path}[{i}].end", f"expected {start}..{count}, got {end!r}")
+        versions.extend([version] * (end - start))
+    if len(versions) != count:
+        raise MalformedResponse(path, f"cover {len(versions)} of {count} output tokens")
+    return versions
+
+
+def _parse_one(body: object, prefix: str) -> GenerateOutput:
+    if not isinstance(body, dict):
+        raise MalformedResponse(prefix or "response", "expected a JSON object")
+    output_ids = _parse_output_ids(body, prefix)
+    meta_prefix = _join(prefix, "meta_info")
+    meta = _require(body, "meta_info", prefix)
+    if not isinstance(meta, dict):
+        raise MalformedResponse(meta_prefix, "expected an object")
+    logprobs = _parse_logprobs(meta, output_ids, meta_prefix)
+    finish_reason = _parse_finish_reason(meta, meta_prefix)
+    version = _parse_version(meta, meta_prefix)
+    prompt_tokens = meta.get("prompt_tokens")
+    if prompt_tokens is not None and (not _is_int(prompt_tokens) or prompt_tokens < 0):
+        raise MalformedResponse(
+            _join(meta_prefix, "prompt_tokens"), f"expected an int >= 0, got {prompt_tokens!r}"
+        )
+    return GenerateOutput(
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        finish_reason=finish_reason,
+        weight_version=version,
+        token_versions=_parse_version_spans(meta, len(output_ids), version, meta_prefix),
+        routed_experts=meta.get("routed_experts"),
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def parse_generate_response(body: object) -> GenerateOutput:
+    """Validate one finished, non-streamed /generate response; raises MalformedResponse."""
+    return _parse_one(body, "")
+
+
+def parse_generate_responses(body: object, count: int) -> list[GenerateOutput]:
+    """Validate the response to a batch of `count` prompts: a list, one response per prompt."""
+    if not isinstance(body, list):
+        raise MalformedResponse("response", f"expected a list of {count} responses")
+    if len(body) != count:
+        raise MalformedResponse("response", f"has {len(body)} responses for {count} prompts")
+    return [_parse_one(item, f"[{i}]") for i, item in enumerate(body)]
+
+
+# Control and weight-update bodies. Every optional field is sent explicitly so the behaviour does
+# not depend on SGLang's defaults (e.g. UpdateWeightVersionReqInput aborts by default).
+
+
+def init_weights_update_group_request(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = "weight_update_group",
+    backend: str = "nccl",
+) -> dict[str, object]:
+    """Body of /init_weights_update_group: the server's ranks join a process group with the
+    trainer (rank 0) at `rank_offset`..; "gloo" is a legitimate backend for the CPU engine."""
+    if world_size < 2 or not 1 <= rank_offset < world_size:
+        raise ValueError(
+            f"rank_offset {rank_offset} must be in [1, world_size {world_size}): rank 0 is the "
+            "trainer"
+        )
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def destroy_weights_update_group_request(group_name: str) -> dict[str, object]:
+    return {"group_name": group_name}
+
+
+def begin_weight_update_request(selector: RunnerSelector = "all") -> dict[str, object]:
+    """Body of /begin_weight_update. sglang 0.5.23 refuses update_weights_from_distributed and
+    update_weights_from_tensor outside a begin/end weight-update session."""
+    return {"selector": selector}
+
+
+def end_weight_update_request() -> dict[str, object]:
+    return {}
+
+
+def update_weights_from_distributed_request(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    *,
+    group_name: str,
+    flush_cache: bool = True,
+    weight_version: str | int | None = None,
+    abort_all_requests: bool = False,
+    load_format: str | None = None,
+) -> dict[str, object]:
+    """Body of /update_weights_from_distributed: metadata of the tensors the trainer is about to
+    broadcast, in broadcast order. dtypes are torch attribute names ("bfloat16"), which SGLang
+    resolves with getattr(torch, dtype)."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) must have "
+            "the same length"
+        )
+    for i, dtype in enumerate(dtypes):
+        if not isinstance(dtype, str) or not dtype or dtype.startswith("torch."):
+            raise ValueError(
+                f'dtypes[{i}] must be a torch dtype name like "bfloat16", got {dtype!r}'
+            )
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(shape) for shape in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests,
+        "weight_version": _optional_version(weight_version),
+        "load_format": load_format,
+    }
+
+
+def update_weights_from_tensor_request(
+    serialized_named_tensors: list[str],
+    *,
+    load_format: str | None = None,
+    flush_cache: bool = True,
+    weight_version: str | int | None = None,
+    abort_all_requests: bool = False,
+) -> dict[str, object]:
+    """Body of /update_weights_from_tensor: one base64 payload per server TP rank."""
+    if not serialized_named_tensors or not all(
+        isinstance(item, str) for item in serialized_named_tensors
+    ):
+        raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
+    return {
+        "serialized_named_tensors": list(serialized_named_tensors),
+        "load_format": load_format,
+        "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests,
+        "weight_version": _optional_version(weight_version),
+    }
+
+
+def update_weights_from_disk_request(
+    model_path: str,
+    *,
+    weight_version: str | int | None = None,
+    abort_all_requests: bool = False,
+    flush_cache: bool = True,
+) -> dict[str, object]:
+    return {
+        "model_path": model_path,
+        "abort_all_requests": abort_all_requests,
+        "flush_cache": flush_cache,
+        "weight_version": _optional_version(weight_version),
+    }
+
+
+def pause_generation_request(mode: PauseMode = "abort") -> dict[str, object]:
+    """Body of /pause_generation. "abort" returns running requests with finish_reason "abort"
+    (the client continues them); "retract" and "in_place" keep them on the server."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return {"mode": mode}
+
+
+def continue_generation_request() -> dict[str, object]:
+    return {}
+
+
+def update_weight_version_request(
+    new_version: str | int, abort_all_requests: bool = False
+) -> dict[str, object]:
+    return {
+        "new_version": _version_str(new_version, "new_version"),
+        "abort_all_requests": abort_all_requests,
+    }
+
+
+def abort_request_request(rid: str | None = None, abort_all: bool = False) -> dict[str, object]:
+    """Body of /abort_request: one request by rid, or all of them (exactly one of the two)."""
+    if (rid is None) == (not abort_all):
+        raise ValueError("abort_request needs exactly one of rid or abort_all=True")
+    return {"abort_all": True} if abort_all else {"rid": rid, "abort_all": False}

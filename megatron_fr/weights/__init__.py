@@ -1,0 +1,1 @@
+"""Learner weights -> inference engines: resharding into HF tensors, transports, the sync."""

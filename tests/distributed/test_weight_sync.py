@@ -1,0 +1,230 @@
+"""Weight sync: resharding from any layout equals the converter's HF output bitwise, and the
+weights a learner broadcasts over gloo are the weights the CPU engine then samples with."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_qwen import saved_tensors, tiny_checkpoint
+
+from megatron_fr.config import ParallelConfig
+from megatron_fr.parallel.spawn import free_port, run_on_ranks
+
+RESHARD_LAYOUTS = {
+    "qwen3_moe": [
+        dict(tensor=2, expert=2, sequence_parallel=True),
+        dict(pipeline=2),
+        dict(pipeline=2, expert=2),
+    ],
+    "qwen2": [dict(pipeline=2, tensor=2)],  # tied embeddings: only the first stage sends them
+}
+BUCKET_BYTES = 20_000
+
+
+def load_learner(megatron_dir: str, config: dict, parallel: ParallelConfig):
+    from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+    from megatron_fr.models.gpt import build_gpt_model
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.parallel import state
+
+    state.initialize(parallel, seed=0)
+    spec = load_hf_config(config)
+    model = build_gpt_model(spec, parallel, params_dtype=torch.float32, initialize=False)
+    load_megatron_checkpoint(model, megatron_dir)
+    return spec, model.eval()
+
+
+def reshard_on_rank(rank: int, world_size: int, jobs: list) -> list:
+    """Per job: this rank's bucketed HF tensors if it is a stage sender, else None."""
+    from megatron_fr.weights.reshard import iter_hf_buckets
+    from megatron_fr.weights.sync import is_stage_sender
+
+    results = []
+    for megatron_dir, config, kwargs in jobs:
+        spec, model = load_learner(megatron_dir, config, ParallelConfig(**kwargs))
+        buckets = list(iter_hf_buckets(model, spec, BUCKET_BYTES))
+        results.append(buckets if is_stage_sender() else None)
+    return results
+
+
+@pytest.mark.distributed
+def test_reshard_from_any_layout_equals_the_converter_output(tmp_path):
+    jobs, references = [], []
+    for family, layouts in RESHARD_LAYOUTS.items():
+        config, _, _, _ = tiny_checkpoint(family, tmp_path / family)
+        megatron_dir, back = tmp_path / f"{family}.m", tmp_path / f"{family}.back"
+        run_on_ranks(_convert_both_ways, 1, str(tmp_path / family), str(megatron_dir), str(back))
+        reference = saved_tensors(back)
+        for kwargs in layouts:
+            jobs.append((str(megatron_dir), config, kwargs))
+            references.append((family, kwargs, reference))
+    per_rank = run_on_ranks(reshard_on_rank, 4, jobs, timeout_s=900)
+    for index, (family, layout, reference) in enumerate(references):
+        sent: dict[str, torch.Tensor] = {}
+        for rank_results in per_rank:
+            buckets = rank_results[index]
+            for bucket in buckets or []:
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                assert size <= BUCKET_BYTES or len(bucket) == 1, f"{family} {layout}: {size} B"
+                for name, tensor in bucket:
+                    if name in sent:  # DP replicas of a stage send nothing; stages are disjoint
+                        raise AssertionError(f"{family} {layout}: {name} sent twice")
+                    sent[name] = tensor
+        assert sent.keys() == reference.keys(), f"{family} {layout}"
+        for name, tensor in reference.items():
+            assert torch.equal(sent[name], tensor), f"{family} {layout}: {name} differs"
+
+
+def _convert_both_ways(rank: int, world_size: int, hf_dir: str, megatron_dir: str, back: str):
+    from megatron_fr.convert.checkpoint import (
+        hf_to_megatron_checkpoint,
+        megatron_to_hf_checkpoint,
+    )
+
+    hf_to_megatron_checkpoint(hf_dir, megatron_dir, progress=False)
+    megatron_to_hf_checkpoint(megatron_dir, back, progress=False)
+
+
+# --- end to end: learner ranks -> gloo broadcast -> CPU engine ---------------------------------
+
+
+def _generate(url: str, prompt: list[int], seed: int) -> dict:
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {
+            "temperature": 1.0,
+            "max_new_tokens": 12,
+            "ignore_eos": True,
+            "seed": seed,
+        },
+        "return_logprob": True,
+    }
+    request = urllib.request.Request(
+        url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def learner_log_probs(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """The learner's log-probs of tokens[prompt_len:] given everything before (full vocab)."""
+    ids = torch.tensor([tokens])
+    positions = torch.arange(len(tokens)).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True)
+    log_probs = torch.log_softmax(logits[0].float(), dim=-1)
+    targets = torch.tensor(tokens[prompt_len:])
+    return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
+
+
+def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, url: str, port: int):
+    """Sample from the engine before and after a sync; compare with the learner's log-probs.
+    Then a sync to an engine that never answers must fail within its timeout."""
+    import torch.distributed as dist
+
+    from megatron_fr.weights.sync import WeightSync, WeightSyncError
+    from megatron_fr.weights.transport import DistributedTransport, Engine
+
+    spec, model = load_learner(megatron_dir, config, ParallelConfig(expert=2))
+    prompt, results = [3, 17, 42, 5], {}
+
+    def sample_and_score(seed: int):
+        payload = [None]
+        if rank == 0:
+            answer = _generate(url, prompt, seed)
+            engine_lp = [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
+            payload = [(answer["output_ids"], engine_lp, answer["meta_info"]["weight_version"])]
+        dist.broadcast_object_list(payload, src=0)
+        output_ids, engine_lp, version = payload[0]
+        mine = learner_log_probs(model, prompt + output_ids, len(prompt))
+        return (mine - torch.tensor(engine_lp)).abs().max().item(), version
+
+    results["before"] = sample_and_score(seed=1)
+    transport = DistributedTransport([Engine(url)], "127.0.0.1", port, backend="gloo", timeout_s=60)
+    sync = WeightSync(transport, spec, bucket_bytes=50_000, spot_check=4)
+    sync.connect()
+    report = sync.sync(model, version=7)
+    results["report"] = (report.buckets, report.tensors, report.spot_checked)
+    results["after"] = sample_and_score(seed=2)
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts connections, never answers
+    dead = DistributedTransport(
+        [Engine(f"http://127.0.0.1:{silent.getsockname()[1]}")], "127.0.0.1", 0
+    )
+    started = time.monotonic()
+    try:
+        WeightSync(dead, spec, timeout_s=2.0).sync(model, version=8)
+    except WeightSyncError as error:
+        results["dead"] = (str(error), time.monotonic() - started)
+    silent.close()
+    return results
+
+
+@pytest.fixture
+def cpu_engine(tmp_path):
+    """A CPU engine serving a tiny qwen3_moe (seed 0) on a free port; stopped by its handle."""
+    tiny_checkpoint("qwen3_moe", tmp_path / "served")
+    port = free_port()
+    log = open(tmp_path / "engine.log", "w")  # noqa: SIM115 (closed in teardown)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_fr.rollout.cpu_server", "--model-path",
+         str(tmp_path / "served"), "--port", str(port), "--threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+            break
+        except OSError:
+            assert process.poll() is None, (tmp_path / "engine.log").read_text()
+            time.sleep(0.3)
+    yield url
+    process.kill()
+    process.wait()
+    log.close()
+
+
+@pytest.mark.distributed
+def test_broadcast_sync_makes_the_engine_sample_with_the_learner_weights(tmp_path, cpu_engine):
+    config, _, _, _ = _trained_checkpoint(tmp_path)
+    results_by_rank = run_on_ranks(
+        sync_on_rank, 2, str(tmp_path / "learner.m"), config, cpu_engine, free_port(),
+        timeout_s=600,
+    )  # fmt: skip
+    results = results_by_rank[0]
+    before, _ = results["before"]
+    after, version = results["after"]
+    assert before > 1e-2, f"the engine should start with other weights (max diff {before})"
+    assert after <= 1e-5, f"after the sync: max |engine - learner| log-prob {after}"
+    assert version == "7"
+    buckets, tensors, spot_checked = results["report"]
+    assert buckets > 1 and tensors == 45 and spot_checked == 4
+    message, seconds = results["dead"]
+    assert "pause" in message and "127.0.0.1" in message and "within 2 s" in message, message
+    assert seconds < 10
+
+
+def _trained_checkpoint(tmp_path: Path):
+    """The learner's weights: the same architecture, other random weights (seed 1)."""
+    learner_hf = tmp_path / "learner_hf"
+    result = tiny_checkpoint("qwen3_moe", learner_hf, seed=1)
+    run_on_ranks(_to_megatron, 1, str(learner_hf), str(tmp_path / "learner.m"))
+    return result
+
+
+def _to_megatron(rank: int, world_size: int, hf_dir: str, out: str) -> None:
+    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
+
+    hf_to_megatron_checkpoint(hf_dir, out, progress=False)

@@ -1,0 +1,433 @@
+"""SGLang wire format: request bodies checked against SGLang's own request types (read from the
+installed source with `ast`; importing sglang fails without its dependencies), and the strict
+/generate response parser checked against well-formed and malformed bodies."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from megatron_fr.rollout import protocol as p
+from megatron_fr.rollout.protocol import MalformedResponse, SamplingParams
+
+
+def _sglang_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _has_default(value: ast.expr | None) -> bool:
+    """An annotated class attribute has a default unless it is bare or `field()` without
+    default/default_factory."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+        return any(kw.arg in ("default", "default_factory") for kw in value.keywords)
+    return True
+
+
+def class_fields(source: str) -> dict[str, dict[str, bool]]:
+    """{class name: {field name: has_default}} for the classes defined at top level of `source`,
+    including fields inherited from base classes defined in the same file."""
+    classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+
+    def fields(name: str) -> dict[str, bool]:
+        node = classes[name]
+        out: dict[str, bool] = {}
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(fields(base.id))
+        for stmt in node.body:
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            if "ClassVar" in ast.unparse(stmt.annotation):
+                continue
+            out[stmt.target.id] = _has_default(stmt.value)
+        return out
+
+    return {name: fields(name) for name in classes}
+
+
+@pytest.fixture(scope="module")
+def io_struct() -> dict[str, dict[str, bool]]:
+    return class_fields((_sglang_root() / "srt/managers/io_struct.py").read_text())
+
+
+def test_class_fields_parser_on_a_known_snippet() -> None:
+    source = (
+        "from dataclasses import dataclass, field\n"
+        "class Base:\n    rid: str = None\n    tag: int\n"
+        "@dataclass\nclass Req(Base):\n    a: int\n    b: int = field(default=1)\n"
+        "    c: list = field(kw_only=True)\n    d: 'ClassVar[int]' = 3\n"
+        "    def f(self): x: int = 1\n"
+    )
+    assert class_fields(source)["Req"] == {
+        "rid": True,
+        "tag": False,
+        "a": False,
+        "b": True,
+        "c": False,
+    }
+
+
+SAMPLING = SamplingParams(temperature=0.7, max_new_tokens=16, stop_token_ids=[2, 7])
+
+# (request class in io_struct.py, body built by the project)
+BUILDERS: list[tuple[str, Callable[[], dict]]] = [
+    ("GenerateReqInput", lambda: p.generate_request([1, 2, 3], SAMPLING, rid="r0")),
+    (
+        "GenerateReqInput",
+        lambda: p.generate_request(
+            [[1, 2], [3]], SAMPLING, rid=["a", "b"], return_routed_experts=True
+        ),
+    ),
+    (
+        "InitWeightsUpdateGroupReqInput",
+        lambda: p.init_weights_update_group_request("h", 29500, 1, 3),
+    ),
+    (
+        "UpdateWeightsFromDistributedReqInput",
+        lambda: p.update_weights_from_distributed_request(
+            ["w"], ["bfloat16"], [[2, 3]], group_name="g", weight_version=4
+        ),
+    ),
+    ("UpdateWeightFromDiskReqInput", lambda: p.update_weights_from_disk_request("/ckpt/step-4")),
+    (
+        "UpdateWeightsFromTensorReqInput",
+        lambda: p.update_weights_from_tensor_request(["YWJj"], load_format="flattened_bucket"),
+    ),
+    ("PauseGenerationReqInput", lambda: p.pause_generation_request("retract")),
+    ("ContinueGenerationReqInput", p.continue_generation_request),
+    ("UpdateWeightVersionReqInput", lambda: p.update_weight_version_request(5)),
+    ("AbortReq", lambda: p.abort_request_request(rid="r0")),
+    ("AbortReq", lambda: p.abort_request_request(abort_all=True)),
+    ("DestroyWeightsUpdateGroupReqInput", lambda: p.destroy_weights_update_group_request("g")),
+    ("BeginWeightUpdateReqInput", lambda: p.begin_weight_update_request()),
+    ("EndWeightUpdateReqInput", p.end_weight_update_request),
+]
+
+
+@pytest.mark.parametrize(("cls", "build"), BUILDERS, ids=[c for c, _ in BUILDERS])
+def test_bodies_use_exactly_sglang_field_names(io_struct, cls: str, build: Callable) -> None:
+    assert cls in io_struct, f"{cls} is not defined in sglang's io_struct.py"
+    fields, body = io_struct[cls], build()
+    unknown = set(body) - set(fields)
+    assert not unknown, f"{cls} has no field(s) {sorted(unknown)}; its fields: {sorted(fields)}"
+    required = {name for name, has_default in fields.items() if not has_default}
+    assert required <= set(body), f"{cls} requires {sorted(required - set(body))}"
+
+
+def test_sampling_params_keys_are_sglang_sampling_params() -> None:
+    root = _sglang_root()
+    internal = class_fields((root / "srt/sampling/sampling_params.py").read_text())
+    # The HTTP contract gate (api/v1) rejects unknown sampling keys with a 400.
+    contract = class_fields((root / "api/v1/api_types.py").read_text())
+    keys = set(SAMPLING.to_json())
+    assert keys <= set(internal["SamplingParams"]), keys - set(internal["SamplingParams"])
+    assert keys <= set(contract["SamplingParams"]), keys - set(contract["SamplingParams"])
+
+
+def test_endpoint_paths_are_routes_of_sglang_http_server() -> None:
+    tree = ast.parse((_sglang_root() / "srt/entrypoints/http_server.py").read_text())
+    routes = {
+        dec.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef)
+        for dec in node.decorator_list
+        if isinstance(dec, ast.Call)
+        and isinstance(dec.func, ast.Attribute)
+        and getattr(dec.func.value, "id", None) == "app"
+        and dec.args
+        and isinstance(dec.args[0], ast.Constant)
+    }
+    paths = {getattr(p, name) for name in dir(p) if name.endswith("_PATH")}
+    assert len(paths) == 13
+    assert paths <= routes, sorted(paths - routes)
+
+
+def test_generate_request_body() -> None:
+    assert p.generate_request([5, 6], SAMPLING, rid="x") == {
+        "input_ids": [5, 6],
+        "sampling_params": {
+            "temperature": 0.7,
+            "top_p": 1.0,
+            "top_k": -1,
+            "max_new_tokens": 16,
+            "stop_token_ids": [2, 7],
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "return_routed_experts": False,
+        "rid": "x",
+    }
+    batched = p.generate_request([[1], [2, 3]], SAMPLING)
+    assert batched["input_ids"] == [[1], [2, 3]] and "rid" not in batched
+
+
+@pytest.mark.parametrize(
+    ("ids", "rid", "match"),
+    [
+        ([], None, "input_ids must be a non-empty"),
+        ([1, -2], None, r"input_ids\[1\]"),
+        ([[1], []], None, r"input_ids\[1\] must be a non-empty"),
+        ([[1], [2]], ["only-one"], "rid has 1 ids for a batch of 2"),
+        ([1, 2], ["a"], "rid must be a str for a single prompt"),
+    ],
+)
+def test_generate_request_refuses_bad_input(ids, rid, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        p.generate_request(ids, SAMPLING, rid=rid)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"seed": 3}, "seed"),
+    ],
+)
+def test_sampling_params_refuses_bad_values(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        SamplingParams(**{"max_new_tokens": 4, **kwargs})
+
+
+def test_sampling_params_logprob_mismatch() -> None:
+    assert SamplingParams(max_new_tokens=1).logprob_mismatch() is None
+    assert SamplingParams(max_new_tokens=1, temperature=0.5).logprob_mismatch() is None
+    assert "top_p" in SamplingParams(max_new_tokens=1, top_p=0.9).logprob_mismatch()
+    assert "top_k" in SamplingParams(max_new_tokens=1, top_k=50).logprob_mismatch()
+    assert "greedy" in SamplingParams(max_new_tokens=1, temperature=0.0).logprob_mismatch()
+
+
+def test_control_bodies() -> None:
+    assert p.update_weights_from_distributed_request(
+        ["a", "b"], ["bfloat16", "float32"], [(2, 3), [4]], group_name="g", weight_version=7
+    ) == {
+        "names": ["a", "b"],
+        "dtypes": ["bfloat16", "float32"],
+        "shapes": [[2, 3], [4]],
+        "group_name": "g",
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "weight_version": "7",
+        "load_format": None,
+    }
+    assert p.init_weights_update_group_request("10.0.0.1", 29500, 1, 5, backend="gloo") == {
+        "master_address": "10.0.0.1",
+        "master_port": 29500,
+        "rank_offset": 1,
+        "world_size": 5,
+        "group_name": "weight_update_group",
+        "backend": "gloo",
+    }
+    assert p.update_weight_version_request("v9") == {
+        "new_version": "v9",
+        "abort_all_requests": False,
+    }
+    assert p.pause_generation_request() == {"mode": "abort"}
+    assert p.abort_request_request(abort_all=True) == {"abort_all": True}
+    assert p.abort_request_request(rid="r") == {"rid": "r", "abort_all": False}
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: p.abort_request_request(), "exactly one of rid or abort_all"),
+        (lambda: p.abort_request_request("r", abort_all=True), "exactly one of rid or abort_all"),
+        (lambda: p.pause_generation_request("stop"), "pause mode"),
+        (lambda: p.init_weights_update_group_request("h", 1, 0, 2), "rank_offset 0"),
+        (
+            lambda: p.update_weights_from_distributed_request(["a"], [], [[1]], group_name="g"),
+            r"dtypes \(0\)",
+        ),
+        (
+            lambda: p.update_weights_from_distributed_request(
+                ["a"], ["torch.bfloat16"], [[1]], group_name="g"
+            ),
+            r"dtypes\[0\]",
+        ),
+        (lambda: p.update_weights_from_tensor_request([]), "serialized_named_tensors"),
+    ],
+)
+def test_control_bodies_refuse_bad_input(build: Callable, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def well_formed() -> dict:
+    return {
+        "text": "",
+        "output_ids": [11, 12, 13],
+        "meta_info": {
+            "id": "r0",
+            "finish_reason": {"type": "length", "length": 3},
+            "prompt_tokens": 4,
+            "completion_tokens": 3,
+            "weight_version": "2",
+            "output_token_logprobs": [[-0.5, 11, None], [-1.25, 12, None], [0.0, 13, "x"]],
+        },
+    }
+
+
+def test_parse_accepts_a_well_formed_body() -> None:
+    out = p.parse_generate_response(well_formed())
+    assert out == p.GenerateOutput(
+        output_ids=[11, 12, 13],
+        output_logprobs=[-0.5, -1.25, 0.0],
+        finish_reason="length",
+        weight_version="2",
+        token_versions=["2", "2", "2"],
+        routed_experts=None,
+        prompt_tokens=4,
+    )
+
+
+def test_parse_variants_sglang_sends() -> None:
+    body = well_formed()
+    meta = body["meta_info"]
+    meta["weight_version"] = 3
+    meta["routed_experts"] = "AAAA"
+    del meta["prompt_tokens"]  # the abort path of SGLang's tokenizer manager omits it
+    meta["weight_versions"] = [
+        {"version": "1", "start": 0, "end": 2},
+        {"version": "3", "start": 2, "end": 3},
+    ]
+    out = p.parse_generate_response(body)
+    assert out.weight_version == "3" and out.prompt_tokens is None
+    assert out.token_versions == ["1", "1", "3"]
+    assert out.routed_experts == "AAAA"
+
+    empty_abort = {
+        "output_ids": [],
+        "meta_info": {
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "1",
+            "output_token_logprobs": [],
+        },
+    }
+    out = p.parse_generate_response(empty_abort)
+    assert (out.output_ids, out.finish_reason, out.token_versions) == ([], "abort", [])
+
+
+def _set(path: tuple, value: object) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        target = body
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: tuple) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        target = body
+        for key in path[:-1]:
+            target = target[key]
+        del target[path[-1]]
+
+    return mutate
+
+
+LP = ("meta_info", "output_token_logprobs")
+MALFORMED: list[tuple[str, Callable[[dict], None], str]] = [
+    ("missing output_ids", _delete(("output_ids",)), "output_ids"),
+    ("output_ids not a list", _set(("output_ids",), "11 12 13"), "output_ids"),
+    ("output id not an int", _set(("output_ids", 1), 12.0), "output_ids[1]"),
+    ("output id a bool", _set(("output_ids", 0), True), "output_ids[0]"),
+    ("missing meta_info", _delete(("meta_info",)), "meta_info"),
+    ("missing logprobs", _delete(LP), "meta_info.output_token_logprobs"),
+    (
+        "wrong length",
+        lambda b: b["meta_info"]["output_token_logprobs"].pop(),
+        "meta_info.output_token_logprobs",
+    ),
+    ("entry arity", _set((*LP, 1), [-1.0, 12]), "meta_info.output_token_logprobs[1]"),
+    ("token id mismatch", _set((*LP, 2, 1), 99), "meta_info.output_token_logprobs[2][1]"),
+    ("positive logprob", _set((*LP, 1, 0), 0.25), "meta_info.output_token_logprobs[1][0]"),
+    ("NaN logprob", _set((*LP, 0, 0), math.nan), "meta_info.output_token_logprobs[0][0]"),
+    ("-inf logprob", _set((*LP, 2, 0), -math.inf), "meta_info.output_token_logprobs[2][0]"),
+    ("string logprob", _set((*LP, 0, 0), "-0.5"), "meta_info.output_token_logprobs[0][0]"),
+    ("text not a string", _set((*LP, 1, 2), 5), "meta_info.output_token_logprobs[1][2]"),
+    ("finish_reason null", _set(("meta_info", "finish_reason"), None), "meta_info.finish_reason"),
+    ("finish_reason missing", _delete(("meta_info", "finish_reason")), "meta_info.finish_reason"),
+    (
+        "finish_reason a string",
+        _set(("meta_info", "finish_reason"), "stop"),
+        "meta_info.finish_reason",
+    ),
+    (
+        "bad finish_reason type",
+        _set(("meta_info", "finish_reason", "type"), "cancelled"),
+        "meta_info.finish_reason.type",
+    ),
+    (
+        "missing weight_version",
+        _delete(("meta_info", "weight_version")),
+        "meta_info.weight_version",
+    ),
+    (
+        "float weight_version",
+        _set(("meta_info", "weight_version"), 1.5),
+        "meta_info.weight_version",
+    ),
+    ("negative prompt_tokens", _set(("meta_info", "prompt_tokens"), -1), "meta_info.prompt_tokens"),
+    (
+        "version spans with a gap",
+        _set(
+            ("meta_info", "weight_versions"),
+            [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}],
+        ),
+        "meta_info.weight_versions[1].start",
+    ),
+    (
+        "version spans too short",
+        _set(("meta_info", "weight_versions"), [{"version": "1", "start": 0, "end": 2}]),
+        "meta_info.weight_versions",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "path"), MALFORMED, ids=[c for c, _, _ in MALFORMED])
+def test_parse_rejects_malformed_body(case: str, mutate: Callable, path: str) -> None:
+    body = copy.deepcopy(well_formed())
+    mutate(body)
+    with pytest.raises(MalformedResponse) as info:
+        p.parse_generate_response(body)
+    assert info.value.path == path, (case, str(info.value))
+    assert f": {path}: " in str(info.value)
+
+
+def test_parse_rejects_non_object_and_names_the_server() -> None:
+    with pytest.raises(MalformedResponse, match="response: expected a JSON object"):
+        p.parse_generate_response([well_formed()])
+    err = MalformedResponse("output_ids", "missing").from_server("http://h:1")
+    assert isinstance(err, ValueError)
+    assert str(err) == "malformed /generate response from http://h:1: output_ids: missing"
+
+
+def test_parse_batched_responses_prefix_the_index() -> None:
+    good, bad = well_formed(), well_formed()
+    bad["meta_info"]["output_token_logprobs"][0][1] = 12
+    assert len(p.parse_generate_responses([good, good], 2)) == 2
+    with pytest.raises(MalformedResponse) as info:
+        p.parse_generate_responses([good, bad], 2)
+    assert info.value.path == "[1].meta_info.output_token_logprobs[0][1]"
+    with pytest.raises(MalformedResponse, match="has 1 responses for 2 prompts"):
+        p.parse_generate_responses([good], 2)
