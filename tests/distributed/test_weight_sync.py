@@ -131,7 +131,7 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
     import torch.distributed as dist
 
     from megatron_fr.weights.sync import WeightSync, WeightSyncError
-    from megatron_fr.weights.transport import DistributedTransport, Engine
+    from megatron_fr.weights.transport import DiskTransport, DistributedTransport, Engine
 
     spec, model = load_learner(megatron_dir, config, ParallelConfig(expert=2))
     prompt, results = [3, 17, 42, 5], {}
@@ -154,6 +154,16 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
     report = sync.sync(model, version=7)
     results["report"] = (report.buckets, report.tensors, report.spot_checked)
     results["after"] = sample_and_score(seed=2)
+
+    with torch.no_grad():  # a "training step": every rank scales its shards alike
+        for parameter in model.parameters():
+            parameter.mul_(0.9)
+    results["stale"] = sample_and_score(seed=3)
+    disk = DiskTransport([Engine(url)], Path(megatron_dir).parent / "sync_dir", timeout_s=60)
+    disk_sync = WeightSync(disk, spec, bucket_bytes=50_000)
+    disk_sync.connect()
+    disk_sync.sync(model, version=8)
+    results["after_disk"] = sample_and_score(seed=4)
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -197,7 +207,7 @@ def cpu_engine(tmp_path):
 
 
 @pytest.mark.distributed
-def test_broadcast_sync_makes_the_engine_sample_with_the_learner_weights(tmp_path, cpu_engine):
+def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights(tmp_path, cpu_engine):
     config, _, _, _ = _trained_checkpoint(tmp_path)
     results_by_rank = run_on_ranks(
         sync_on_rank, 2, str(tmp_path / "learner.m"), config, cpu_engine, free_port(),
@@ -209,6 +219,9 @@ def test_broadcast_sync_makes_the_engine_sample_with_the_learner_weights(tmp_pat
     assert before > 1e-2, f"the engine should start with other weights (max diff {before})"
     assert after <= 1e-5, f"after the sync: max |engine - learner| log-prob {after}"
     assert version == "7"
+    stale, _ = results["stale"]
+    after_disk, version = results["after_disk"]
+    assert stale > 1e-3 and after_disk <= 1e-5 and version == "8", (stale, after_disk, version)
     buckets, tensors, spot_checked = results["report"]
     assert buckets > 1 and tensors == 45 and spot_checked == 4
     message, seconds = results["dead"]

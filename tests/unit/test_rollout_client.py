@@ -1,0 +1,465 @@
+"""RolloutClient against a scripted SGLang-protocol server defined here.
+
+The server answers /generate deterministically: output token i is (last input token + 1 + i),
+every log-prob is -0.5, the weight version comes from its script, and it finishes "length" at
+max_new_tokens (or "stop" on a stop token). Switches make it slow, broken (malformed body, 5xx,
+4xx) or abort after k tokens (a pause for a weight update, after which its version goes up).
+Run as a script (`python test_rollout_client.py --port 0 --delay S`) it serves in its own process,
+printing "PORT <n>", so a test can kill it by PID mid-request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+from pydantic import ValidationError
+
+from megatron_fr.rollout.client import (
+    RequestRejected,
+    Rollout,
+    RolloutClient,
+    RolloutClientConfig,
+    ServersUnavailable,
+)
+from megatron_fr.rollout.protocol import MalformedResponse, SamplingParams
+
+
+@dataclass
+class Script:
+    """What the scripted server does; tests running it in-process flip these between calls."""
+
+    version: int = 1
+    delay_s: float = 0.0
+    status: int | None = None
+    """Answer every /generate with this HTTP status."""
+    malformed: str | None = None
+    """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON."""
+    abort_after: int = 0
+    aborts: int = 0
+    """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
+    tokens, as a pause racing a stop token would) and then bump `version`."""
+    log: list[dict] = field(default_factory=list)
+    """Every /generate received: rid, input_ids, max_new_tokens, return_routed_experts."""
+
+
+def _generate_body(script: Script, body: dict) -> dict:
+    sampling, prompt = body["sampling_params"], body["input_ids"]
+    limit, stops = sampling["max_new_tokens"], set(sampling["stop_token_ids"])
+    aborting = script.aborts > 0 and script.abort_after <= limit
+    count = script.abort_after if aborting else limit
+    ids, finish = [], {"type": "length", "length": limit}
+    for token in range(prompt[-1] + 1, prompt[-1] + 1 + count):
+        ids.append(token)
+        if token in stops and not aborting:
+            finish = {"type": "stop", "matched": token}
+            break
+    if aborting:
+        finish = {"type": "abort", "message": "Abort in waiting queue"}
+    meta = {
+        "id": body.get("rid"),
+        "finish_reason": finish,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "weight_version": str(script.version),
+        "output_token_logprobs": [[-0.5, token, None] for token in ids],
+    }
+    if body["return_routed_experts"]:
+        meta["routed_experts"] = f"experts-of-{len(prompt)}"
+    if script.malformed == "token_id":
+        meta["output_token_logprobs"][1][1] += 1000
+    if aborting:
+        script.aborts -= 1
+        script.version += 1
+    return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def scripted_app(script: Script) -> web.Application:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        script.log.append(
+            {
+                "rid": body.get("rid"),
+                "input_ids": body["input_ids"],
+                "max_new_tokens": body["sampling_params"]["max_new_tokens"],
+                "return_routed_experts": body["return_routed_experts"],
+            }
+        )
+        await asyncio.sleep(script.delay_s)
+        if script.status is not None:
+            return web.Response(status=script.status, text="scripted failure")
+        if script.malformed == "not_json":
+            return web.Response(text="<html>oops</html>")
+        return web.json_response(_generate_body(script, body))
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def log(request: web.Request) -> web.Response:
+        return web.json_response(script.log)
+
+    app = web.Application()
+    app.add_routes(
+        [web.post("/generate", generate), web.get("/health", health), web.get("/_log", log)]
+    )
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(*scripts: Script) -> AsyncIterator[list[str]]:
+    """In-process scripted servers on free ports; yields their URLs."""
+    runners = []
+    try:
+        for script in scripts:
+            runner = web.AppRunner(scripted_app(script))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            runners.append(runner)
+        yield [f"http://127.0.0.1:{runner.addresses[0][1]}" for runner in runners]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _serve_forever(port: int, delay_s: float) -> None:
+    async def main() -> None:
+        runner = web.AppRunner(scripted_app(Script(delay_s=delay_s)))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        print(f"PORT {runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+@pytest.fixture
+def spawn_server() -> Callable[[float], tuple[subprocess.Popen, str]]:
+    """Start scripted servers in their own processes; each is killed by its handle at teardown."""
+    procs: list[subprocess.Popen] = []
+
+    def spawn(delay_s: float) -> tuple[subprocess.Popen, str]:
+        cmd = [sys.executable, __file__, "--port", "0", "--delay", str(delay_s)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("PORT "), f"scripted server did not start: {line!r}"
+        return proc, f"http://127.0.0.1:{int(line.split()[1])}"
+
+    yield spawn
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def config(urls: list[str], **overrides: object) -> RolloutClientConfig:
+    return RolloutClientConfig(
+        urls=urls, request_timeout_s=10.0, connect_timeout_s=2.0, **overrides
+    )
+
+
+def sampling(max_new_tokens: int = 4, **kwargs: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, **kwargs)
+
+
+def test_concurrent_requests_spread_over_both_servers() -> None:
+    a, b = Script(delay_s=0.3), Script(delay_s=0.3)
+
+    async def body() -> list[Rollout]:
+        async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
+            return await asyncio.gather(*(client.generate([i], sampling()) for i in range(8)))
+
+    rollouts = asyncio.run(body())
+    assert len(a.log) == len(b.log) == 4
+    for i, rollout in enumerate(rollouts):
+        assert rollout.output_ids == [i + 1, i + 2, i + 3, i + 4]
+        assert rollout.output_logprobs == [-0.5] * 4
+        assert rollout.token_versions == ["1"] * 4
+        assert (rollout.finish_reason, rollout.attempts) == ("length", 1)
+
+
+def test_session_sticks_to_its_server_until_that_server_fails() -> None:
+    a, b = Script(), Script()
+
+    async def body() -> None:
+        async with serving(a, b) as urls, RolloutClient(config(urls, server_cooldown_s=0)) as c:
+            first = await c.generate([1], sampling(), session_id="conv")
+            assert first.server == urls[0]
+            for _ in range(3):  # plain balancing would alternate b, a, b
+                assert (await c.generate([2], sampling(), session_id="conv")).server == urls[0]
+            assert (await c.generate([3], sampling())).server == urls[1]
+            assert len(a.log) == 4 and len(b.log) == 1
+
+            a.status = 503
+            moved = await c.generate([4], sampling(), session_id="conv")
+            assert (moved.server, moved.attempts) == (urls[1], 2)
+            a.status = None
+            for _ in range(3):  # b has now served more, yet the session stays there
+                assert (await c.generate([5], sampling(), session_id="conv")).server == urls[1]
+            c.end_session("conv")
+            assert (await c.generate([6], sampling(), session_id="conv")).server == urls[0]
+
+    asyncio.run(body())
+
+
+def test_killed_server_request_completes_on_the_other(spawn_server) -> None:
+    slow, url_slow = spawn_server(3.0)
+    _, url_fast = spawn_server(0.0)
+
+    async def body() -> tuple[Rollout, float, RolloutClient]:
+        async with RolloutClient(config([url_slow, url_fast])) as client:
+            start = time.monotonic()
+            task = asyncio.create_task(client.generate([7], sampling()))
+            await asyncio.sleep(0.5)
+            slow.kill()  # by PID, while the request is in flight on it
+            return await task, time.monotonic() - start, client
+
+    rollout, elapsed, client = asyncio.run(body())
+    assert slow.wait(timeout=10) != 0
+    assert (rollout.server, rollout.attempts) == (url_fast, 2)
+    assert rollout.output_ids == [8, 9, 10, 11]
+    assert elapsed < 2.5, elapsed  # did not wait out the slow server
+    assert client.metrics.failures[url_slow] == 1 and client.metrics.retries == 1
+
+
+def test_kill_with_many_in_flight_loses_and_duplicates_nothing(spawn_server) -> None:
+    victim, url_victim = spawn_server(1.5)
+    _, url_other = spawn_server(1.0)
+    n = 16
+
+    async def body() -> tuple[list[Rollout], list[dict], list[dict]]:
+        async with (
+            RolloutClient(config([url_victim, url_other])) as client,
+            aiohttp.ClientSession() as http,
+        ):
+            tasks = [
+                asyncio.create_task(client.generate([100 * i], sampling(), rid=f"job{i}"))
+                for i in range(n)
+            ]
+            await asyncio.sleep(0.4)
+            victim_log = await (await http.get(url_victim + "/_log")).json()
+            victim.kill()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            other_log = await (await http.get(url_other + "/_log")).json()
+            return results, victim_log, other_log
+
+    results, victim_log, other_log = asyncio.run(body())
+    assert len(victim_log) == n // 2  # half the requests were in flight on the killed server
+    assert all(isinstance(r, Rollout) for r in results), results
+    assert sorted(r.rid for r in results) == sorted(f"job{i}" for i in range(n))
+    for i, rollout in enumerate(results):
+        assert rollout.prompt_ids == [100 * i]
+        assert rollout.output_ids == [100 * i + k for k in range(1, 5)]
+        assert rollout.server == url_other
+    # The other server got each job exactly once: its own half first, the moved half retried.
+    served = [entry["rid"].split(".")[0] for entry in other_log]
+    assert sorted(served) == sorted(f"job{i}" for i in range(n))
+    moved = {entry["rid"].split(".")[0] for entry in victim_log}
+    assert {r.rid for r in results if r.attempts == 2} == moved
+
+
+def test_malformed_response_raises_naming_server_and_field() -> None:
+    a, b = Script(malformed="token_id"), Script()
+
+    async def body() -> tuple[RolloutClient, list[str]]:
+        async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
+            with pytest.raises(MalformedResponse) as info:
+                await client.generate([1], sampling())
+            assert info.value.path == "meta_info.output_token_logprobs[1][1]"
+            assert urls[0] in str(info.value)
+            a.malformed = "not_json"
+            with pytest.raises(MalformedResponse, match=r"response: not JSON"):
+                await client.generate([1], sampling())
+            return client, urls
+
+    client, urls = asyncio.run(body())
+    assert b.log == []  # never retried blindly
+    assert client.metrics.failures[urls[0]] == 2 and client.metrics.retries == 0
+
+
+def test_4xx_is_not_retried_and_5xx_is() -> None:
+    a, b = Script(status=400), Script()
+
+    async def body() -> None:
+        async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
+            with pytest.raises(
+                RequestRejected, match=rf"{urls[0]} rejected /generate with HTTP 400"
+            ):
+                await client.generate([1], sampling())
+            assert b.log == []
+            a.status = 503
+            a.log.clear()
+            retried = await client.generate([1], sampling())
+            assert (retried.server, retried.attempts) == (urls[1], 2)
+            assert len(a.log) == 1
+            # a is cooling down: the next call goes to b though b has served more.
+            assert (await client.generate([2], sampling())).server == urls[1]
+            assert len(a.log) == 1 and len(b.log) == 2
+            assert client.metrics.requests == {urls[0]: 2, urls[1]: 2}
+
+    asyncio.run(body())
+
+
+def test_abort_is_continued_and_tokens_carry_their_version() -> None:
+    script = Script(abort_after=3, aborts=1)
+
+    async def body() -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls)) as client:
+            return await client.generate([10, 20], sampling(8))
+
+    rollout = asyncio.run(body())
+    assert rollout.output_ids == list(range(21, 29))
+    assert len(rollout.output_ids) == 8
+    assert rollout.token_versions == ["1", "1", "1", "2", "2", "2", "2", "2"]
+    assert rollout.output_logprobs == [-0.5] * 8
+    assert (rollout.finish_reason, rollout.continuations, rollout.attempts) == ("length", 1, 2)
+    assert rollout.prompt_ids == [10, 20]
+    second = script.log[1]
+    assert second["input_ids"] == [10, 20, 21, 22, 23] and second["max_new_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    ("abort_after", "aborts", "stops", "max_new", "max_cont", "expected_ids", "finish", "sent"),
+    [
+        (3, 1, [23], 8, 8, [21, 22, 23], "stop", 1),  # aborted right on a stop token
+        (2, 1, [25], 10, 8, [21, 22, 23, 24, 25], "stop", 2),  # stop in the continued segment
+        (4, 1, [], 4, 8, [21, 22, 23, 24], "length", 1),  # aborted with the budget used up
+        (1, 5, [], 10, 2, [21, 22, 23], "abort", 3),  # continuations bounded
+    ],
+)
+def test_continuation_honours_stop_length_and_bound(
+    abort_after, aborts, stops, max_new, max_cont, expected_ids, finish, sent
+) -> None:
+    script = Script(abort_after=abort_after, aborts=aborts)
+
+    async def body() -> Rollout:
+        async with serving(script) as urls:
+            async with RolloutClient(config(urls, max_continuations=max_cont)) as client:
+                return await client.generate([20], sampling(max_new, stop_token_ids=stops))
+
+    rollout = asyncio.run(body())
+    assert (rollout.output_ids, rollout.finish_reason) == (expected_ids, finish)
+    assert len(script.log) == sent == rollout.attempts
+    if finish == "abort":
+        assert rollout.token_versions == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"top_p": 0.9}, "top_p"), ({"top_k": 20}, "top_k"), ({"temperature": 0.0}, "greedy")],
+)
+def test_truncated_sampling_with_behavior_correction_is_refused(kwargs, match: str) -> None:
+    script = Script()
+
+    async def body() -> None:
+        async with serving(script) as urls, RolloutClient(config(urls)) as client:
+            with pytest.raises(ValueError, match=match):
+                await client.generate([1], sampling(**kwargs), behavior_correction=True)
+            await client.generate([1], sampling(**kwargs))  # fine without the correction
+
+    asyncio.run(body())
+    assert len(script.log) == 1
+
+
+def test_routed_experts_passthrough() -> None:
+    script = Script(abort_after=1, aborts=1)
+
+    async def body() -> tuple[Rollout, Rollout]:
+        async with serving(script) as urls:
+            async with RolloutClient(config(urls, return_routed_experts=True)) as client:
+                on = await client.generate([5, 6], sampling(3))
+            async with RolloutClient(config(urls)) as client:
+                off = await client.generate([5, 6], sampling(3))
+        return on, off
+
+    on, off = asyncio.run(body())
+    assert on.routed_experts == ["experts-of-2", "experts-of-3"]  # one per segment
+    assert off.routed_experts is None
+    assert [e["return_routed_experts"] for e in script.log] == [True, True, False]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_refused_server_fails_naming_the_url() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+
+    async def body() -> None:
+        async with RolloutClient(config([url], max_attempts=2)) as client:
+            with pytest.raises(ServersUnavailable, match="failed 2 time") as info:
+                await client.generate([1], sampling())
+            assert str(info.value).count(url) == 2
+
+    asyncio.run(body())
+
+
+def test_silent_server_times_out_within_the_request_timeout() -> None:
+    with socket.socket() as hole:  # accepts connections (kernel backlog), never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        cfg = RolloutClientConfig(urls=[url], request_timeout_s=0.5, max_attempts=1)
+
+        async def body() -> float:
+            async with RolloutClient(cfg) as client:
+                start = time.monotonic()
+                with pytest.raises(ServersUnavailable, match=f"{url}: .*Timeout"):
+                    await client.generate([1], sampling())
+                return time.monotonic() - start
+
+        elapsed = asyncio.run(body())
+    assert 0.45 <= elapsed < 0.5 + 1.0, elapsed
+
+
+def test_wait_healthy() -> None:
+    dead = f"http://127.0.0.1:{_free_port()}"
+
+    async def body() -> None:
+        async with serving(Script(), Script()) as urls:
+            async with RolloutClient(config(urls)) as client:
+                await client.wait_healthy(5.0)
+            async with RolloutClient(config([*urls, dead])) as client:
+                start = time.monotonic()
+                with pytest.raises(TimeoutError, match=rf"not healthy after 0.6 s: {dead}: ") as e:
+                    await client.wait_healthy(0.6)
+                assert time.monotonic() - start < 0.6 + 1.0
+                assert urls[0] not in str(e.value)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("urls", "match"),
+    [
+        ([], "urls"),
+        (["localhost:30000"], r"urls\[0\] must start with http"),
+        (["http://a:1", "http://a:1/"], "duplicates"),
+    ],
+)
+def test_config_refuses_bad_urls(urls: list[str], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        RolloutClientConfig(urls=urls)
+    assert RolloutClientConfig(urls=["http://h:1/"]).urls == ("http://h:1",)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="scripted SGLang-protocol server for the tests")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--delay", type=float, default=0.0)
+    args = parser.parse_args()
+    _serve_forever(args.port, args.delay)
