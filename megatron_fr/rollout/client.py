@@ -298,17 +298,15 @@ class RolloutClient:
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
-            payload = await self._post_json(server.url, body)
+            return parse_generate_response(await self._post_json(server.url, body))
+        except MalformedResponse as exc:
+            self.metrics.failures[server.url] += 1
+            raise exc.from_server(server.url) from exc
         except (_Retryable, RequestRejected):
             self.metrics.failures[server.url] += 1
             raise
         finally:
             server.outstanding -= 1
-        try:
-            return parse_generate_response(payload)
-        except MalformedResponse as exc:
-            self.metrics.failures[server.url] += 1
-            raise exc.from_server(server.url) from exc
 
     async def _post_json(self, url: str, body: dict) -> object:
         try:
@@ -326,7 +324,7 @@ class RolloutClient:
         try:
             return json.loads(raw)
         except ValueError as exc:  # not JSON, or not UTF-8
-            raise MalformedResponse("response", f"not JSON ({exc})", url) from exc
+            raise MalformedResponse("response", f"not JSON ({exc})") from exc
 
     async def wait_healthy(self, deadline_s: float) -> None:
         """Poll GET /health on every server until all answer 200; TimeoutError naming the

@@ -93,6 +93,7 @@ class WeightSync:
                 kept += [(n, t.flatten()[:8].clone()) for n, t in bucket[: max(keep, 0)]]
             buckets, tensors = buckets + 1, tensors + len(bucket)
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            del bucket  # else it stays alive while the next one is built: two buckets' memory
         if failure is None:
             failure = self._attempt(sender, "finish", self.transport.finish_stage)
         _raise_if_any(failure)

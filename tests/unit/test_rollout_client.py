@@ -271,25 +271,25 @@ def test_kill_with_many_in_flight_loses_and_duplicates_nothing(spawn_server) -> 
 
 
 def test_malformed_response_raises_naming_server_and_field() -> None:
-    a, b = Script(malformed="token_id"), Script()
+    a, b = Script(malformed="token_id"), Script(malformed="not_json")
 
     async def body() -> tuple[RolloutClient, list[str]]:
         async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
             with pytest.raises(MalformedResponse) as info:
                 await client.generate([1], sampling())
             assert info.value.path == "meta_info.output_token_logprobs[1][1]"
-            assert urls[0] in str(info.value)
-            a.malformed = "not_json"
-            with pytest.raises(MalformedResponse, match=r"response: not JSON"):
+            assert f"from {urls[0]}: " in str(info.value)
+            with pytest.raises(MalformedResponse, match=rf"from {urls[1]}: response: not JSON"):
                 await client.generate([1], sampling())
             return client, urls
 
     client, urls = asyncio.run(body())
-    assert b.log == []  # never retried blindly
-    assert client.metrics.failures[urls[0]] == 2 and client.metrics.retries == 0
+    assert len(a.log) == len(b.log) == 1  # neither was retried blindly on the other server
+    assert client.metrics.failures == {urls[0]: 1, urls[1]: 1}
+    assert client.metrics.retries == 0
 
 
-def test_4xx_is_not_retried_and_5xx_is() -> None:
+def test_4xx_is_not_retried() -> None:
     a, b = Script(status=400), Script()
 
     async def body() -> None:
@@ -298,18 +298,29 @@ def test_4xx_is_not_retried_and_5xx_is() -> None:
                 RequestRejected, match=rf"{urls[0]} rejected /generate with HTTP 400"
             ):
                 await client.generate([1], sampling())
-            assert b.log == []
-            a.status = 503
-            a.log.clear()
-            retried = await client.generate([1], sampling())
-            assert (retried.server, retried.attempts) == (urls[1], 2)
-            assert len(a.log) == 1
-            # a is cooling down: the next call goes to b though b has served more.
-            assert (await client.generate([2], sampling())).server == urls[1]
-            assert len(a.log) == 1 and len(b.log) == 2
-            assert client.metrics.requests == {urls[0]: 2, urls[1]: 2}
 
     asyncio.run(body())
+    assert len(a.log) == 1 and b.log == []
+
+
+def test_5xx_is_retried_elsewhere_and_the_server_cools_down() -> None:
+    a, b = Script(status=503), Script()
+
+    async def body() -> None:
+        async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
+            retried = await client.generate([1], sampling())
+            assert (retried.server, retried.attempts) == (urls[1], 2)
+            assert retried.output_ids == [2, 3, 4, 5]
+            a.status = None
+            # a is cooling down: the next calls go to b although b has served more.
+            for _ in range(2):
+                assert (await client.generate([2], sampling())).server == urls[1]
+            assert client.metrics.requests == {urls[0]: 1, urls[1]: 3}
+            assert client.metrics.failures == {urls[0]: 1}
+            assert client.metrics.retries == 1
+
+    asyncio.run(body())
+    assert len(a.log) == 1 and len(b.log) == 3
 
 
 def test_abort_is_continued_and_tokens_carry_their_version() -> None:
@@ -346,7 +357,8 @@ def test_continuation_honours_stop_length_and_bound(
 
     async def body() -> Rollout:
         async with serving(script) as urls:
-            async with RolloutClient(config(urls, max_continuations=max_cont)) as client:
+            client = RolloutClient(config(urls, max_continuations=max_cont))
+            async with client:
                 return await client.generate([20], sampling(max_new, stop_token_ids=stops))
 
     rollout = asyncio.run(body())

@@ -1,0 +1,249 @@
+"""Starting, health-checking and stopping one inference server process (SGLang on GPUs, the
+project's SGLang-protocol CPU engine elsewhere).
+
+    launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log)
+    .wait_healthy(s)   ─► poll GET /health; on exit or deadline, raise with the log's last lines
+    .stop(s)           ─► SIGTERM to the group, SIGKILL after s seconds, wait
+
+The server gets its own process group because SGLang forks scheduler and detokenizer processes:
+signalling the group we created (by its PID) stops them too, and nothing else.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
+
+from megatron_fr.rollout.protocol import HEALTH_PATH
+
+LOG_TAIL_LINES = 20
+
+
+class ServerLaunchConfig(BaseModel):
+    """One inference server: its model, address and (SGLang) parallel layout."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str
+    """HF checkpoint directory (or hub id) the server loads."""
+    host: str = "127.0.0.1"
+    """Address to bind; 0.0.0.0 to serve other nodes."""
+    port: int = Field(default=30000, ge=1, le=65535)
+    tp_size: PositiveInt = 1
+    """SGLang tensor-parallel size (spans nodes when nnodes > 1)."""
+    ep_size: PositiveInt = 1
+    """SGLang expert-parallel size for MoE layers; must divide tp_size."""
+    dp_size: PositiveInt = 1
+    """SGLang data-parallel size (with enable_dp_attention: attention DP inside the TP group)."""
+    enable_dp_attention: bool = False
+    """Data-parallel attention with TP/EP MoE layers (DeepSeek/Qwen3-MoE style serving)."""
+    mem_fraction_static: float = Field(default=0.7, gt=0.0, lt=1.0)
+    """Fraction of GPU memory for weights and KV cache; leave room when colocated with training."""
+    nnodes: PositiveInt = 1
+    node_rank: NonNegativeInt = 0
+    dist_init_addr: str | None = None
+    """host:port of node 0 for SGLang's multi-node init; required when nnodes > 1."""
+    skip_tokenizer_init: bool = False
+    """Token ids in and out only (the RL client never sends text)."""
+    extra_args: tuple[str, ...] = ()
+    """Further SGLang flags, appended verbatim."""
+    log_dir: Path = Path("logs")
+    """Where server-<port>.log goes."""
+    engine: Literal["auto", "sglang", "cpu"] = "auto"
+    """auto: SGLang when CUDA is available, else the CPU engine."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> ServerLaunchConfig:
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size}")
+        if self.enable_dp_attention and (self.dp_size == 1 or self.tp_size % self.dp_size):
+            raise ValueError(
+                f"enable_dp_attention needs dp_size > 1 dividing tp_size {self.tp_size}, "
+                f"got dp_size {self.dp_size}"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(
+                f"dist_init_addr (host:port of node 0) is required for nnodes {self.nnodes}"
+            )
+        return self
+
+
+def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
+    """argv of `python -m sglang.launch_server` for `cfg`."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    cmd += ["--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size)]
+    if cfg.dp_size > 1:
+        cmd += ["--dp-size", str(cfg.dp_size)]
+    if cfg.enable_dp_attention:
+        cmd.append("--enable-dp-attention")
+    cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.nnodes > 1:
+        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+        cmd += ["--dist-init-addr", cfg.dist_init_addr]
+    if cfg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    # Warmup sends a request before /health turns green; the client's own traffic warms it.
+    cmd.append("--skip-server-warmup")
+    return cmd + list(cfg.extra_args)
+
+
+def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
+    """argv of the CPU engine, which runs one process with no parallel layout and takes no other
+    flags: settings it cannot honour are refused rather than silently dropped."""
+    unsupported = {
+        name: getattr(cfg, name)
+        for name in ("tp_size", "ep_size", "dp_size", "nnodes")
+        if getattr(cfg, name) != 1
+    }
+    if cfg.enable_dp_attention:
+        unsupported["enable_dp_attention"] = True
+    if cfg.extra_args:
+        unsupported["extra_args"] = cfg.extra_args
+    if unsupported:
+        detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
+        raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
+    return [
+        sys.executable,
+        "-m",
+        "megatron_fr.rollout.cpu_server",
+        "--model-path",
+        cfg.model_path,
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+    ]
+
+
+def resolve_engine(cfg: ServerLaunchConfig) -> Literal["sglang", "cpu"]:
+    if cfg.engine != "auto":
+        return cfg.engine
+    import torch  # here, so building configs and commands never pays for it
+
+    return "sglang" if torch.cuda.is_available() else "cpu"
+
+
+def server_command(cfg: ServerLaunchConfig) -> list[str]:
+    return sglang_command(cfg) if resolve_engine(cfg) == "sglang" else cpu_engine_command(cfg)
+
+
+class ServerExited(RuntimeError):
+    """The server process ended before it became healthy."""
+
+
+class ServerProcess:
+    """A started server process. Use as a context manager, or call stop()."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log: IO[bytes]) -> None:
+        self.proc = proc
+        self.url = url
+        self.log_path = log_path
+        self._log = log
+        self._log_start = log.tell()
+
+    @classmethod
+    def start(cls, command: list[str], host: str, port: int, log_dir: Path) -> ServerProcess:
+        """Run `command` in its own process group, output appended to log_dir/server-<port>.log."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"server-{port}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 (owned by the ServerProcess, closed by stop)
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        # A server bound to all interfaces is polled on loopback.
+        poll_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return cls(proc, f"http://{poll_host}:{port}", log_path, log)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines this launch wrote to the log."""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(self._log_start, os.path.getsize(self.log_path) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, deadline_s: float, poll_s: float = 0.2) -> None:
+        """Return once GET /health answers 2xx. ServerExited (with the exit code) if the process
+        ends first, TimeoutError once `deadline_s` seconds pass; both carry the log's tail."""
+        deadline = time.monotonic() + deadline_s
+        last_error = "not polled yet"
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerExited(
+                    f"server {self.url} (pid {self.pid}) exited with exit code {code} before it "
+                    f"was healthy; last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"server {self.url} (pid {self.pid}) not healthy after {deadline_s} s "
+                    f"({last_error}); last lines of {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + HEALTH_PATH, timeout=min(remaining, 5.0)):
+                    return  # urlopen raises HTTPError on any status but 2xx
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
+                last_error = str(exc)
+            time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM to the server's process group, SIGKILL if it is still there after `timeout_s`;
+        returns the exit code. Safe to call twice."""
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.proc.wait()
+        # Children that outlived the leader still belong to the group.
+        self._signal_group(signal.SIGKILL)
+        self._log.close()
+        return self.proc.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the group start() created: pgid == our child's pid
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
+    """Start the server `cfg` describes (engine resolved now); call wait_healthy next."""
+    return ServerProcess.start(server_command(cfg), cfg.host, cfg.port, cfg.log_dir)
