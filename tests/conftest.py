@@ -1,9 +1,18 @@
-"""Test tiers: `gpu` tests are skipped, with the reason shown, where CUDA is absent."""
+"""Test tiers: `gpu` tests are skipped, with the reason shown, where CUDA is absent.
+
+tests/ itself is put on sys.path so every tier can import the shared fixtures module
+tiny_qwen (spawned ranks inherit the path).
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,6 +11,7 @@ signalling the group we created (by its PID) stops them too, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -20,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -154,31 +155,32 @@ class ServerExited(RuntimeError):
 class ServerProcess:
     """A started server process. Use as a context manager, or call stop()."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log: IO[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path, log_start: int) -> None:
         self.proc = proc
         self.url = url
         self.log_path = log_path
-        self._log = log
-        self._log_start = log.tell()
+        self._log_start = log_start
+        self._stopped = False
 
     @classmethod
     def start(cls, command: list[str], host: str, port: int, log_dir: Path) -> ServerProcess:
         """Run `command` in its own process group, output appended to log_dir/server-<port>.log."""
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"server-{port}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 (owned by the ServerProcess, closed by stop)
-        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log_start = log.tell()
         # A server bound to all interfaces is polled on loopback.
         poll_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        return cls(proc, f"http://{poll_host}:{port}", log_path, log)
+        return cls(proc, f"http://{poll_host}:{port}", log_path, log_start)
 
     @property
     def pid(self) -> int:
@@ -219,6 +221,9 @@ class ServerProcess:
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM to the server's process group, SIGKILL if it is still there after `timeout_s`;
         returns the exit code. Safe to call twice."""
+        if self._stopped:
+            return self.proc.returncode
+        self._stopped = True
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             try:
@@ -228,14 +233,11 @@ class ServerProcess:
                 self.proc.wait()
         # Children that outlived the leader still belong to the group.
         self._signal_group(signal.SIGKILL)
-        self._log.close()
         return self.proc.returncode
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group is already empty
             os.killpg(self.proc.pid, sig)  # the group start() created: pgid == our child's pid
-        except ProcessLookupError:
-            pass
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -207,7 +207,9 @@ def cpu_engine(tmp_path):
 
 
 @pytest.mark.distributed
-def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights(tmp_path, cpu_engine):
+def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights(
+    tmp_path, cpu_engine
+):
     config, _, _, _ = _trained_checkpoint(tmp_path)
     results_by_rank = run_on_ranks(
         sync_on_rank, 2, str(tmp_path / "learner.m"), config, cpu_engine, free_port(),

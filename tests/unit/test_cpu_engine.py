@@ -1,0 +1,194 @@
+"""The CPU engine over HTTP (in process): SGLang's fields, log-probs of the distribution really
+sampled from, concurrency, pause / abort / continue, weight updates and versions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+from tiny_qwen import tiny_checkpoint
+
+from megatron_fr.rollout.cpu_engine import CpuEngine, Sampling, sampling_log_probs
+from megatron_fr.rollout.cpu_server import CpuServer
+
+PROMPT = [3, 17, 42, 5]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    tiny_checkpoint("qwen3_moe", root / "a", seed=0)
+    tiny_checkpoint("qwen3_moe", root / "b", seed=1)
+    return root
+
+
+def serve(model_dir, scenario):
+    """Run `await scenario(client, engine)` against a fresh server on the given model."""
+    engine = CpuEngine(model_dir)
+
+    async def main():
+        async with TestClient(TestServer(CpuServer(engine).app())) as client:
+            return await scenario(client, engine)
+
+    return asyncio.run(main())
+
+
+def body(max_new_tokens=8, seed=0, **sampling):
+    params = {"max_new_tokens": max_new_tokens, "seed": seed, "ignore_eos": True, **sampling}
+    return {"input_ids": PROMPT, "sampling_params": params, "return_logprob": True}
+
+
+def hf_distributions(model_dir, tokens: list[int]) -> torch.Tensor:
+    """Independent reference: transformers' own log-softmax over the whole sequence at once,
+    [response length, vocab], row t predicting response token t."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1]
+
+
+def hf_log_probs(model_dir, tokens: list[int]) -> torch.Tensor:
+    targets = torch.tensor(tokens[len(PROMPT) :])
+    return hf_distributions(model_dir, tokens).gather(-1, targets[:, None])[:, 0]
+
+
+def test_generate_returns_sglang_fields_and_the_models_own_log_probs(checkpoints):
+    async def scenario(client, _engine):
+        single = await (await client.post("/generate", json=body())).json()
+        again = await (await client.post("/generate", json=body())).json()
+        batched = await client.post(
+            "/generate",
+            json={"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": {"max_new_tokens": 3}},
+        )
+        version = await (await client.get("/get_weight_version")).json()
+        return single, again, await batched.json(), version
+
+    single, again, batched, version = serve(checkpoints / "a", scenario)
+    meta = single["meta_info"]
+    assert len(single["output_ids"]) == 8 and meta["completion_tokens"] == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert meta["prompt_tokens"] == 4 and meta["weight_version"] == "default"
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == single["output_ids"]
+    assert all(entry[2] is None for entry in meta["output_token_logprobs"])
+    assert again["output_ids"] == single["output_ids"], "same seed, same tokens"
+    engine_lp = torch.tensor([entry[0] for entry in meta["output_token_logprobs"]])
+    reference = hf_log_probs(checkpoints / "a", PROMPT + single["output_ids"])
+    assert (engine_lp - reference).abs().max() <= 1e-5
+    assert isinstance(batched, list) and [b["meta_info"]["prompt_tokens"] for b in batched] == [
+        4,
+        2,
+    ]
+    assert version == {"weight_version": "default"}
+
+
+def test_log_probs_are_those_of_the_truncated_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    # top-k 2 at temperature 0.5: softmax over the two largest of logits / 0.5
+    two = torch.tensor([4.0, 2.0])
+    expected = two - torch.logsumexp(two, 0)
+    got = sampling_log_probs(logits, Sampling(temperature=0.5, top_k=2))
+    assert torch.allclose(got[:2], expected) and torch.isinf(got[2:]).all()
+    # top-p 0.8: probabilities 0.53, 0.20, 0.12, ... -> the first three reach 0.8
+    probs = torch.softmax(logits, 0)
+    assert probs[:2].sum() < 0.8 <= probs[:3].sum()
+    kept = torch.log(probs[:3] / probs[:3].sum())
+    got = sampling_log_probs(logits, Sampling(top_p=0.8))
+    assert torch.allclose(got[:3], kept) and torch.isinf(got[3:]).all()
+
+
+def test_top_k_sampling_reports_renormalised_log_probs(checkpoints):
+    async def scenario(client, _engine):
+        return await (await client.post("/generate", json=body(top_k=2))).json()
+
+    answer = serve(checkpoints / "a", scenario)
+    rows = hf_distributions(checkpoints / "a", PROMPT + answer["output_ids"])
+    top2 = rows.topk(2, dim=-1)
+    expected = []
+    for row, (values, indices), token in zip(
+        rows, zip(top2.values, top2.indices, strict=True), answer["output_ids"], strict=True
+    ):
+        assert token in indices.tolist(), "a token outside the top 2 was sampled"
+        expected.append(row[token] - torch.logsumexp(values, 0))
+    engine_lp = torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
+    assert (engine_lp - torch.stack(expected)).abs().max() <= 1e-5
+
+
+def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(checkpoints):
+    async def scenario(client, engine):
+        long = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=400)))
+        while engine.active_requests == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await client.post("/pause_generation", json={"mode": "abort"})
+        aborted = await (await long).json()
+        waiting = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=2)))
+        await asyncio.sleep(0.3)
+        waited = not waiting.done()
+        await client.post("/update_weight_version", json={"new_version": "5"})
+        await client.post("/continue_generation", json={})
+        resumed = await (await waiting).json()
+        return aborted, waited, resumed
+
+    aborted, waited, resumed = serve(checkpoints / "a", scenario)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < 400
+    assert len(aborted["meta_info"]["output_token_logprobs"]) == len(aborted["output_ids"])
+    assert waited, "a request sent while paused must wait for /continue_generation"
+    assert resumed["meta_info"]["weight_version"] == "5" and len(resumed["output_ids"]) == 2
+
+
+def test_concurrent_requests_are_served_together_and_abort_by_rid(checkpoints):
+    async def scenario(client, engine):
+        first = asyncio.create_task(client.post("/generate", json=body(400) | {"rid": "slow"}))
+        second = asyncio.create_task(client.post("/generate", json=body(3) | {"rid": "quick"}))
+        peak = 0
+        while not second.done():
+            peak = max(peak, engine.active_requests)
+            await asyncio.sleep(0.005)
+        quick = await (await second).json()
+        await client.post("/abort_request", json={"rid": "slow"})
+        slow = await (await first).json()
+        return peak, quick, slow
+
+    peak, quick, slow = serve(checkpoints / "a", scenario)
+    assert peak == 2, "both requests should be in flight at once"
+    assert quick["meta_info"]["finish_reason"]["type"] == "length"
+    assert slow["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_update_from_disk_serves_the_new_weights_and_bad_input_is_a_400(checkpoints):
+    async def scenario(client, _engine):
+        update = await client.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(checkpoints / "b"), "weight_version": "2"},
+        )
+        after = await (await client.post("/generate", json=body())).json()
+        expert = await client.post(
+            "/get_weights_by_name",
+            json={"name": "model.layers.1.mlp.experts.3.up_proj.weight", "truncate_size": 5},
+        )
+        errors = [
+            await client.post("/generate", json={"text": "hello"}),
+            await client.post("/generate", json={"input_ids": [1, 10**6]}),
+            await client.post("/get_weights_by_name", json={"name": "no.such.weight"}),
+            await client.post("/pause_generation", json={"mode": "sideways"}),
+        ]
+        return (await update.json(), after, await expert.json(),
+                [(e.status, (await e.json())["error"]["message"]) for e in errors])  # fmt: skip
+
+    update, after, expert, errors = serve(checkpoints / "a", scenario)
+    assert update["success"] and after["meta_info"]["weight_version"] == "2"
+    engine_lp = torch.tensor([entry[0] for entry in after["meta_info"]["output_token_logprobs"]])
+    reference = hf_log_probs(checkpoints / "b", PROMPT + after["output_ids"])
+    assert (engine_lp - reference).abs().max() <= 1e-5
+    from tiny_qwen import saved_tensors
+
+    saved = saved_tensors(checkpoints / "b")["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert expert == saved.flatten()[:5].tolist()
+    assert [status for status, _ in errors] == [400] * 4
+    assert "no tokenizer" in errors[0][1] and "vocabulary" in errors[1][1]
+    assert "no.such.weight" in errors[2][1] and "sideways" in errors[3][1]
