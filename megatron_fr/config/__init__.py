@@ -2,5 +2,6 @@
 
 from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.config.weights import WeightSyncConfig
 
-__all__ = ["FlashReinforceConfig", "ParallelConfig"]
+__all__ = ["FlashReinforceConfig", "ParallelConfig", "WeightSyncConfig"]

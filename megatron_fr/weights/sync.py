@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.rollout import protocol
 from megatron_fr.weights.engine_http import EngineRequestError, post_all, post_json
 from megatron_fr.weights.reshard import iter_hf_buckets
-from megatron_fr.weights.transport import WeightTransport
+from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 
 
 class WeightSyncError(RuntimeError):
@@ -65,6 +66,17 @@ class WeightSync:
         self.transport, self.spec = transport, spec
         self.bucket_bytes, self.pause_mode = bucket_bytes, pause_mode
         self.timeout_s, self.spot_check = timeout_s, spot_check
+
+    @classmethod
+    def from_config(cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
+        return cls(
+            build_transport(config, engines),
+            spec,
+            bucket_bytes=config.bucket_mib * 2**20,
+            pause_mode=config.pause_mode,
+            timeout_s=config.timeout_s,
+            spot_check=config.spot_check,
+        )
 
     def connect(self) -> None:
         """Once per run, on every learner rank (only stage senders talk to the engines)."""

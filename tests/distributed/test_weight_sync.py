@@ -130,8 +130,9 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
     Then a sync to an engine that never answers must fail within its timeout."""
     import torch.distributed as dist
 
+    from megatron_fr.config import WeightSyncConfig
     from megatron_fr.weights.sync import WeightSync, WeightSyncError
-    from megatron_fr.weights.transport import DiskTransport, DistributedTransport, Engine
+    from megatron_fr.weights.transports import Engine
 
     spec, model = load_learner(megatron_dir, config, ParallelConfig(expert=2))
     prompt, results = [3, 17, 42, 5], {}
@@ -148,8 +149,9 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
         return (mine - torch.tensor(engine_lp)).abs().max().item(), version
 
     results["before"] = sample_and_score(seed=1)
-    transport = DistributedTransport([Engine(url)], "127.0.0.1", port, backend="gloo", timeout_s=60)
-    sync = WeightSync(transport, spec, bucket_bytes=50_000, spot_check=4)
+    config = WeightSyncConfig(master_port=port, timeout_s=60, spot_check=4, bucket_mib=1)
+    sync = WeightSync.from_config(config, [Engine(url)], spec)
+    sync.bucket_bytes = 50_000  # several buckets even for this tiny model
     sync.connect()
     report = sync.sync(model, version=7)
     results["report"] = (report.buckets, report.tensors, report.spot_checked)
@@ -159,8 +161,9 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
         for parameter in model.parameters():
             parameter.mul_(0.9)
     results["stale"] = sample_and_score(seed=3)
-    disk = DiskTransport([Engine(url)], Path(megatron_dir).parent / "sync_dir", timeout_s=60)
-    disk_sync = WeightSync(disk, spec, bucket_bytes=50_000)
+    disk_dir = str(Path(megatron_dir).parent / "sync_dir")
+    disk_config = WeightSyncConfig(transport="disk", directory=disk_dir, timeout_s=60)
+    disk_sync = WeightSync.from_config(disk_config, [Engine(url)], spec)
     disk_sync.connect()
     disk_sync.sync(model, version=8)
     results["after_disk"] = sample_and_score(seed=4)
@@ -168,12 +171,10 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # accepts connections, never answers
-    dead = DistributedTransport(
-        [Engine(f"http://127.0.0.1:{silent.getsockname()[1]}")], "127.0.0.1", 0
-    )
+    dead = [Engine(f"http://127.0.0.1:{silent.getsockname()[1]}")]
     started = time.monotonic()
     try:
-        WeightSync(dead, spec, timeout_s=2.0).sync(model, version=8)
+        WeightSync.from_config(WeightSyncConfig(timeout_s=2.0), dead, spec).sync(model, version=9)
     except WeightSyncError as error:
         results["dead"] = (str(error), time.monotonic() - started)
     silent.close()

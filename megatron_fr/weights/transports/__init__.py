@@ -1,0 +1,26 @@
+"""Weight transports, one file each, chosen by name (``WeightSyncConfig.transport``)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.weights.transports.base import Engine, WeightTransport
+from megatron_fr.weights.transports.disk import DiskTransport
+from megatron_fr.weights.transports.distributed import DistributedTransport
+from megatron_fr.weights.transports.tensor import TensorTransport
+
+__all__ = ["Engine", "WeightTransport", "build_transport"]
+
+
+def build_transport(config: WeightSyncConfig, engines: list[Engine]) -> WeightTransport:
+    if config.transport == "distributed":
+        backend = config.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return DistributedTransport(
+            engines, config.master_address, config.master_port, backend, config.timeout_s
+        )
+    if config.transport == "tensor":
+        return TensorTransport(engines, config.timeout_s)
+    return DiskTransport(engines, config.directory, config.timeout_s)
