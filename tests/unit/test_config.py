@@ -7,7 +7,7 @@ import math
 import pydantic
 import pytest
 
-from megatron_fr.config import FlashReinforceConfig, ParallelConfig
+from megatron_fr.config import FlashReinforceConfig, ParallelConfig, WeightSyncConfig
 
 
 def test_data_parallel_size_is_what_the_model_parallel_sizes_leave():
@@ -48,3 +48,12 @@ def test_flash_reinforce_config_ranges():
     for bad in (dict(delta=-1.0), dict(delta=math.nan), dict(negative_token_fraction=1.1)):
         with pytest.raises(pydantic.ValidationError):
             FlashReinforceConfig(**bad)
+
+
+def test_weight_sync_config_names_what_is_wrong():
+    assert WeightSyncConfig().transport == "distributed"
+    with pytest.raises(pydantic.ValidationError, match="needs directory"):
+        WeightSyncConfig(transport="disk")
+    for bad in (dict(transport="carrier-pigeon"), dict(bucket_mib=0), dict(timeout_s=0)):
+        with pytest.raises(pydantic.ValidationError):
+            WeightSyncConfig(**bad)
