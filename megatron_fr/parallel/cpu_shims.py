@@ -288,6 +288,9 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers check param.type() against the torch.cuda.* type names
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         device = kwargs.get("device")
         if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}

@@ -85,6 +85,7 @@ class Rollout:
     """One finished generation: what the learner stores with the trajectory."""
 
     rid: str
+    """The call's id; each POST carries "<rid>.<continuation>.<attempt>" as SGLang's rid."""
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float]
@@ -186,7 +187,8 @@ class RolloutClient:
         `behavior_correction=True` means the learner will weight tokens by the returned
         log-probs, which SGLang computes before top-p/top-k truncation: such sampling is refused
         before anything is sent. `session_id` keeps the turns of one conversation on one server
-        (its prefix cache) while that server is up."""
+        (its prefix cache) while that server is up. The Rollout's finish_reason is "abort" only
+        when `max_continuations` ran out."""
         if behavior_correction and (mismatch := sampling.logprob_mismatch()):
             raise ValueError(f"behavior_correction needs untruncated sampling: {mismatch}")
         rid = rid or uuid.uuid4().hex

@@ -5,7 +5,9 @@
 Speaks the subset of SGLang's HTTP API that RL training uses (field names as in SGLang's
 io_struct): /health, /model_info, /generate (single and batched, input_ids or text),
 /get_weight_version, /pause_generation, /continue_generation, /flush_cache, /abort_request,
-/init_weights_update_group (backend "gloo"), /update_weights_from_distributed,
+/init_weights_update_group (backend "gloo"), /begin_weight_update and /end_weight_update
+(the session SGLang requires around /update_weights_from_distributed),
+/update_weights_from_distributed,
 /update_weights_from_disk, /update_weight_version, /destroy_weights_update_group and
 /get_weights_by_name. Requests are served concurrently (one thread each, interleaved token by
 token); a model directory without tokenizer files serves input_ids requests.
@@ -72,6 +74,7 @@ class CpuServer:
         self.engine = engine
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency + 4)
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self.session_open = False  # SGLang's begin/end weight-update session
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -91,6 +94,8 @@ class CpuServer:
             "/flush_cache": self.flush_cache,
             "/abort_request": self.abort_request,
             "/init_weights_update_group": self.init_weights_update_group,
+            "/begin_weight_update": self.begin_weight_update,
+            "/end_weight_update": self.end_weight_update,
             "/update_weights_from_distributed": self.update_weights_from_distributed,
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/update_weight_version": self.update_weight_version,
@@ -198,8 +203,25 @@ class CpuServer:
         self.groups[name] = group
         return web.json_response({"success": True, "message": f"joined {name} as {group.rank}"})
 
+    async def begin_weight_update(self, _request: web.Request) -> web.Response:
+        if self.session_open:
+            raise BadRequest("a weight-update session is already open; call end_weight_update")
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, _request: web.Request) -> web.Response:
+        if not self.session_open:
+            raise BadRequest("no weight-update session is open; call begin_weight_update first")
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if not self.session_open:  # as SGLang 0.5.23 refuses it
+            raise BadRequest(
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
         names, dtypes = _field(body, "names", list), _field(body, "dtypes", list)
         shapes = _field(body, "shapes", list)
         if not len(names) == len(dtypes) == len(shapes):

@@ -148,6 +148,24 @@ def server_command(cfg: ServerLaunchConfig) -> list[str]:
     return sglang_command(cfg) if resolve_engine(cfg) == "sglang" else cpu_engine_command(cfg)
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group `pgid` that are not zombies, read from /proc (empty without it)."""
+    members = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # exited while we looked
+                continue
+            # After the parenthesised command name: state, ppid, pgrp, ...
+            state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == pgid and state != "Z":
+                members.append(int(entry.name))
+    return members
+
+
 class ServerExited(RuntimeError):
     """The server process ended before it became healthy."""
 
@@ -231,8 +249,14 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 self.proc.wait()
-        # Children that outlived the leader still belong to the group.
+        # Children that outlived the leader still belong to the group; SIGKILL is asynchronous,
+        # so wait until none is left alive.
         self._signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while survivors := live_group_members(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server {self.url}: processes {survivors} survived SIGKILL")
+            time.sleep(0.01)
         return self.proc.returncode
 
     def _signal_group(self, sig: signal.Signals) -> None:

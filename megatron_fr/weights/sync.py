@@ -2,10 +2,12 @@
 
 Protocol, run by every learner rank together (the resharding gathers are collectives):
   1. rank 0 pauses every engine (/pause_generation; mode "abort" ends in-flight requests,
-     which the rollout client continues under the new version);
+     which the rollout client continues under the new version) and, for the broadcast and
+     tensor transports, opens SGLang's weight-update session (/begin_weight_update);
   2. every stage streams its buckets; the stage's sending rank (TP 0, DP 0) hands each to
      the transport;
-  3. rank 0 commits (disk: reload), sets the new weight version, optionally reads a few
+  3. rank 0 commits (disk: reload), closes the session (/end_weight_update), sets the new
+     weight version, optionally reads a few
      tensors back and compares them bitwise, and resumes generation (/continue_generation).
 Every engine call has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
@@ -90,9 +92,7 @@ class WeightSync:
         """Every learner rank calls this; all of them return, or all raise WeightSyncError."""
         version, started = str(version), time.monotonic()
         rank0, sender = dist.get_rank() == 0, is_stage_sender()
-        failure = self._attempt(rank0, "pause", lambda: self._post_all(
-            "/pause_generation", protocol.pause_generation_request(self.pause_mode)
-        ))  # fmt: skip
+        failure = self._attempt(rank0, "pause", self._pause)
         _raise_if_any(failure)
         buckets = tensors = nbytes = 0
         kept: list[tuple[str, torch.Tensor]] = []
@@ -113,11 +113,24 @@ class WeightSync:
         _raise_if_any(failure)
         return SyncReport(version, buckets, tensors, nbytes, time.monotonic() - started, len(kept))
 
+    def _pause(self) -> None:
+        self._post_all(
+            protocol.PAUSE_GENERATION_PATH, protocol.pause_generation_request(self.pause_mode)
+        )
+        if self.transport.needs_session:
+            self._post_all(
+                protocol.BEGIN_WEIGHT_UPDATE_PATH, protocol.begin_weight_update_request()
+            )
+
     def _commit(self, version: str, kept: list[tuple[str, torch.Tensor]]) -> None:
         self.transport.commit(version)
-        self._post_all("/update_weight_version", protocol.update_weight_version_request(version))
+        if self.transport.needs_session:
+            self._post_all(protocol.END_WEIGHT_UPDATE_PATH, protocol.end_weight_update_request())
+        self._post_all(
+            protocol.UPDATE_WEIGHT_VERSION_PATH, protocol.update_weight_version_request(version)
+        )
         self._check(kept)
-        self._post_all("/continue_generation", protocol.continue_generation_request())
+        self._post_all(protocol.CONTINUE_GENERATION_PATH, protocol.continue_generation_request())
 
     def _post_all(self, path: str, body: dict) -> None:
         post_all(self.transport.urls, path, body, self.timeout_s)

@@ -176,6 +176,11 @@ def test_update_from_disk_serves_the_new_weights_and_bad_input_is_a_400(checkpoi
             await client.post("/generate", json={"input_ids": [1, 10**6]}),
             await client.post("/get_weights_by_name", json={"name": "no.such.weight"}),
             await client.post("/pause_generation", json={"mode": "sideways"}),
+            await client.post(
+                "/update_weights_from_distributed",
+                json={"names": [], "dtypes": [], "shapes": [], "group_name": "g"},
+            ),
+            await client.post("/end_weight_update", json={}),
         ]
         return (await update.json(), after, await expert.json(),
                 [(e.status, (await e.json())["error"]["message"]) for e in errors])  # fmt: skip
@@ -189,6 +194,8 @@ def test_update_from_disk_serves_the_new_weights_and_bad_input_is_a_400(checkpoi
 
     saved = saved_tensors(checkpoints / "b")["model.layers.1.mlp.experts.3.up_proj.weight"]
     assert expert == saved.flatten()[:5].tolist()
-    assert [status for status, _ in errors] == [400] * 4
+    assert [status for status, _ in errors] == [400] * 6
     assert "no tokenizer" in errors[0][1] and "vocabulary" in errors[1][1]
     assert "no.such.weight" in errors[2][1] and "sideways" in errors[3][1]
+    assert "between begin_weight_update() and end_weight_update()" in errors[4][1]
+    assert "no weight-update session" in errors[5][1]

@@ -45,7 +45,8 @@ class Script:
     status: int | None = None
     """Answer every /generate with this HTTP status."""
     malformed: str | None = None
-    """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON."""
+    """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON;
+    "too_long": one token more than max_new_tokens."""
     abort_after: int = 0
     aborts: int = 0
     """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
@@ -67,6 +68,8 @@ def _generate_body(script: Script, body: dict) -> dict:
             break
     if aborting:
         finish = {"type": "abort", "message": "Abort in waiting queue"}
+    if script.malformed == "too_long":
+        ids.append(ids[-1] + 1)
     meta = {
         "id": body.get("rid"),
         "finish_reason": finish,
@@ -287,6 +290,17 @@ def test_malformed_response_raises_naming_server_and_field() -> None:
     assert len(a.log) == len(b.log) == 1  # neither was retried blindly on the other server
     assert client.metrics.failures == {urls[0]: 1, urls[1]: 1}
     assert client.metrics.retries == 0
+
+
+def test_more_tokens_than_asked_for_is_malformed() -> None:
+    script = Script(malformed="too_long")
+
+    async def body() -> None:
+        async with serving(script) as urls, RolloutClient(config(urls)) as client:
+            with pytest.raises(MalformedResponse, match=rf"from {urls[0]}: output_ids: 5 tokens"):
+                await client.generate([1], sampling(4))
+
+    asyncio.run(body())
 
 
 def test_4xx_is_not_retried() -> None:

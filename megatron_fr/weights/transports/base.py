@@ -22,6 +22,10 @@ class Engine:
 
 
 class WeightTransport(ABC):
+    needs_session = False
+    """SGLang accepts /update_weights_from_distributed and _from_tensor only between
+    /begin_weight_update and /end_weight_update; the sync opens and closes that session."""
+
     def __init__(self, engines: list[Engine], timeout_s: float):
         if not engines:
             raise ValueError("a weight transport needs at least one engine")

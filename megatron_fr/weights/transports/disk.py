@@ -53,4 +53,4 @@ class DiskTransport(WeightTransport):
         body = protocol.update_weights_from_disk_request(
             str(self.directory), weight_version=version, flush_cache=True
         )
-        post_all(self.urls, "/update_weights_from_disk", body, self.timeout_s)
+        post_all(self.urls, protocol.UPDATE_WEIGHTS_FROM_DISK_PATH, body, self.timeout_s)

@@ -21,6 +21,8 @@ class DistributedTransport(WeightTransport):
     stages send in parallel. For each bucket the engines are told what is coming
     (/update_weights_from_distributed) and receive it while that request is in flight."""
 
+    needs_session = True
+
     def __init__(
         self,
         engines: list[Engine],
@@ -46,7 +48,7 @@ class DistributedTransport(WeightTransport):
             self._pool.submit(
                 post_json,
                 engine.url,
-                "/init_weights_update_group",
+                protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH,
                 protocol.init_weights_update_group_request(
                     self.master_address, port, offset, world_size, self.group_name, self.backend
                 ),
@@ -79,7 +81,7 @@ class DistributedTransport(WeightTransport):
         )
         calls = [
             self._pool.submit(
-                post_json, url, "/update_weights_from_distributed", body, self.timeout_s
+                post_json, url, protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, body, self.timeout_s
             )
             for url in self.urls
         ]

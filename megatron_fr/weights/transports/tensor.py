@@ -13,6 +13,8 @@ class TensorTransport(WeightTransport):
     handles through SGLang's /update_weights_from_tensor, one serialized list per engine TP
     rank. Needs SGLang's serializer, so it works only where SGLang itself runs (CUDA)."""
 
+    needs_session = True
+
     def send(self, bucket: Bucket) -> None:
         try:
             from sglang.srt.utils import MultiprocessingSerializer
@@ -26,4 +28,4 @@ class TensorTransport(WeightTransport):
             body = protocol.update_weights_from_tensor_request(
                 [payload] * engine.tp_size, flush_cache=False
             )
-            post_json(engine.url, "/update_weights_from_tensor", body, self.timeout_s)
+            post_json(engine.url, protocol.UPDATE_WEIGHTS_FROM_TENSOR_PATH, body, self.timeout_s)

@@ -1,0 +1,241 @@
+"""Server launching: exact SGLang / CPU-engine command lines, engine selection, and the process
+lifecycle (health wait, early exit, deadline, stop) on small stand-in server processes."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from pydantic import ValidationError
+
+from megatron_fr.rollout.launcher import (
+    ServerExited,
+    ServerLaunchConfig,
+    ServerProcess,
+    cpu_engine_command,
+    resolve_engine,
+    server_command,
+    sglang_command,
+)
+
+MOE_MULTI_NODE = ServerLaunchConfig(
+    model_path="/models/Qwen3-30B-A3B",
+    host="0.0.0.0",
+    port=30000,
+    tp_size=8,
+    ep_size=8,
+    nnodes=2,
+    node_rank=1,
+    dist_init_addr="10.0.0.1:5000",
+    mem_fraction_static=0.8,
+    skip_tokenizer_init=True,
+    extra_args=["--cuda-graph-max-bs", "256"],
+    engine="sglang",
+)
+DP_ATTENTION = ServerLaunchConfig(
+    model_path="Qwen/Qwen3-30B-A3B",
+    port=31000,
+    tp_size=4,
+    ep_size=4,
+    dp_size=4,
+    enable_dp_attention=True,
+)
+
+
+def test_sglang_command_multi_node_moe() -> None:
+    assert sglang_command(MOE_MULTI_NODE) == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "/models/Qwen3-30B-A3B",
+        "--tp-size", "8", "--ep-size", "8",
+        "--mem-fraction-static", "0.8",
+        "--host", "0.0.0.0", "--port", "30000",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+        "--skip-tokenizer-init",
+        "--skip-server-warmup",
+        "--cuda-graph-max-bs", "256",
+    ]  # fmt: skip
+
+
+def test_sglang_command_dp_attention() -> None:
+    assert sglang_command(DP_ATTENTION) == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "Qwen/Qwen3-30B-A3B",
+        "--tp-size", "4", "--ep-size", "4",
+        "--dp-size", "4", "--enable-dp-attention",
+        "--mem-fraction-static", "0.7",
+        "--host", "127.0.0.1", "--port", "31000",
+        "--skip-server-warmup",
+    ]  # fmt: skip
+
+
+def test_sglang_flags_are_sglang_server_args() -> None:
+    """Each flag is "--" + a ServerArgs field name with "_" -> "-" (arg_groups/arg_utils.py)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    assert (root / "launch_server.py").is_file()
+    fields = {
+        stmt.target.id
+        for path in (root / "srt/arg_groups/fields").glob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef)
+        for stmt in node.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+    known = {"--" + name.replace("_", "-") for name in fields}
+    for cfg in (MOE_MULTI_NODE, DP_ATTENTION):
+        ours = sglang_command(cfg)[: len(sglang_command(cfg)) - len(cfg.extra_args)]
+        flags = {arg for arg in ours if arg.startswith("--")}
+        assert flags <= known, sorted(flags - known)
+
+
+def test_cpu_engine_command() -> None:
+    cfg = ServerLaunchConfig(model_path="/tmp/tiny-qwen3-moe", port=30123, engine="cpu")
+    assert cpu_engine_command(cfg) == [
+        sys.executable, "-m", "megatron_fr.rollout.cpu_server",
+        "--model-path", "/tmp/tiny-qwen3-moe", "--host", "127.0.0.1", "--port", "30123",
+    ]  # fmt: skip
+    assert server_command(cfg) == cpu_engine_command(cfg)
+
+
+def test_cpu_engine_refuses_what_it_cannot_honour() -> None:
+    with pytest.raises(ValueError, match=r"unsupported: tp_size=8, ep_size=8, nnodes=2, extra"):
+        cpu_engine_command(MOE_MULTI_NODE)
+    with pytest.raises(ValueError, match="dp_size=4, enable_dp_attention=True"):
+        cpu_engine_command(DP_ATTENTION)
+
+
+def test_auto_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ServerLaunchConfig(model_path="m")
+    assert resolve_engine(cfg) == ("sglang" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_engine(cfg) == "cpu"
+    assert server_command(cfg) == cpu_engine_command(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_engine(cfg) == "sglang"
+    assert server_command(cfg) == sglang_command(cfg)
+    assert resolve_engine(cfg.model_copy(update={"engine": "cpu"})) == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tp_size": 4, "ep_size": 3}, "ep_size 3 must divide tp_size 4"),
+        ({"tp_size": 4, "enable_dp_attention": True}, "enable_dp_attention needs dp_size > 1"),
+        ({"tp_size": 4, "dp_size": 3, "enable_dp_attention": True}, "got dp_size 3"),
+        ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank 2 must be < nnodes 2"),
+        ({"nnodes": 2}, "dist_init_addr"),
+        ({"mem_fraction_static": 1.0}, "mem_fraction_static"),
+        ({"port": 0}, "port"),
+        ({"engine": "vllm"}, "engine"),
+        ({"gpus": 8}, "gpus"),
+    ],
+)
+def test_launch_config_refuses_bad_layouts(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        ServerLaunchConfig(model_path="m", **kwargs)
+
+
+# Stand-in servers: tiny Python processes with the lifecycle of a real one.
+HEALTHY_AFTER_DELAY = """
+import http.server, sys, time
+print("loading weights", flush=True)
+time.sleep(float(sys.argv[2]))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+STUBBORN_WITH_CHILD = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+print("child", child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie entry (dead, waiting for init to reap it)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def start(tmp_path: Path):
+    """ServerProcess.start on a free port; every server started is stopped at teardown."""
+    servers: list[ServerProcess] = []
+
+    def start_(script: str, *args: str) -> ServerProcess:
+        port = _free_port()
+        command = [sys.executable, "-c", script, str(port), *args]
+        server = ServerProcess.start(command, "0.0.0.0", port, tmp_path / "logs")
+        servers.append(server)
+        return server
+
+    yield start_
+    for server in servers:
+        server.stop(timeout_s=5)
+
+
+def test_wait_healthy_once_the_server_answers(start) -> None:
+    server = start(HEALTHY_AFTER_DELAY, "0.3")
+    assert server.url.startswith("http://127.0.0.1:")
+    began = time.monotonic()
+    server.wait_healthy(deadline_s=20)
+    assert time.monotonic() - began >= 0.3
+    assert server.log_path.name == f"server-{server.url.rsplit(':', 1)[1]}.log"
+    assert "loading weights" in server.log_path.read_text()
+    assert server.stop(timeout_s=5) == -15  # SIGTERM
+    assert _gone(server.pid)
+
+
+def test_wait_healthy_reports_an_early_exit(start) -> None:
+    server = start("import sys; print('CUDA error: no device', flush=True); sys.exit(3)")
+    with pytest.raises(ServerExited, match="exit code 3") as info:
+        server.wait_healthy(deadline_s=20)
+    assert "CUDA error: no device" in str(info.value)
+    assert str(server.log_path) in str(info.value)
+
+
+def test_wait_healthy_deadline(start) -> None:
+    server = start(HEALTHY_AFTER_DELAY, "60")
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"not healthy after 0.5 s") as info:
+        server.wait_healthy(deadline_s=0.5)
+    assert time.monotonic() - began < 0.5 + 1.0
+    assert info.value.args[0].endswith("loading weights")  # the log's tail
+
+
+def test_stop_leaves_no_process_behind(start) -> None:
+    server = start(STUBBORN_WITH_CHILD)
+    deadline = time.monotonic() + 20
+    while "child" not in server.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(server.log_tail().split("child ")[1].split()[0])
+    assert not _gone(server.pid) and not _gone(child)
+    began = time.monotonic()
+    assert server.stop(timeout_s=0.5) == -9  # it ignored SIGTERM
+    assert time.monotonic() - began < 0.5 + 2.0
+    assert _gone(server.pid) and _gone(child)
+    assert server.stop() == -9  # a second stop is harmless
