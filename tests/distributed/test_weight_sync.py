@@ -149,12 +149,16 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
         return (mine - torch.tensor(engine_lp)).abs().max().item(), version
 
     results["before"] = sample_and_score(seed=1)
+    in_flight = _start_long_rollout(url) if rank == 0 else None
     config = WeightSyncConfig(master_port=port, timeout_s=60, spot_check=4, bucket_mib=1)
     sync = WeightSync.from_config(config, [Engine(url)], spec)
     sync.bucket_bytes = 50_000  # several buckets even for this tiny model
     sync.connect()
     report = sync.sync(model, version=7)
     results["report"] = (report.buckets, report.tensors, report.spot_checked)
+    if in_flight is not None:
+        in_flight[0].join(timeout=120)
+        results["continued"] = in_flight[1]
     results["after"] = sample_and_score(seed=2)
 
     with torch.no_grad():  # a "training step": every rank scales its shards alike
@@ -179,6 +183,28 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
         results["dead"] = (str(error), time.monotonic() - started)
     silent.close()
     return results
+
+
+def _start_long_rollout(url: str):
+    """A rollout client request that is still generating when the sync pauses the engine
+    (mode "abort"), so the client must continue it under the new version."""
+    import asyncio
+    import threading
+
+    from megatron_fr.rollout.client import RolloutClient, RolloutClientConfig
+    from megatron_fr.rollout.protocol import SamplingParams
+
+    result: dict = {}
+
+    async def generate():
+        async with RolloutClient(RolloutClientConfig(urls=[url])) as client:
+            sampling = SamplingParams(max_new_tokens=4000)
+            result["rollout"] = await client.generate([1, 2, 3], sampling)
+
+    thread = threading.Thread(target=lambda: asyncio.run(generate()))
+    thread.start()
+    time.sleep(1.0)  # generating by now; 4000 tokens take several seconds on a CPU
+    return thread, result
 
 
 @pytest.fixture
@@ -225,6 +251,11 @@ def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights
     stale, _ = results["stale"]
     after_disk, version = results["after_disk"]
     assert stale > 1e-3 and after_disk <= 1e-5 and version == "8", (stale, after_disk, version)
+    rollout = results["continued"]["rollout"]
+    versions = rollout.token_versions
+    assert len(rollout.output_ids) == len(versions) == 4000 and rollout.continuations >= 1
+    switch = versions.index("7")
+    assert switch > 0 and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"7"}
     buckets, tensors, spot_checked = results["report"]
     assert buckets > 1 and tensors == 45 and spot_checked == 4
     message, seconds = results["dead"]
