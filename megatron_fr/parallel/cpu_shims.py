@@ -297,6 +297,13 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def cpu_device_mode():
+    """Context for megatron code that allocates on "cuda" or checks torch.cuda.* tensor types
+    (DDP, the distributed optimizer, grad clipping, finalize_model_grads, checkpointing of
+    optimizer state): on a machine without CUDA those run on the CPU; elsewhere a no-op."""
+    return _CudaDeviceToCpu() if cuda_absent() else contextlib.nullcontext()
+
+
 def _shim_schedule_cuda_device() -> None:
     """Covers schedules.forward_backward_no_pipelining (what get_forward_backward_func returns
     at PP=1), which counts tokens in ``torch.zeros([], device="cuda")``. The schedule runs

@@ -1,0 +1,197 @@
+"""The megatron learner: one optimizer step per batch of B trajectories.
+
+    batch (every rank) ─► advantages over the whole batch ─► this DP rank's micro-batches
+      ─► megatron forward-backward (its schedules; PP too) with the parallel FlashREINFORCE
+         loss ─► finalize grads (DP all-reduce) ─► distributed optimizer step (grad clip)
+      ─► LR schedule ─► metrics
+
+Loss scaling: every micro-batch's loss is already its share of the batch loss L (divided by
+the global B), so the sum over micro-batches and DP ranks IS L. megatron instead averages: its
+schedule divides each micro-batch's loss by the number of micro-batches and DDP scales
+gradients by 1 / DP. The loss handed to megatron is therefore share * M * DP, which makes the
+gradient that of L exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
+several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
+scaling (their mean over micro-batches and DP).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
+from megatron_fr.algo.advantages import compute_advantages
+from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.config.learner import LearnerConfig
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.learner.micro_batches import MicroBatch, micro_batches_for_rank
+from megatron_fr.models.hf_config import HFModelSpec
+from megatron_fr.parallel.cpu_shims import cpu_device_mode
+from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prompt_groups(batch: list[Trajectory]) -> torch.Tensor:
+    """int64 group index per trajectory: rollouts of the same prompt share one."""
+    ids = [int(hashlib.sha1(t.prompt_id.encode()).hexdigest()[:15], 16) for t in batch]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class Learner:
+    """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule."""
+
+    def __init__(
+        self,
+        spec: HFModelSpec,
+        parallel: ParallelConfig,
+        config: LearnerConfig,
+        *,
+        total_steps: int,
+        init_checkpoint: str | None = None,
+    ):
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+        from megatron_fr.models.gpt import build_gpt_model
+
+        if parallel.context > 1:
+            raise ValueError("context parallelism is not supported by the learner yet (CP=1)")
+        self.spec, self.parallel, self.config = spec, parallel, config
+        dtype = DTYPES[config.params_dtype]
+        with cpu_device_mode():
+            self.module = build_gpt_model(
+                spec, parallel, params_dtype=dtype, initialize=init_checkpoint is None
+            )
+            if init_checkpoint is not None:
+                load_megatron_checkpoint(self.module, init_checkpoint)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            )
+            self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=config.lr,
+                    min_lr=config.min_lr,
+                    weight_decay=config.weight_decay,
+                    adam_beta1=config.adam_beta1,
+                    adam_beta2=config.adam_beta2,
+                    adam_eps=config.adam_eps,
+                    clip_grad=config.clip_grad,
+                    bf16=dtype == torch.bfloat16,
+                    params_dtype=dtype,
+                    use_distributed_optimizer=True,
+                ),
+                [self.model],
+            )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if config.lr_warmup_steps else config.lr,
+            max_lr=config.lr,
+            min_lr=config.min_lr,
+            lr_warmup_steps=config.lr_warmup_steps,
+            lr_decay_steps=max(total_steps, config.lr_warmup_steps + 1),
+            lr_decay_style=config.lr_decay_style,
+            start_wd=config.weight_decay,
+            end_wd=config.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
+        self.module.config.finalize_model_grads_func = finalize_model_grads
+        self.module.config.no_sync_func = self.model.no_sync
+        self.steps_done = 0
+
+    def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
+        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float64)
+        groups = None if self.config.estimator == "flash_reinforce" else prompt_groups(batch)
+        advantages = compute_advantages(self.config.estimator, rewards, groups)
+        failures = rewards <= 0 if self.config.flash_reinforce.negative_token_fraction < 1 else None
+        return GlobalBatch(advantages=advantages.float(), failures=failures)
+
+    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):
+        from megatron.core import parallel_state as ps
+
+        loss, metrics = flash_reinforce_parallel_loss(
+            logits.float(),
+            micro.loss_batch,
+            global_batch,
+            self.config.flash_reinforce,
+            tp_group=ps.get_tensor_model_parallel_group(),
+        )
+        reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
+        reported["present"] = metrics["present"]
+        return loss * scale, reported
+
+    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
+        """One optimizer step on the whole batch (every rank passes the same batch)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_size, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        width_multiple = self.parallel.tensor if self.parallel.sequence_parallel else 1
+        micros = micro_batches_for_rank(
+            batch,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            token_budget=self.config.micro_batch_tokens,
+            pad_id=pad_id,
+            width_multiple=width_multiple,
+        )
+        global_batch = self._global_batch(batch)
+        loss_func = partial(self._loss, len(micros) * dp_size, global_batch)
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            output = model(micro.input_ids, micro.positions, attention_mask=None)
+            return output, partial(loss_func, micro)
+
+        rows, width = micros[0].input_ids.shape
+        with cpu_device_mode():
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            per_micro = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micros),
+                model=[self.model],
+                num_microbatches=len(micros),
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=False,
+            )
+            updated, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.steps_done += 1
+        return self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+
+    def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        values = torch.zeros(2, dtype=torch.float64)
+        if ps.is_pipeline_last_stage():
+            admitted, present = agreed_admission(per_micro, dp_group)
+            loss = torch.stack([m["loss"].double() for m in per_micro]).sum()
+            dist.all_reduce(loss, group=dp_group)
+            values = torch.stack([loss, admitted.double().sum() / max(int(present.sum()), 1)])
+        if self.parallel.pipeline > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            last = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(values, src=last, group=group)
+        return {
+            "loss": values[0].item(),
+            "acceptance_rate": values[1].item(),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_successful": float(bool(updated)),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "policy_tokens": float(sum(t.num_policy_tokens for t in batch)),
+        }
