@@ -1,6 +1,7 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
+megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
                                         megatron-to-hf, verify)
 """
@@ -14,6 +15,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
     from megatron_fr.learner import smoke
+    from megatron_fr.orchestrator import plot
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -27,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_arguments(convert_parser)
     convert_parser.set_defaults(run=convert.run)
+    plot_parser = commands.add_parser(
+        "plot", help="PNG of reward, acceptance, lag and eval accuracy of a run directory"
+    )
+    plot.add_arguments(plot_parser)
+    plot_parser.set_defaults(run=plot.main)
     return parser
 
 

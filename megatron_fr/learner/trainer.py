@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def prompt_groups(batch: list[Trajectory]) -> torch.Tensor:
-    """int64 group index per trajectory: rollouts of the same prompt share one."""
-    ids = [int(hashlib.sha1(t.prompt_id.encode()).hexdigest()[:15], 16) for t in batch]
+    """int64 group index per trajectory: rollouts of the same problem share one. Each rollout
+    has its own prompt_id (the buffer tracks them one by one); info["group"] names the problem
+    (the prompt_id itself when absent)."""
+    keys = [str(t.info.get("group", t.prompt_id)) for t in batch]
+    ids = [int(hashlib.sha1(key.encode()).hexdigest()[:15], 16) for key in keys]
     return torch.tensor(ids, dtype=torch.int64)
 
 
@@ -173,6 +177,46 @@ class Learner:
         self.scheduler.step(increment=1)
         self.steps_done += 1
         return self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+
+    def save(self, directory: str) -> None:
+        """Model, distributed-optimizer state and LR schedule as one torch_dist checkpoint
+        (every rank calls it; megatron writes each rank's shards)."""
+        from megatron.core import dist_checkpointing
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with cpu_device_mode():
+            dist_checkpointing.save(self._sharded_state(), directory)
+
+    def load(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        with cpu_device_mode(), torch.no_grad():
+            # A fresh torch Adam has no per-parameter state (no "step") for the checkpoint to
+            # be loaded into; one step on zero gradients creates it (as megatron does for FSDP
+            # with _init_optimizer_states_with_dummy_values). Its effect on the weights is
+            # overwritten by the load below.
+            self.model.zero_grad_buffer()
+            self.optimizer.step()
+            loaded = dist_checkpointing.load(self._sharded_state(loading=True), directory)
+            self.module.load_state_dict(loaded["model"], strict=True)
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.steps_done = int(loaded["steps_done"])
+
+    def _sharded_state(self, loading: bool = False) -> dict:
+        """megatron 0.19's default optimizer format (flattened ranges) is refused by its own
+        dist_checkpointing; "dp_reshardable" (what Megatron-LM uses by default) resumes in the
+        same TP/PP layout with any DP size."""
+        model = self.module.sharded_state_dict()
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata=metadata
+            ),
+            "scheduler": self.scheduler.state_dict(),
+            "steps_done": self.steps_done,
+        }
 
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict[str, float]:
         from megatron.core import parallel_state as ps

@@ -84,8 +84,13 @@ def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list[Tra
         spec = load_hf_config(dict(CONFIG, model_type="qwen3_moe"))
         learner = Learner(spec, parallel, config, total_steps=4, init_checkpoint=megatron_dir)
         metrics = learner.train_step(batch)
+        checkpoint = f"{megatron_dir}.step1.{len(results)}"
+        learner.save(checkpoint)
         second = learner.train_step(batch)  # the optimizer really moved the weights
-        results.append((metrics, second["loss"]))
+        resumed = Learner(spec, parallel, config, total_steps=4)
+        resumed.load(checkpoint)  # model, Adam moments, LR schedule, step count
+        again = resumed.train_step(batch)
+        results.append((metrics, second, again, resumed.steps_done))
     return results
 
 
@@ -102,7 +107,7 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
     assert 0 < acceptance < 1, "the gate should split this batch"
 
     per_rank = run_on_ranks(learner_steps, 2, str(tmp_path / "m"), batch, timeout_s=600)
-    for (kwargs, budget), (metrics, second_loss), (metrics_1, _) in zip(
+    for (kwargs, budget), (metrics, second, again, steps), (metrics_1, *_) in zip(
         LAYOUTS, per_rank[0], per_rank[1], strict=True
     ):
         where = f"{kwargs} budget {budget}"
@@ -111,7 +116,8 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
         assert metrics["acceptance_rate"] == pytest.approx(acceptance, abs=1e-6), where
         assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), where
         assert metrics["update_successful"] == 1.0 and metrics["lr"] == pytest.approx(1e-3)
-        assert second_loss != metrics["loss"], f"{where}: the step changed nothing"
+        assert second["loss"] != metrics["loss"], f"{where}: the step changed nothing"
+        assert again == second and steps == 2, f"{where}: resuming from the checkpoint differs"
 
 
 def _convert(rank: int, world_size: int, hf_dir: str, out: str) -> None:

@@ -1,0 +1,193 @@
+"""One episode as the learner consumes it, its validation, and its padded tensor form.
+
+A trajectory is ONE row whatever its number of turns: the prompt, every policy turn and every
+tool/environment observation, concatenated. Everything per token is aligned with `token_ids`
+(index t describes token t), so the rollout side never has to think about the learner's
+next-token shift; `to_tensors` documents where that shift happens.
+
+Validation runs where trajectories enter the buffer, so a bad rollout is counted and reported
+with the field at fault instead of surfacing later as a NaN or a shape error in the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+NON_POLICY_VERSION = -1
+"""token_versions entry of a token the policy did not generate (prompt, observation)."""
+
+
+class InvalidTrajectory(ValueError):
+    """A trajectory that cannot be trained on; `field` names the culprit, `reason` is a short
+    fixed phrase (no per-instance numbers) so that rejections can be counted by kind."""
+
+    def __init__(self, field: str, problem: str, detail: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.reason = f"{field}: {problem}"
+        super().__init__(self.reason + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One episode row. Per-token lists all have len(token_ids) entries."""
+
+    prompt_id: str
+    """Identifies the rollout slot in the buffer (admit / put / abandon use it)."""
+    token_ids: list[int]
+    """Prompt + response, all turns, tool/environment observations included."""
+    action_mask: list[bool]
+    """True for tokens the policy generated; prompt and observation tokens are False."""
+    behavior_log_probs: list[float]
+    """log mu(token t | tokens < t) as the inference engine reported it when it sampled token t.
+    Meaningful only under the action mask; 0.0 elsewhere."""
+    token_versions: list[int]
+    """Policy (weight) version that generated token t; NON_POLICY_VERSION for non-policy tokens.
+    A partial rollout that spans a weight update carries several versions."""
+    reward: float
+    info: dict[str, Any] = field(default_factory=dict)
+    """Free-form, JSON-serialisable facts about the episode (turns, env, finish reason...)."""
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(1 for is_policy in self.action_mask if is_policy)
+
+    @property
+    def oldest_version(self) -> int:
+        """The staleness of a trajectory is that of its OLDEST policy token."""
+        pairs = zip(self.token_versions, self.action_mask, strict=True)
+        versions = [version for version, is_policy in pairs if is_policy]
+        if not versions:
+            raise InvalidTrajectory("action_mask", "has no policy token")
+        return min(versions)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (buffer checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        return cls(**data)
+
+
+def _first(predicate: Callable[..., bool], *columns: list[Any]) -> int | None:
+    """Index of the first token whose column values satisfy `predicate`, or None."""
+    rows = enumerate(zip(*columns, strict=True))
+    return next((i for i, row in rows if predicate(*row)), None)
+
+
+def _check_lengths(t: Trajectory) -> None:
+    if not t.token_ids:
+        raise InvalidTrajectory("token_ids", "is empty")
+    for name in ("action_mask", "behavior_log_probs", "token_versions"):
+        n = len(getattr(t, name))
+        if n != len(t.token_ids):
+            raise InvalidTrajectory(
+                name, "length differs from token_ids", f"{n} entries, token_ids has {t.length}"
+            )
+
+
+def _check_tokens(t: Trajectory) -> None:
+    bad = _first(lambda token: token < 0, t.token_ids)
+    if bad is not None:
+        raise InvalidTrajectory("token_ids", "holds a negative id", f"index {bad}")
+    if not any(t.action_mask):
+        raise InvalidTrajectory("action_mask", "has no policy token")
+    if t.action_mask[0]:
+        # The learner predicts token t from tokens < t; token 0 has nothing to be predicted from.
+        raise InvalidTrajectory("action_mask", "marks token 0 as a policy token")
+
+
+def _check_policy_values(t: Trajectory) -> None:
+    mask, lps, versions = t.action_mask, t.behavior_log_probs, t.token_versions
+    bad = _first(lambda m, lp: m and not math.isfinite(lp), mask, lps)
+    if bad is not None:
+        raise InvalidTrajectory(
+            "behavior_log_probs", "not finite under the action mask", f"index {bad}: {lps[bad]}"
+        )
+    bad = _first(lambda m, lp: m and lp > 0, mask, lps)
+    if bad is not None:
+        raise InvalidTrajectory(
+            "behavior_log_probs", "positive under the action mask", f"index {bad}: {lps[bad]}"
+        )
+    bad = _first(lambda m, v: m and v < 0, mask, versions)
+    if bad is not None:
+        raise InvalidTrajectory(
+            "token_versions", "negative on a policy token", f"index {bad}: {versions[bad]}"
+        )
+    bad = _first(lambda m, v: not m and v != NON_POLICY_VERSION, mask, versions)
+    if bad is not None:
+        raise InvalidTrajectory(
+            "token_versions",
+            f"not {NON_POLICY_VERSION} on a non-policy token",
+            f"index {bad}: {versions[bad]}",
+        )
+
+
+def _check_episode(t: Trajectory) -> None:
+    if not isinstance(t.prompt_id, str) or not t.prompt_id:
+        raise InvalidTrajectory("prompt_id", "is not a non-empty string", repr(t.prompt_id))
+    if not math.isfinite(t.reward):
+        raise InvalidTrajectory("reward", "not finite", repr(t.reward))
+    try:
+        json.dumps(t.info)
+    except (TypeError, ValueError) as error:
+        raise InvalidTrajectory("info", "is not JSON-serialisable", str(error)) from None
+
+
+def validate_trajectory(t: Trajectory) -> Trajectory:
+    """Return `t` unchanged if the learner can train on it; raise InvalidTrajectory otherwise."""
+    _check_episode(t)
+    _check_lengths(t)
+    _check_tokens(t)
+    _check_policy_values(t)
+    return t
+
+
+def to_tensors(trajectories: list[Trajectory], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-padded batch of B validated trajectories, T = the longest length.
+
+    Returns token_ids [B, T] long (pad_id on padding), action_mask [B, T] bool (False on
+    padding), behavior_log_probs [B, T] float32 (0 off the mask), rewards [B] float32 and
+    lengths [B] long.
+
+    Alignment: index t of every [B, T] tensor describes TOKEN t: behavior_log_probs[b, t] is
+    log mu(token_ids[b, t] | token_ids[b, :t]) and action_mask[b, t] says token t is a policy
+    token (action_mask[:, 0] is always False). A causal LM's logits at position t predict token
+    t + 1, so the learner feeds token_ids[:, :-1] and scores the targets token_ids[:, 1:]
+    against behavior_log_probs[:, 1:] under action_mask[:, 1:].
+    """
+    if not trajectories:
+        raise ValueError("to_tensors needs at least one trajectory")
+    if pad_id < 0:
+        raise ValueError(f"pad_id must be a token id >= 0, got {pad_id}")
+    for t in trajectories:
+        validate_trajectory(t)
+    batch, width = len(trajectories), max(t.length for t in trajectories)
+    token_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    action_mask = torch.zeros((batch, width), dtype=torch.bool)
+    log_probs = torch.zeros((batch, width), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        mask = torch.tensor(t.action_mask, dtype=torch.bool)
+        token_ids[row, : t.length] = torch.tensor(t.token_ids, dtype=torch.long)
+        action_mask[row, : t.length] = mask
+        row_lps = torch.tensor(t.behavior_log_probs, dtype=torch.float32)
+        log_probs[row, : t.length] = torch.where(mask, row_lps, 0.0)
+    return {
+        "token_ids": token_ids,
+        "action_mask": action_mask,
+        "behavior_log_probs": log_probs,
+        "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        "lengths": torch.tensor([t.length for t in trajectories], dtype=torch.long),
+    }

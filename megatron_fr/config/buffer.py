@@ -1,0 +1,31 @@
+"""Sizes of the lag-aware buffer between rollouts and the learner (buffer/lag_buffer.py)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
+
+
+class BufferConfig(BaseModel):
+    """Sizes of the buffer. The staleness budget (max_lag + 1) * batch_size already bounds what
+    is pending; capacity is the memory bound on top of it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capacity: PositiveInt
+    """Most trajectories queued + in flight at once; admission waits (backpressure) at it."""
+    batch_size: PositiveInt
+    """B: trajectories per learner batch (one optimizer step)."""
+    max_lag: NonNegativeInt = 0
+    """Most versions between a trajectory's oldest policy token and the learner that trains on
+    it; 0 is synchronous on-policy training."""
+    max_in_flight: PositiveInt | None = None
+    """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
+
+    @model_validator(mode="after")
+    def _capacity_holds_a_batch(self) -> BufferConfig:
+        if self.capacity < self.batch_size:
+            raise ValueError(
+                f"capacity ({self.capacity}) must be >= batch_size ({self.batch_size}), "
+                "or no batch can ever form"
+            )
+        return self

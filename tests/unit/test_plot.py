@@ -1,0 +1,111 @@
+"""plot_run / `megatron-fr plot`: a real PNG from a synthetic run, and clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.image import imread
+
+from megatron_fr.orchestrator import plot
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_run(run_dir, steps=40, eval_every=10):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, steps + 1):
+        lines.append(
+            {
+                "step": step,
+                "policy_version": step,
+                "reward_mean": 1 - math.exp(-step / 10),
+                "acceptance_rate": 0.8 + 0.1 * math.sin(step),
+                "lag_mean": 1.0 + 0.5 * math.cos(step),
+                "lag_max": 3,
+                "tokens_per_s": 5000.0,
+                "rollouts_total": 64 * step + (step % 3),  # steps consume unequal rollout counts
+            }
+        )
+        if step % eval_every == 0:
+            lines.append(
+                {
+                    "step": step,
+                    "rollouts_total": lines[-1]["rollouts_total"],
+                    "eval_accuracy": step / 100,
+                    "eval_accuracy_std": 0.02,
+                }
+            )
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    (run_dir / "metrics.jsonl").write_text(text + '{"step": 41, "rew')  # killed mid-line
+    return run_dir
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    plot.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_plot_run_writes_a_png(tmp_path, capsys):
+    run_dir = synthetic_run(tmp_path / "run-a")
+    assert plot.main(parse([str(run_dir)])) == 0
+    out = run_dir / "metrics.png"
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    height, width, _channels = imread(out).shape
+    assert (width, height) == (1600, 700)
+
+
+def test_out_flag_chooses_the_file(tmp_path):
+    run_dir = synthetic_run(tmp_path / "run-b")
+    out = tmp_path / "figures" / "b.png"
+    assert plot.main(parse([str(run_dir), "--out", str(out)])) == 0
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    assert not (run_dir / "metrics.png").exists()
+
+
+def test_missing_metrics_exit_2_naming_the_path(tmp_path, capsys):
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    assert plot.main(parse([str(empty)])) == 2
+    err = capsys.readouterr().err
+    assert str(empty / "metrics.jsonl") in err
+    assert plot.main(parse([str(tmp_path / "nowhere")])) == 2
+    assert str(tmp_path / "nowhere") in capsys.readouterr().err
+
+
+def test_missing_metric_panel_says_no_data(tmp_path):
+    records = [{"step": 1, "rollouts_total": 8, "reward_mean": 0.5}]
+    ax: Axes = Figure().subplots()
+    plot._draw_panel(ax, records, "step", ("eval_accuracy",))
+    assert [t.get_text() for t in ax.texts] == ["no data"]
+    ax = Figure().subplots()
+    plot._draw_panel(ax, records, "step", ("reward_mean",))
+    assert not ax.texts and len(ax.lines) == 1
+
+
+def test_eval_spread_is_drawn_as_a_band(tmp_path):
+    lines = (synthetic_run(tmp_path / "r") / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines[:-1]]  # the last line is the cut one
+    ax: Axes = Figure().subplots()
+    plot._draw_panel(ax, records, "rollouts_total", ("eval_accuracy",))
+    (band,) = ax.collections
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == [r["rollouts_total"] for r in records if "eval_accuracy" in r]
+    assert band.get_label() == "± std over seeds"
+
+
+def test_resumed_run_duplicate_steps_keep_the_later_value():
+    records = [
+        {"step": 1, "reward_mean": 0.1},
+        {"step": 2, "reward_mean": 0.2},
+        {"step": 2, "reward_mean": 0.9},  # re-run after resuming from the step-1 checkpoint
+        {"step": 3, "reward_mean": 1.0},
+    ]
+    xs, ys, spread = plot._series(records, "step", "reward_mean")
+    assert xs.tolist() == [1, 2, 3] and ys.tolist() == [0.1, 0.9, 1.0] and spread is None
