@@ -1,5 +1,6 @@
 """The `megatron-fr` command: one subcommand per job.
 
+megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
 megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
@@ -15,7 +16,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
     from megatron_fr.learner import smoke
-    from megatron_fr.orchestrator import plot
+    from megatron_fr.orchestrator import plot, train_cli
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_arguments(convert_parser)
     convert_parser.set_defaults(run=convert.run)
+    train_parser = commands.add_parser(
+        "train", help="train from a recipe (starts the learner ranks, engines and rollouts)"
+    )
+    train_cli.add_arguments(train_parser)
+    train_parser.set_defaults(run=train_cli.main)
     plot_parser = commands.add_parser(
         "plot", help="PNG of reward, acceptance, lag and eval accuracy of a run directory"
     )
@@ -38,7 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # train's dotted overrides may follow --run-dir, which argparse's positional matching
+    # does not allow; they come back as unknown arguments and are appended here.
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "overrides", None) is None:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
     return args.run(args)
 
 

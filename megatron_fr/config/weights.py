@@ -24,8 +24,9 @@ class WeightSyncConfig(BaseModel):
     """Read this many sent tensors back from every engine after the update, bitwise."""
     master_address: str = "127.0.0.1"
     """Address of the learner's sending rank, reachable from the engines."""
-    master_port: int = Field(default=29600, ge=1, le=65535)
-    """Port of stage 0's weight group; stage k uses master_port + k."""
+    master_port: int = Field(default=29600, ge=0, le=65535)
+    """Port of stage 0's weight group; stage k uses master_port + k; 0: a free port picked
+    by the first learner rank at start (single-node runs)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """auto: nccl where CUDA is present, gloo otherwise."""
     directory: str | None = None

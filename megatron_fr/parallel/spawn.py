@@ -33,6 +33,23 @@ class RankFailure(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
 
 
+LAUNCHER_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def standalone_env() -> dict[str, str]:
+    """This process's environment without torchrun's rank variables, for programs it starts
+    that are not ranks of its job (a converter, an inference engine): with them, such a
+    program's own torch.distributed would join the job's store and wait there forever."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if key not in LAUNCHER_VARIABLES and not key.startswith("TORCHELASTIC_")
+    }
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -296,6 +299,17 @@ async def _errors_as_json(request: web.Request, handler):
         return web.json_response({"error": {"message": str(error)}}, status=400)
 
 
+def _exit_with(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                log.info("parent %d is gone; exiting", parent_pid)
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True, help="HF model directory")
@@ -304,7 +318,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (the launcher runs the engine in its own session, "
+        "so a killed trainer would otherwise leave it behind)",
+    )
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        _exit_with(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

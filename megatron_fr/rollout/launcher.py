@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from megatron_fr.parallel.spawn import standalone_env
 from megatron_fr.rollout.protocol import HEALTH_PATH
 
 LOG_TAIL_LINES = 20
@@ -68,6 +69,8 @@ class ServerLaunchConfig(BaseModel):
     log_dir: Path = Path("logs")
     """Where server-<port>.log goes."""
     engine: Literal["auto", "sglang", "cpu"] = "auto"
+    cpu_threads: PositiveInt = 1
+    """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
     """auto: SGLang when CUDA is available, else the CPU engine."""
 
     @model_validator(mode="after")
@@ -133,6 +136,10 @@ def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
         cfg.host,
         "--port",
         str(cfg.port),
+        "--threads",
+        str(cfg.cpu_threads),
+        "--parent-pid",
+        str(os.getpid()),
     ]
 
 
@@ -194,6 +201,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=standalone_env(),
             )
             log_start = log.tell()
         # A server bound to all interfaces is polled on loopback.

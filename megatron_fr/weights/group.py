@@ -1,9 +1,9 @@
 """The process group between one learner rank and the inference engines' ranks.
 
 It lives outside the learner's default group (the engines are other programs), so it is built
-the way SGLang's ``init_custom_process_group`` builds its side: a TCP rendezvous at
-``tcp://master_address:master_port`` (the learner rank, rank 0, hosts the store), a store
-prefixed by the group name, and a process group of the requested backend on it. Both ends
+to meet SGLang's ``init_custom_process_group``: a TCP store at master_address:master_port
+(hosted by the learner rank, rank 0), prefixed by the group name, and a process group of the
+requested backend on it. Both ends
 calling this with the same address, port, name and world size meet; rank 0 is the sender.
 """
 
@@ -41,10 +41,12 @@ def create_weight_update_group(
 ) -> WeightUpdateGroup:
     """Join (rank 0: host) the weight-update group; blocks until all world_size ranks arrive."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # A TCPStore made directly, not through dist.rendezvous("tcp://..."): under torchrun that
+    # handler turns rank 0 into a client of the job's agent store, and nobody would host.
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+        wait_for_workers=False,
+    )  # fmt: skip
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

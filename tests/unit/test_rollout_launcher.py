@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import socket
 import sys
 import time
@@ -102,6 +103,7 @@ def test_cpu_engine_command() -> None:
     assert cpu_engine_command(cfg) == [
         sys.executable, "-m", "megatron_fr.rollout.cpu_server",
         "--model-path", "/tmp/tiny-qwen3-moe", "--host", "127.0.0.1", "--port", "30123",
+        "--threads", "1", "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     assert server_command(cfg) == cpu_engine_command(cfg)
 

@@ -1,0 +1,128 @@
+"""A training run: one typed config, loaded from a recipe file with dotted overrides.
+
+    megatron-fr train examples/cpu_demo.yaml --run-dir runs/demo learner.lr=2e-4 steps=40
+
+Overrides are ``dotted.key=value`` with the value read as YAML (numbers, booleans, lists), so
+a recipe and the command line say things the same way. The fully resolved config is written
+into the run directory (config.yaml); a restart with the same command resumes the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from megatron_fr.config.buffer import BufferConfig
+from megatron_fr.config.learner import LearnerConfig
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.config.weights import WeightSyncConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Strict):
+    hf_dir: str | None = None
+    """The starting HF checkpoint; None: warm-start the task's tiny model (CPU demo)."""
+    warm_start: dict[str, Any] = Field(default_factory=dict)
+    """steps / batch_size / lr of the supervised warm start (learner/warm_start.py defaults)."""
+
+
+class TaskSettings(_Strict):
+    name: Literal["arithmetic"] = "arithmetic"
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The task's own config (tasks/arithmetic.py ArithmeticConfig)."""
+
+
+class EngineSettings(_Strict):
+    urls: list[str] = Field(default_factory=list)
+    """Running inference servers; empty: start one engine (SGLang with CUDA, else the CPU
+    engine) on the first learner rank's node."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the engine started here (0: a free one)."""
+    threads: int = Field(default=1, ge=1)
+    """torch threads of the CPU engine."""
+
+
+class RolloutSettings(_Strict):
+    temperature: float = Field(default=1.0, gt=0)
+    group_size: int = Field(default=1, ge=1)
+    """Rollouts per problem: 1 for FlashREINFORCE; G for group baselines (GRPO)."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    engine: EngineSettings = EngineSettings()
+
+
+class EvalSettings(_Strict):
+    every_steps: int = Field(default=10, ge=0)
+    """0: no periodic eval (the first and last still run)."""
+    problems: int = Field(default=200, ge=1)
+    repeats: int = Field(default=3, ge=1)
+    """Sampling passes over the held-out problems (temperature 1); the spread over passes is
+    reported as eval_accuracy_std."""
+
+
+class CheckpointSettings(_Strict):
+    every_steps: int = Field(default=10, ge=1)
+    keep: int = Field(default=2, ge=1)
+
+
+class RunConfig(_Strict):
+    steps: int = Field(ge=1)
+    """Optimizer steps (policy versions) to train."""
+    seed: int = 0
+    learner_ranks: int = Field(default=1, ge=1)
+    """Learner processes on this node when `megatron-fr train` starts them itself (torchrun
+    --nproc-per-node); under an existing torchrun/srun launch the environment decides."""
+    model: ModelSettings = ModelSettings()
+    task: TaskSettings = TaskSettings()
+    parallel: ParallelConfig = ParallelConfig()
+    learner: LearnerConfig = LearnerConfig()
+    buffer: BufferConfig
+    rollout: RolloutSettings = RolloutSettings()
+    weights: WeightSyncConfig = WeightSyncConfig()
+    eval: EvalSettings = EvalSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+
+    @model_validator(mode="after")
+    def _estimator_fits_group_size(self) -> RunConfig:
+        grouped = self.learner.estimator != "flash_reinforce"
+        if grouped and self.rollout.group_size < 2:
+            raise ValueError(
+                f"estimator {self.learner.estimator!r} needs rollout.group_size >= 2 "
+                "(rollouts per problem)"
+            )
+        if self.buffer.batch_size % self.rollout.group_size:
+            raise ValueError(
+                f"buffer.batch_size {self.buffer.batch_size} must be a multiple of "
+                f"rollout.group_size {self.rollout.group_size}"
+            )
+        return self
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """A copy of data with each ``a.b.c=value`` set (value parsed as YAML)."""
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {override!r} is not of the form dotted.key=value")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {override!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(text)
+    return data
+
+
+def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(recipe)
+    if not path.exists():
+        raise FileNotFoundError(f"recipe {path} not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    return RunConfig.model_validate(apply_overrides(data, list(overrides)))

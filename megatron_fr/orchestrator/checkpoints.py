@@ -1,0 +1,91 @@
+"""Run checkpoints: where they live, which one is the latest, and the controller's state.
+
+    RUN_DIR/checkpoints/step_00000010/learner/      model + optimizer + LR schedule (all ranks)
+                                      rng/rank<r>.pt  each rank's RNG states
+                                      controller.json step, version, buffer, prompt cursor
+    RUN_DIR/checkpoints/latest                        name of the newest COMPLETE checkpoint
+
+``latest`` is replaced (write + rename) only after every rank has finished writing, so a run
+killed at any moment resumes from a complete checkpoint. On resume, the per-step logs are cut
+back to that checkpoint's step: the steps after it are trained again, and numbered again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+LATEST = "latest"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{step:08d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = checkpoint_root(run_dir) / LATEST
+    if not pointer.exists():
+        return None
+    path = checkpoint_root(run_dir) / pointer.read_text().strip()
+    if not (path / "controller.json").exists():
+        raise FileNotFoundError(f"{pointer} names {path}, which is incomplete")
+    return path
+
+
+def mark_latest(run_dir: Path, checkpoint: Path, keep: int) -> None:
+    """Point `latest` at checkpoint (atomically) and delete all but the `keep` newest."""
+    pointer = checkpoint_root(run_dir) / LATEST
+    partial = pointer.with_suffix(".partial")
+    partial.write_text(checkpoint.name + "\n")
+    os.replace(partial, pointer)
+    steps = sorted(p for p in checkpoint_root(run_dir).glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_rng(checkpoint: Path, rank: int) -> None:
+    (checkpoint / "rng").mkdir(parents=True, exist_ok=True)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    torch.save(state, checkpoint / "rng" / f"rank{rank}.pt")
+
+
+def load_rng(checkpoint: Path, rank: int) -> None:
+    state = torch.load(checkpoint / "rng" / f"rank{rank}.pt", weights_only=False)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save_controller_state(checkpoint: Path, state: dict) -> None:
+    partial = checkpoint / "controller.json.partial"
+    partial.write_text(json.dumps(state))
+    os.replace(partial, checkpoint / "controller.json")
+
+
+def load_controller_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / "controller.json").read_text())
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the lines of a per-step log whose step is <= last_step (and drop a torn last line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line a kill cut short
+        if record.get("step", 0) <= last_step:
+            kept.append(line)
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(partial, path)

@@ -1,0 +1,53 @@
+"""`megatron-fr train RECIPE --run-dir DIR [dotted.key=value ...]` (also `python -m megatron_fr`).
+
+Started by hand, the command re-executes itself under torchrun with `learner_ranks` processes
+(same PID, so stopping it stops the run); started by torchrun or srun (RANK and WORLD_SIZE
+set), each process is one learner rank and runs the training loop. The same command resumes
+a run that was stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
+    parser.add_argument("--run-dir", required=True, type=Path, help="outputs; resumed if present")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value (value read as YAML)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from megatron_fr.config.run import load_run_config
+
+    try:
+        config = load_run_config(args.recipe, args.overrides)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"megatron-fr train: error: {error}", file=sys.stderr)
+        return 2
+    if "WORLD_SIZE" not in os.environ:
+        _exec_torchrun(config.learner_ranks, args)
+    import torch
+
+    from megatron_fr.orchestrator.controller import train
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)  # ranks and the CPU engine share the cores
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    train(config, args.run_dir)
+    return 0
+
+
+def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
+    from megatron_fr.parallel.spawn import free_port
+
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "megatron_fr", "train", str(args.recipe), "--run-dir", str(args.run_dir),
+        *args.overrides,
+    ]  # fmt: skip
+    os.execv(sys.executable, command)

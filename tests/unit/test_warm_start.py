@@ -1,0 +1,128 @@
+"""The supervised warm start: a loadable Qwen3-MoE directory, a falling loss, reuse for the
+same arguments, retraining for others, and generation/reward checked against an oracle."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_fr.learner.warm_start import (
+    MARKER,
+    PROBE_EVERY,
+    generate,
+    mean_reward,
+    warm_start,
+)
+from megatron_fr.tasks.arithmetic import (
+    EOS_ID,
+    VOCAB_SIZE,
+    ArithmeticConfig,
+    ArithmeticTask,
+    decode,
+    encode,
+    tiny_model_config,
+)
+
+SHORT = dict(steps=40, batch_size=16, lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short warm start shared by the tests that only read it."""
+    out = tmp_path_factory.mktemp("warm") / "policy"
+    report = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    return out, report
+
+
+def test_writes_a_loadable_qwen3_moe_directory(trained):
+    from transformers import AutoModelForCausalLM
+
+    out, report = trained
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
+    assert (out / "model.safetensors").is_file()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no partial left
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.get_input_embeddings().weight.shape[0] == VOCAB_SIZE
+    # The saved weights are the evaluated ones: the same held-out score comes back.
+    held_out = ArithmeticTask().problems("eval", report.eval_problems)
+    assert mean_reward(model, ArithmeticTask(), held_out, temperature=0.0) == pytest.approx(
+        report.greedy_accuracy
+    )
+
+
+def test_loss_goes_down(trained):
+    _, report = trained
+    assert report.initial_loss == pytest.approx(math.log(VOCAB_SIZE), abs=0.4)  # random init
+    assert report.final_loss < 0.8 * report.initial_loss
+    assert report.steps_run == SHORT["steps"] and report.eval_problems == 200
+    assert 0.0 <= report.greedy_accuracy <= 1.0 and 0.0 <= report.sampled_reward <= 1.0
+
+
+def test_same_arguments_reuse_the_directory(trained):
+    out, report = trained
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    again = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    assert again.reused and not report.reused
+    assert again.greedy_accuracy == report.greedy_accuracy and again.seconds == report.seconds
+    assert (out / "model.safetensors").stat().st_mtime_ns == weights
+
+
+def test_different_arguments_retrain_and_replace(tmp_path):
+    out = tmp_path / "policy"
+    first = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    weights = (out / "model.safetensors").read_bytes()
+    other = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=1, progress=False, **SHORT)
+    assert not other.reused and other.initial_loss != first.initial_loss
+    assert (out / "model.safetensors").read_bytes() != weights
+    assert json.loads((out / MARKER).read_text())["identity"]["seed"] == 1
+    task = ArithmeticTask(ArithmeticConfig(seed=5))  # a task change also retrains
+    assert not warm_start(out, task, tiny_model_config(), seed=1, progress=False, **SHORT).reused
+
+
+def test_refuses_a_directory_it_did_not_write(tmp_path):
+    (tmp_path / "weights.bin").write_text("someone else's")
+    with pytest.raises(FileExistsError, match=MARKER):
+        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), seed=0, **SHORT)
+    assert (tmp_path / "weights.bin").read_text() == "someone else's"
+
+
+def test_accuracy_stop_ends_training_at_the_first_probe_that_reaches_it(tmp_path):
+    report = warm_start(
+        tmp_path / "policy",
+        ArithmeticTask(),
+        tiny_model_config(),
+        seed=0,
+        stop_at_accuracy=0.0,  # any probe reaches it
+        progress=False,
+        **SHORT,
+    )
+    assert report.steps_run == PROBE_EVERY
+
+
+class Oracle(torch.nn.Module):
+    """Logits that put (almost) all mass on the correct next token of "<bos>aa+bb=answer<eos>",
+    computed from the text of the ids so far."""
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        logits = torch.full((*input_ids.shape, VOCAB_SIZE), -30.0)
+        for row, ids in enumerate(input_ids.tolist()):
+            prompt, written = decode(ids).removeprefix("<bos>").split("=")
+            a, b = prompt.split("+")
+            target = encode(str(int(a) + int(b)) + "<eos>")
+            next_id = target[len(written)] if len(written) < len(target) else EOS_ID
+            logits[row, -1, next_id] = 30.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_generation_stops_after_eos_and_an_oracle_scores_one():
+    task = ArithmeticTask()
+    problems = task.problems("eval", 30)
+    greedy = generate(Oracle(), task, problems, temperature=0.0)
+    assert greedy == [task.target_ids(problem) for problem in problems]
+    assert mean_reward(Oracle(), task, problems, temperature=0.0) == 1.0
+    assert mean_reward(Oracle(), task, problems, temperature=1.0, seed=3) == 1.0
