@@ -18,6 +18,10 @@ class LearnerConfig(BaseModel):
     several rollouts per prompt (RunConfig.rollout.group_size)."""
     flash_reinforce: FlashReinforceConfig = FlashReinforceConfig()
     """The trust-region gate and negative-token filter (used by every estimator)."""
+    moe_aux_loss_coeff: float | None = Field(default=0.0, ge=0)
+    """Router load-balancing loss during RL; None keeps the checkpoint's router_aux_loss_coef.
+    Off by default: RL fine-tunes a balanced pretrained router, and the extra loss is not part
+    of the policy-gradient objective."""
     micro_batch_tokens: int = Field(default=4096, ge=1)
     """Per-rank token budget of one micro-batch (rows x padded width)."""
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"

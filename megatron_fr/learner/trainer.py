@@ -11,11 +11,13 @@ schedule divides each micro-batch's loss by the number of micro-batches and DDP 
 gradients by 1 / DP. The loss handed to megatron is therefore share * M * DP, which makes the
 gradient that of L exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
-scaling (their mean over micro-batches and DP).
+scaling (their mean over micro-batches and DP); they are off by default during RL
+(LearnerConfig.moe_aux_loss_coeff).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from functools import partial
 from pathlib import Path
@@ -70,6 +72,8 @@ class Learner:
 
         if parallel.context > 1:
             raise ValueError("context parallelism is not supported by the learner yet (CP=1)")
+        if config.moe_aux_loss_coeff is not None:
+            spec = dataclasses.replace(spec, router_aux_loss_coef=config.moe_aux_loss_coeff)
         self.spec, self.parallel, self.config = spec, parallel, config
         dtype = DTYPES[config.params_dtype]
         with cpu_device_mode():

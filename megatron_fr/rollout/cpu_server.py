@@ -75,12 +75,18 @@ class CpuServer:
 
     def __init__(self, engine: CpuEngine, max_concurrency: int = 32):
         self.engine = engine
-        self.pool = ThreadPoolExecutor(max_workers=max_concurrency + 4)
+        self.pool = ThreadPoolExecutor(max_workers=max_concurrency)
+        # Weight updates get threads of their own: requests waiting out a pause hold every
+        # generation thread, and the update that would end the pause must still run.
+        self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.session_open = False  # SGLang's begin/end weight-update session
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _control(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn, *args)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1024**3, middlewares=[_errors_as_json])
@@ -193,7 +199,7 @@ class CpuServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await request.json()
         name = _field(body, "group_name", str, "weight_update_group")
-        group = await self._run(
+        group = await self._control(
             lambda: create_weight_update_group(
                 _field(body, "master_address", str),
                 _field(body, "master_port", int),
@@ -247,13 +253,13 @@ class CpuServer:
                 tensors.append((name, tensor))
             return self.engine.load_named_tensors(tensors)
 
-        count = await self._run(receive)
+        count = await self._control(receive)
         self._maybe_set_version(body)
         return web.json_response({"success": True, "message": f"updated {count} tensors"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
-        count = await self._run(self.engine.load_from_disk, _field(body, "model_path", str))
+        count = await self._control(self.engine.load_from_disk, _field(body, "model_path", str))
         self._maybe_set_version(body)
         return web.json_response(
             {"success": True, "message": f"loaded {count} tensors", "num_paused_requests": 0}

@@ -24,12 +24,13 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-def serve(model_dir, scenario):
+def serve(model_dir, scenario, max_concurrency: int = 32):
     """Run `await scenario(client, engine)` against a fresh server on the given model."""
     engine = CpuEngine(model_dir)
 
     async def main():
-        async with TestClient(TestServer(CpuServer(engine).app())) as client:
+        server = CpuServer(engine, max_concurrency)
+        async with TestClient(TestServer(server.app())) as client:
             return await scenario(client, engine)
 
     return asyncio.run(main())
@@ -199,3 +200,20 @@ def test_update_from_disk_serves_the_new_weights_and_bad_input_is_a_400(checkpoi
     assert "no.such.weight" in errors[2][1] and "sideways" in errors[3][1]
     assert "between begin_weight_update() and end_weight_update()" in errors[4][1]
     assert "no weight-update session" in errors[5][1]
+
+
+def test_a_weight_update_runs_while_paused_requests_hold_every_generation_thread(checkpoints):
+    async def scenario(client, _engine):
+        await client.post("/pause_generation", json={"mode": "in_place"})
+        waiting = [asyncio.create_task(client.post("/generate", json=body(2))) for _ in range(6)]
+        await asyncio.sleep(0.3)  # more waiting requests than generation threads
+        update = client.post(
+            "/update_weights_from_disk", json={"model_path": str(checkpoints / "b")}
+        )
+        answer = await asyncio.wait_for(update, timeout=30)
+        await client.post("/continue_generation", json={})
+        done = [await (await task).json() for task in waiting]
+        return answer.status, done
+
+    status, done = serve(checkpoints / "a", scenario, max_concurrency=2)
+    assert status == 200 and all(len(d["output_ids"]) == 2 for d in done)
