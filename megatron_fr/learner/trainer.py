@@ -121,9 +121,19 @@ class Learner:
 
     def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float64)
-        groups = None if self.config.estimator == "flash_reinforce" else prompt_groups(batch)
-        advantages = compute_advantages(self.config.estimator, rewards, groups)
         failures = rewards <= 0 if self.config.flash_reinforce.negative_token_fraction < 1 else None
+        if self.config.estimator == "flash_reinforce":
+            advantages = compute_advantages("flash_reinforce", rewards)
+            return GlobalBatch(advantages=advantages.float(), failures=failures)
+        # A group whose other rollouts were dropped as too old has no baseline: advantage 0.
+        groups = prompt_groups(batch)
+        _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+        grouped = counts[inverse] >= 2
+        advantages = torch.zeros_like(rewards)
+        if grouped.any():
+            advantages[grouped] = compute_advantages(
+                self.config.estimator, rewards[grouped], groups[grouped]
+            )
         return GlobalBatch(advantages=advantages.float(), failures=failures)
 
     def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):

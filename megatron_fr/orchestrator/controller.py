@@ -76,6 +76,8 @@ def train(config: RunConfig, run_dir: Path) -> None:
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())
+        if rank0:
+            print(f"resumed from {resume_from} (step {learner.steps_done})", flush=True)
     session = RolloutSession(config, task, spec, hf_dir, run_dir, rank0, resume_from)
     try:
         session.start(learner)

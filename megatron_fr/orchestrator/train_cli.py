@@ -30,6 +30,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if "WORLD_SIZE" not in os.environ:
         _exec_torchrun(config.learner_ranks, args)
+    from megatron_fr.utils.parent_watch import exit_when_parent_dies
+
+    exit_when_parent_dies()  # torchrun runs ranks in sessions of their own
     import torch
 
     from megatron_fr.orchestrator.controller import train

@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,6 +26,7 @@ import torch
 from aiohttp import web
 
 from megatron_fr.rollout.cpu_engine import CpuEngine, Output, Sampling
+from megatron_fr.utils.parent_watch import exit_when_parent_dies
 from megatron_fr.weights.group import WeightUpdateGroup, create_weight_update_group
 
 log = logging.getLogger("megatron_fr.cpu_server")
@@ -305,17 +303,6 @@ async def _errors_as_json(request: web.Request, handler):
         return web.json_response({"error": {"message": str(error)}}, status=400)
 
 
-def _exit_with(parent_pid: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                log.info("parent %d is gone; exiting", parent_pid)
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", required=True, help="HF model directory")
@@ -333,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.parent_pid:
-        _exit_with(args.parent_pid)
+        exit_when_parent_dies(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
