@@ -100,8 +100,9 @@ def test_sigkill_mid_run_then_the_same_command_resumes(demo_run, tmp_path):
     finally:
         os.kill(process.pid, signal.SIGKILL)  # the run's top process, as a scheduler would
         process.wait()
-    killed_at = max(r["step"] for r in records(run_dir))
     time.sleep(3)  # ranks and the engine notice their parent is gone within a second
+    killed_at = max(r["step"] for r in records(run_dir))
+    time.sleep(3)
     assert max(r["step"] for r in records(run_dir)) == killed_at, "ranks outlived the kill"
     assert killed_at < 30
     result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)
