@@ -20,26 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    smoke_parser = commands.add_parser(
-        "smoke", help="CPU smoke run: a tiny megatron GPT learns a toy reward (gloo ranks)"
-    )
-    smoke.add_arguments(smoke_parser)
-    smoke_parser.set_defaults(run=smoke.main)
-    convert_parser = commands.add_parser(
-        "convert", help="HF <-> megatron checkpoint conversion and logit verification"
-    )
-    convert.add_arguments(convert_parser)
-    convert_parser.set_defaults(run=convert.run)
-    train_parser = commands.add_parser(
-        "train", help="train from a recipe (starts the learner ranks, engines and rollouts)"
-    )
-    train_cli.add_arguments(train_parser)
-    train_parser.set_defaults(run=train_cli.main)
-    plot_parser = commands.add_parser(
-        "plot", help="PNG of reward, acceptance, lag and eval accuracy of a run directory"
-    )
-    plot.add_arguments(plot_parser)
-    plot_parser.set_defaults(run=plot.main)
+    subcommands = (  # name, module with add_arguments and the function to run, help
+        ("train", train_cli, train_cli.main,
+         "train from a recipe (starts the learner ranks, engines and rollouts)"),
+        ("plot", plot, plot.main,
+         "PNG of reward, acceptance, lag and eval accuracy of a run directory"),
+        ("convert", convert, convert.run,
+         "HF <-> megatron checkpoint conversion and logit verification"),
+        ("smoke", smoke, smoke.main,
+         "CPU smoke run: a tiny megatron GPT learns a toy reward (gloo ranks)"),
+    )  # fmt: skip
+    for name, module, run, help_text in subcommands:
+        sub = commands.add_parser(name, help=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(run=run)
     return parser
 
 
