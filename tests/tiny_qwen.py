@@ -63,3 +63,10 @@ def saved_tensors(directory) -> dict[str, torch.Tensor]:
     for file in sorted(Path(directory).glob("*.safetensors")):
         tensors.update(load_file(file))
     return tensors
+
+
+def to_megatron_on_rank(rank: int, world_size: int, hf_dir: str, out: str) -> None:
+    """For run_on_ranks(..., 1): convert an HF directory into a megatron dist checkpoint."""
+    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
+
+    hf_to_megatron_checkpoint(hf_dir, out, progress=False)

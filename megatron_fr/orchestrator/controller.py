@@ -26,14 +26,9 @@ from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.session import RolloutSession
 from megatron_fr.parallel.spawn import standalone_env
+from megatron_fr.parallel.state import broadcast_from_rank0
 
 REPO_TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
-
-def _broadcast(value, src: int = 0):
-    box = [value]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def prepare_model(config: RunConfig, task, run_dir: Path) -> tuple[Path, Path]:
@@ -66,7 +61,9 @@ def train(config: RunConfig, run_dir: Path) -> None:
     state.initialize(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
     task = TASKS[config.task.name](CONFIGS[config.task.name](**config.task.options))
-    hf_dir, megatron_dir = _broadcast(prepare_model(config, task, run_dir) if rank0 else None)
+    hf_dir, megatron_dir = broadcast_from_rank0(
+        prepare_model(config, task, run_dir) if rank0 else None
+    )
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     learner = Learner(
         spec, config.parallel, config.learner, total_steps=config.steps,
@@ -92,7 +89,7 @@ def _loop(config: RunConfig, run_dir: Path, learner, session: RolloutSession) ->
         session.evaluate(step)
     while step < config.steps:
         started = time.monotonic()
-        batch = _broadcast(session.next_batch(version=step))
+        batch = broadcast_from_rank0(session.next_batch(version=step))
         metrics = learner.train_step(batch, pad_id=session.pad_id)
         step += 1
         sync = session.sync(learner, version=step)

@@ -12,8 +12,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
@@ -21,18 +19,13 @@ from megatron_fr.orchestrator.prompts import PromptSource
 from megatron_fr.orchestrator.rollouts import RolloutWorkers, problem_of
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
 from megatron_fr.parallel.spawn import free_port
+from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.client import RolloutClientConfig
 from megatron_fr.rollout.protocol import SamplingParams
 from megatron_fr.weights.sync import SyncReport, WeightSync
 from megatron_fr.weights.transports import Engine
 
 BATCHES_FILE = "batches.jsonl"
-
-
-def _broadcast(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class RolloutSession:
@@ -52,8 +45,10 @@ class RolloutSession:
         version = learner.steps_done
         if self.rank0:
             self._open_logs(version)
-        urls = _broadcast(self._engine_urls() if self.rank0 else None)
-        port = self.config.weights.master_port or _broadcast(free_port() if self.rank0 else None)
+        urls = broadcast_from_rank0(self._engine_urls() if self.rank0 else None)
+        port = self.config.weights.master_port or broadcast_from_rank0(
+            free_port() if self.rank0 else None
+        )
         weights = self.config.weights.model_copy(update={"master_port": port})
         self.weight_sync = WeightSync.from_config(weights, [Engine(u) for u in urls], self.spec)
         self.weight_sync.connect()

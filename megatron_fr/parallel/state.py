@@ -69,6 +69,13 @@ def initialize_single_process(config: ParallelConfig | None = None, seed: int | 
     initialize(config or ParallelConfig(), seed)
 
 
+def broadcast_from_rank0(value):
+    """Rank 0's value on every rank (any picklable object; a collective of the default group)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def destroy() -> None:
     """Tear down megatron's groups (the default group is left to its owner)."""
     if parallel_state.model_parallel_is_initialized():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_qwen import TINY
+from tiny_qwen import TINY, to_megatron_on_rank
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.parallel.spawn import run_on_ranks
@@ -101,7 +101,7 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3_moe"](**CONFIG))
     model.save_pretrained(tmp_path / "hf")
-    run_on_ranks(_convert, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     batch = random_batch()
     loss, acceptance, grad_norm = reference(tmp_path / "hf", batch)
     assert 0 < acceptance < 1, "the gate should split this batch"
@@ -118,9 +118,3 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
         assert metrics["update_successful"] == 1.0 and metrics["lr"] == pytest.approx(1e-3)
         assert second["loss"] != metrics["loss"], f"{where}: the step changed nothing"
         assert again == second and steps == 2, f"{where}: resuming from the checkpoint differs"
-
-
-def _convert(rank: int, world_size: int, hf_dir: str, out: str) -> None:
-    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
-
-    hf_to_megatron_checkpoint(hf_dir, out, progress=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_qwen import saved_tensors, tiny_checkpoint
+from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
 from megatron_fr.parallel.spawn import free_port, run_on_ranks
@@ -84,12 +84,9 @@ def test_reshard_from_any_layout_equals_the_converter_output(tmp_path):
 
 
 def _convert_both_ways(rank: int, world_size: int, hf_dir: str, megatron_dir: str, back: str):
-    from megatron_fr.convert.checkpoint import (
-        hf_to_megatron_checkpoint,
-        megatron_to_hf_checkpoint,
-    )
+    from megatron_fr.convert.checkpoint import megatron_to_hf_checkpoint
 
-    hf_to_megatron_checkpoint(hf_dir, megatron_dir, progress=False)
+    to_megatron_on_rank(rank, world_size, hf_dir, megatron_dir)
     megatron_to_hf_checkpoint(megatron_dir, back, progress=False)
 
 
@@ -267,11 +264,5 @@ def _trained_checkpoint(tmp_path: Path):
     """The learner's weights: the same architecture, other random weights (seed 1)."""
     learner_hf = tmp_path / "learner_hf"
     result = tiny_checkpoint("qwen3_moe", learner_hf, seed=1)
-    run_on_ranks(_to_megatron, 1, str(learner_hf), str(tmp_path / "learner.m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(learner_hf), str(tmp_path / "learner.m"))
     return result
-
-
-def _to_megatron(rank: int, world_size: int, hf_dir: str, out: str) -> None:
-    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
-
-    hf_to_megatron_checkpoint(hf_dir, out, progress=False)

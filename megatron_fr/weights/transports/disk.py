@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 from megatron_fr.convert.hf_files import INDEX_NAME, ShardedSafetensorsWriter
@@ -22,20 +21,18 @@ class DiskTransport(WeightTransport):
         super().__init__(engines, timeout_s)
         self.directory = Path(directory)
         self._writer: ShardedSafetensorsWriter | None = None
-        self._lock = threading.Lock()
 
     def connect(self, stage: int) -> None:
         self.stage_dir = self.directory / f"stage-{stage}"
         self.stage_dir.mkdir(parents=True, exist_ok=True)
 
     def send(self, bucket: Bucket) -> None:
-        with self._lock:
-            if self._writer is None:
-                for old in self.stage_dir.glob("*"):
-                    old.unlink()
-                self._writer = ShardedSafetensorsWriter(self.stage_dir, max_shard_bytes=2**62)
-            for name, tensor in bucket:
-                self._writer.add(name, tensor)
+        if self._writer is None:
+            for old in self.stage_dir.glob("*"):
+                old.unlink()
+            self._writer = ShardedSafetensorsWriter(self.stage_dir, max_shard_bytes=2**62)
+        for name, tensor in bucket:
+            self._writer.add(name, tensor)
 
     def finish_stage(self) -> None:
         if self._writer is not None:
