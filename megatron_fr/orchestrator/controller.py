@@ -31,17 +31,30 @@ from megatron_fr.parallel.state import broadcast_from_rank0
 REPO_TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
-def prepare_model(config: RunConfig, task, run_dir: Path) -> tuple[Path, Path]:
-    """(HF dir the engine serves first, megatron dir the learner starts from), made on rank 0:
-    the task's tiny model warm-started by supervised training when no hf_dir is given."""
+def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
+    """The HF directory the engines serve first: model.hf_dir when the recipe names one,
+    otherwise the task's tiny model warm-started into run_dir/warm_start (reused when made
+    with the same settings). Runs in one process, before or without the learner ranks."""
     from megatron_fr.learner.warm_start import DEFAULT_WARM_START, warm_start
+    from megatron_fr.tasks import build_task
     from megatron_fr.tasks.arithmetic import tiny_model_config
 
-    hf_dir = Path(config.model.hf_dir) if config.model.hf_dir else run_dir / "warm_start"
-    if not config.model.hf_dir:
-        settings = DEFAULT_WARM_START | config.model.warm_start
-        report = warm_start(hf_dir, task, tiny_model_config(), seed=config.seed, **settings)
-        print(f"warm start: {report}", flush=True)
+    if config.model.hf_dir:
+        hf_dir = Path(config.model.hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise FileNotFoundError(f"model.hf_dir {hf_dir}: no config.json there")
+        return hf_dir
+    hf_dir = run_dir / "warm_start"
+    task = build_task(config.task.name, config.task.options)
+    settings = DEFAULT_WARM_START | config.model.warm_start
+    report = warm_start(hf_dir, task, tiny_model_config(), seed=config.seed, **settings)
+    print(f"warm start: {report}", flush=True)
+    return hf_dir
+
+
+def prepare_model(config: RunConfig, run_dir: Path) -> tuple[Path, Path]:
+    """(HF dir the engine serves first, megatron dir the learner starts from), made on rank 0."""
+    hf_dir = prepare_hf_model(config, run_dir)
     megatron_dir = run_dir / "init_megatron"
     if not megatron_dir.exists():
         subprocess.run(
@@ -56,14 +69,12 @@ def train(config: RunConfig, run_dir: Path) -> None:
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.parallel import state
-    from megatron_fr.tasks import CONFIGS, TASKS
+    from megatron_fr.tasks import build_task
 
     state.initialize(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
-    task = TASKS[config.task.name](CONFIGS[config.task.name](**config.task.options))
-    hf_dir, megatron_dir = broadcast_from_rank0(
-        prepare_model(config, task, run_dir) if rank0 else None
-    )
+    task = build_task(config.task.name, config.task.options)
+    hf_dir, megatron_dir = broadcast_from_rank0(prepare_model(config, run_dir) if rank0 else None)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     learner = Learner(
         spec, config.parallel, config.learner, total_steps=config.steps,
@@ -83,8 +94,16 @@ def train(config: RunConfig, run_dir: Path) -> None:
         session.close()
 
 
+STOP_FILE = "STOP"
+"""Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
+current step with a checkpoint of that step; the same command then resumes from there."""
+
+
 def _loop(config: RunConfig, run_dir: Path, learner, session: RolloutSession) -> None:
     step = learner.steps_done
+    stop_file = run_dir / STOP_FILE
+    if dist.get_rank() == 0:
+        stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
     if step == 0:
         session.evaluate(step)
     while step < config.steps:
@@ -97,8 +116,14 @@ def _loop(config: RunConfig, run_dir: Path, learner, session: RolloutSession) ->
         last = step == config.steps
         if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
             session.evaluate(step)
-        if last or step % config.checkpoint.every_steps == 0:
+        stop = broadcast_from_rank0(stop_file.exists() if dist.get_rank() == 0 else None)
+        if last or stop or step % config.checkpoint.every_steps == 0:
             save_checkpoint(config, run_dir, learner, session, step)
+        if stop and not last:
+            if dist.get_rank() == 0:
+                stop_file.unlink(missing_ok=True)
+                print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
+            return
 
 
 def save_checkpoint(config: RunConfig, run_dir: Path, learner, session, step: int) -> None:

@@ -69,9 +69,9 @@ class ServerLaunchConfig(BaseModel):
     log_dir: Path = Path("logs")
     """Where server-<port>.log goes."""
     engine: Literal["auto", "sglang", "cpu"] = "auto"
+    """auto: SGLang when CUDA is available, else the CPU engine."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
-    """auto: SGLang when CUDA is available, else the CPU engine."""
 
     @model_validator(mode="after")
     def _check_layout(self) -> ServerLaunchConfig:
@@ -111,9 +111,10 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     return cmd + list(cfg.extra_args)
 
 
-def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
+def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
     """argv of the CPU engine, which runs one process with no parallel layout and takes no other
-    flags: settings it cannot honour are refused rather than silently dropped."""
+    flags: settings it cannot honour are refused rather than silently dropped. With
+    watch_parent the engine exits when this process does (it was started as a child)."""
     unsupported = {
         name: getattr(cfg, name)
         for name in ("tp_size", "ep_size", "dp_size", "nnodes")
@@ -126,21 +127,11 @@ def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
     if unsupported:
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
-    return [
-        sys.executable,
-        "-m",
-        "megatron_fr.rollout.cpu_server",
-        "--model-path",
-        cfg.model_path,
-        "--host",
-        cfg.host,
-        "--port",
-        str(cfg.port),
-        "--threads",
-        str(cfg.cpu_threads),
-        "--parent-pid",
-        str(os.getpid()),
-    ]
+    command = [
+        sys.executable, "-m", "megatron_fr.rollout.cpu_server", "--model-path", cfg.model_path,
+        "--host", cfg.host, "--port", str(cfg.port), "--threads", str(cfg.cpu_threads),
+    ]  # fmt: skip
+    return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
 
 
 def resolve_engine(cfg: ServerLaunchConfig) -> Literal["sglang", "cpu"]:
@@ -151,8 +142,12 @@ def resolve_engine(cfg: ServerLaunchConfig) -> Literal["sglang", "cpu"]:
     return "sglang" if torch.cuda.is_available() else "cpu"
 
 
-def server_command(cfg: ServerLaunchConfig) -> list[str]:
-    return sglang_command(cfg) if resolve_engine(cfg) == "sglang" else cpu_engine_command(cfg)
+def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
+    """argv of the server `cfg` resolves to; watch_parent as in cpu_engine_command (SGLang's
+    own processes are stopped through their process group instead)."""
+    if resolve_engine(cfg) == "sglang":
+        return sglang_command(cfg)
+    return cpu_engine_command(cfg, watch_parent)
 
 
 def live_group_members(pgid: int) -> list[int]:

@@ -34,4 +34,14 @@ class Task(Protocol):
 TASKS: dict[str, type[ArithmeticTask]] = {"arithmetic": ArithmeticTask}
 CONFIGS: dict[str, type[BaseModel]] = {"arithmetic": ArithmeticConfig}
 
-__all__ = ["CONFIGS", "TASKS", "ArithmeticConfig", "ArithmeticTask", "Problem", "Task"]
+
+def build_task(name: str, options: dict) -> Task:
+    """The task registered as `name`, configured by `options` (validated by its config)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
+    return TASKS[name](CONFIGS[name](**options))
+
+
+__all__ = [
+    "CONFIGS", "TASKS", "ArithmeticConfig", "ArithmeticTask", "Problem", "Task", "build_task",
+]  # fmt: skip

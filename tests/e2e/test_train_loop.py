@@ -133,3 +133,35 @@ def test_grpo_runs_from_the_same_recipe(demo_run, tmp_path):
     for prompt_id in batches[0]["prompt_ids"]:
         groups.setdefault(prompt_id.split("#")[0], []).append(prompt_id)
     assert max(len(members) for members in groups.values()) == 4  # G rollouts of one problem
+
+
+@pytest.mark.distributed
+def test_stop_file_checkpoints_and_ends_the_run_then_it_resumes(demo_run, tmp_path):
+    """The preemption path a Slurm USR1 trap takes: RUN_DIR/STOP ends the run after the current
+    step with that step's checkpoint (exit 0); the same command resumes from it."""
+    run_dir = tmp_path / "run"
+    command = train_command(
+        run_dir, "steps=8", "checkpoint.every_steps=100", f"model.hf_dir={demo_run / 'warm_start'}"
+    )
+    process = subprocess.Popen(command, env=run_env(), stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+                  and max((r.get("step", 0) for r in records(run_dir)), default=0) >= 2,
+                  600, "step 2")  # fmt: skip
+        (run_dir / "STOP").touch()
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output[-2000:]
+    stopped = re.search(r"stopped on request at step (\d+)", output)
+    assert stopped, output[-2000:]
+    stopped_at = int(stopped.group(1))
+    assert 2 <= stopped_at < 8 and not (run_dir / "STOP").exists()
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:08d}"
+    result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"(step {stopped_at})" in result.stdout
+    assert [r["step"] for r in records(run_dir) if "reward_mean" in r] == list(range(1, 9))

@@ -106,6 +106,8 @@ def test_cpu_engine_command() -> None:
         "--threads", "1", "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
     assert server_command(cfg) == cpu_engine_command(cfg)
+    # `megatron-fr serve` execs the engine in its own place: no parent to watch.
+    assert server_command(cfg, watch_parent=False) == cpu_engine_command(cfg)[:-2]
 
 
 def test_cpu_engine_refuses_what_it_cannot_honour() -> None:
