@@ -1,0 +1,385 @@
+"""Learner layout planner: is a TP/PP/CP/EP/ETP layout valid for a model and a GPU count, what
+does each GPU hold, and does it fit? Pure arithmetic on the HF config (no torch, no megatron),
+so launchers can refuse a layout before they allocate a cluster.
+
+    tools/plan_layout.py --model qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80 \
+        --tp 4 --ep 8 --etp 1
+
+Parameters per GPU (max over ranks, `params_per_gpu`), under megatron's sharding:
+  - non-expert weights of a layer: QKV (+ bias) and the output projection, and a dense MLP,
+    are split over TP; norms, q/k norms and the MoE router are replicated on every TP rank;
+  - expert weights: E/EP experts per rank, each split over ETP;
+  - the word embedding (first stage) and the output layer (last stage) are vocab-split over TP
+    (no vocabulary padding: the builder requires TP to divide the vocabulary); tied
+    embeddings under PP > 1 keep a copy on the last stage too; the final norm is on the last
+    stage; each stage holds L/PP layers.
+
+Bytes of model state per GPU, megatron's distributed optimizer with the learner's settings
+(learner/trainer.py: grad_reduce_in_fp32=True, use_distributed_optimizer=True). The megatron-core
+user guide ("Distributed Optimizer", docs.nvidia.com/megatron-core/developer-guide/latest/
+distrib_optimizer.html) gives bytes per parameter for data-parallel size d:
+    bf16 parameters, fp32 gradients: 6 + 12/d  (2 weight + 4 main grad + (4 master + 4 m + 4 v)/d)
+    fp32 parameters, fp32 gradients: 8 + 8/d   (4 weight + 4 grad + (4 m + 4 v)/d)
+with d the group the optimizer state is sharded over: DP x CP for non-expert parameters, the
+expert data-parallel size EDP = world / (ETP x EP x PP) for expert parameters.
+
+Activations per GPU, following Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models" (arXiv:2205.05198, Sec. 4): their per-layer s b h (34 + 5 a s / h)
+bytes (bf16, MHA, ungated 4h GeLU MLP) counted per token per layer, without the a s^2 terms,
+and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
+    attention  3h + 4q + 4kv  (+ 2q + 2kv with q/k norms)   [input 2h, Q 2q, K and V 4kv,
+                              core-attention output 2q, dropout mask h; MHA: q = kv = h, 11h]
+    norms      4h                                           [two norm inputs]
+    MLP        2h r + 6F + h                                [fc1 input 2h per routed copy,
+                              gate|up output 4F, activation output 2F, dropout mask h; their
+                              ungated 4h MLP: 2h + 8h + 8h + h = 19h]
+  with q = heads x head_dim, kv = kv_heads x head_dim; dense: r = 1, F = intermediate_size;
+  MoE: r = top-k, F = top-k x moe_intermediate_size (balanced routing: a rank's experts see as
+  many token copies as it sent). Flash attention never stores the a s^2 softmax tensors (the
+  part Korthikanti's selective recompute drops), so the estimate depends on tokens only.
+  Sequence parallelism is assumed whenever TP > 1 (megatron requires it for MoE with TP > 1),
+  so every term is divided by TP, and CP divides the tokens; a GPU holds T / (TP x CP) tokens
+  of a micro-batch of T tokens (LearnerConfig.micro_batch_tokens). The last stage adds the
+  output layer, 4h + 4V per token (final-norm and projection inputs, fp32 logits; their 4sbh/t
+  (1 + v/h)). 1F1B: stage s keeps PP - s micro-batches of its L/PP layers in flight.
+  With full recompute only each layer's input (2h per token) is kept, plus one layer's
+  working set while it is recomputed. Not counted: router logits, MoE permutation buffers,
+  the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator fragmentation
+  (the `reserve` allowance stands in for the last three).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.models.hf_config import HFModelSpec
+
+GIB = 2**30
+DEFAULT_RESERVE_GIB = 4.0
+"""Allowance for the CUDA context, NCCL buffers and fragmentation: a rule of thumb, not a
+measurement; pass another with --reserve-gb."""
+BYTES_PER_PARAM = {
+    # dtype: (weight, gradient, optimizer state before dividing by the shard group)
+    "bfloat16": (2, 4, 12),
+    "float32": (4, 4, 8),
+}
+
+
+class LayoutError(ValueError):
+    """A layout megatron (or this project's learner) cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters one GPU holds, split by how the optimizer shards them."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    params: ParamCounts
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Without recompute."""
+    activation_bytes_recompute: int
+    """With full recompute."""
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout's figures; the `peak` stage is the one with the most memory."""
+
+    world: int
+    parallel: ParallelConfig
+    is_moe: bool
+    data_parallel: int
+    expert_data_parallel: int
+    params_total: int
+    micro_batch_tokens: int
+    params_dtype: str
+    stages: tuple[StagePlan, ...]
+    gpu_mem_bytes: int | None
+    reserve_bytes: int
+
+    @property
+    def params_per_gpu(self) -> int:
+        return max(stage.params.total for stage in self.stages)
+
+    def peak_bytes(self, recompute: bool) -> int:
+        return max(
+            s.state_bytes + (s.activation_bytes_recompute if recompute else s.activation_bytes)
+            for s in self.stages
+        )
+
+    def fits(self, recompute: bool) -> bool | None:
+        """None when no GPU memory was given."""
+        if self.gpu_mem_bytes is None:
+            return None
+        return self.peak_bytes(recompute) + self.reserve_bytes <= self.gpu_mem_bytes
+
+    def to_dict(self) -> dict:
+        """The --json form: integers are parameter counts or bytes."""
+        p = self.parallel
+        peak = max(self.stages, key=lambda s: s.state_bytes + s.activation_bytes)
+        return dict(
+            world=self.world,
+            layout=dict(
+                tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert,
+                etp=p.effective_expert_tensor, dp=self.data_parallel,
+                edp=self.expert_data_parallel, sequence_parallel=p.tensor > 1,
+            ),
+            params_total=self.params_total,
+            params_per_gpu=self.params_per_gpu,
+            params_dtype=self.params_dtype,
+            micro_batch_tokens=self.micro_batch_tokens,
+            per_gpu=dict(
+                stage=peak.stage, dense_params=peak.params.dense, expert_params=peak.params.expert,
+                weight_bytes=peak.weight_bytes, grad_bytes=peak.grad_bytes,
+                optimizer_bytes=peak.optimizer_bytes, state_bytes=peak.state_bytes,
+                activation_bytes=peak.activation_bytes,
+                activation_bytes_recompute=peak.activation_bytes_recompute,
+            ),
+            peak_bytes=self.peak_bytes(recompute=False),
+            peak_bytes_recompute=self.peak_bytes(recompute=True),
+            gpu_mem_bytes=self.gpu_mem_bytes,
+            reserve_bytes=self.reserve_bytes,
+            fits=self.fits(recompute=False),
+            fits_recompute=self.fits(recompute=True),
+            stages=[asdict(s) | {"state_bytes": s.state_bytes} for s in self.stages],
+        )  # fmt: skip
+
+
+def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
+    """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs.
+
+    The model rules are those models/gpt.py check_layout enforces at build time (restated
+    here because that module imports torch), plus the world-size rules of ParallelConfig."""
+    try:
+        parallel.validate_world(world)
+    except ValueError as error:
+        raise LayoutError(str(error)) from None
+    tp, groups = parallel.tensor, spec.num_key_value_heads
+    if groups % tp:
+        raise LayoutError(
+            f"TP {tp} does not divide the {groups} query groups (num_key_value_heads): "
+            f"TP shards whole groups, so TP must be one of {_divisors(groups)}"
+        )
+    if spec.vocab_size % tp:
+        raise LayoutError(f"TP {tp} does not divide vocab_size {spec.vocab_size}")
+    if spec.num_layers % parallel.pipeline:
+        raise LayoutError(f"PP {parallel.pipeline} does not divide the {spec.num_layers} layers")
+    if parallel.context > 1:
+        raise LayoutError("CP > 1: the learner does not support context parallelism yet")
+    if not spec.is_moe:
+        if parallel.expert > 1:
+            raise LayoutError(f"EP {parallel.expert} set for a dense model (no experts)")
+        if spec.intermediate_size % tp:
+            raise LayoutError(f"TP {tp} does not divide intermediate_size {spec.intermediate_size}")
+        return
+    if spec.num_experts % parallel.expert:
+        raise LayoutError(f"EP {parallel.expert} does not divide the {spec.num_experts} experts")
+    etp = parallel.effective_expert_tensor
+    if spec.moe_intermediate_size % etp:
+        raise LayoutError(
+            f"ETP {etp} does not divide moe_intermediate_size {spec.moe_intermediate_size}"
+        )
+
+
+def layer_params(spec: HFModelSpec) -> dict[str, int]:
+    """Parameters of one decoder layer by how they shard: tp (split over TP), replicated,
+    expert (all experts together)."""
+    h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
+    qkv_out = q + 2 * kv
+    tp_split = h * qkv_out + (qkv_out if spec.qkv_bias else 0) + q * h
+    replicated = 2 * h + (2 * spec.head_dim if spec.qk_layernorm else 0)
+    if spec.is_moe:
+        replicated += spec.num_experts * h  # router
+        expert = spec.num_experts * 3 * h * spec.moe_intermediate_size
+    else:
+        tp_split += 3 * h * spec.intermediate_size
+        expert = 0
+    return dict(tp=tp_split, replicated=replicated, expert=expert)
+
+
+def total_params(spec: HFModelSpec) -> int:
+    per_layer = sum(layer_params(spec).values())
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return spec.num_layers * per_layer + embeddings + spec.hidden_size  # + final norm
+
+
+def stage_params(spec: HFModelSpec, parallel: ParallelConfig, stage: int) -> ParamCounts:
+    tp, pp, ep = parallel.tensor, parallel.pipeline, parallel.expert
+    etp = parallel.effective_expert_tensor
+    layers = spec.num_layers // pp
+    layer = layer_params(spec)
+    dense = layers * (layer["tp"] // tp + layer["replicated"])
+    expert = layers * layer["expert"] // (ep * etp)
+    embedding = spec.vocab_size * spec.hidden_size // tp
+    if stage == 0:
+        dense += embedding
+    if stage == pp - 1:
+        dense += spec.hidden_size  # final norm
+        if not spec.tie_word_embeddings or pp > 1:
+            dense += embedding  # output layer, or the tied copy on the last stage
+    return ParamCounts(dense=dense, expert=expert)
+
+
+def activation_bytes_per_token_layer(spec: HFModelSpec) -> int:
+    """Bytes one token leaves for the backward in one layer, no recompute (module docstring)."""
+    h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
+    attention = 3 * h + 4 * q + 4 * kv + (2 * q + 2 * kv if spec.qk_layernorm else 0)
+    norms = 4 * h
+    if spec.is_moe:
+        copies = spec.num_experts_per_tok
+        width = spec.num_experts_per_tok * spec.moe_intermediate_size
+    else:
+        copies, width = 1, spec.intermediate_size
+    mlp = 2 * h * copies + 6 * width + h
+    return attention + norms + mlp
+
+
+def plan_layout(
+    spec: HFModelSpec,
+    parallel: ParallelConfig,
+    world: int,
+    *,
+    micro_batch_tokens: int,
+    params_dtype: str = "bfloat16",
+    gpu_mem_gib: float | None = None,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+) -> Plan:
+    """The figures of a layout; LayoutError if it is invalid (check_layout)."""
+    check_layout(spec, parallel, world)
+    weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
+    tp, pp, cp = parallel.tensor, parallel.pipeline, parallel.context
+    dp = parallel.data_parallel_size(world)
+    edp = world // (parallel.effective_expert_tensor * parallel.expert * pp)
+    tokens = micro_batch_tokens / (tp * cp)  # this GPU's share of a micro-batch
+    per_layer = tokens * activation_bytes_per_token_layer(spec)
+    layer_input = tokens * 2 * spec.hidden_size
+    output = tokens * (4 * spec.hidden_size + 4 * spec.vocab_size)
+    layers = spec.num_layers // pp
+    stages = []
+    for stage in range(pp):
+        params = stage_params(spec, parallel, stage)
+        in_flight = pp - stage
+        last = output if stage == pp - 1 else 0
+        stages.append(
+            StagePlan(
+                stage=stage,
+                params=params,
+                weight_bytes=params.total * weight_b,
+                grad_bytes=params.total * grad_b,
+                optimizer_bytes=params.dense * optim_b // (dp * cp)
+                + params.expert * optim_b // edp,
+                activation_bytes=int(in_flight * layers * per_layer + last),
+                activation_bytes_recompute=int(in_flight * layers * layer_input + per_layer + last),
+            )
+        )
+    return Plan(
+        world=world, parallel=parallel, is_moe=spec.is_moe, data_parallel=dp,
+        expert_data_parallel=edp,
+        params_total=total_params(spec), micro_batch_tokens=micro_batch_tokens,
+        params_dtype=params_dtype, stages=tuple(stages),
+        gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
+        reserve_bytes=int(reserve_gib * GIB),
+    )  # fmt: skip
+
+
+def enumerate_layouts(
+    spec: HFModelSpec, world: int, gpus_per_node: int, **plan_kwargs
+) -> list[Plan]:
+    """Every valid layout on `world` GPUs that fits (with or without recompute; all of them
+    when no memory is given), best first: fits without recompute, then least model
+    parallelism (TP x PP: more data parallelism, fewer collectives), then least memory.
+    TP stays within a node (its all-reduces need NVLink), ETP is 1 or TP (megatron's usual
+    choices), CP is 1 (the learner's only)."""
+    tps = [t for t in _divisors(world) if t <= max(gpus_per_node, 1)]
+    pps = _divisors(world)
+    eps = _divisors(world) if spec.is_moe else [1]
+    plans = []
+    for tp, pp, ep in itertools.product(tps, pps, eps):
+        for etp in sorted({1, tp}) if spec.is_moe else [None]:
+            parallel = ParallelConfig(
+                tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp, sequence_parallel=tp > 1
+            )
+            try:
+                plan = plan_layout(spec, parallel, world, **plan_kwargs)
+            except LayoutError:
+                continue
+            if plan.fits(recompute=True) is not False:
+                plans.append(plan)
+
+    def order(plan: Plan) -> tuple:
+        p = plan.parallel
+        return (plan.fits(recompute=False) is False, p.tensor * p.pipeline, p.pipeline,
+                plan.peak_bytes(recompute=False))  # fmt: skip
+
+    return sorted(plans, key=order)
+
+
+def describe(plan: Plan) -> str:
+    """Human-readable lines for one layout."""
+    p, d = plan.parallel, plan.to_dict()
+    per = d["per_gpu"]
+    layout, extra = f"TP{p.tensor} PP{p.pipeline} CP{p.context}", f"DP{plan.data_parallel}"
+    if plan.is_moe:
+        layout += f" EP{p.expert} ETP{p.effective_expert_tensor}"
+        extra += f", EDP{plan.expert_data_parallel}"
+    layout += f" ({extra}{', SP' if p.tensor > 1 else ''}) on {plan.world} ranks"
+    lines = [
+        layout,
+        f"  params total {plan.params_total:,}; per GPU (max over ranks) {plan.params_per_gpu:,}"
+        + (
+            f" = dense {per['dense_params']:,} + expert {per['expert_params']:,}"
+            if plan.is_moe
+            else ""
+        ),
+        f"  {plan.params_dtype} weights {_gib(per['weight_bytes'])}, grads (fp32)"
+        f" {_gib(per['grad_bytes'])}, distributed optimizer {_gib(per['optimizer_bytes'])}"
+        f" -> model state {_gib(per['state_bytes'])}",
+        f"  activations at {plan.micro_batch_tokens:,} tokens per micro-batch:"
+        f" {_gib(per['activation_bytes'])} without recompute,"
+        f" {_gib(per['activation_bytes_recompute'])} with full recompute",
+        f"  peak {_gib(d['peak_bytes'])} without recompute, {_gib(d['peak_bytes_recompute'])}"
+        f" with; reserve {_gib(plan.reserve_bytes)}",
+    ]
+    if plan.gpu_mem_bytes is not None:
+        lines.append(
+            f"  fits {_gib(plan.gpu_mem_bytes)}: {'yes' if d['fits'] else 'no'} without"
+            f" recompute, {'yes' if d['fits_recompute'] else 'no'} with full recompute"
+        )
+    return "\n".join(lines)
+
+
+def _q(spec: HFModelSpec) -> int:
+    return spec.num_attention_heads * spec.head_dim
+
+
+def _kv(spec: HFModelSpec) -> int:
+    return spec.num_key_value_heads * spec.head_dim
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gib(value: int) -> str:
+    if value < GIB:
+        return f"{value / 2**20:.1f} MiB"
+    return f"{value / GIB:.2f} GiB"

@@ -1,0 +1,321 @@
+"""A recipe + cluster options -> one resolved, checked Slurm job, and its batch script.
+
+    SlurmOptions (nodes, GPUs, servers, container, time) ─► resolve_job(recipe, run_dir, ...)
+        loads the recipe with the overrides, checks the learner layout with the planner
+        (launch/plan.py) and the split, so a bad job fails here, before it waits for nodes
+    SlurmJob ─► render_script(job): #SBATCH lines + MFR_* settings + slurm/job.sh (the body,
+        plain bash: it places the steps on the nodes Slurm gave, at run time)
+
+The node split: the first `rollout_nodes` nodes run the inference servers (`megatron-fr serve`,
+`servers_per_node` each, on `server_gpus` GPUs each), the remaining `learner_nodes` run one
+torchrun each with `procs_per_node` learner ranks (`megatron-fr train`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+
+from megatron_fr.config.run import RunConfig, load_run_config
+from megatron_fr.launch.plan import DEFAULT_RESERVE_GIB, LayoutError, Plan, describe, plan_layout
+from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+JOB_BODY = REPO_ROOT / "slurm" / "job.sh"
+SERVER_PORT_OFFSET = 100
+"""Server j listens on port_base + 100 + j (slurm/job.sh); torchrun and the weight group use
+port_base and port_base + 10 (+ pipeline stage)."""
+NCCL_ENV = (
+    # The weight-update group joins learner rank 0 and every SGLang rank, processes that did not
+    # start together; NCCL's cuMem buffers are not shareable across them (SGLang's RL users
+    # turn them off for this group).
+    "NCCL_CUMEM_ENABLE=0",
+    # megatron orders its TP / sequence-parallel communication on one hardware queue.
+    "CUDA_DEVICE_MAX_CONNECTIONS=1",
+)
+
+
+class LaunchError(ValueError):
+    """A job that would fail on the cluster; the message says why."""
+
+
+class SlurmOptions(BaseModel):
+    """Where and how a recipe runs on a Slurm cluster (each field's docstring is its --help)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    rollout_nodes: PositiveInt = 1
+    """Nodes 1..R of the job: inference servers."""
+    learner_nodes: PositiveInt = 1
+    """Nodes R+1..R+L: learner ranks (one torchrun each)."""
+    gpus_per_node: NonNegativeInt = 0
+    """0: CPU nodes (the CPU engine and gloo learner ranks)."""
+    procs_per_node: PositiveInt | None = None
+    """Learner ranks per learner node; None: one per GPU (one without GPUs)."""
+    server_gpus: NonNegativeInt | None = None
+    """GPUs per inference server (its SGLang TP size); None: all of a node's GPUs."""
+    engine: Literal["auto", "cpu", "sglang"] = "auto"
+    """auto: SGLang on GPU nodes, the CPU engine otherwise."""
+    server_threads: PositiveInt = 1
+    """torch threads of the CPU engine."""
+    server_args: tuple[str, ...] = ()
+    """Further SGLang flags, verbatim (megatron-fr serve ... -- ARGS)."""
+    port_base: int = Field(default=20000, ge=1024, le=60000)
+    """torchrun at +0, the weight group at +10 (+ stage), server j at +100+j."""
+    python: str | None = None
+    """Interpreter on the nodes; None: this one (python in a container)."""
+    job_name: str = "megatron-fr"
+    """sbatch --job-name."""
+    partition: str | None = None
+    """sbatch --partition."""
+    account: str | None = None
+    """sbatch --account."""
+    time: str | None = None
+    """Slurm time limit (e.g. 04:00:00); the job is signalled signal_lead_s before it."""
+    signal_lead_s: PositiveInt = 300
+    """USR1 this long before the time limit: enough for one step and its checkpoint
+    (Slurm may send it up to a minute earlier)."""
+    exclusive: bool = False
+    container_image: str | None = None
+    """pyxis/enroot image; the container flags go to every srun only when this is set."""
+    container_mounts: str | None = None
+    """pyxis --container-mounts (SRC:DST[,...]): the run directory must be among them."""
+    container_workdir: str | None = None
+    """pyxis --container-workdir."""
+    env: tuple[str, ...] = ()
+    """KEY=VALUE exported to every step (after the NCCL defaults, so they can be overridden)."""
+    sbatch_args: tuple[str, ...] = ()
+    """Further #SBATCH flags, verbatim (e.g. --qos=high)."""
+    model: str | None = None
+    """Preset or HF dir for the planner; None: the recipe's model.hf_dir (or, without one, the
+    tiny model `megatron-fr prepare` warm-starts)."""
+    gpu_mem_gb: float | None = Field(default=None, gt=0)
+    """GPU memory in GiB: with it the learner layout must fit without recompute."""
+    reserve_gb: float = Field(default=DEFAULT_RESERVE_GIB, ge=0)
+    """GiB per GPU kept free for the CUDA context, NCCL and fragmentation (a rule of thumb)."""
+    health_timeout_s: PositiveInt = 1800
+    """How long the servers may take to load the model and answer /health."""
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """Everything the batch script needs, resolved and checked."""
+
+    recipe: Path
+    run_dir: Path
+    overrides: tuple[str, ...]
+    options: SlurmOptions
+    config: RunConfig
+    plan: Plan
+    engine: Literal["cpu", "sglang"]
+    procs_per_node: int
+    server_gpus: int
+    servers_per_node: int
+    python: str
+
+    @property
+    def nodes(self) -> int:
+        return self.options.rollout_nodes + self.options.learner_nodes
+
+    @property
+    def learner_ranks(self) -> int:
+        return self.options.learner_nodes * self.procs_per_node
+
+    @property
+    def server_ports(self) -> list[int]:
+        count = self.options.rollout_nodes * self.servers_per_node
+        first = self.options.port_base + SERVER_PORT_OFFSET
+        return list(range(first, first + count))
+
+
+def resolve_job(
+    recipe: str | Path, run_dir: str | Path, overrides: list[str], options: SlurmOptions
+) -> SlurmJob:
+    """The job `options` describe for `recipe`; LaunchError names what would fail."""
+    recipe, run_dir = Path(recipe).resolve(), Path(run_dir).resolve()
+    for path in (recipe, run_dir):
+        if any(c.isspace() for c in str(path)):
+            raise LaunchError(f"{path}: paths with whitespace cannot go into #SBATCH lines")
+    gpus = options.gpus_per_node
+    procs = options.procs_per_node or max(gpus, 1)
+    if gpus and procs > gpus:
+        raise LaunchError(f"procs_per_node {procs} > gpus_per_node {gpus}")
+    world = options.learner_nodes * procs
+    try:
+        config = load_run_config(recipe, [*overrides, f"learner_ranks={world}"])
+    except (ValueError, FileNotFoundError) as error:
+        raise LaunchError(f"recipe {recipe}: {error}") from None
+    if config.weights.transport == "tensor":
+        raise LaunchError(
+            "weights.transport 'tensor' needs engines on the learner's GPUs; this launcher puts "
+            "the servers on nodes of their own (use 'distributed', or 'disk' on a shared path)"
+        )
+    server_gpus, servers_per_node = _servers(options)
+    engine = options.engine if options.engine != "auto" else ("sglang" if gpus else "cpu")
+    if engine == "cpu" and server_gpus:
+        raise LaunchError("the CPU engine takes no GPUs (server_gpus must be 0)")
+    if engine == "sglang" and not server_gpus:
+        raise LaunchError("SGLang needs GPUs (gpus_per_node is 0)")
+    last_port = options.port_base + SERVER_PORT_OFFSET + options.rollout_nodes * servers_per_node
+    if last_port > 65535:
+        raise LaunchError(f"port_base {options.port_base}: server ports would pass 65535")
+    plan = _plan(config, options, world)
+    python = options.python or ("python" if options.container_image else sys.executable)
+    return SlurmJob(
+        recipe=recipe, run_dir=run_dir, overrides=tuple(overrides), options=options,
+        config=config, plan=plan, engine=engine, procs_per_node=procs, server_gpus=server_gpus,
+        servers_per_node=servers_per_node, python=python,
+    )  # fmt: skip
+
+
+def _servers(options: SlurmOptions) -> tuple[int, int]:
+    """(GPUs per server, servers per rollout node)."""
+    gpus = options.gpus_per_node
+    if not gpus:
+        if options.server_gpus:
+            raise LaunchError(f"server_gpus {options.server_gpus} on nodes without GPUs")
+        return 0, 1
+    per_server = options.server_gpus or gpus
+    if gpus % per_server:
+        raise LaunchError(f"server_gpus {per_server} does not divide gpus_per_node {gpus}")
+    return per_server, gpus // per_server
+
+
+def model_spec(config: RunConfig, options: SlurmOptions) -> HFModelSpec:
+    """What the planner checks: --model, else the recipe's model.hf_dir, else the tiny model
+    that `megatron-fr prepare` warm-starts when the recipe names none."""
+    if options.model is not None:
+        source = options.model
+    elif config.model.hf_dir is not None:
+        source = config.model.hf_dir
+        if not (Path(source) / "config.json").is_file():
+            raise LaunchError(
+                f"model.hf_dir {source} has no config.json here; pass the model's preset "
+                "(--model) so the layout can be checked before submitting"
+            )
+    else:
+        from megatron_fr.tasks.arithmetic import tiny_model_config
+
+        return load_hf_config(tiny_model_config())
+    try:
+        return load_hf_config(source)
+    except (FileNotFoundError, ValueError) as error:
+        raise LaunchError(f"model {source}: {error}") from None
+
+
+def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
+    spec = model_spec(config, options)
+    try:
+        plan = plan_layout(
+            spec, config.parallel, world, micro_batch_tokens=config.learner.micro_batch_tokens,
+            params_dtype=config.learner.params_dtype,
+            gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
+            reserve_gib=options.reserve_gb,
+        )  # fmt: skip
+    except LayoutError as error:
+        raise LaunchError(f"learner layout on {world} ranks: {error}") from None
+    if plan.fits(recompute=False) is False:
+        raise LaunchError(
+            "the learner layout does not fit in GPU memory without activation recompute "
+            f"(which the learner does not do):\n{describe(plan)}"
+        )
+    return plan
+
+
+def sbatch_directives(job: SlurmJob) -> list[str]:
+    o = job.options
+    flags = [
+        f"--job-name={o.job_name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={job.run_dir}/logs/slurm-%j.out",
+        "--open-mode=append",  # a requeued run appends to the same log
+        "--requeue",
+        f"--signal=B:USR1@{o.signal_lead_s}",
+    ]
+    if o.gpus_per_node:
+        flags.append(f"--gpus-per-node={o.gpus_per_node}")
+    named = {"partition": o.partition, "account": o.account, "time": o.time}
+    flags += [f"--{name}={value}" for name, value in named.items() if value]
+    if o.exclusive:
+        flags.append("--exclusive")
+    return flags + list(o.sbatch_args)
+
+
+def container_flags(options: SlurmOptions) -> list[str]:
+    """pyxis flags for every srun; none without an image."""
+    if options.container_image is None:
+        return []
+    flags = [f"--container-image={options.container_image}"]
+    if options.container_mounts:
+        flags.append(f"--container-mounts={options.container_mounts}")
+    if options.container_workdir:
+        flags.append(f"--container-workdir={options.container_workdir}")
+    return flags
+
+
+def settings(job: SlurmJob) -> dict[str, str | list[str]]:
+    """The MFR_* variables slurm/job.sh reads (lists become bash arrays)."""
+    o = job.options
+    return dict(
+        MFR_REPO=str(REPO_ROOT), MFR_PYTHON=job.python, MFR_RECIPE=str(job.recipe),
+        MFR_RUN_DIR=str(job.run_dir), MFR_OVERRIDES=list(job.overrides),
+        MFR_ROLLOUT_NODES=str(o.rollout_nodes), MFR_LEARNER_NODES=str(o.learner_nodes),
+        MFR_PROCS_PER_NODE=str(job.procs_per_node), MFR_ENGINE=job.engine,
+        MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),
+        MFR_SERVER_THREADS=str(o.server_threads), MFR_SERVER_ARGS=list(o.server_args),
+        MFR_PORT_BASE=str(o.port_base), MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
+        MFR_CONTAINER=container_flags(o), MFR_ENV=[*NCCL_ENV, *o.env],
+    )  # fmt: skip
+
+
+def render_script(job: SlurmJob) -> str:
+    """The batch script: #SBATCH lines, the settings, then slurm/job.sh verbatim."""
+    lines = ["#!/bin/bash"]
+    lines += [f"#SBATCH {flag}" for flag in sbatch_directives(job)]
+    lines.append(f"# Rendered by megatron_fr/launch/slurm.py for {job.recipe}; body: slurm/job.sh")
+    for name, value in settings(job).items():
+        if isinstance(value, list):
+            lines.append(f"{name}=({' '.join(shlex.quote(item) for item in value)})")
+        else:
+            lines.append(f"{name}={shlex.quote(value)}")
+    return "\n".join(lines) + "\n\n" + JOB_BODY.read_text()
+
+
+def summary(job: SlurmJob) -> str:
+    """The plan in words: nodes, servers, ranks, layout, preemption."""
+    o, ports = job.options, job.server_ports
+    r, n = o.rollout_nodes, job.nodes
+    server = (
+        f"{job.server_gpus} GPU(s) each (SGLang TP{job.server_gpus})"
+        if job.server_gpus
+        else f"{o.server_threads} thread(s) each"
+    )
+    return "\n".join(
+        [
+            f"recipe    {job.recipe} ({job.config.steps} steps, B {job.config.buffer.batch_size},"
+            f" max lag {job.config.buffer.max_lag})",
+            f"run dir   {job.run_dir} (logs: logs/slurm-<job>.<restart>/)",
+            f"nodes     {n}: rollout {_span(1, r)}, learner {_span(r + 1, n)};"
+            f" {o.gpus_per_node} GPU(s) per node",
+            f"servers   {r * job.servers_per_node} ({job.servers_per_node} per rollout node,"
+            f" {job.engine} engine, {server}); ports {ports[0]}-{ports[-1]}",
+            f"learner   {job.learner_ranks} ranks = {o.learner_nodes} node(s) x"
+            f" {job.procs_per_node}; torchrun at <learner node 1>:{o.port_base},"
+            f" weight group :{o.port_base + 10}",
+            "layout    " + describe(job.plan).replace("\n", "\n          "),
+            f"preempt   USR1 {o.signal_lead_s}s before the time limit ({o.time or 'none set'})"
+            " -> STOP -> checkpoint -> scontrol requeue -> the rerun resumes",
+            f"container {' '.join(container_flags(o)) or 'none'}",
+            f"env       {' '.join([*NCCL_ENV, *o.env])}",
+        ]
+    )
+
+
+def _span(first: int, last: int) -> str:
+    return f"node {first}" if first == last else f"nodes {first}-{last}"

@@ -1,0 +1,325 @@
+"""The agent loop: one multi-turn episode against an environment -> one trajectory row.
+
+    messages = episode.messages ─► ids = chat template (add_generation_prompt)   [mask 0]
+    repeat (at most max_turns, within the token and time budgets):
+        client.generate(ids) ─► output ids + log-probs + versions              [mask 1]
+        text = decode(output, without the end-of-turn token)
+        episode.step(text)    (in a worker thread: sandboxes and graders block)
+        done? ─► stop
+        observations ─► the template's text between this turn and the next
+                        generation (end of turn if not generated, tool/user turn,
+                        "<|im_start|>assistant\\n"), tokenised               [mask 0]
+
+Invariant (what the learner relies on): action_mask is 1 exactly on the tokens the engine
+returned, in the order and with the log-probs and versions it returned them; generated tokens
+are never re-tokenised. Everything else (prompt, template scaffolding, observations) is 0.
+The scaffolding comes from the tokenizer's own chat template: rendering the conversation with
+a placeholder assistant turn and taking what follows the placeholder gives exactly the text
+the template puts between an assistant turn's content and the next generation prompt, for
+any template (Qwen2.5, Qwen3, the test template).
+
+Limits: max_turns; max_new_tokens_per_turn and max_episode_tokens (the whole row); a
+generation's wall time (max_turn_time_s) and the episode's (max_episode_time_s): a generation
+cut by a time limit is dropped, the row ends at the last complete turn; an environment step
+still running at the episode's deadline is abandoned (a thread cannot be stopped, so
+environments bound their own steps). Rows end on a policy token (trailing non-policy tokens
+carry no learning signal and are not kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+
+from megatron_fr.buffer.trajectory import (
+    NON_POLICY_VERSION,
+    InvalidTrajectory,
+    Trajectory,
+    validate_trajectory,
+)
+from megatron_fr.envs.base import Episode, Message
+from megatron_fr.rollout.client import Rollout, RolloutClient
+from megatron_fr.rollout.protocol import SamplingParams
+
+Finish = Literal[
+    "done", "max_turns", "max_episode_tokens", "prompt_too_long", "time_limit", "turn_time_limit"
+]
+PLACEHOLDER = "\u2063MEGATRON-FR-ASSISTANT-TURN\u2063"
+"""Stands for an assistant turn's content when rendering the template around it."""
+
+
+class AgentConfig(BaseModel):
+    """Limits of one episode."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: PositiveInt = 8
+    """Policy turns (generate calls) per episode."""
+    max_new_tokens_per_turn: PositiveInt = 1024
+    max_episode_tokens: PositiveInt = 8192
+    """Length of the whole row: prompt, every turn, every observation."""
+    max_turn_time_s: PositiveFloat = 300.0
+    """Wall time of one generation (server queueing included)."""
+    max_episode_time_s: PositiveFloat = 1800.0
+    """Wall time of the whole episode, environment steps included."""
+    max_observation_chars: PositiveInt = 8192
+    """Each observation message is cut to this many characters before it is tokenised."""
+
+
+class ChatFormat:
+    """A transformers tokenizer's chat template, as token ids the loop can splice."""
+
+    def __init__(self, tokenizer: Any, end_of_turn: tuple[str, ...] = ("<|im_end|>",)) -> None:
+        self.tokenizer = tokenizer
+        vocab = tokenizer.get_vocab()
+        stops = [vocab[token] for token in end_of_turn if token in vocab]
+        if tokenizer.eos_token_id is not None:
+            stops.append(tokenizer.eos_token_id)
+        if not stops:
+            raise ValueError(f"the tokenizer has none of the end-of-turn tokens {end_of_turn}")
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+
+    def render(self, messages: list[Message], tools: list[dict] | None, generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Template text -> ids; special tokens written in the text map to their ids."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        return self.encode(self.render(messages, tools, generation=True))
+
+    def turn_text(self, output_ids: list[int]) -> str:
+        """What the policy said: its tokens decoded, without the end-of-turn token."""
+        if output_ids and output_ids[-1] in self.stop_token_ids:
+            output_ids = output_ids[:-1]
+        return self.tokenizer.decode(
+            output_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def between_turns_ids(
+        self,
+        history: list[Message],
+        observations: list[Message],
+        tools: list[dict] | None,
+        last_token: int | None,
+    ) -> list[int]:
+        """Ids from the end of an assistant turn to the next generation prompt: the template's
+        end of the turn (less the end-of-turn token if the policy generated it, `last_token`),
+        the observation turns, and the generation prompt."""
+        turn = {"role": "assistant", "content": PLACEHOLDER}
+        text = self.render([*history, turn, *observations], tools, generation=True)
+        tail = text[text.rindex(PLACEHOLDER) + len(PLACEHOLDER) :]
+        if last_token in self.stop_token_ids:
+            generated = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            if tail.startswith(generated):
+                tail = tail[len(generated) :]
+        return self.encode(tail)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One generate call and what followed it."""
+
+    start: int
+    """Index in the row of the turn's first generated token."""
+    output_ids: list[int]
+    finish_reason: str
+    text: str
+    observation_ids: list[int] = field(default_factory=list)
+    """Non-policy ids appended after the turn (empty for the last one)."""
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    trajectory: Trajectory | None
+    """None when no turn completed (nothing to train on), or the row failed validation."""
+    turns: list[Turn]
+    reward: float
+    finish: Finish
+    messages: list[Message]
+    """The conversation as text (assistant turns as decoded)."""
+    error: str | None = None
+    """Why `trajectory` is None."""
+
+
+@dataclass
+class _Row:
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [NON_POLICY_VERSION] * len(ids)
+
+    def add_policy(self, rollout: Rollout) -> None:
+        self.ids += rollout.output_ids
+        self.mask += [True] * len(rollout.output_ids)
+        self.logprobs += rollout.output_logprobs
+        self.versions += [policy_version(v) for v in rollout.token_versions]
+
+    def trimmed(self) -> _Row:
+        """The row up to its last policy token."""
+        end = max((i + 1 for i, m in enumerate(self.mask) if m), default=0)
+        return _Row(self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end])
+
+
+def policy_version(text: str) -> int:
+    """Engine versions are strings; the learner's are the integers the weight sync sets. A
+    non-integer ("default": never synced) maps to NON_POLICY_VERSION, which validation then
+    refuses on a policy token."""
+    return int(text) if text.lstrip("-").isdigit() else NON_POLICY_VERSION
+
+
+def _clip(messages: list[Message], limit: int) -> list[Message]:
+    return [
+        {**m, "content": m["content"][:limit] + ("…" if len(m["content"]) > limit else "")}
+        for m in messages
+    ]
+
+
+async def run_episode(
+    client: RolloutClient,
+    chat: ChatFormat,
+    episode: Episode,
+    sampling: SamplingParams,
+    config: AgentConfig,
+    prompt_id: str,
+    info: dict[str, Any] | None = None,
+) -> EpisodeResult:
+    """Play `episode` to its end or a limit. The trajectory's info is `info` plus the
+    episode's facts (turns, finish, each step's env info). A turn generates at most
+    min(sampling.max_new_tokens, max_new_tokens_per_turn, what the row has left); the chat's
+    end-of-turn ids join the stop tokens."""
+    loop = _Loop(client, chat, episode, sampling, config, prompt_id)
+    try:
+        finish = await loop.play()
+    finally:
+        client.end_session(loop.session)
+    facts = {"turns": len(loop.turns), "finish": finish, "steps": loop.steps}
+    return loop.result(finish, {**(info or {}), **facts})
+
+
+class _Loop:
+    """The state of one run_episode call."""
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        chat: ChatFormat,
+        episode: Episode,
+        sampling: SamplingParams,
+        config: AgentConfig,
+        prompt_id: str,
+    ) -> None:
+        self.client, self.chat, self.episode, self.config = client, chat, episode, config
+        self.prompt_id = prompt_id
+        self.stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *chat.stop_token_ids)))
+        self.sampling = sampling
+        self.session = f"{prompt_id}/{uuid.uuid4().hex[:8]}"
+        self.deadline = time.monotonic() + config.max_episode_time_s
+        self.messages = list(episode.messages)
+        self.row = _Row()
+        self.turns: list[Turn] = []
+        self.steps: list[dict[str, Any]] = []
+        self.reward = 0.0
+
+    async def play(self) -> Finish:
+        self.row.add_context(self.chat.prompt_ids(self.messages, self.episode.tools))
+        if len(self.row.ids) >= self.config.max_episode_tokens:
+            return "prompt_too_long"
+        for number in range(self.config.max_turns):
+            start = len(self.row.ids)
+            rollout = await self._generate(number)
+            if isinstance(rollout, str):
+                return rollout
+            text = self.chat.turn_text(rollout.output_ids)
+            try:  # a step that never returns (a wedged game) must not wedge the worker
+                result = await asyncio.wait_for(
+                    asyncio.to_thread(self.episode.step, text),
+                    timeout=max(self.deadline - time.monotonic(), 0.0),
+                )
+            except TimeoutError:
+                return "time_limit"
+            self.reward += result.reward
+            self.steps.append(result.info)
+            if result.done or number + 1 == self.config.max_turns:
+                self.messages.append({"role": "assistant", "content": text})
+                observations = []
+            else:
+                observations = self._observe(rollout, text, result.messages)
+            turn = Turn(start, rollout.output_ids, rollout.finish_reason, text, observations)
+            self.turns.append(turn)
+            if result.done:
+                return "done"
+            if len(self.row.ids) + len(observations) >= self.config.max_episode_tokens:
+                return "max_episode_tokens"
+            self.row.add_context(observations)
+        return "max_turns"
+
+    async def _generate(self, number: int) -> Rollout | Finish:
+        """One turn's generation appended to the row, or the limit that prevents it."""
+        budget = min(
+            self.sampling.max_new_tokens,
+            self.config.max_new_tokens_per_turn,
+            self.config.max_episode_tokens - len(self.row.ids),
+        )
+        remaining = self.deadline - time.monotonic()
+        if budget <= 0:
+            return "max_episode_tokens"
+        if remaining <= 0:
+            return "time_limit"
+        request = self.sampling.model_copy(
+            update={"max_new_tokens": budget, "stop_token_ids": self.stops}
+        )
+        generation = self.client.generate(
+            self.row.ids, request, session_id=self.session, rid=f"{self.session}.{number}"
+        )
+        limit = min(self.config.max_turn_time_s, remaining)
+        try:
+            rollout = await asyncio.wait_for(generation, timeout=limit)
+        except TimeoutError:
+            return "turn_time_limit" if limit == self.config.max_turn_time_s else "time_limit"
+        self.row.add_policy(rollout)
+        return rollout
+
+    def _observe(self, rollout: Rollout, text: str, observations: list[Message]) -> list[int]:
+        """Ids between this turn and the next generation; the conversation grows by both."""
+        new = _clip(observations, self.config.max_observation_chars)
+        last = rollout.output_ids[-1] if rollout.output_ids else None
+        ids = self.chat.between_turns_ids(self.messages, new, self.episode.tools, last)
+        self.messages += [{"role": "assistant", "content": text}, *new]
+        return ids
+
+    def result(self, finish: Finish, info: dict[str, Any]) -> EpisodeResult:
+        kept = self.row.trimmed()
+        trajectory, error = None, None
+        if not any(kept.mask):
+            error = f"no policy token ({finish})"
+        else:
+            try:
+                trajectory = validate_trajectory(
+                    Trajectory(
+                        prompt_id=self.prompt_id,
+                        token_ids=kept.ids,
+                        action_mask=kept.mask,
+                        behavior_log_probs=kept.logprobs,
+                        token_versions=kept.versions,
+                        reward=self.reward,
+                        info=info,
+                    )
+                )
+            except InvalidTrajectory as invalid:
+                error = str(invalid)
+        return EpisodeResult(trajectory, self.turns, self.reward, finish, self.messages, error)

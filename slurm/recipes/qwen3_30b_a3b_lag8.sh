@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Qwen3-30B-A3B at lag 8 on 4 nodes x 8 H100 80GB: four SGLang servers (TP4) on nodes 1-2,
+# 16 learner ranks (TP4 + SP, EP8, ETP1) on nodes 3-4.
+#   slurm/recipes/qwen3_30b_a3b_lag8.sh --run-dir DIR [--dry-run] [options] [key=value ...]
+# Options given here can be overridden by repeating them (e.g. --gpu-mem-gb 141 on H200s);
+# slurm/launch.sh --help lists them all. Settings: examples/qwen3_30b_a3b_lag8.yaml.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+exec "$here/../launch.sh" "$here/../../examples/qwen3_30b_a3b_lag8.yaml" \
+    --job-name qwen3_30b_a3b_lag8 \
+    --rollout-nodes 2 --learner-nodes 2 --gpus-per-node 8 --server-gpus 4 \
+    --model qwen3-30b-a3b --gpu-mem-gb 80 --exclusive \
+    "$@"

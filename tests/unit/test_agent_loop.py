@@ -1,0 +1,191 @@
+"""The agent loop against a scripted engine behind the CPU engine's HTTP server: the row is the
+chat template's rendering of the conversation, the action mask is 1 exactly on the engine's
+output tokens (log-probs and versions with them), and every limit ends the episode cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from agent_fixtures import ScriptedEngine, build_tokenizer, serving, turn_count
+
+from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.envs.base import Episode, StepResult
+from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
+from megatron_fr.rollout.client import RolloutClient, RolloutClientConfig
+from megatron_fr.rollout.protocol import SamplingParams
+
+
+class CountingEpisode(Episode):
+    """Answers turn n with a tool message "observation n"; done (reward 1) after `done_after`."""
+
+    def __init__(self, done_after: int | None) -> None:
+        self.messages = [
+            {"role": "system", "content": "Count with me."},
+            {"role": "user", "content": "Start counting."},
+        ]
+        self.actions: list[str] = []
+        self.done_after = done_after
+
+    def step(self, action: str) -> StepResult:
+        self.actions.append(action)
+        if self.done_after is not None and len(self.actions) >= self.done_after:
+            return StepResult(reward=1.0, done=True, info={"n": len(self.actions)})
+        observation = {"role": "tool", "content": f"observation {len(self.actions)}"}
+        return StepResult(messages=[observation], info={"n": len(self.actions)})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer) -> ChatFormat:
+    return ChatFormat(tokenizer)
+
+
+def counting_policy(conversation: str) -> str:
+    return f"I count {turn_count(conversation) + 1}."
+
+
+def play(engine, chat, episode, config=None, max_new_tokens=64) -> EpisodeResult:
+    return timed_play(engine, chat, episode, config, max_new_tokens)[0]
+
+
+def timed_play(engine, chat, episode, config=None, max_new_tokens=64):
+    """(result, seconds run_episode took)."""
+    config = config or AgentConfig()
+
+    async def main() -> tuple[EpisodeResult, float]:
+        async with serving(engine) as url:
+            client_config = RolloutClientConfig(urls=[url], request_timeout_s=30)
+            async with RolloutClient(client_config) as client:
+                sampling = SamplingParams(max_new_tokens=max_new_tokens)
+                start = time.monotonic()
+                result = await run_episode(client, chat, episode, sampling, config, "prompt-1")
+                return result, time.monotonic() - start
+
+    return asyncio.run(main())
+
+
+def assert_mask_is_the_engine_output(result: EpisodeResult, engine: ScriptedEngine) -> None:
+    t = result.trajectory
+    assert t is not None, result.error
+    policy = [i for i, masked in enumerate(t.action_mask) if masked]
+    outputs = engine.outputs[: len(result.turns)]
+    assert [t.token_ids[i] for i in policy] == [tok for out in outputs for tok in out]
+    for turn, output in zip(result.turns, outputs, strict=True):
+        span = range(turn.start, turn.start + len(output))
+        assert [t.token_ids[i] for i in span] == output == turn.output_ids
+        assert all(t.action_mask[i] for i in span)
+        assert [t.behavior_log_probs[i] for i in span] == [
+            -0.05 * (1 + k % 7) for k in range(len(output))
+        ]
+        assert {t.token_versions[i] for i in span} == {3}
+    others = [i for i, masked in enumerate(t.action_mask) if not masked]
+    assert all(t.token_versions[i] == NON_POLICY_VERSION for i in others)
+    assert all(t.behavior_log_probs[i] == 0.0 for i in others)
+
+
+def test_agent_row_is_the_chat_template_and_the_mask_the_engine_output(tokenizer, chat) -> None:
+    engine = ScriptedEngine(tokenizer, counting_policy)
+    episode = CountingEpisode(done_after=3)
+    result = play(engine, chat, episode)
+    assert (result.finish, result.reward, len(result.turns)) == ("done", 1.0, 3)
+    assert episode.actions == ["I count 1.", "I count 2.", "I count 3."]
+    assert_mask_is_the_engine_output(result, engine)
+    row = tokenizer.decode(result.trajectory.token_ids, skip_special_tokens=False)
+    rendered = chat.render(result.messages, None, generation=False)
+    assert row == rendered.removesuffix("\n"), "the row ends on the last <|im_end|>"
+    assert "<tool_response>\nobservation 2\n</tool_response>" in row
+    assert result.trajectory.info == {
+        "turns": 3, "finish": "done", "steps": [{"n": 1}, {"n": 2}, {"n": 3}]
+    }  # fmt: skip
+
+
+def test_agent_between_turns_closes_a_turn_cut_by_the_token_limit(tokenizer, chat) -> None:
+    """A turn that ran out of tokens has no <|im_end|>: the loop inserts it (mask 0)."""
+    engine = ScriptedEngine(tokenizer, lambda c: "word " * 50)
+    result = play(engine, chat, CountingEpisode(done_after=2), max_new_tokens=8)
+    assert [turn.finish_reason for turn in result.turns] == ["length", "length"]
+    assert_mask_is_the_engine_output(result, engine)
+    first = result.turns[0]
+    inserted = result.trajectory.token_ids[first.start + 8 : first.start + 8 + 3]
+    assert tokenizer.decode(inserted[:1]) == "<|im_end|>"
+    assert not any(result.trajectory.action_mask[first.start + 8 : first.start + 11])
+
+
+def test_agent_max_turns(tokenizer, chat) -> None:
+    engine = ScriptedEngine(tokenizer, counting_policy)
+    result = play(engine, chat, CountingEpisode(None), AgentConfig(max_turns=4))
+    assert (result.finish, len(result.turns), result.reward) == ("max_turns", 4, 0.0)
+    assert result.trajectory.action_mask[-1], "the row ends on a policy token"
+    assert result.turns[-1].observation_ids == []
+    assert_mask_is_the_engine_output(result, engine)
+
+
+def test_agent_max_episode_tokens(tokenizer, chat) -> None:
+    engine = ScriptedEngine(tokenizer, lambda c: "a fairly long turn of text " * 3)
+    config = AgentConfig(max_turns=50, max_episode_tokens=160)
+    result = play(engine, chat, CountingEpisode(None), config)
+    assert result.finish == "max_episode_tokens"
+    assert 1 < len(result.turns) < 50
+    assert result.trajectory.length <= 160
+    assert_mask_is_the_engine_output(result, engine)
+
+
+def test_agent_prompt_too_long_gives_no_trajectory(tokenizer, chat) -> None:
+    engine = ScriptedEngine(tokenizer, counting_policy)
+    result = play(engine, chat, CountingEpisode(1), AgentConfig(max_episode_tokens=10))
+    assert (result.finish, result.trajectory, result.turns) == ("prompt_too_long", None, [])
+    assert engine.outputs == []
+
+
+def test_agent_turn_time_limit_keeps_the_completed_turns(tokenizer, chat) -> None:
+    def slow_third_turn(conversation: str) -> str:
+        if turn_count(conversation) == 2:
+            time.sleep(1.5)
+        return counting_policy(conversation)
+
+    engine = ScriptedEngine(tokenizer, slow_third_turn)
+    config = AgentConfig(max_turn_time_s=0.5)
+    result, seconds = timed_play(engine, chat, CountingEpisode(None), config)
+    assert seconds < 1.2, "the loop did not wait for the slow turn"
+    assert (result.finish, len(result.turns)) == ("turn_time_limit", 2)
+    assert_mask_is_the_engine_output(result, engine)
+    assert result.trajectory.action_mask[-1]
+
+
+def test_agent_episode_time_limit(tokenizer, chat) -> None:
+    def slow(conversation: str) -> str:
+        time.sleep(0.3)
+        return counting_policy(conversation)
+
+    engine = ScriptedEngine(tokenizer, slow)
+    config = AgentConfig(max_turns=20, max_episode_time_s=1.0)
+    result = play(engine, chat, CountingEpisode(None), config)
+    assert result.finish == "time_limit"
+    assert 1 <= len(result.turns) <= 3
+    assert_mask_is_the_engine_output(result, engine)
+
+
+def test_agent_unsynced_weights_are_refused(tokenizer, chat) -> None:
+    """An engine that still reports "default" has no policy version: no trainable row."""
+    engine = ScriptedEngine(tokenizer, counting_policy, weight_version="default")
+    result = play(engine, chat, CountingEpisode(1))
+    assert result.trajectory is None and "token_versions" in result.error
+
+
+def test_agent_long_observations_are_clipped(tokenizer, chat) -> None:
+    class Flood(CountingEpisode):
+        def step(self, action: str) -> StepResult:
+            result = super().step(action)
+            return StepResult([{"role": "tool", "content": "z" * 5000}], done=result.done)
+
+    engine = ScriptedEngine(tokenizer, counting_policy)
+    config = AgentConfig(max_observation_chars=100)
+    result = play(engine, chat, Flood(done_after=2), config)
+    assert result.messages[3]["content"] == "z" * 100 + "…"
+    assert_mask_is_the_engine_output(result, engine)

@@ -1,0 +1,155 @@
+"""tools/plan_layout.py and megatron_fr/launch/plan.py: the figures for Qwen3-30B-A3B at
+TP4/EP8/PP1 on 8 GPUs against a hand calculation, refusals with their reasons, enumeration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.launch.plan import LayoutError, plan_layout, total_params
+from megatron_fr.models.hf_config import load_hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
+    # Qwen3-30B-A3B (notes/qwen3-moe-mapping.md): 48 layers, hidden 2048, 32 query heads and
+    # 4 KV heads of 128, 128 experts of width 768, top-8, vocab 151936, untied embeddings.
+    h, layers, vocab, head = 2048, 48, 151936, 128
+    q, kv, experts, top_k, width = 32 * head, 4 * head, 128, 8, 768
+    qkv, proj = h * (q + 2 * kv), q * h  # no attention bias
+    norms = 2 * h + 2 * head  # input + pre-MLP RMSNorm, per-head q/k norms
+    router = experts * h
+    expert_weights = experts * 3 * h * width  # gate, up, down
+    embedding = vocab * h
+    assert layers * (qkv + proj + norms + router + expert_weights) + 2 * embedding + h == (
+        30_532_122_624
+    )  # ~30.5 B, as published
+    # TP4 splits QKV, proj and both vocab matrices; norms and router are replicated; EP8
+    # gives each rank 16 whole experts (ETP1). PP1: one rank holds all 48 layers.
+    dense = layers * ((qkv + proj) // 4 + norms + router) + 2 * embedding // 4 + h
+    expert = layers * expert_weights // 8
+    assert (dense, expert) == (394_868_736, 3_623_878_656)
+    # Distributed optimizer, bf16 weights + fp32 grads: 2 + 4 B/param, plus 12 B/param of
+    # fp32 master + Adam m, v sharded over DP = 8/4 = 2 (dense) and EDP = 8/8 = 1 (experts).
+    weights, grads = 2 * (dense + expert), 4 * (dense + expert)
+    optimizer = 12 * dense // 2 + 12 * expert // 1
+    # Activations at 16,384 tokens per micro-batch: TP4 + SP leaves 4,096 tokens per GPU.
+    # Per token and layer: attention 3h + 4q + 4kv + (2q + 2kv) for q/k norms, norms 4h,
+    # MLP 2h*k + 6*k*f + h; output layer 4h + 4V per token (fp32 logits).
+    tokens = 16384 // 4
+    per_layer = tokens * (3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv + 4 * h
+                          + 2 * h * top_k + 6 * top_k * width + h)  # fmt: skip
+    output = tokens * (4 * h + 4 * vocab)
+    activations = layers * per_layer + output
+    activations_recompute = layers * tokens * 2 * h + per_layer + output
+
+    result = plan_cli(
+        "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
+        "80", "--tp", "4", "--ep", "8", "--etp", "1", "--micro-batch-tokens", "16384", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    per_gpu = plan["per_gpu"]
+    assert plan["layout"] == dict(tp=4, pp=1, cp=1, ep=8, etp=1, dp=2, edp=1,
+                                  sequence_parallel=True)  # fmt: skip
+    assert plan["params_per_gpu"] == dense + expert == 4_018_747_392
+    assert (per_gpu["dense_params"], per_gpu["expert_params"]) == (dense, expert)
+    assert per_gpu["weight_bytes"] == weights == 8_037_494_784
+    assert per_gpu["grad_bytes"] == grads == 16_074_989_568
+    assert per_gpu["optimizer_bytes"] == optimizer == 45_855_756_288
+    assert per_gpu["activation_bytes"] == activations == 24_870_125_568
+    assert per_gpu["activation_bytes_recompute"] == activations_recompute == 3_793_747_968
+    state = weights + grads + optimizer  # 65.2 GiB
+    assert plan["peak_bytes"] == state + activations  # 88.3 GiB
+    # 80 GiB with the 4 GiB reserve: only with full recompute.
+    assert plan["fits"] is False and plan["fits_recompute"] is True
+    assert (state + activations_recompute) / GIB + 4 <= 80 < (state + activations) / GIB + 4
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["--tp", "8"], "TP 8 does not divide the 4 query groups"),
+        (["--tp", "4", "--ep", "8"], "world_size 8 is not divisible by expert_tensor (4) x expert"
+         " (8) x pipeline (1) = 32 (ETP defaults to TP"),
+        (["--tp", "4", "--gpus-per-node", "6"], "world_size 6 is not divisible by tensor (4)"),
+        (["--ep", "3", "--gpus-per-node", "6"], "EP 3 does not divide the 128 experts"),
+        (["--pp", "5", "--gpus-per-node", "5"], "PP 5 does not divide the 48 layers"),
+        (["--cp", "2"], "CP > 1: the learner does not support context parallelism"),
+    ],
+)  # fmt: skip
+def test_invalid_layouts_are_refused_with_the_reason(args, reason):
+    base = ["--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8"]
+    result = plan_cli(*base, *args)
+    assert result.returncode == 2, result.stdout
+    assert reason in result.stderr, result.stderr
+
+
+def test_dense_model_refuses_expert_parallelism_and_counts_published_sizes():
+    result = plan_cli("--model", "qwen2.5-7b-instruct", "--nodes", "1", "--gpus-per-node", "8",
+                      "--ep", "2", "--json")  # fmt: skip
+    assert result.returncode == 2
+    assert json.loads(result.stdout) == {
+        "valid": False, "reason": "EP 2 set for a dense model (no experts)",
+    }  # fmt: skip
+    # Published totals: Qwen2.5-7B 7.62 B, Qwen2.5-Math-1.5B 1.54 B (tied embeddings).
+    assert total_params(load_hf_config("qwen2.5-7b-instruct")) == 7_615_616_512
+    assert total_params(load_hf_config("qwen2.5-math-1.5b")) == 1_543_714_304
+
+
+def test_pipeline_stages_hold_their_own_layers_and_embeddings():
+    spec = load_hf_config("qwen2.5-math-1.5b")  # 28 layers, tied embeddings
+    plan = plan_layout(spec, ParallelConfig(pipeline=2), 2, micro_batch_tokens=1024)
+    first, last = (stage.params.total for stage in plan.stages)
+    embedding = spec.vocab_size * spec.hidden_size
+    # Tied embeddings under PP keep a copy on the last stage, which also has the final norm.
+    assert last - first == spec.hidden_size
+    assert first + last == total_params(spec) + embedding
+    # 1F1B: stage 0 keeps 2 micro-batches in flight, the last one 1 (plus the logits).
+    assert plan.stages[0].activation_bytes > plan.stages[1].activation_bytes
+    odd_vocab = dataclasses.replace(spec, vocab_size=spec.vocab_size + 1)
+    with pytest.raises(LayoutError, match="TP 2 does not divide vocab_size 151937"):
+        plan_layout(odd_vocab, ParallelConfig(tensor=2), 2, micro_batch_tokens=1024)
+
+
+def test_enumeration_lists_fitting_layouts_best_first():
+    result = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "8",
+                      "--gpu-mem-gb", "80", "--micro-batch-tokens", "16384", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plans = json.loads(result.stdout)
+    layouts = [(p["layout"]["tp"], p["layout"]["pp"], p["layout"]["ep"], p["layout"]["etp"])
+               for p in plans]  # fmt: skip
+    assert (4, 1, 8, 1) in layouts and len(set(layouts)) == len(layouts)
+    assert all(p["fits_recompute"] for p in plans) and plans[0]["fits"]
+    assert all(p["layout"]["tp"] <= 8 and 4 % p["layout"]["tp"] == 0 for p in plans)
+    fits = [p["fits"] for p in plans]
+    assert fits == sorted(fits, reverse=True), "layouts that need recompute come last"
+    model_parallel = [p["layout"]["tp"] * p["layout"]["pp"] for p in plans if p["fits"]]
+    assert model_parallel == sorted(model_parallel)
+    nothing = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "1",
+                       "--gpu-mem-gb", "80")  # fmt: skip
+    assert nothing.returncode == 3 and "no valid layout fits" in nothing.stdout
+
+
+def test_the_launch_package_imports_no_torch():
+    code = (
+        "import sys, megatron_fr.launch.plan, megatron_fr.launch.slurm, megatron_fr.launch.submit;"
+        "assert 'torch' not in sys.modules and 'megatron.core' not in sys.modules"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

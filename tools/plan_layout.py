@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Check or enumerate learner layouts for a model on N nodes x G GPUs (megatron_fr/launch/plan.py
+has the formulas and their sources).
+
+    python tools/plan_layout.py --model qwen3-30b-a3b --nodes 1 --gpus-per-node 8 \
+        --gpu-mem-gb 80 --tp 4 --ep 8 --etp 1            # check one layout
+    python tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 \
+        --gpu-mem-gb 80 --json                           # every layout that fits, best first
+
+Any of --tp/--pp/--cp/--ep/--etp selects check mode (the others default to 1, ETP to TP as in
+megatron). Exit status: 0 valid (and fits, with or without recompute, when --gpu-mem-gb is
+given), 2 invalid layout (the reason is printed), 3 valid but too big / nothing fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_fr.config.learner import LearnerConfig
+from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.launch.plan import (
+    DEFAULT_RESERVE_GIB,
+    LayoutError,
+    describe,
+    enumerate_layouts,
+    plan_layout,
+)
+from megatron_fr.models.hf_config import load_hf_config, preset_names
+
+INVALID, TOO_BIG = 2, 3
+LAYOUT_FLAGS = ("tp", "pp", "cp", "ep", "etp")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", required=True,
+        help=f"preset ({', '.join(preset_names())}), HF checkpoint dir, or config.json",
+    )  # fmt: skip
+    parser.add_argument("--nodes", type=int, required=True, help="learner nodes")
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (H100: 80)")
+    parser.add_argument(
+        "--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
+        help="GiB kept free for the CUDA context, NCCL and fragmentation (a rule of thumb)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--micro-batch-tokens", type=int,
+        default=LearnerConfig.model_fields["micro_batch_tokens"].default,
+        help="tokens per micro-batch of one replica (LearnerConfig.micro_batch_tokens)",
+    )  # fmt: skip
+    parser.add_argument("--params-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    for flag in LAYOUT_FLAGS:
+        parser.add_argument(f"--{flag}", type=int, help=f"{flag.upper()} size (check mode)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    world = args.nodes * args.gpus_per_node
+    try:
+        spec = load_hf_config(args.model)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"plan_layout: error: {error}", file=sys.stderr)
+        return INVALID
+    options = dict(
+        micro_batch_tokens=args.micro_batch_tokens, params_dtype=args.params_dtype,
+        gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb,
+    )  # fmt: skip
+    if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
+        return _check(spec, world, args, options)
+    plans = enumerate_layouts(spec, world, args.gpus_per_node, **options)
+    if args.json:
+        print(json.dumps([plan.to_dict() for plan in plans], indent=2))
+    else:
+        print("\n".join(describe(plan) for plan in plans) or "no valid layout fits")
+    return 0 if plans else TOO_BIG
+
+
+def _check(spec, world: int, args: argparse.Namespace, options: dict) -> int:
+    tp = args.tp or 1
+    try:
+        parallel = ParallelConfig(
+            tensor=tp, pipeline=args.pp or 1, context=args.cp or 1, expert=args.ep or 1,
+            expert_tensor=args.etp, sequence_parallel=tp > 1,
+        )  # fmt: skip
+        plan = plan_layout(spec, parallel, world, **options)
+    except (LayoutError, ValueError) as error:
+        hint = ""
+        if args.etp is None and args.ep and tp > 1:
+            hint = " (ETP defaults to TP, as in megatron; pass --etp 1 for TP-only attention)"
+        if args.json:
+            print(json.dumps({"valid": False, "reason": f"{error}{hint}"}))
+        print(f"plan_layout: invalid layout: {error}{hint}", file=sys.stderr)
+        return INVALID
+    print(json.dumps(plan.to_dict() | {"valid": True}, indent=2) if args.json else describe(plan))
+    return TOO_BIG if plan.fits(recompute=True) is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
