@@ -6,6 +6,7 @@ rewards and the supervised warm start need no tokenizer. Tasks are chosen by nam
 
 from __future__ import annotations
 
+import random
 from typing import Protocol
 
 from pydantic import BaseModel
@@ -27,6 +28,8 @@ class Task(Protocol):
     def problems(self, split: str, count: int, seed: int | None = None) -> list[Problem]: ...
 
     def target_ids(self, problem: Problem) -> list[int]: ...
+
+    def slip_target_ids(self, problem: Problem, rng: random.Random) -> list[int]: ...
 
     def reward(self, problem: Problem, output_ids: list[int]) -> float: ...
 

@@ -39,6 +39,9 @@ _OPERATION_CODES = {"+": 0, "-": 1}
 """Fixed per operation (not its position in the config), so adding '-' to a task leaves the
 split of every '+' problem where it was."""
 
+SLIPS = (-10, -1, 1, 10)
+"""What slip_target_ids adds to an answer: never 0, so a slip is always wrong."""
+
 Split = Literal["train", "eval"]
 
 
@@ -136,6 +139,12 @@ class ArithmeticTask:
     def target_ids(self, problem: Problem) -> list[int]:
         """What a correct response is, token for token: the answer, then EOS."""
         return [*encode(problem.answer), EOS_ID]
+
+    def slip_target_ids(self, problem: Problem, rng: random.Random) -> list[int]:
+        """A plausible wrong response, as a careless solver writes it: the answer off by 1 or
+        by 10 (a units or a carry slip) in either direction, then EOS. Noisy demonstrations
+        made of these teach the skill with a calibrated error rate (see learner/warm_start)."""
+        return [*encode(str(int(problem.answer) + rng.choice(SLIPS))), EOS_ID]
 
     def reward(self, problem: Problem, output_ids: list[int]) -> float:
         """1.0 iff the tokens up to the first EOS (which must be there) are exactly the answer."""

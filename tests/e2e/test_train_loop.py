@@ -44,7 +44,7 @@ def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("demo") / "run"
     command = train_command(
         run_dir, "steps=5", "checkpoint.every_steps=5",
-        "model.warm_start={steps: 60, batch_size: 32, stop_at_accuracy: null}",
+        "model.warm_start={steps: 60, batch_size: 32}",
     )  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -55,7 +55,7 @@ def cpu_run(slurm_cluster, tmp_path_factory: pytest.TempPathFactory):
     run_dir = tmp_path_factory.mktemp("slurm-run") / "run"
     job_id = slurm_cluster.submit(
         WRAPPER, "--run-dir", str(run_dir), "--health-timeout-s", "300", *QUICK, "steps=4",
-        "model.warm_start={steps: 60, batch_size: 32, stop_at_accuracy: null}",
+        "model.warm_start={steps: 60, batch_size: 32}",
     )  # fmt: skip
     info = finished_ok(slurm_cluster, job_id, run_dir)
     return run_dir, job_id, info

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_fr.learner import warm_start as warm_start_module
 from megatron_fr.learner.warm_start import (
     MARKER,
-    PROBE_EVERY,
     generate,
     mean_reward,
     warm_start,
@@ -91,17 +92,46 @@ def test_refuses_a_directory_it_did_not_write(tmp_path):
     assert (tmp_path / "weights.bin").read_text() == "someone else's"
 
 
-def test_accuracy_stop_ends_training_at_the_first_probe_that_reaches_it(tmp_path):
-    report = warm_start(
-        tmp_path / "policy",
-        ArithmeticTask(),
-        tiny_model_config(),
-        seed=0,
-        stop_at_accuracy=0.0,  # any probe reaches it
-        progress=False,
-        **SHORT,
-    )
-    assert report.steps_run == PROBE_EVERY
+def test_slips_are_wrong_by_one_or_ten_and_end_with_eos():
+    task = ArithmeticTask(ArithmeticConfig(operations=("+", "-")))
+    rng = random.Random(0)
+    offsets = set()
+    for problem in task.problems("train", 400):
+        slip = task.slip_target_ids(problem, rng)
+        assert slip[-1] == EOS_ID and task.reward(problem, slip) == 0.0
+        offsets.add(int(decode(slip[:-1])) - int(problem.answer))
+    assert offsets == {-10, -1, 1, 10}
+
+
+@pytest.mark.parametrize("label_noise", [0.0, 0.3, 1.0])
+def test_label_noise_is_the_share_of_slipped_targets(monkeypatch, label_noise):
+    """train() hands _step the batches it built: count the rows whose target is not the answer."""
+    task = ArithmeticTask()
+    wrong = []
+
+    def counting_step(model, optimizer, tokens, loss_mask):
+        for row, mask in zip(tokens.tolist(), loss_mask.tolist(), strict=True):
+            start = mask.index(1.0) + 1
+            target = row[start : start + int(sum(mask))]
+            text = decode(row[:start]).removeprefix("<bos>").removesuffix("=")
+            a, b = text.split("+")
+            wrong.append(target != encode(str(int(a) + int(b)) + "<eos>"))
+        return 0.0
+
+    monkeypatch.setattr(warm_start_module, "_step", counting_step)
+    warm_start_module.train(
+        torch.nn.Linear(1, 1), task, steps=25, batch_size=40, lr=1e-3, seed=0,
+        label_noise=label_noise, progress=False,
+    )  # fmt: skip
+    assert len(wrong) == 1000
+    # Binomial(1000, p): within 4.5 standard deviations (exact at p = 0 and 1).
+    assert abs(sum(wrong) / 1000 - label_noise) <= 4.5 * math.sqrt(label_noise * (1 - label_noise) / 1000)
+
+
+def test_label_noise_outside_0_1_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="label_noise"):
+        warm_start(tmp_path / "p", ArithmeticTask(), tiny_model_config(), seed=0, label_noise=1.5, **SHORT)
+    assert not (tmp_path / "p").exists()
 
 
 class Oracle(torch.nn.Module):
