@@ -8,9 +8,9 @@ convergence learns the skill (its greedy answer is mostly right) and also learns
 slips at temperature 1. That is the position RL fine-tuning of a supervised LLM starts from, and
 the one where single-sample RL has a clear, stable signal: turn the sampled slips into the
 answer the policy already ranks first. (A warm start stopped early on clean data instead, at
-~25% greedy accuracy, sits where the skill itself is half-learnt, and REINFORCE from it lost
-accuracy for every learning rate tried.) Only the answer and its EOS carry loss: the prompts are
-uniform random digits, nothing to imitate.
+~25% greedy accuracy, sits where the skill itself is half-learnt, and the demo's held-out
+accuracy did not rise from it at any learning rate tried.) Only the answer and its EOS carry
+loss: the prompts are uniform random digits, nothing to imitate.
 
     from megatron_fr.learner.warm_start import DEFAULT_WARM_START, warm_start
     from megatron_fr.tasks.arithmetic import ArithmeticTask, tiny_model_config
@@ -234,7 +234,9 @@ def _batch(
     """Prompt + target rows, right-padded ([B, L] ids), and the mask over PREDICTED positions
     ([B, L-1]): True where the next token is part of the target. Padding sits after every
     real token, so under causal attention it changes nothing the loss sees."""
-    rows = [[*problem.prompt_ids, *target] for problem, target in zip(problems, targets, strict=True)]
+    rows = [
+        [*problem.prompt_ids, *target] for problem, target in zip(problems, targets, strict=True)
+    ]
     length = max(map(len, rows))
     tokens = torch.full((len(rows), length), task.pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(rows), length - 1)

@@ -125,12 +125,15 @@ def test_label_noise_is_the_share_of_slipped_targets(monkeypatch, label_noise):
     )  # fmt: skip
     assert len(wrong) == 1000
     # Binomial(1000, p): within 4.5 standard deviations (exact at p = 0 and 1).
-    assert abs(sum(wrong) / 1000 - label_noise) <= 4.5 * math.sqrt(label_noise * (1 - label_noise) / 1000)
+    sigma = math.sqrt(label_noise * (1 - label_noise) / 1000)
+    assert abs(sum(wrong) / 1000 - label_noise) <= 4.5 * sigma
 
 
 def test_label_noise_outside_0_1_is_refused(tmp_path):
     with pytest.raises(ValueError, match="label_noise"):
-        warm_start(tmp_path / "p", ArithmeticTask(), tiny_model_config(), seed=0, label_noise=1.5, **SHORT)
+        warm_start(
+            tmp_path / "p", ArithmeticTask(), tiny_model_config(), seed=0, label_noise=1.5, **SHORT
+        )
     assert not (tmp_path / "p").exists()
 
 
