@@ -40,7 +40,7 @@ def verify_layout(
 
     MoE with TP > 1 needs sequence parallelism (megatron requires it), so it is switched on.
     """
-    from megatron_fr.models.gpt import check_layout
+    from megatron_fr.models.layout import check_model_layout
 
     parallel = ParallelConfig(
         tensor=tensor,
@@ -49,7 +49,7 @@ def verify_layout(
         pipeline=pipeline,
         sequence_parallel=spec.is_moe and tensor > 1,
     )
-    check_layout(spec, parallel)
+    check_model_layout(spec, parallel)
     return parallel
 
 

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec
+from megatron_fr.models.layout import LayoutError, check_model_layout, divisors
 
 GIB = 2**30
 DEFAULT_RESERVE_GIB = 4.0
@@ -65,10 +66,6 @@ BYTES_PER_PARAM = {
     "bfloat16": (2, 4, 12),
     "float32": (4, 4, 8),
 }
-
-
-class LayoutError(ValueError):
-    """A layout megatron (or this project's learner) cannot run; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -165,39 +162,16 @@ class Plan:
 
 
 def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
-    """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs.
-
-    The model rules are those models/gpt.py check_layout enforces at build time (restated
-    here because that module imports torch), plus the world-size rules of ParallelConfig."""
+    """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs: the
+    world-size rules of ParallelConfig, the learner's own limits, then the model's rules
+    (models/layout.py, the ones model build enforces)."""
     try:
         parallel.validate_world(world)
     except ValueError as error:
         raise LayoutError(str(error)) from None
-    tp, groups = parallel.tensor, spec.num_key_value_heads
-    if groups % tp:
-        raise LayoutError(
-            f"TP {tp} does not divide the {groups} query groups (num_key_value_heads): "
-            f"TP shards whole groups, so TP must be one of {_divisors(groups)}"
-        )
-    if spec.vocab_size % tp:
-        raise LayoutError(f"TP {tp} does not divide vocab_size {spec.vocab_size}")
-    if spec.num_layers % parallel.pipeline:
-        raise LayoutError(f"PP {parallel.pipeline} does not divide the {spec.num_layers} layers")
     if parallel.context > 1:
         raise LayoutError("CP > 1: the learner does not support context parallelism yet")
-    if not spec.is_moe:
-        if parallel.expert > 1:
-            raise LayoutError(f"EP {parallel.expert} set for a dense model (no experts)")
-        if spec.intermediate_size % tp:
-            raise LayoutError(f"TP {tp} does not divide intermediate_size {spec.intermediate_size}")
-        return
-    if spec.num_experts % parallel.expert:
-        raise LayoutError(f"EP {parallel.expert} does not divide the {spec.num_experts} experts")
-    etp = parallel.effective_expert_tensor
-    if spec.moe_intermediate_size % etp:
-        raise LayoutError(
-            f"ETP {etp} does not divide moe_intermediate_size {spec.moe_intermediate_size}"
-        )
+    check_model_layout(spec, parallel)
 
 
 def layer_params(spec: HFModelSpec) -> dict[str, int]:
@@ -309,9 +283,9 @@ def enumerate_layouts(
     parallelism (TP x PP: more data parallelism, fewer collectives), then least memory.
     TP stays within a node (its all-reduces need NVLink), ETP is 1 or TP (megatron's usual
     choices), CP is 1 (the learner's only)."""
-    tps = [t for t in _divisors(world) if t <= max(gpus_per_node, 1)]
-    pps = _divisors(world)
-    eps = _divisors(world) if spec.is_moe else [1]
+    tps = [t for t in divisors(world) if t <= max(gpus_per_node, 1)]
+    pps = divisors(world)
+    eps = divisors(world) if spec.is_moe else [1]
     plans = []
     for tp, pp, ep in itertools.product(tps, pps, eps):
         for etp in sorted({1, tp}) if spec.is_moe else [None]:
@@ -373,10 +347,6 @@ def _q(spec: HFModelSpec) -> int:
 
 def _kv(spec: HFModelSpec) -> int:
     return spec.num_key_value_heads * spec.head_dim
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _gib(value: int) -> str:

@@ -15,32 +15,11 @@ import torch
 import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec
+from megatron_fr.models.layout import check_model_layout
 
 
 def use_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def check_layout(spec: HFModelSpec, parallel: ParallelConfig) -> None:
-    """The divisibility rules megatron would otherwise assert deep inside model build."""
-    tp = parallel.tensor
-    if spec.num_key_value_heads % tp:
-        raise ValueError(
-            f"tensor parallel size {tp} does not divide the {spec.num_key_value_heads} query "
-            f"groups (num_key_value_heads); TP shards whole groups"
-        )
-    if spec.vocab_size % tp:
-        raise ValueError(f"tensor parallel size {tp} does not divide vocab_size {spec.vocab_size}")
-    if spec.is_moe and spec.num_experts % parallel.expert:
-        raise ValueError(
-            f"expert parallel size {parallel.expert} does not divide the {spec.num_experts} experts"
-        )
-    if not spec.is_moe and parallel.expert > 1:
-        raise ValueError(f"expert parallel size {parallel.expert} set for a dense model")
-    if spec.num_layers % parallel.pipeline:
-        raise ValueError(
-            f"pipeline parallel size {parallel.pipeline} does not divide {spec.num_layers} layers"
-        )
 
 
 def transformer_config(
@@ -57,7 +36,7 @@ def transformer_config(
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_layout(spec, parallel)
+    check_model_layout(spec, parallel)
     moe = {}
     if spec.is_moe:
         moe = dict(

@@ -232,8 +232,8 @@ def test_dist_checkpoint_loads_in_every_layout_with_transformers_logits(tmp_path
 def test_layouts_that_cannot_fit_are_refused_by_name(tmp_path, capsys):
     tiny_checkpoint("qwen3_moe", tmp_path)  # 2 query groups, 4 experts
     for flags, message in (
-        (["--tp", "4"], "tensor parallel size 4 does not divide the 2 query groups"),
-        (["--ep", "3"], "expert parallel size 3 does not divide the 4 experts"),
+        (["--tp", "4"], "TP 4 does not divide the 2 query groups"),
+        (["--ep", "3"], "EP 3 does not divide the 4 experts"),
     ):
         code = convert_main(["verify", "--hf-dir", str(tmp_path), "--megatron-dir", "x", *flags])
         assert code == 2

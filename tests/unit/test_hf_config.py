@@ -7,8 +7,8 @@ import json
 import pytest
 
 from megatron_fr.config import ParallelConfig
-from megatron_fr.models.gpt import check_layout
 from megatron_fr.models.hf_config import PRESET_DIR, load_hf_config, preset_names
+from megatron_fr.models.layout import check_model_layout
 
 
 def test_presets_ship_the_five_models():
@@ -69,14 +69,14 @@ def test_missing_config_names_the_presets(tmp_path):
     [
         (ParallelConfig(tensor=8), "does not divide the 4 query groups"),
         (ParallelConfig(expert=3), "does not divide the 128 experts"),
-        (ParallelConfig(pipeline=5), "does not divide 48 layers"),
+        (ParallelConfig(pipeline=5), "does not divide the 48 layers"),
     ],
 )
 def test_layouts_megatron_cannot_build_are_refused(parallel, message):
     with pytest.raises(ValueError, match=message):
-        check_layout(load_hf_config("qwen3-30b-a3b"), parallel)
+        check_model_layout(load_hf_config("qwen3-30b-a3b"), parallel)
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(ValueError, match="dense model"):
-        check_layout(load_hf_config("qwen3-8b"), ParallelConfig(expert=2))
+        check_model_layout(load_hf_config("qwen3-8b"), ParallelConfig(expert=2))
