@@ -42,8 +42,9 @@ from megatron_fr.tasks import Problem, Task
 from megatron_fr.utils.atomic_dir import atomic_directory
 
 DEFAULT_WARM_START = dict(steps=1500, batch_size=128, lr=5e-3, label_noise=0.5)
-"""Tuned for ArithmeticTask(operations=("+", "-")) and tiny_model_config() on two CPU cores;
-measured figures in examples/cpu_demo.yaml, which uses it."""
+"""Tuned for ArithmeticTask(operations=("+", "-")) and tiny_model_config() on two CPU cores,
+as examples/cpu_demo.yaml uses it. Measured there (seed 0, `megatron-fr train
+examples/cpu_demo.yaml`): 113 s, held-out greedy accuracy 0.900, temperature-1 reward 0.395."""
 EVAL_PROBLEMS = 200
 """Held-out problems scored after training (always the same 200: drawn at the task's seed)."""
 MARKER = "warm_start.json"
