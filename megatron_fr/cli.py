@@ -17,9 +17,9 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
+    from megatron_fr.engine import serve_cli
     from megatron_fr.learner import smoke
     from megatron_fr.orchestrator import plot, prepare_cli, train_cli
-    from megatron_fr.rollout import serve_cli
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

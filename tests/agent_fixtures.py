@@ -22,9 +22,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from megatron_fr.engine.cpu_engine import Output, Sampling
+from megatron_fr.engine.cpu_server import CpuServer
 from megatron_fr.envs.datasets import DATA_DIR
-from megatron_fr.rollout.cpu_engine import Output, Sampling
-from megatron_fr.rollout.cpu_server import CpuServer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.engine.client import Rollout, RolloutClient, RolloutClientConfig
+from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.orchestrator.prompts import PromptSource
-from megatron_fr.rollout.client import Rollout, RolloutClient, RolloutClientConfig
-from megatron_fr.rollout.protocol import SamplingParams
 
 log = logging.getLogger("megatron_fr.rollouts")
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.config.run import RunConfig
+from megatron_fr.engine.client import RolloutClientConfig
+from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.prompts import PromptSource
 from megatron_fr.orchestrator.rollouts import RolloutWorkers, problem_of
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
 from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
-from megatron_fr.rollout.client import RolloutClientConfig
-from megatron_fr.rollout.protocol import SamplingParams
 from megatron_fr.weights.sync import SyncReport, WeightSync
 from megatron_fr.weights.transports import Engine
 
@@ -66,7 +66,7 @@ class RolloutSession:
         settings = self.config.rollout.engine
         if settings.urls:
             return list(settings.urls)
-        from megatron_fr.rollout.launcher import ServerLaunchConfig, launch_server
+        from megatron_fr.engine.launcher import ServerLaunchConfig, launch_server
 
         launch = ServerLaunchConfig(
             model_path=str(self.hf_dir), port=settings.port or free_port(),

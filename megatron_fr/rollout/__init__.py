@@ -1,1 +1,2 @@
-"""Rollout side: SGLang's wire format, the load-balancing client and server launching."""
+"""Rollout side: turning prompts into trajectories (the multi-turn agent loop and tool-call
+parsing); the engines it talks to live in megatron_fr.engine."""

@@ -42,9 +42,9 @@ from megatron_fr.buffer.trajectory import (
     Trajectory,
     validate_trajectory,
 )
+from megatron_fr.engine.client import Rollout, RolloutClient
+from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Episode, Message
-from megatron_fr.rollout.client import Rollout, RolloutClient
-from megatron_fr.rollout.protocol import SamplingParams
 
 Finish = Literal[
     "done", "max_turns", "max_episode_tokens", "prompt_too_long", "time_limit", "turn_time_limit"

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine import protocol
+from megatron_fr.engine.http import EngineRequestError, post_all, post_json
 from megatron_fr.models.hf_config import HFModelSpec
-from megatron_fr.rollout import protocol
-from megatron_fr.weights.engine_http import EngineRequestError, post_all, post_json
 from megatron_fr.weights.reshard import iter_hf_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 

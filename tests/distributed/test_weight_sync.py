@@ -188,8 +188,8 @@ def _start_long_rollout(url: str):
     import asyncio
     import threading
 
-    from megatron_fr.rollout.client import RolloutClient, RolloutClientConfig
-    from megatron_fr.rollout.protocol import SamplingParams
+    from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
+    from megatron_fr.engine.protocol import SamplingParams
 
     result: dict = {}
 
@@ -211,7 +211,7 @@ def cpu_engine(tmp_path):
     port = free_port()
     log = open(tmp_path / "engine.log", "w")  # noqa: SIM115 (closed in teardown)
     process = subprocess.Popen(
-        [sys.executable, "-m", "megatron_fr.rollout.cpu_server", "--model-path",
+        [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path",
          str(tmp_path / "served"), "--port", str(port), "--threads", "1"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -24,13 +24,13 @@ import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, chat_model_dir, serving, turn_count
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
+from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.envs.datasets import bundled_samples
 from megatron_fr.envs.registry import build_environment
 from megatron_fr.envs.textworld_games import default_cache_dir
 from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
-from megatron_fr.rollout.client import RolloutClient, RolloutClientConfig
-from megatron_fr.rollout.protocol import SamplingParams
 
 TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 
@@ -172,7 +172,7 @@ def random_model(tmp_path_factory):
 def test_random_model_on_the_cpu_engine_survives_every_environment(
     random_model, env_name: str
 ) -> None:
-    from megatron_fr.rollout.cpu_engine import CpuEngine
+    from megatron_fr.engine.cpu_engine import CpuEngine
 
     engine = CpuEngine(random_model)
     engine.weight_version = "0"

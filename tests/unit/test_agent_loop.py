@@ -11,10 +11,10 @@ import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, serving, turn_count
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
+from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Episode, StepResult
 from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
-from megatron_fr.rollout.client import RolloutClient, RolloutClientConfig
-from megatron_fr.rollout.protocol import SamplingParams
 
 
 class CountingEpisode(Episode):

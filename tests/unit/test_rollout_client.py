@@ -26,14 +26,14 @@ import pytest
 from aiohttp import web
 from pydantic import ValidationError
 
-from megatron_fr.rollout.client import (
+from megatron_fr.engine.client import (
     RequestRejected,
     Rollout,
     RolloutClient,
     RolloutClientConfig,
     ServersUnavailable,
 )
-from megatron_fr.rollout.protocol import MalformedResponse, SamplingParams
+from megatron_fr.engine.protocol import MalformedResponse, SamplingParams
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from megatron_fr.rollout.launcher import (
+from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
@@ -101,7 +101,7 @@ def test_sglang_flags_are_sglang_server_args() -> None:
 def test_cpu_engine_command() -> None:
     cfg = ServerLaunchConfig(model_path="/tmp/tiny-qwen3-moe", port=30123, engine="cpu")
     assert cpu_engine_command(cfg) == [
-        sys.executable, "-m", "megatron_fr.rollout.cpu_server",
+        sys.executable, "-m", "megatron_fr.engine.cpu_server",
         "--model-path", "/tmp/tiny-qwen3-moe", "--host", "127.0.0.1", "--port", "30123",
         "--threads", "1", "--parent-pid", str(os.getpid()),
     ]  # fmt: skip

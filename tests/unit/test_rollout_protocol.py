@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from megatron_fr.rollout import protocol as p
-from megatron_fr.rollout.protocol import MalformedResponse, SamplingParams
+from megatron_fr.engine import protocol as p
+from megatron_fr.engine.protocol import MalformedResponse, SamplingParams
 
 
 def _sglang_root() -> Path:

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from megatron_fr.convert.hf_files import INDEX_NAME, ShardedSafetensorsWriter
-from megatron_fr.rollout import protocol
-from megatron_fr.weights.engine_http import post_all
+from megatron_fr.engine import protocol
+from megatron_fr.engine.http import post_all
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 

@@ -6,9 +6,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatron_fr.rollout import protocol
-from megatron_fr.weights.engine_http import EngineRequestError, post_json
-from megatron_fr.weights.group import WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine import protocol
+from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_fr.rollout import protocol
-from megatron_fr.weights.engine_http import post_json
+from megatron_fr.engine import protocol
+from megatron_fr.engine.http import post_json
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import WeightTransport
 

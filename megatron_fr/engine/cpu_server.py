@@ -1,6 +1,6 @@
 """An SGLang-protocol HTTP server on the CPU, backed by transformers.
 
-    python -m megatron_fr.rollout.cpu_server --model-path HF_DIR --host 127.0.0.1 --port 30000
+    python -m megatron_fr.engine.cpu_server --model-path HF_DIR --host 127.0.0.1 --port 30000
 
 Speaks the subset of SGLang's HTTP API that RL training uses (field names as in SGLang's
 io_struct): /health, /model_info, /generate (single and batched, input_ids or text),
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_fr.rollout.cpu_engine import CpuEngine, Output, Sampling
+from megatron_fr.engine.cpu_engine import CpuEngine, Output, Sampling
+from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
-from megatron_fr.weights.group import WeightUpdateGroup, create_weight_update_group
 
 log = logging.getLogger("megatron_fr.cpu_server")
 

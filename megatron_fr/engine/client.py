@@ -34,7 +34,7 @@ from pydantic import (
     field_validator,
 )
 
-from megatron_fr.rollout.protocol import (
+from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
     FinishReason,

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_fr.rollout.launcher import ServerLaunchConfig, server_command
+    from megatron_fr.engine.launcher import ServerLaunchConfig, server_command
 
     extra = tuple(arg for arg in args.extra if arg != "--")
     try:

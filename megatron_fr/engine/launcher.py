@@ -32,8 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from megatron_fr.engine.protocol import HEALTH_PATH
 from megatron_fr.parallel.spawn import standalone_env
-from megatron_fr.rollout.protocol import HEALTH_PATH
 
 LOG_TAIL_LINES = 20
 
@@ -128,7 +128,7 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
     command = [
-        sys.executable, "-m", "megatron_fr.rollout.cpu_server", "--model-path", cfg.model_path,
+        sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", cfg.model_path,
         "--host", cfg.host, "--port", str(cfg.port), "--threads", str(cfg.cpu_threads),
     ]  # fmt: skip
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command

@@ -1,0 +1,4 @@
+"""The SGLang boundary in one place: SGLang's wire format (protocol), the load-balancing
+client, the server launcher, the weight-update HTTP calls (http) and process-group setup
+(group), and the SGLang-protocol CPU engine that stands in for SGLang where there is no GPU
+(cpu_engine, cpu_server, serve_cli). Nothing here knows about buffers, learners or tasks."""
