@@ -47,6 +47,49 @@ def prompt_groups(batch: list[Trajectory]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's wrapper (one per chained dense/expert part)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.optimizer for part in parts]
+
+
+def restore_adam_steps(optimizer) -> None:
+    """Give every parameter its own Adam step counter, equal to the checkpoint's, after a load.
+
+    Without TE or apex, megatron's distributed optimizer (0.19, distrib_optimizer.py) loads
+    torch Adam's per-parameter "step" wrongly in two ways: load_state_dict assigns ONE tensor
+    to every parameter's state (``s["step"] = step``), and the dp_reshardable parameter-state
+    load then copies the step of the state being loaded INTO (here: the dummy step Learner.load
+    takes, 1) over it. So after a resume Adam's bias correction restarts from step 1 (updates
+    1.4-2.5x too large), and since torch increments each state's step in place the shared
+    tensor then grows by the number of parameters per update, until a later save fails
+    megatron's "all steps equal" assertion. The checkpoint's own step survives in the param
+    groups (megatron writes it there on save and load), so it is taken from there. With TE or
+    apex the fused Adam keeps its step in the param group only and this changes nothing."""
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            saved = group.get("step")
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    value = step if saved is None else torch.full_like(step, float(saved))
+                    inner.state[param]["step"] = value.detach().clone()
+
+
+def adam_step_counts(optimizer) -> list[float]:
+    """The distinct Adam step counts over all parameters (one value when all agree): the
+    per-parameter state's for torch Adam, the param group's for fused (TE/apex) Adam."""
+    state_steps, group_steps = set(), set()
+    for inner in torch_optimizers(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                state_steps.add(float(state["step"]))
+        for group in inner.param_groups:
+            if group.get("step") is not None and group["params"]:
+                group_steps.add(float(group["step"]))
+    return sorted(state_steps or group_steps)
+
+
 class Learner:
     """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule."""
 
@@ -214,6 +257,7 @@ class Learner:
             loaded = dist_checkpointing.load(self._sharded_state(loading=True), directory)
             self.module.load_state_dict(loaded["model"], strict=True)
             self.optimizer.load_state_dict(loaded["optimizer"])
+            restore_adam_steps(self.optimizer)
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
 

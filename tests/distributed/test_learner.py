@@ -67,7 +67,7 @@ def reference(hf_dir, batch: list[Trajectory]) -> tuple[float, float, float]:
 
 def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list[Trajectory]):
     from megatron_fr.config import FlashReinforceConfig, LearnerConfig, ParallelConfig
-    from megatron_fr.learner.trainer import Learner
+    from megatron_fr.learner.trainer import Learner, adam_step_counts
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.parallel import state
 
@@ -87,10 +87,22 @@ def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list[Tra
         checkpoint = f"{megatron_dir}.step1.{len(results)}"
         learner.save(checkpoint)
         second = learner.train_step(batch)  # the optimizer really moved the weights
+        third = learner.train_step(batch)
+        # Resumed twice: load step 1, train step 2, save, load that, train step 3.
         resumed = Learner(spec, parallel, config, total_steps=4)
         resumed.load(checkpoint)  # model, Adam moments, LR schedule, step count
         again = resumed.train_step(batch)
-        results.append((metrics, second, again, resumed.steps_done))
+        counts_once = adam_step_counts(resumed.optimizer)
+        resumed.save(f"{checkpoint}.again")
+        twice = Learner(spec, parallel, config, total_steps=4)
+        twice.load(f"{checkpoint}.again")
+        third_again = twice.train_step(batch)
+        counts = (
+            adam_step_counts(learner.optimizer),
+            counts_once,
+            adam_step_counts(twice.optimizer),
+        )
+        results.append((metrics, (second, third), (again, third_again), twice.steps_done, counts))
     return results
 
 
@@ -107,7 +119,7 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
     assert 0 < acceptance < 1, "the gate should split this batch"
 
     per_rank = run_on_ranks(learner_steps, 2, str(tmp_path / "m"), batch, timeout_s=600)
-    for (kwargs, budget), (metrics, second, again, steps), (metrics_1, *_) in zip(
+    for (kwargs, budget), (metrics, second, again, steps, counts), (metrics_1, *_) in zip(
         LAYOUTS, per_rank[0], per_rank[1], strict=True
     ):
         where = f"{kwargs} budget {budget}"
@@ -116,5 +128,8 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
         assert metrics["acceptance_rate"] == pytest.approx(acceptance, abs=1e-6), where
         assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), where
         assert metrics["update_successful"] == 1.0 and metrics["lr"] == pytest.approx(1e-3)
-        assert second["loss"] != metrics["loss"], f"{where}: the step changed nothing"
-        assert again == second and steps == 2, f"{where}: resuming from the checkpoint differs"
+        assert second[0]["loss"] != metrics["loss"], f"{where}: the step changed nothing"
+        assert again == second and steps == 3, f"{where}: resuming from the checkpoint differs"
+        # Every parameter's Adam step equals the number of updates, after any number of resumes
+        # (megatron restores one shared step tensor without TE/apex; see restore_adam_steps).
+        assert counts == ([3.0], [2.0], [3.0]), f"{where}: Adam step counts {counts}"
