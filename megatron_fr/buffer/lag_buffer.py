@@ -1,43 +1,56 @@
-"""LagAwareBuffer: the bounded, lag-aware queue between rollout workers and the learner.
+"""LagAwareBuffer: the one owner of rollout state between the prompt source and the learner.
 
-    rollout worker                 buffer                                 learner at version v
-    try_admit / admit(_async) ───► in_flight (slot reserved)
-      ... samples with weights >= v ...
-    put(trajectory) ─────────────► valid and fresh? ─ yes ─► queue (FIFO) ─► next_batch(v),
-                                          │ no                    │ too old   get_batch(_async)(v):
-    abandon(prompt_id) ──────────► slot freed                     │ at v      B trajectories,
-                                          ▼                       │           lag <= max_lag
-    pop_requeued() ◄────────────── requeued prompts ◄─────────────┘
+    rollout worker                       buffer (one lock)                     learner at version v
+    admit(_async) ─────────────────────► next problem (re-queued ones first) and G rollout
+      Admission(problem, group, G ids)    slots reserved together (in flight)
+      ... the G rollouts sample with weights >= v ...
+    put(trajectory) ───────────────────► invalid? ──────────► group discarded whole ┐
+    abandon(prompt_id)  (rollout failed) ───────────────────► group discarded whole ┤ problem
+                                         all G in: fresh? ─ no ─► dropped whole ────┤ handed
+                                              │ yes                                 │ out again
+                                              ▼                                     │
+                                         queue of whole groups ─► next_batch(v): B / G groups,
+    set_version(v) ────────────────────► queued groups too old dropped whole ──────┘ lag <= max_lag
+    close(error) ──────────────────────► every waiter wakes: admit -> None, get_batch raises
+
+The prompt cursor (PromptSource) lives here, under the same lock as the slots, so a
+checkpoint (state_dict) never sees a problem taken from the cursor but not yet admitted, nor
+one admitted twice; resuming re-issues exactly the problems whose groups never reached a batch.
 
 Two limits act on a rollout. Before it starts, admission keeps the rollouts in flight and the
-queue small enough that all of them can be trained within max_lag versions (the staleness
-budget, `_admission_open`) and within `capacity` (backpressure). When the learner asks for a
-batch, every trajectory older than max_lag is dropped (`_is_fresh`): the budget bounds lag on
-average, the drop bounds it for each trajectory. A dropped, rejected or abandoned rollout gives
-its prompt back through `pop_requeued`, so no prompt is lost.
+trajectories held small enough that all of them can be trained within max_lag versions (the
+staleness budget, `_admission_open`) and within `capacity` (backpressure). When a group
+completes, and whenever the version grows, every group older than max_lag is dropped
+(`_is_fresh`): the budget bounds lag on average, the drop bounds it for each trajectory.
 
-Worked example, B = 4, max_lag = 1, learner at version 5: the batches of versions 5 and 6 will
-be trained before version 7, so 8 rollouts may be pending (in flight or queued). Once the
-learner has taken its batch at version 5, 4 may be pending (they are for version 6's batch);
-when it reports version 6, 8 again. A trajectory whose oldest token is from version 3 is
-dropped at version 5 (lag 2 > 1).
+Groups are atomic (what group baselines need: GRPO's mean and std over a group of part of its
+rollouts is a different estimator): a batch holds B / G whole groups, never part of one. With
+G = 1 (FlashREINFORCE) a group is one rollout.
 
-A prompt_id names one rollout slot: it can be live (in flight or queued) once at a time, so
-the B trajectories of a batch are B distinct prompts. Group estimators (G rollouts per
-prompt) give each rollout its own id.
+Worked example, B = 4, G = 1, max_lag = 1, learner at version 5: the batches of versions 5
+and 6 will be trained before version 7, so 8 rollouts may be pending (in flight or held).
+Once the learner has taken its batch at version 5, 4 may be pending (they are for version 6's
+batch); when it reports version 6, 8 again. A trajectory whose oldest token is from version 3
+is dropped at version 5 (lag 2 > 1).
+
+Accounting (checked by the tests after every call): every admitted rollout is exactly one of
+in flight, held (its group forming or queued), consumed, dropped (stale), rejected (invalid),
+abandoned (failed), or discarded (a member of its group failed or was rejected).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
+from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.buffer.trajectory import InvalidTrajectory, Trajectory, validate_trajectory
 from megatron_fr.config.buffer import BufferConfig
 
@@ -45,9 +58,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PutOutcome = Literal["queued", "dropped", "rejected"]
+PutOutcome = Literal["held", "queued", "dropped", "rejected", "discarded"]
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 """Version of the state_dict layout; load_state_dict refuses any other."""
 
 
@@ -55,68 +68,114 @@ class NotAdmittedError(LookupError):
     """put or abandon for a prompt_id that has no rollout in flight."""
 
 
+class BufferClosed(RuntimeError):
+    """The buffer was closed (the run is ending); raised to the learner waiting for a batch,
+    chained to the error that ended the run, if any."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One problem handed out with its G rollout slots reserved."""
+
+    problem: str
+    group: str
+    """Unique per admission ("<problem>@<n>"): the G rollouts share it (group baselines)."""
+    prompt_ids: tuple[str, ...]
+    """One per rollout slot ("<group>#<k>"); put / abandon name the slot by it."""
+
+
 @dataclass
 class _Counters:
-    """Totals since the run started (kept across checkpoints)."""
+    """Totals since the run started (kept across checkpoints). Rollouts, except `requeued`
+    and `groups_*`, which count problems / groups."""
 
     admitted: int = 0
     consumed: int = 0
     dropped: int = 0
     rejected: int = 0
     abandoned: int = 0
+    discarded: int = 0
     requeued: int = 0
+    groups_dropped: int = 0
+    groups_failed: int = 0
+
+
+@dataclass
+class _Group:
+    admission: Admission
+    in_flight: set[str]
+    done: dict[str, Trajectory] = field(default_factory=dict)
+    failed: bool = False
+    """A member failed or was rejected: the group will never be trained; members still in
+    flight are discarded as they come back."""
 
 
 class LagAwareBuffer:
     """Thread safe (one lock, one condition); the *_async methods never block the event loop
     for longer than a short critical section."""
 
-    def __init__(self, config: BufferConfig, version: int = 0) -> None:
+    def __init__(self, config: BufferConfig, source: PromptSource, version: int = 0) -> None:
         self.config = config
+        self._source = source
         self._cond = threading.Condition()
         self._version = version
         self._consumed_at_version = 0
         """Trajectories consumed in batches formed at self._version."""
-        self._in_flight: dict[str, None] = {}
-        """Ordered set of admitted prompt ids whose trajectory has not come back."""
-        self._queue: deque[Trajectory] = deque()
-        self._queued_ids: set[str] = set()
-        self._requeued: deque[str] = deque()
+        self._groups: dict[str, _Group] = {}
+        """Admitted groups not yet queued (forming, or failed with members in flight)."""
+        self._slot_group: dict[str, str] = {}
+        """prompt_id of each rollout in flight -> its group."""
+        self._held = 0
+        """Trajectories of forming (not failed) groups."""
+        self._queue: deque[list[Trajectory]] = deque()
+        self._group_numbers = itertools.count()
         self._counts = _Counters()
         self._rejected_reasons: Counter[str] = Counter()
         self._lag_histogram: Counter[int] = Counter()
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._closed = False
+        self._close_error: BaseException | None = None
 
     # ---- admission (rollout side) ----------------------------------------------------------
 
-    def try_admit(self, prompt_id: str) -> bool:
-        """Reserve a slot for a rollout of prompt_id if the limits allow it now."""
+    def try_admit(self) -> Admission | None:
+        """The next problem with its G slots reserved, if the limits allow it now (None also
+        once closed)."""
         with self._cond:
-            return self._try_admit(prompt_id)
+            return self._try_admit()
 
-    def admit(self, prompt_id: str, timeout: float | None = None) -> bool:
-        """try_admit, waiting up to timeout seconds (None: forever); False on timeout."""
+    def admit(self, timeout: float | None = None) -> Admission | None:
+        """try_admit, waiting up to timeout seconds (None: forever); None on timeout or close."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._try_admit(prompt_id), timeout)
+            result = self._cond.wait_for(lambda: self._try_admit() or self._closed, timeout)
+            return result if isinstance(result, Admission) else None
 
-    async def admit_async(self, prompt_id: str, timeout: float | None = None) -> bool:
+    async def admit_async(self, timeout: float | None = None) -> Admission | None:
         """admit for asyncio code; cancelling it leaves nothing admitted."""
-        return await self._wait_async(lambda: self._try_admit(prompt_id), timeout)
+        result = await self._wait_async(lambda: self._try_admit() or self._closed, timeout)
+        return result if isinstance(result, Admission) else None
 
-    def _try_admit(self, prompt_id: str) -> bool:
-        if not isinstance(prompt_id, str) or not prompt_id:
-            raise ValueError(f"prompt_id must be a non-empty string, got {prompt_id!r}")
-        if prompt_id in self._in_flight or prompt_id in self._queued_ids:
-            state = "in flight" if prompt_id in self._in_flight else "queued"
-            raise ValueError(f"prompt_id {prompt_id!r} is already {state}; admit it once")
-        if not self._admission_open():
-            return False
-        self._in_flight[prompt_id] = None
-        self._counts.admitted += 1
-        return True
+    def _try_admit(self) -> Admission | None:
+        if self._closed or not self._admission_open():
+            return None
+        problem = self._source.next()
+        group = f"{problem}@{next(self._group_numbers)}"
+        admission = Admission(
+            problem, group, tuple(f"{group}#{k}" for k in range(self.config.group_size))
+        )
+        self._groups[group] = _Group(admission, set(admission.prompt_ids))
+        for prompt_id in admission.prompt_ids:
+            self._slot_group[prompt_id] = group
+        self._counts.admitted += self.config.group_size
+        return admission
+
+    def _pending(self) -> int:
+        """Rollouts that may still reach a batch: in flight, held in forming groups, queued."""
+        live_in_flight = sum(len(g.in_flight) for g in self._groups.values() if not g.failed)
+        return live_in_flight + self._held + len(self._queue) * self.config.group_size
 
     def _admission_open(self) -> bool:
-        """Whether one more rollout may start now.
+        """Whether one more group of G rollouts may start now.
 
         Staleness budget (after AReaL's staleness manager). One optimizer step consumes one
         batch, so from version v the learner trains on the batches of versions v .. v+max_lag,
@@ -124,85 +183,108 @@ class LagAwareBuffer:
         of them were already taken at v. A rollout admitted now samples with weights >= v, so
         it is young enough for any of those batches. Admission keeps
 
-            admitted_total - retired_total <= consumed_before_v + (max_lag + 1) * B
-
-        with retired = dropped + rejected + abandoned (admitted, never to be trained) and
-        consumed_before_v = consumed_total - consumed_at_version. Counted from version 0 with
-        one batch per version, consumed_before_v = v * B: AReaL's
-        admitted_total <= (v + max_lag + 1) * B + retired_total. Subtracting consumed_total
-        from both sides gives the form enforced here (pending = in_flight + queued):
-
             pending + consumed_at_version <= (max_lag + 1) * B
 
-        Every other call only lowers the left side (put keeps it or retires, a batch moves B
-        from pending to consumed_at_version, a new version resets consumed_at_version), so the
-        bound holds after every call. It bounds lag on average; a rollout overtaken by later
-        ones can still miss its batches, and `_is_fresh` drops it then.
+        (pending = rollouts that may still reach a batch: in flight or held). Every other
+        call only lowers the left side (a completed group keeps it or retires G, a batch moves
+        B from pending to consumed_at_version, a new version resets consumed_at_version), so
+        the bound holds after every call. It bounds lag on average; a group overtaken by later
+        ones can still miss its batches, and `_is_fresh` drops it then. A failed group's
+        members still in flight hold slots of the `capacity` and `max_in_flight` limits (the
+        engines are still working on them) but no longer of the staleness budget.
         """
-        pending = len(self._in_flight) + len(self._queue)
-        if pending >= self.config.capacity:
+        size = self.config.group_size
+        pending = self._pending()
+        in_flight = len(self._slot_group)
+        if in_flight + self._held + len(self._queue) * size + size > self.config.capacity:
             return False
         max_in_flight = self.config.max_in_flight
-        if max_in_flight is not None and len(self._in_flight) >= max_in_flight:
+        if max_in_flight is not None and in_flight + size > max_in_flight:
             return False
         budget = (self.config.max_lag + 1) * self.config.batch_size
-        return pending + self._consumed_at_version < budget
+        return pending + self._consumed_at_version + size <= budget
 
     # ---- finished or failed rollouts -------------------------------------------------------
 
     def put(self, trajectory: Trajectory) -> PutOutcome:
-        """Hand in the trajectory of an admitted rollout. An invalid one is rejected (counted
-        by reason) and a too-old one dropped; both give their prompt back via pop_requeued."""
+        """Hand in the trajectory of an admitted rollout. "held" while its group is forming;
+        when the group completes, "queued" or "dropped" (too old); "rejected" if invalid (its
+        group is then discarded); "discarded" if its group had already failed."""
         try:
             validate_trajectory(trajectory)
             problem = None
         except InvalidTrajectory as error:
             problem = error
-        prompt_id = trajectory.prompt_id
         with self._cond:
-            self._release(prompt_id, "put")
-            if problem is not None:
-                logger.warning("rejected trajectory %r: %s", prompt_id, problem)
+            group = self._release(trajectory.prompt_id, "put")
+            if group.failed:
+                self._counts.discarded += 1
+                outcome: PutOutcome = "discarded"
+            elif problem is not None:
+                logger.warning("rejected trajectory %r: %s", trajectory.prompt_id, problem)
                 self._counts.rejected += 1
                 self._rejected_reasons[problem.reason] += 1
-                outcome: PutOutcome = "rejected"
-            elif not self._is_fresh(trajectory):
-                self._counts.dropped += 1
-                outcome = "dropped"
+                self._fail(group)
+                outcome = "rejected"
             else:
-                self._queue.append(trajectory)
-                self._queued_ids.add(prompt_id)
-                outcome = "queued"
-            if outcome != "queued":
-                self._requeue(prompt_id)
+                group.done[trajectory.prompt_id] = trajectory
+                self._held += 1
+                outcome = self._complete(group) if not group.in_flight else "held"
+            self._forget_if_finished(group)
             self._changed()
             return outcome
 
     def abandon(self, prompt_id: str) -> None:
-        """A rollout that failed: free its slot and give its prompt back."""
+        """A rollout that failed: its slot is freed and its group discarded whole (the
+        problem is handed out again)."""
         with self._cond:
-            self._release(prompt_id, "abandon")
+            group = self._release(prompt_id, "abandon")
             self._counts.abandoned += 1
-            self._requeue(prompt_id)
+            if not group.failed:
+                self._fail(group)
+            self._forget_if_finished(group)
             self._changed()
 
-    def pop_requeued(self) -> list[str]:
-        """Prompts whose rollout was dropped, rejected or abandoned, oldest first (once each)."""
-        with self._cond:
-            prompts = list(self._requeued)
-            self._requeued.clear()
-            return prompts
-
-    def _release(self, prompt_id: str, action: str) -> None:
-        if prompt_id not in self._in_flight:
+    def _release(self, prompt_id: str, action: str) -> _Group:
+        group_name = self._slot_group.pop(prompt_id, None)
+        if group_name is None:
             raise NotAdmittedError(
                 f"{action}: prompt_id {prompt_id!r} has no rollout in flight "
                 "(never admitted, or already put/abandoned)"
             )
-        del self._in_flight[prompt_id]
+        group = self._groups[group_name]
+        group.in_flight.discard(prompt_id)
+        return group
 
-    def _requeue(self, prompt_id: str) -> None:
-        self._requeued.append(prompt_id)
+    def _fail(self, group: _Group) -> None:
+        group.failed = True
+        self._counts.groups_failed += 1
+        self._counts.discarded += len(group.done)
+        self._held -= len(group.done)
+        group.done.clear()
+        self._requeue(group.admission.problem)
+
+    def _complete(self, group: _Group) -> PutOutcome:
+        members = [group.done[p] for p in group.admission.prompt_ids]
+        self._held -= len(members)
+        group.done.clear()
+        if not self._is_fresh(members):
+            self._drop(members)
+            return "dropped"
+        self._queue.append(members)
+        return "queued"
+
+    def _forget_if_finished(self, group: _Group) -> None:
+        if not group.in_flight and not group.done:
+            del self._groups[group.admission.group]
+
+    def _drop(self, members: list[Trajectory]) -> None:
+        self._counts.dropped += len(members)
+        self._counts.groups_dropped += 1
+        self._requeue(_problem_of(members[0].prompt_id))
+
+    def _requeue(self, problem: str) -> None:
+        self._source.requeue([problem])
         self._counts.requeued += 1
 
     # ---- versions and batches (learner side) -----------------------------------------------
@@ -213,15 +295,16 @@ class LagAwareBuffer:
             self._advance(version)
 
     def next_batch(self, current_version: int) -> list[Trajectory] | None:
-        """The B oldest-queued fresh trajectories for the learner at current_version, or None
-        while fewer than B are queued. Advances the buffer's version to current_version."""
+        """B / G whole groups, the oldest-completed first, for the learner at current_version,
+        or None while fewer are queued. Advances the buffer's version to current_version."""
         with self._cond:
             return self._next_batch(current_version)
 
     def get_batch(
         self, current_version: int, timeout: float | None = None
     ) -> list[Trajectory] | None:
-        """next_batch, waiting up to timeout seconds (None: forever); None on timeout."""
+        """next_batch, waiting up to timeout seconds (None: forever); None on timeout.
+        Raises BufferClosed once the buffer is closed."""
         with self._cond:
             return self._cond.wait_for(lambda: self._next_batch(current_version), timeout)
 
@@ -232,17 +315,18 @@ class LagAwareBuffer:
         return await self._wait_async(lambda: self._next_batch(current_version), timeout)
 
     def _next_batch(self, current_version: int) -> list[Trajectory] | None:
+        if self._closed:
+            raise BufferClosed("the rollout buffer is closed") from self._close_error
         self._advance(current_version)
-        size = self.config.batch_size
-        if len(self._queue) < size:
+        groups = self.config.batch_size // self.config.group_size
+        if len(self._queue) < groups:
             return None
-        # The queue holds only fresh trajectories (see _is_fresh), so FIFO order is kept.
-        batch = [self._queue.popleft() for _ in range(size)]
+        # The queue holds only fresh groups (see _is_fresh), so FIFO order is kept.
+        batch = [t for _ in range(groups) for t in self._queue.popleft()]
         for trajectory in batch:
-            self._queued_ids.remove(trajectory.prompt_id)
             self._lag_histogram[current_version - trajectory.oldest_version] += 1
-        self._counts.consumed += size
-        self._consumed_at_version += size
+        self._counts.consumed += len(batch)
+        self._consumed_at_version += len(batch)
         self._changed()
         return batch
 
@@ -259,25 +343,37 @@ class LagAwareBuffer:
         self._drop_stale()
         self._changed()
 
-    def _is_fresh(self, trajectory: Trajectory) -> bool:
+    def _is_fresh(self, members: list[Trajectory]) -> bool:
         """INVARIANT (the lag bound): every queued trajectory has
-        oldest_version >= version - max_lag. It is checked on put and re-established for the
-        whole queue whenever the version grows; batches are taken from the queue at the
-        current version, so no batch holds a trajectory with lag > max_lag."""
-        return trajectory.oldest_version >= self._version - self.config.max_lag
+        oldest_version >= version - max_lag. It is checked when a group completes and
+        re-established for the whole queue whenever the version grows; batches are taken from
+        the queue at the current version, so no batch holds a trajectory with lag > max_lag.
+        A group is as old as its oldest member."""
+        oldest = min(t.oldest_version for t in members)
+        return oldest >= self._version - self.config.max_lag
 
     def _drop_stale(self) -> None:
-        fresh: deque[Trajectory] = deque()
-        for trajectory in self._queue:
-            if self._is_fresh(trajectory):
-                fresh.append(trajectory)
+        fresh: deque[list[Trajectory]] = deque()
+        for members in self._queue:
+            if self._is_fresh(members):
+                fresh.append(members)
             else:
-                self._queued_ids.remove(trajectory.prompt_id)
-                self._counts.dropped += 1
-                self._requeue(trajectory.prompt_id)
+                self._drop(members)
         self._queue = fresh
 
-    # ---- waiting ----------------------------------------------------------------------------
+    # ---- closing and waiting ----------------------------------------------------------------
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the buffer's life: admission stops (admit returns None) and the learner's wait
+        for a batch raises BufferClosed, chained to `error` (what ended the run) if given."""
+        with self._cond:
+            if not self._closed:
+                self._closed, self._close_error = True, error
+            self._changed()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _changed(self) -> None:
         """Wake every waiter (threads and coroutines) to re-check; called with the lock held."""
@@ -321,9 +417,10 @@ class LagAwareBuffer:
             lag_mean = sum(lag * n for lag, n in lags.items()) / consumed if consumed else None
             return {
                 "version": self._version,
-                "occupancy": len(self._queue),
-                "in_flight": len(self._in_flight),
-                "requeued_pending": len(self._requeued),
+                "occupancy": len(self._queue) * self.config.group_size,
+                "held": self._held,
+                "in_flight": len(self._slot_group),
+                "requeued_pending": self._source.requeued_count,
                 **{f"{name}_total": count for name, count in asdict(self._counts).items()},
                 "rejected_reasons": dict(self._rejected_reasons),
                 "lag_histogram": dict(sorted(lags.items())),
@@ -332,48 +429,75 @@ class LagAwareBuffer:
             }
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable snapshot for checkpoint/resume."""
+        """JSON-serialisable snapshot for checkpoint/resume. Groups not yet queued are lost
+        with the process: their problems are saved at the front of the re-queue (forming
+        groups' rollouts counted abandoned / discarded on load)."""
         with self._cond:
+            interrupted = [
+                {
+                    "problem": g.admission.problem,
+                    "in_flight": len(g.in_flight),
+                    "done": len(g.done),
+                    "failed": g.failed,
+                }
+                for g in self._groups.values()
+            ]
             return {
                 "format": STATE_FORMAT,
                 "version": self._version,
                 "consumed_at_version": self._consumed_at_version,
-                "queued": [trajectory.to_dict() for trajectory in self._queue],
-                "in_flight": list(self._in_flight),
-                "requeued": list(self._requeued),
+                "next_group_number": self._peek_group_number(),
+                "source": self._source.state_dict(),
+                "queued": [[t.to_dict() for t in members] for members in self._queue],
+                "interrupted": interrupted,
                 "counters": asdict(self._counts),
                 "rejected_reasons": dict(self._rejected_reasons),
                 "lag_histogram": sorted(self._lag_histogram.items()),
             }
 
+    def _peek_group_number(self) -> int:
+        number = next(self._group_numbers)
+        self._group_numbers = itertools.count(number)
+        return number
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from state_dict() into a fresh buffer. The rollouts that were in flight are
-        lost with the old process: their prompts come back as requeued (counted abandoned)."""
+        """Resume from state_dict() into a fresh buffer."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"buffer state format {state.get('format')!r} != {STATE_FORMAT}")
-        queued = [validate_trajectory(Trajectory.from_dict(row)) for row in state["queued"]]
-        queued_ids = {trajectory.prompt_id for trajectory in queued}
-        if len(queued_ids) != len(queued):
-            raise ValueError("buffer state queues the same prompt_id twice")
-        if len(queued) > self.config.capacity:
+        queued = [
+            [validate_trajectory(Trajectory.from_dict(row)) for row in members]
+            for members in state["queued"]
+        ]
+        size = self.config.group_size
+        if any(len(members) != size for members in queued):
+            raise ValueError(f"buffer state holds groups of another size than group_size {size}")
+        if len(queued) * size > self.config.capacity:
             raise ValueError(
-                f"buffer state holds {len(queued)} queued trajectories, more than capacity "
-                f"{self.config.capacity}"
+                f"buffer state holds {len(queued) * size} queued trajectories, more than "
+                f"capacity {self.config.capacity}"
             )
         with self._cond:
-            if self._counts.admitted or self._requeued:
+            if self._counts.admitted:
                 raise RuntimeError("load_state_dict needs a fresh buffer (nothing admitted yet)")
             self._version = state["version"]
             self._consumed_at_version = state["consumed_at_version"]
+            self._group_numbers = itertools.count(state["next_group_number"])
+            self._source.load_state_dict(state["source"])
             self._queue = deque(queued)
-            self._queued_ids = queued_ids
-            self._requeued = deque(state["requeued"])
             self._counts = _Counters(**state["counters"])
             self._rejected_reasons = Counter(state["rejected_reasons"])
             self._lag_histogram = Counter({lag: n for lag, n in state["lag_histogram"]})
-            for prompt_id in state["in_flight"]:
-                self._counts.abandoned += 1
-                self._requeue(prompt_id)
-            # A smaller max_lag than the saved run's may leave queued trajectories too old.
+            for group in reversed(state["interrupted"]):
+                self._counts.abandoned += group["in_flight"]
+                self._counts.discarded += group["done"]
+                if not group["failed"]:  # a failed group's problem is already re-queued
+                    self._source.requeue_first([group["problem"]])
+                    self._counts.requeued += 1
+            # A smaller max_lag than the saved run's may leave queued groups too old.
             self._drop_stale()
             self._changed()
+
+
+def _problem_of(prompt_id: str) -> str:
+    """ "<problem>@<n>#<k>" -> "<problem>" (problem ids may hold "@" themselves)."""
+    return prompt_id.rsplit("@", 1)[0]

@@ -1,7 +1,8 @@
-"""Which problem the next rollout works on: epochs over the training problems, re-queues first.
+"""Which problem the next rollout group works on: epochs over the training problems, re-queued
+ones first. Owned by the LagAwareBuffer, which calls it under its lock.
 
 Invariant (what resume relies on): within an epoch every problem is handed out once, in a
-permutation fixed by (seed, epoch); a problem whose rollout never reached a batch (dropped as
+permutation fixed by (seed, epoch); a problem whose group never reached a batch (dropped as
 too old, rejected, abandoned, or in flight when the run stopped) comes back through requeue()
 and is handed out again before any new one. The cursor (epoch, index) and the re-queue are
 the whole state, so a checkpoint of them, taken together with the buffer's, resumes without
@@ -19,6 +20,8 @@ class PromptSource:
     def __init__(self, problem_ids: Sequence[str], seed: int):
         if not problem_ids:
             raise ValueError("no training problems")
+        if len(set(problem_ids)) != len(problem_ids):
+            raise ValueError("training problem ids are not unique")
         self.problem_ids = list(problem_ids)
         self.seed = seed
         self.epoch, self.index = 0, 0
@@ -41,7 +44,16 @@ class PromptSource:
         return problem
 
     def requeue(self, problem_ids: Sequence[str]) -> None:
+        """Hand these out again, after the ones already waiting."""
         self._requeued.extend(problem_ids)
+
+    def requeue_first(self, problem_ids: Sequence[str]) -> None:
+        """Hand these out again before anything else (in the order given)."""
+        self._requeued.extendleft(reversed(problem_ids))
+
+    @property
+    def requeued_count(self) -> int:
+        return len(self._requeued)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "requeued": list(self._requeued)}

@@ -15,6 +15,10 @@ class BufferConfig(BaseModel):
     """Most trajectories queued + in flight at once; admission waits (backpressure) at it."""
     batch_size: PositiveInt
     """B: trajectories per learner batch (one optimizer step)."""
+    group_size: PositiveInt = 1
+    """G: rollouts per problem, kept together as one group: 1 for FlashREINFORCE; G for the
+    group baselines (GRPO, RLOO...). A batch holds B / G whole groups; a group with a failed,
+    rejected or too-old member is discarded whole and its problem handed out again."""
     max_lag: NonNegativeInt = 0
     """Most versions between a trajectory's oldest policy token and the learner that trains on
     it; 0 is synchronous on-policy training."""
@@ -22,7 +26,17 @@ class BufferConfig(BaseModel):
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
 
     @model_validator(mode="after")
-    def _capacity_holds_a_batch(self) -> BufferConfig:
+    def _sizes_fit_together(self) -> BufferConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size {self.batch_size} must be a multiple of group_size "
+                f"{self.group_size} (a batch holds whole groups)"
+            )
+        if self.max_in_flight is not None and self.max_in_flight < self.group_size:
+            raise ValueError(
+                f"max_in_flight ({self.max_in_flight}) must be >= group_size "
+                f"({self.group_size}): a group is admitted whole"
+            )
         if self.capacity < self.batch_size:
             raise ValueError(
                 f"capacity ({self.capacity}) must be >= batch_size ({self.batch_size}), "

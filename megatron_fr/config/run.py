@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.config.rollout import EvalSettings, RolloutSettings
 from megatron_fr.config.weights import WeightSyncConfig
 
 
@@ -36,33 +37,6 @@ class TaskSettings(_Strict):
     name: Literal["arithmetic"] = "arithmetic"
     options: dict[str, Any] = Field(default_factory=dict)
     """The task's own config (tasks/arithmetic.py ArithmeticConfig)."""
-
-
-class EngineSettings(_Strict):
-    urls: list[str] = Field(default_factory=list)
-    """Running inference servers; empty: start one engine (SGLang with CUDA, else the CPU
-    engine) on the first learner rank's node."""
-    port: int = Field(default=0, ge=0, le=65535)
-    """Port of the engine started here (0: a free one)."""
-    threads: int = Field(default=1, ge=1)
-    """torch threads of the CPU engine."""
-
-
-class RolloutSettings(_Strict):
-    temperature: float = Field(default=1.0, gt=0)
-    group_size: int = Field(default=1, ge=1)
-    """Rollouts per problem: 1 for FlashREINFORCE; G for group baselines (GRPO)."""
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    engine: EngineSettings = EngineSettings()
-
-
-class EvalSettings(_Strict):
-    every_steps: int = Field(default=10, ge=0)
-    """0: no periodic eval (the first and last still run)."""
-    problems: int = Field(default=200, ge=1)
-    repeats: int = Field(default=3, ge=1)
-    """Sampling passes over the held-out problems (temperature 1); the spread over passes is
-    reported as eval_accuracy_std."""
 
 
 class CheckpointSettings(_Strict):
@@ -90,15 +64,10 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _estimator_fits_group_size(self) -> RunConfig:
         grouped = self.learner.estimator != "flash_reinforce"
-        if grouped and self.rollout.group_size < 2:
+        if grouped and self.buffer.group_size < 2:
             raise ValueError(
-                f"estimator {self.learner.estimator!r} needs rollout.group_size >= 2 "
+                f"estimator {self.learner.estimator!r} needs buffer.group_size >= 2 "
                 "(rollouts per problem)"
-            )
-        if self.buffer.batch_size % self.rollout.group_size:
-            raise ValueError(
-                f"buffer.batch_size {self.buffer.batch_size} must be a multiple of "
-                f"rollout.group_size {self.rollout.group_size}"
             )
         return self
 

@@ -33,6 +33,7 @@ from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.learner.micro_batches import MicroBatch, micro_batches_for_rank
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
+from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
 from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -241,6 +242,7 @@ class Learner:
         from megatron.core import dist_checkpointing
 
         Path(directory).mkdir(parents=True, exist_ok=True)
+        keep_writes_in_process()
         with cpu_device_mode():
             dist_checkpointing.save(self._sharded_state(), directory)
 
@@ -289,7 +291,13 @@ class Learner:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(values, src=last, group=group)
+        steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)])
+        top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)])
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return {
+            "adam_step_min": steps.item(),
+            "adam_step_max": top.item(),
             "loss": values[0].item(),
             "acceptance_rate": values[1].item(),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

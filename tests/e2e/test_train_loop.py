@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
 QUICK = [
-    "eval.problems=40", "eval.repeats=2", "eval.every_steps=0", "buffer.batch_size=16",
+    "eval.problems=40", "eval.samples=2", "eval.every_steps=0", "buffer.batch_size=16",
     "buffer.capacity=64", "buffer.max_in_flight=32",
 ]  # fmt: skip
 REQUIRED = ("step", "policy_version", "reward_mean", "acceptance_rate", "lag_mean", "lag_max",
@@ -122,7 +122,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes(demo_run, tmp_path):
 def test_grpo_runs_from_the_same_recipe(demo_run, tmp_path):
     run_dir = tmp_path / "grpo"
     command = train_command(
-        run_dir, "steps=2", "learner.estimator=grpo", "rollout.group_size=4",
+        run_dir, "steps=2", "learner.estimator=grpo", "buffer.group_size=4",
         f"model.hf_dir={demo_run / 'warm_start'}",
     )  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)

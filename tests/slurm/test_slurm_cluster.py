@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.distributed]  # ranks on several vi
 
 WRAPPER = str(Path(__file__).resolve().parents[2] / "slurm" / "recipes" / "cpu_demo.sh")
 QUICK = [
-    "eval.problems=40", "eval.repeats=2", "eval.every_steps=0", "buffer.batch_size=16",
+    "eval.problems=40", "eval.samples=2", "eval.every_steps=0", "buffer.batch_size=16",
     "buffer.capacity=64", "buffer.max_in_flight=32",
 ]  # fmt: skip
 JOB_TIMEOUT_S = 600

@@ -220,7 +220,7 @@ def test_recipe_files_load_with_the_paper_settings(name):
     assert (config.buffer.batch_size, learner.flash_reinforce.delta) == (batch, delta)
     assert config.buffer.max_lag == max_lag and (steps is None or config.steps == steps)
     assert config.buffer.capacity == (max_lag + 1) * batch
-    assert learner.estimator == "flash_reinforce" and config.rollout.group_size == 1
+    assert learner.estimator == "flash_reinforce" and config.buffer.group_size == 1
     assert (learner.lr, learner.weight_decay, learner.clip_grad) == (1e-6, 0.1, 1.0)
     assert (learner.adam_beta1, learner.adam_beta2) == (0.9, 0.95)
     assert learner.lr_decay_style == "cosine" and math.isclose(learner.min_lr, 0.1 * learner.lr)

@@ -1,0 +1,52 @@
+"""How a run produces trajectories: the inference engines, sampling, evaluation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """Which inference engines a run uses and how they are watched."""
+
+    urls: list[str] = Field(default_factory=list)
+    """Running inference servers; empty: start one engine (SGLang with CUDA, else the CPU
+    engine) on the first learner rank's node."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the engine started here (0: a free one)."""
+    threads: PositiveInt = 1
+    """torch threads of the CPU engine."""
+    start_timeout_s: PositiveFloat = 300.0
+    """How long a started engine may take to answer /health."""
+    watch_interval_s: PositiveFloat = 1.0
+    """How often the engines are checked while the run goes on."""
+    unreachable_after_s: PositiveFloat = 30.0
+    """An engine given by URL that has not answered /health for this long counts as dead."""
+
+
+class RolloutSettings(_Strict):
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of training rollouts. The learner's log-probs are those of the
+    same distribution (log softmax(logits / temperature)), as the engines report them."""
+    request_timeout_s: PositiveFloat = 600.0
+    """Deadline of one generate call (per attempt) at the engines."""
+    engine: EngineSettings = EngineSettings()
+
+
+class EvalSettings(_Strict):
+    every_steps: int = Field(default=10, ge=0)
+    """0: no periodic eval (the first and last still run)."""
+    problems: PositiveInt = 200
+    """Held-out problems per eval set (those the task has, if fewer)."""
+    samples: PositiveInt = 3
+    """k of avg@k: samples per problem; the accuracy is their mean and the spread (std over
+    the k passes) is reported as eval_accuracy_std."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Evaluation samples at its own temperature (the paper's math evals: 0.7; its ALFWorld
+    eval: 1.0); no importance ratio is taken, so top_p < 1 is allowed here."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    timeout_s: PositiveFloat = 1800.0
+    """Deadline of one evaluation (all sets)."""

@@ -1,0 +1,100 @@
+"""What the first learner rank records of a run: per-step and eval metrics, and each batch.
+
+    run_dir/metrics.jsonl   a line per optimizer step and per evaluation (run_log.RunLogger,
+                            with TensorBoard and the progress bar)
+    run_dir/batches.jsonl   a line per step: the prompt ids and response lengths it trained on
+    run_dir/config.yaml     the resolved config
+
+On resume both logs are cut back to the checkpoint's step first: the steps after it are
+trained again and logged again, each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.config.run import RunConfig
+from megatron_fr.orchestrator import checkpoints as ckpt
+from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
+
+BATCHES_FILE = "batches.jsonl"
+
+
+class RunReport:
+    def __init__(self, config: RunConfig, run_dir: Path, step: int) -> None:
+        self.run_dir = run_dir
+        for name in (METRICS_FILE, BATCHES_FILE):
+            ckpt.truncate_jsonl(run_dir / name, step)
+        save_resolved_config(run_dir, config.model_dump(mode="json"))
+        self.logger = RunLogger(run_dir, progress_total=config.steps)
+
+    def step(
+        self,
+        step: int,
+        batch: list[Trajectory],
+        learner: dict[str, float],
+        sync_s: float,
+        rollout: dict[str, Any],
+        seconds: float,
+    ) -> None:
+        lags = [step - 1 - t.oldest_version for t in batch]
+        self.logger.log_step(
+            dict(
+                step=step,
+                policy_version=step,
+                reward_mean=statistics.fmean(t.reward for t in batch),
+                acceptance_rate=learner["acceptance_rate"],
+                lag_mean=statistics.fmean(lags),
+                lag_max=max(lags),
+                tokens_per_s=sum(t.length for t in batch) / seconds,
+                response_length_mean=statistics.fmean(t.num_policy_tokens for t in batch),
+                rollouts_total=rollout["rollouts_total"],
+                loss=learner["loss"],
+                grad_norm=learner["grad_norm"],
+                adam_step_min=learner["adam_step_min"],
+                adam_step_max=learner["adam_step_max"],
+                lr=learner["lr"],
+                sync_s=sync_s,
+                step_s=seconds,
+                buffer_occupancy=rollout["occupancy"],
+                dropped_total=rollout["dropped_total"],
+                discarded_total=rollout["discarded_total"],
+                rollout_failures_total=rollout["rollout_failures_total"],
+            )
+        )
+        _append_line(
+            self.run_dir / BATCHES_FILE,
+            {
+                "step": step,
+                "prompt_ids": [t.prompt_id for t in batch],
+                "response_lengths": [t.num_policy_tokens for t in batch],
+            },
+        )
+
+    def evaluation(
+        self, step: int, results: dict[str, tuple[float, float]], rollouts_total: int
+    ) -> None:
+        """One eval line: eval_accuracy (mean over the sets) plus each set's mean and spread."""
+        record: dict[str, Any] = dict(step=step, rollouts_total=rollouts_total)
+        record["eval_accuracy"] = statistics.fmean(mean for mean, _ in results.values())
+        if len(results) == 1:
+            (record["eval_accuracy_std"],) = (std for _, std in results.values())
+        for name, (mean, std) in results.items():
+            record[f"eval_{name}_accuracy"] = mean
+            record[f"eval_{name}_accuracy_std"] = std
+        self.logger.log_eval(record)
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def _append_line(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())

@@ -1,0 +1,295 @@
+"""The rollout service: the one owner of everything a run does to produce trajectories.
+
+    RolloutService (exists on the first learner rank only; None on the others)
+      ├─ EngineSupervisor   the inference engines (started or adopted), watched
+      ├─ LagAwareBuffer     prompt cursor + re-queue + rollout slots + queue, under one lock
+      ├─ EpisodeProducer    what a problem is, how it is played and scored
+      └─ its thread: one asyncio loop running
+             admission ─► group task (G episodes through the RolloutClient) ─► buffer.put
+             the engine watch
+             evaluation passes (on request)
+
+What waits on what: admission waits on the buffer (its staleness budget and capacity, woken
+by the buffer itself, never polled); the learner waits on buffer.get_batch. Nothing is
+fire-and-forget: the first exception of any task of the loop (a bug in a reward, a dead
+engine) closes the buffer with that error as the cause, which wakes the learner's wait with
+it, and the run ends naming it. A failed generation is not a bug: its group is discarded whole
+(handed out again later), counted, and new work waits an exponential backoff while failures
+repeat, so a dead or overloaded engine never spins a loop. close() stops the loop, joins the
+thread (not a daemon) and closes the loop, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer
+from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, RolloutError
+from megatron_fr.engine.protocol import MalformedResponse, SamplingParams
+from megatron_fr.rollout.episodes import EpisodeFailed, EpisodeProducer
+from megatron_fr.rollout.supervisor import EngineSupervisor
+
+log = logging.getLogger("megatron_fr.rollout")
+
+ROLLOUT_FAILURES = (RolloutError, MalformedResponse, EpisodeFailed)
+"""What a generation may fail with without it being a bug: counted, the group re-issued."""
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    problems: list[str]
+    samples: int
+    """k: samples per problem; the set's accuracy is avg@k."""
+
+
+class RolloutFailed(RuntimeError):
+    """The rollout service stopped; the cause is chained."""
+
+
+class Backoff:
+    """Exponential delay after consecutive failures (reset by a success), and failure logging
+    at most once per `log_every_s` with the count since the last line."""
+
+    def __init__(self, base_s: float = 0.05, max_s: float = 5.0, log_every_s: float = 10.0):
+        self.base_s, self.max_s, self.log_every_s = base_s, max_s, log_every_s
+        self.consecutive = 0
+        self.unlogged = 0
+        self._last_log = -float("inf")
+
+    def failed(self, what: str, error: BaseException) -> None:
+        self.consecutive += 1
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s:
+            log.warning("%d rollout(s) failed in the last %.0f s; latest %s: %s",
+                        self.unlogged, min(now - self._last_log, 1e9), what, error)  # fmt: skip
+            self._last_log, self.unlogged = now, 0
+
+    def succeeded(self) -> None:
+        self.consecutive = 0
+
+    @property
+    def delay_s(self) -> float:
+        if not self.consecutive:
+            return 0.0
+        return min(self.max_s, self.base_s * 2 ** (self.consecutive - 1))
+
+
+class RolloutService:
+    def __init__(
+        self,
+        engines: EngineSupervisor,
+        buffer: LagAwareBuffer,
+        producer: EpisodeProducer,
+        client: RolloutClientConfig,
+        sampling: SamplingParams,
+    ) -> None:
+        self.engines, self.buffer, self.producer = engines, buffer, producer
+        self.client_config, self.sampling = client, sampling
+        self.completed = 0
+        self.failures: Counter[str] = Counter()
+        self._counts_lock = threading.Lock()
+        """completed / failures are written by the loop's thread and read by the learner's."""
+        self.backoff = Backoff()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="rollouts")
+        self._client: RolloutClient | None = None
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start generating (after the engines serve the learner's weights)."""
+        self._thread.start()
+        self._started.wait()
+        self.check()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop generating, join the thread, close the loop, stop the engines we started.
+        Safe to call twice and on a service that never started."""
+        self.buffer.close(self._error)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the rollout thread did not stop within {timeout_s} s")
+        if not self._loop.is_closed():
+            self._loop.close()
+        self.engines.stop()
+        self.producer.close()
+
+    def check(self) -> None:
+        """Raise, in the caller's thread, the error that stopped the service."""
+        if self._error is not None:
+            raise RolloutFailed(f"rollouts stopped: {self._error}") from self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as error:
+            self._fail(error)
+        finally:
+            self._started.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """The first error ends the service: the buffer closes with it as the cause."""
+        if self._error is None:
+            self._error = error
+            log.error("rollout service failed: %s", error)
+        self.buffer.close(self._error)
+        if self._stop is not None:
+            self._stop.set()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self._fail(task.exception())
+
+        async with RolloutClient(self.client_config) as client:
+            self._client = client
+            self._started.set()
+            for job in (self._admissions(tasks, finished), self.engines.watch()):
+                task = asyncio.create_task(job)
+                tasks.add(task)
+                task.add_done_callback(finished)
+            await self._stop.wait()
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._client = None
+
+    async def _admissions(self, tasks: set, finished) -> None:
+        while (admission := await self.buffer.admit_async()) is not None:
+            task = asyncio.create_task(self._group(admission))
+            tasks.add(task)
+            task.add_done_callback(finished)
+            if self.backoff.delay_s:
+                await asyncio.sleep(self.backoff.delay_s)
+
+    async def _group(self, admission: Admission) -> None:
+        await asyncio.gather(*(self._episode(admission, pid) for pid in admission.prompt_ids))
+
+    async def _episode(self, admission: Admission, prompt_id: str) -> None:
+        try:
+            trajectory = await self.producer.run(
+                self._client, admission.problem, prompt_id, admission.group, self.sampling
+            )
+        except ROLLOUT_FAILURES as error:
+            with self._counts_lock:
+                self.failures[getattr(error, "reason", type(error).__name__)] += 1
+            self.backoff.failed(prompt_id, error)
+            self.buffer.abandon(prompt_id)
+            return
+        self.backoff.succeeded()
+        self.buffer.put(trajectory)
+        with self._counts_lock:
+            self.completed += 1
+
+    # --- the learner's side ---------------------------------------------------------------
+
+    def next_batch(self, version: int) -> list[Trajectory]:
+        """The next batch for the learner at `version`; raises RolloutFailed (with the cause)
+        if the service stops meanwhile."""
+        self.check()
+        try:
+            batch = self.buffer.get_batch(version)
+        except Exception:
+            self.check()
+            raise
+        return batch
+
+    def set_version(self, version: int) -> None:
+        self.buffer.set_version(version)
+
+    # --- state ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The buffer's stats plus rollouts completed (over resumes) and failures by reason."""
+        with self._counts_lock:
+            completed, failures = self.completed, dict(self.failures)
+        return {
+            **self.buffer.stats(),
+            "rollouts_total": completed,
+            "rollout_failures_total": sum(failures.values()),
+            "rollout_failures": failures,
+        }
+
+    def state_dict(self) -> dict:
+        with self._counts_lock:
+            completed, failures = self.completed, dict(self.failures)
+        return {"buffer": self.buffer.state_dict(), "completed": completed, "failures": failures}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before start(): the buffer (prompt cursor included) and the counters as saved."""
+        self.buffer.load_state_dict(state["buffer"])
+        self.completed = state["completed"]
+        self.failures = Counter(state["failures"])
+
+    # --- evaluation ---------------------------------------------------------------------
+
+    def evaluate(
+        self, sets: dict[str, EvalSet], sampling: SamplingParams, timeout_s: float
+    ) -> dict[str, tuple[float, float]]:
+        """{set: (mean, std)} of avg@k: the reward of k samples per problem at the eval
+        sampling settings; the spread is over the k passes."""
+        self.check()
+        future: Future = asyncio.run_coroutine_threadsafe(
+            self._evaluate(sets, sampling), self._loop
+        )
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            self.check()
+            raise TimeoutError(f"evaluation did not finish within {timeout_s} s") from None
+
+    async def _evaluate(self, sets: dict[str, EvalSet], sampling: SamplingParams):
+        results = {}
+        for name, spec in sets.items():
+            passes = []
+            for k in range(spec.samples):
+                outcomes = await asyncio.gather(
+                    *(
+                        self.producer.run(
+                            self._client, problem, f"eval-{name}-{problem}#{k}", "eval", sampling
+                        )
+                        for problem in spec.problems
+                    ),
+                    return_exceptions=True,
+                )
+                passes.append(self._eval_pass(name, outcomes))
+            results[name] = (statistics.fmean(passes), statistics.pstdev(passes))
+        return results
+
+    def _eval_pass(self, name: str, outcomes: list) -> float:
+        """Mean reward of one pass; an episode that failed scores 0 (it is a wrong answer as
+        far as the benchmark goes) and is counted; a bug is raised."""
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ROLLOUT_FAILURES):
+                raise outcome
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:
+            with self._counts_lock:
+                self.failures[f"eval {name}"] += len(failed)
+            log.warning("%d of %d eval episodes of %r failed (scored 0); first: %s",
+                        len(failed), len(outcomes), name, failed[0])  # fmt: skip
+        return statistics.fmean(0.0 if isinstance(o, BaseException) else o.reward
+                                for o in outcomes)  # fmt: skip
