@@ -1,10 +1,12 @@
-"""Hyperparameters of the FlashREINFORCE loss (ALGORITHM.md)."""
+"""Hyperparameters of the policy losses: FlashREINFORCE's gate and filter, and the PPO-clip
+family's clip range, aggregation and rollout correction (docs/algorithm.md)."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class FlashReinforceConfig(BaseModel):
@@ -25,3 +27,34 @@ class FlashReinforceConfig(BaseModel):
         if math.isnan(value) or value < 0:
             raise ValueError(f"delta must be >= 0 (inf disables the gate), got {value}")
         return value
+
+
+class PPOClipConfig(BaseModel):
+    """The clipped-ratio loss of the PPO family (GRPO, Dr. GRPO, RLOO baselines); the ratio is
+    taken against the behaviour log-probs the engine reported (parallel/ppo_loss.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eps_low: float = Field(default=0.2, ge=0)
+    eps_high: float = Field(default=0.2, ge=0)
+    """Clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: eps_high > eps_low)."""
+    aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = None
+    """token_mean: every policy token of the batch weighs the same (DAPO, verl's token-mean);
+    sequence_mean: each trajectory's token mean, then the mean over the batch (GRPO as
+    published); token_sum_norm: token sums divided by the longest trajectory's token count
+    (Dr. GRPO). None: the estimator's own (LearnerConfig resolves it)."""
+    correction: Literal["none", "token_mask", "sequence_mask_sum", "sequence_mask_mean"] = "none"
+    """Asynchronous rollout correction: drop tokens (token_mask, IcePop) or whole trajectories
+    (by the sum or mean of their log-ratio) whose ratio pi / mu lies outside
+    [correction_low, correction_high]."""
+    correction_low: float = Field(default=0.5, ge=0)
+    correction_high: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _interval(self) -> PPOClipConfig:
+        if self.correction_low > self.correction_high:
+            raise ValueError(
+                f"correction_low ({self.correction_low}) must be <= correction_high "
+                f"({self.correction_high})"
+            )
+        return self

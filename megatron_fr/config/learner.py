@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
+
+ESTIMATOR_LOSSES: dict[str, tuple[str, str | None]] = {
+    "flash_reinforce": ("flash_reinforce", None),
+    "grpo": ("ppo_clip", "sequence_mean"),
+    "dr_grpo": ("ppo_clip", "token_sum_norm"),
+    "rloo": ("ppo_clip", "token_mean"),
+    "reinforce_baseline": ("ppo_clip", "token_mean"),
+}
+"""Each estimator with the loss it is known by: (policy loss, PPO-clip aggregation)."""
 
 
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    estimator: str = "flash_reinforce"
-    """Advantage estimator (algo.advantages registry): flash_reinforce (A_i = R_i - mean R over
-    the batch), or a group baseline (grpo, dr_grpo, rloo, reinforce_baseline) which needs
-    several rollouts per prompt (RunConfig.rollout.group_size)."""
+    estimator: Literal["flash_reinforce", "grpo", "dr_grpo", "rloo", "reinforce_baseline"] = (
+        "flash_reinforce"
+    )
+    """Advantage estimator (algo/advantages.py): flash_reinforce (A_i = R_i - mean R over the
+    batch), or a group baseline (grpo, dr_grpo, rloo, reinforce_baseline) which needs several
+    rollouts per prompt (buffer.group_size)."""
+    policy_loss: Literal["flash_reinforce", "ppo_clip"] | None = None
+    """flash_reinforce: the gated, unclipped sample-mean loss; ppo_clip: the clipped ratio of
+    the PPO family. None: the estimator's own (ESTIMATOR_LOSSES), written back here so the
+    run's config.yaml shows the pairing."""
     flash_reinforce: FlashReinforceConfig = FlashReinforceConfig()
-    """The trust-region gate and negative-token filter (used by every estimator)."""
+    """The trust-region gate and negative-token filter of the flash_reinforce loss."""
+    ppo_clip: PPOClipConfig = PPOClipConfig()
+    """Clip range, aggregation (None: the estimator's own) and correction of ppo_clip."""
     moe_aux_loss_coeff: float | None = Field(default=0.0, ge=0)
     """Router load-balancing loss during RL; None keeps the checkpoint's router_aux_loss_coef.
     Off by default: RL fine-tunes a balanced pretrained router, and the extra loss is not part
@@ -35,3 +52,19 @@ class LearnerConfig(BaseModel):
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
     adam_eps: float = Field(default=1e-8, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pair_estimator_and_loss(cls, data: Any) -> Any:
+        """Fill policy_loss and ppo_clip.aggregation left unset with the estimator's own."""
+        if not isinstance(data, dict) or data.get("estimator", "flash_reinforce") not in (
+            ESTIMATOR_LOSSES
+        ):
+            return data  # field validation reports what is wrong
+        loss, aggregation = ESTIMATOR_LOSSES[data.get("estimator", "flash_reinforce")]
+        data = {**data, "policy_loss": data.get("policy_loss") or loss}
+        ppo = data.get("ppo_clip", {})
+        ppo = ppo.model_dump() if isinstance(ppo, PPOClipConfig) else dict(ppo)
+        if ppo.get("aggregation") is None:
+            ppo["aggregation"] = aggregation or "token_mean"
+        return {**data, "ppo_clip": ppo}

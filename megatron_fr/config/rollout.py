@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -31,9 +31,29 @@ class RolloutSettings(_Strict):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of training rollouts. The learner's log-probs are those of the
     same distribution (log softmax(logits / temperature)), as the engines report them."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = -1
+    """Truncated sampling (top_p < 1, top_k > 0) is refused for training: both policy losses
+    weight tokens by pi / mu, and engines report mu of the untruncated distribution (SGLang
+    computes its log-probs before top-p / top-k), so the ratio would be wrong. The fields
+    exist so that such a recipe fails with this reason instead of being silently ignored."""
     request_timeout_s: PositiveFloat = 600.0
     """Deadline of one generate call (per attempt) at the engines."""
+    max_attempts: PositiveInt = 3
+    """Tries of one generation on the engines (another one each time, when there are several)
+    before it counts as a failed rollout (its group is then discarded and re-issued)."""
     engine: EngineSettings = EngineSettings()
+
+    @model_validator(mode="after")
+    def _untruncated(self) -> RolloutSettings:
+        if self.top_p < 1 or self.top_k not in (-1, 0):
+            raise ValueError(
+                f"rollout top_p={self.top_p}, top_k={self.top_k}: truncated sampling is refused "
+                "for training; the importance ratio pi / mu needs the log-probs of the "
+                "distribution sampled from, and engines report them before truncation "
+                "(use top_p=1, top_k=-1; eval.top_p may be < 1)"
+            )
+        return self
 
 
 class EvalSettings(_Strict):

@@ -18,7 +18,6 @@ scaling (their mean over micro-batches and DP); they are off by default during R
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from functools import partial
 from pathlib import Path
 
@@ -35,17 +34,26 @@ from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
 from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
+from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
+from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def prompt_groups(batch: list[Trajectory]) -> torch.Tensor:
-    """int64 group index per trajectory: rollouts of the same problem share one. Each rollout
-    has its own prompt_id (the buffer tracks them one by one); info["group"] names the problem
-    (the prompt_id itself when absent)."""
-    keys = [str(t.info.get("group", t.prompt_id)) for t in batch]
-    ids = [int(hashlib.sha1(key.encode()).hexdigest()[:15], 16) for key in keys]
-    return torch.tensor(ids, dtype=torch.int64)
+def whole_groups(batch: list[Trajectory]) -> torch.Tensor:
+    """int64 group index per trajectory, from info["group"] (the G rollouts of one problem
+    share it). The buffer hands out whole groups only; a batch with groups of different sizes
+    would give group baselines a different estimator, so it is refused."""
+    names = [str(t.info.get("group", t.prompt_id)) for t in batch]
+    index = {name: i for i, name in enumerate(dict.fromkeys(names))}
+    groups = torch.tensor([index[name] for name in names], dtype=torch.int64)
+    sizes = torch.bincount(groups)
+    if sizes.min() != sizes.max() or sizes.min() < 2:
+        raise ValueError(
+            f"group estimators need whole groups of equal size >= 2; this batch has group "
+            f"sizes {sorted(set(sizes.tolist()))}"
+        )
+    return groups
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -102,6 +110,7 @@ class Learner:
         *,
         total_steps: int,
         init_checkpoint: str | None = None,
+        temperature: float = 1.0,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -118,7 +127,13 @@ class Learner:
             raise ValueError("context parallelism is not supported by the learner yet (CP=1)")
         if config.moe_aux_loss_coeff is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=config.moe_aux_loss_coeff)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
+        self.temperature = temperature
+        """The rollouts' sampling temperature: the loss's log-probs are those of
+        log softmax(logits / temperature), the distribution the engines sampled from and
+        report log-probs of (SGLang's sampler and the CPU engine alike)."""
         dtype = DTYPES[config.params_dtype]
         with cpu_device_mode():
             self.module = build_gpt_model(
@@ -166,75 +181,116 @@ class Learner:
     def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float64)
         failures = rewards <= 0 if self.config.flash_reinforce.negative_token_fraction < 1 else None
+        counts = torch.tensor([t.num_policy_tokens for t in batch], dtype=torch.int64)
         if self.config.estimator == "flash_reinforce":
             advantages = compute_advantages("flash_reinforce", rewards)
-            return GlobalBatch(advantages=advantages.float(), failures=failures)
-        # A group whose other rollouts were dropped as too old has no baseline: advantage 0.
-        groups = prompt_groups(batch)
-        _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-        grouped = counts[inverse] >= 2
-        advantages = torch.zeros_like(rewards)
-        if grouped.any():
-            advantages[grouped] = compute_advantages(
-                self.config.estimator, rewards[grouped], groups[grouped]
-            )
-        return GlobalBatch(advantages=advantages.float(), failures=failures)
+        else:
+            advantages = compute_advantages(self.config.estimator, rewards, whole_groups(batch))
+        return GlobalBatch(advantages=advantages.float(), failures=failures, token_counts=counts)
 
     def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):
+        """The configured policy loss of one micro-batch, on the distribution the engines
+        sampled from: log softmax(logits / T) at the rollout temperature T."""
         from megatron.core import parallel_state as ps
 
-        loss, metrics = flash_reinforce_parallel_loss(
-            logits.float(),
-            micro.loss_batch,
-            global_batch,
-            self.config.flash_reinforce,
-            tp_group=ps.get_tensor_model_parallel_group(),
-        )
+        logits = logits.float() / self.temperature
+        if self.config.policy_loss == "ppo_clip":
+            loss, metrics = ppo_clip_parallel_loss(
+                logits, micro.loss_batch, global_batch, self.config.ppo_clip,
+                tp_group=ps.get_tensor_model_parallel_group(),
+            )  # fmt: skip
+        else:
+            loss, metrics = flash_reinforce_parallel_loss(
+                logits, micro.loss_batch, global_batch, self.config.flash_reinforce,
+                tp_group=ps.get_tensor_model_parallel_group(),
+            )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
+        reported["clipped"] = metrics.get("clip_fraction_tokens", torch.zeros(()))
         return loss * scale, reported
 
-    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
-        """One optimizer step on the whole batch (every rank passes the same batch)."""
+    def _micro_batches(self, batch: list[Trajectory], pad_id: int) -> list[MicroBatch]:
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        dp_size, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        width_multiple = self.parallel.tensor if self.parallel.sequence_parallel else 1
-        micros = micro_batches_for_rank(
+        return micro_batches_for_rank(
             batch,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+            dp_rank=dist.get_rank(dp_group),
+            dp_size=dist.get_world_size(dp_group),
             token_budget=self.config.micro_batch_tokens,
             pad_id=pad_id,
-            width_multiple=width_multiple,
+            width_multiple=self.parallel.tensor if self.parallel.sequence_parallel else 1,
         )
-        global_batch = self._global_batch(batch)
-        loss_func = partial(self._loss, len(micros) * dp_size, global_batch)
+
+    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool) -> list:
+        """megatron's forward(-backward) schedule over this rank's micro-batches, each
+        micro-batch's output passed to score(micro, logits) -> (loss, reported)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
             output = model(micro.input_ids, micro.positions, attention_mask=None)
-            return output, partial(loss_func, micro)
+            return output, partial(score, micro)
 
         rows, width = micros[0].input_ids.shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=width,
+            micro_batch_size=rows,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
+        """One optimizer step on the whole batch (every rank passes the same batch)."""
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        micros = self._micro_batches(batch, pad_id)
+        global_batch = self._global_batch(batch)
+        score = partial(self._loss, len(micros) * dist.get_world_size(dp_group), global_batch)
         with cpu_device_mode():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            per_micro = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(micros),
-                model=[self.model],
-                num_microbatches=len(micros),
-                seq_length=width,
-                micro_batch_size=rows,
-                forward_only=False,
-            )
+            per_micro = self._schedule(micros, score, forward_only=False)
             updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
-        return self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+        metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+        metrics["advantages"] = global_batch.advantages.tolist()
+        return metrics
+
+    def policy_log_probs(
+        self, batch: list[Trajectory], pad_id: int = 0, temperature: float | None = None
+    ) -> list[list[float]]:
+        """Every trajectory's policy-token log-probs under the current weights (forward only),
+        at the rollout temperature unless given: the learner's side of a learner-vs-engine
+        comparison. Every rank passes the same batch and gets the whole result."""
+        from megatron.core import parallel_state as ps
+
+        temperature = temperature or self.temperature
+        scored: dict[int, list[float]] = {}
+
+        def score(micro: MicroBatch, logits):
+            log_probs, _ = vocab_parallel_log_probs(
+                logits.float() / temperature, micro.loss_batch.target_ids,
+                ps.get_tensor_model_parallel_group(),
+            )  # fmt: skip
+            segments = micro.loss_batch.segment_ids
+            policy = micro.loss_batch.action_mask & (segments >= 0)
+            for segment, value in zip(segments[policy].tolist(), log_probs[policy].tolist(),
+                                      strict=True):  # fmt: skip
+                scored.setdefault(segment, []).append(value)
+            return logits.sum() * 0, {}
+
+        with cpu_device_mode(), torch.no_grad():
+            self._schedule(self._micro_batches(batch, pad_id), score, forward_only=True)
+        everyone: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, scored)  # each trajectory lives on one DP rank
+        merged = {k: v for part in everyone for k, v in part.items()}
+        return [merged[index] for index in range(len(batch))]
 
     def save(self, directory: str) -> None:
         """Model, distributed-optimizer state and LR schedule as one torch_dist checkpoint
@@ -281,12 +337,19 @@ class Learner:
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
-        values = torch.zeros(2, dtype=torch.float64)
+        values = torch.zeros(3, dtype=torch.float64)
         if ps.is_pipeline_last_stage():
             admitted, present = agreed_admission(per_micro, dp_group)
-            loss = torch.stack([m["loss"].double() for m in per_micro]).sum()
-            dist.all_reduce(loss, group=dp_group)
-            values = torch.stack([loss, admitted.double().sum() / max(int(present.sum()), 1)])
+            sums = torch.stack(
+                [
+                    torch.stack([m[key].double() for m in per_micro]).sum()
+                    for key in ("loss", "clipped")
+                ]
+            )
+            dist.all_reduce(sums, group=dp_group)
+            tokens = max(sum(t.num_policy_tokens for t in batch), 1)
+            acceptance = admitted.double().sum() / max(int(present.sum()), 1)
+            values = torch.stack([sums[0], acceptance, sums[1] / tokens])
         if self.parallel.pipeline > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
@@ -300,6 +363,7 @@ class Learner:
             "adam_step_max": top.item(),
             "loss": values[0].item(),
             "acceptance_rate": values[1].item(),
+            "clip_fraction": values[2].item(),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_successful": float(bool(updated)),
             "lr": self.optimizer.param_groups[0]["lr"],

@@ -52,6 +52,21 @@ def mark_latest(run_dir: Path, checkpoint: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def discard_after_latest(run_dir: Path) -> list[Path]:
+    """Delete the step directories newer than `latest` (all of them when there is none): what a
+    killed run was writing. Called once, by the first rank, before a (re)started run saves, so
+    a step is never written over a half-written copy of itself. Returns what was deleted."""
+    latest = latest_checkpoint(run_dir)
+    stale = [
+        path
+        for path in sorted(checkpoint_root(run_dir).glob("step_*"))
+        if path.is_dir() and (latest is None or path.name > latest.name)
+    ]
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
+
+
 def save_rng(checkpoint: Path, rank: int) -> None:
     (checkpoint / "rng").mkdir(parents=True, exist_ok=True)
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}

@@ -49,7 +49,8 @@ def train(config: RunConfig, run_dir: Path) -> None:
     hf_dir, megatron_dir = broadcast_from_rank0(prepare_model(config, run_dir) if first else None)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
-                      init_checkpoint=str(megatron_dir))  # fmt: skip
+                      init_checkpoint=str(megatron_dir),
+                      temperature=config.rollout.temperature)  # fmt: skip
     resume_from = ckpt.latest_checkpoint(run_dir)
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
@@ -57,6 +58,8 @@ def train(config: RunConfig, run_dir: Path) -> None:
     service = report = None
     try:
         if first:
+            for path in ckpt.discard_after_latest(run_dir):
+                print(f"deleted {path}: written after the last complete checkpoint", flush=True)
             service = build_rollout_service(config, hf_dir, run_dir)
             if resume_from is not None:
                 service.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
@@ -70,6 +73,10 @@ def train(config: RunConfig, run_dir: Path) -> None:
         if service is not None:
             service.start()
         _loop(config, run_dir, learner, weight_sync, pad_id, service, report)
+    except Exception as error:
+        if service is not None:
+            service.explain(error)  # a dead engine is named, not the socket it broke
+        raise
     finally:
         if service is not None:
             service.close()

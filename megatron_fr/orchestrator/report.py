@@ -2,7 +2,8 @@
 
     run_dir/metrics.jsonl   a line per optimizer step and per evaluation (run_log.RunLogger,
                             with TensorBoard and the progress bar)
-    run_dir/batches.jsonl   a line per step: the prompt ids and response lengths it trained on
+    run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards and the
+                            advantages the learner used
     run_dir/config.yaml     the resolved config
 
 On resume both logs are cut back to the checkpoint's step first: the steps after it are
@@ -49,6 +50,7 @@ class RunReport:
                 policy_version=step,
                 reward_mean=statistics.fmean(t.reward for t in batch),
                 acceptance_rate=learner["acceptance_rate"],
+                clip_fraction=learner["clip_fraction"],
                 lag_mean=statistics.fmean(lags),
                 lag_max=max(lags),
                 tokens_per_s=sum(t.length for t in batch) / seconds,
@@ -73,6 +75,8 @@ class RunReport:
                 "step": step,
                 "prompt_ids": [t.prompt_id for t in batch],
                 "response_lengths": [t.num_policy_tokens for t in batch],
+                "rewards": [t.reward for t in batch],
+                "advantages": learner["advantages"],
             },
         )
 

@@ -59,13 +59,15 @@ class GlobalBatch:
     """A_i [B] (for FlashREINFORCE: R_i - mean R over the whole batch)."""
     failures: Tensor | None = None
     """[B] bool, trajectories labelled failed (only needed when q < 1)."""
+    token_counts: Tensor | None = None
+    """[B] policy tokens of each trajectory (the PPO-clip loss's normalisers need them)."""
 
     @property
     def num_trajectories(self) -> int:
         return self.advantages.numel()
 
 
-def _sum_over(group: dist.ProcessGroup | None):
+def sum_over(group: dist.ProcessGroup | None):
     def reduce(partial: Tensor) -> Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(partial, group=group)
@@ -96,7 +98,7 @@ def _keep_mask(
     return keep[..., rank * width : (rank + 1) * width]
 
 
-def _check(batch: LossBatch, global_batch: GlobalBatch) -> None:
+def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
     checks.check_same_shape(
         "target_ids",
         batch.target_ids,
@@ -134,7 +136,7 @@ def flash_reinforce_parallel_loss(
     micro-batches and data-parallel ranks add up to the single-process flash_reinforce_loss
     of the whole batch, and so do their gradients.
     """
-    _check(batch, global_batch)
+    check_loss_inputs(batch, global_batch)
     checks.check_non_negative(delta=config.delta)
     fraction = config.negative_token_fraction
     if fraction < 1.0 and global_batch.failures is None:
@@ -150,7 +152,7 @@ def flash_reinforce_parallel_loss(
         batch.segment_ids,
         global_batch.num_trajectories,
         config.delta,
-        reduce_segments=_sum_over(cp_group),
+        reduce_segments=sum_over(cp_group),
     )
     keep = batch.action_mask & (batch.segment_ids >= 0)
     if fraction < 1.0:

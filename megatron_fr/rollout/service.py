@@ -106,6 +106,7 @@ class RolloutService:
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._failed = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -134,6 +135,19 @@ class RolloutService:
         if self._error is not None:
             raise RolloutFailed(f"rollouts stopped: {self._error}") from self._error
 
+    def explain(self, error: BaseException) -> None:
+        """Raise the service's own failure instead of `error` when both come from one cause.
+
+        A dead engine breaks the learner's side too (a weight sync to it fails with a socket
+        error that names no engine); the engine watch notices within its interval. So wait up
+        to two intervals for the service to fail, and raise RolloutFailed with ITS cause (the
+        engine, its exit code, its log) chained; return if it does not fail."""
+        wait_s = 2 * self.engines.settings.watch_interval_s + 1.0
+        if self._failed.wait(wait_s if self._thread.is_alive() else 0):
+            raise RolloutFailed(
+                f"rollouts stopped: {self._error} (the learner then failed with: {error})"
+            ) from self._error
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -147,6 +161,7 @@ class RolloutService:
         """The first error ends the service: the buffer closes with it as the cause."""
         if self._error is None:
             self._error = error
+            self._failed.set()
             log.error("rollout service failed: %s", error)
         self.buffer.close(self._error)
         if self._stop is not None:

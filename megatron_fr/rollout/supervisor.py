@@ -65,7 +65,7 @@ class EngineSupervisor:
                     elif time.monotonic() - last_answer[url] > self.settings.unreachable_after_s:
                         raise EngineDied(
                             f"inference engine {url} has not answered GET {HEALTH_PATH} for "
-                            f"{self.settings.unreachable_after_s:.0f} s"
+                            f"{self.settings.unreachable_after_s:g} s"
                         )
                 await asyncio.sleep(self.settings.watch_interval_s)
 

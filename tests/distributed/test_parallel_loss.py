@@ -1,11 +1,13 @@
-"""The parallel loss path equals the single-process loss under every layout.
+"""The parallel losses equal the single-process loss under every layout.
 
 Each rank builds its own view of one global batch the way a learner would (trajectories split
 over DP ranks and micro-batches, rows packed or not, rows split over CP ranks by megatron's
-own get_batch_on_this_cp_rank, vocab split over TP ranks), runs
-flash_reinforce_parallel_loss and backward, and scatters its logits gradient back into the
-global [B, T, V] layout. The test process then checks, against flash_reinforce_loss on the
-whole batch with full-vocabulary log-softmax:
+own get_batch_on_this_cp_rank, vocab split over TP ranks), runs the parallel loss
+(flash_reinforce_parallel_loss, or ppo_clip_parallel_loss with each aggregation and
+correction) and backward, and scatters its logits gradient back into the global [B, T, V]
+layout. The test process then checks, against the loss on the whole batch with
+full-vocabulary log-softmax (algo's flash_reinforce_loss; for PPO-clip the formula written
+out below, itself checked against algo's ppo_clip_loss):
   - sum of loss contributions over micro-batches and DP x CP ranks == L
   - sum of scattered gradients == dL/dlogits (each rank's shard lands in its own slice)
   - every rank agrees on which trajectories were admitted, and that equals the reference.
@@ -35,9 +37,17 @@ VARIANTS = list(
         [1, 3],  # micro-batches per DP rank
         [False, True],  # packed rows
         [torch.float64, torch.float32],
-        [1.0, 0.5],  # negative_token_fraction q
+        [  # the loss and its settings
+            ("flash_reinforce", 1.0),  # negative_token_fraction q
+            ("flash_reinforce", 0.5),
+            ("ppo_clip", ("token_mean", "none")),  # aggregation, correction
+            ("ppo_clip", ("sequence_mean", "sequence_mask_mean")),
+            ("ppo_clip", ("token_sum_norm", "token_mask")),
+            ("ppo_clip", ("sequence_mean", "sequence_mask_sum")),
+        ],
     )
 )
+EPS_LOW, EPS_HIGH, LOW, HIGH = 0.2, 0.28, 0.9, 1.1
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
@@ -83,22 +93,73 @@ def middle_threshold(case: dict) -> float:
     return (kls[BATCH // 2 - 1] + kls[BATCH // 2]) / 2
 
 
-def reference(case: dict, q: float):
+def reference(case: dict, loss_spec: tuple):
     """Loss, gradient w.r.t. the full logits, admitted [B] from the single-process function."""
+    name, setting = loss_spec
     logits = case["logits"].double().clone().requires_grad_(True)
     log_probs, entropies = reference_log_probs(logits, case)
+    if name == "ppo_clip":
+        loss, admitted = ppo_clip_reference(log_probs, case, *setting)
+        loss.backward()
+        return loss.item(), logits.grad, admitted
     loss, metrics = flash_reinforce_loss(
         log_probs,
         case["mu"].double(),
         case["rewards"].double(),
         case["mask"],
         delta=case["delta"],
-        negative_token_fraction=q,
+        negative_token_fraction=setting,
         entropies=entropies,
         failures=case["failures"],
     )
     loss.backward()
     return loss.item(), logits.grad, metrics["admitted"]
+
+
+def ppo_clip_reference(log_probs, case: dict, aggregation: str, correction: str):
+    """PPO-clip written out: l_t = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) on policy
+    tokens kept by the correction, r = exp(pi - mu), A the trajectory's advantage (here the
+    batch-centred reward); token_mean divides by all policy tokens, sequence_mean by B T_i,
+    token_sum_norm by B max_i T_i."""
+    mask, mu = case["mask"], case["mu"].double()
+    advantage = (case["rewards"] - case["rewards"].mean()).double()[:, None]
+    ratio = torch.exp(torch.where(mask, log_probs - mu, 0))
+    token_loss = -torch.minimum(
+        ratio * advantage, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantage
+    )
+    log_ratio = torch.where(mask, log_probs.detach() - mu, 0)
+    lengths = mask.sum(1).double()
+    if correction == "token_mask":
+        kept = mask & (log_ratio >= math.log(LOW)) & (log_ratio <= math.log(HIGH))
+    elif correction.startswith("sequence_mask"):
+        statistic = log_ratio.sum(1) / (lengths if correction.endswith("mean") else 1)
+        inside = (statistic >= math.log(LOW)) & (statistic <= math.log(HIGH))
+        kept = mask & inside[:, None]
+    else:
+        kept = mask
+    token_loss = torch.where(kept, token_loss, 0)
+    if aggregation == "token_mean":
+        loss = token_loss.sum() / lengths.sum()
+    elif aggregation == "sequence_mean":
+        loss = (token_loss.sum(1) / lengths).mean()
+    else:
+        loss = token_loss.sum() / (BATCH * lengths.max())
+    return loss, kept.any(1)
+
+
+def test_ppo_clip_reference_agrees_with_the_algo_function():
+    """The written-out reference and algo.ppo_clip_loss are the same loss (second opinion)."""
+    from megatron_fr.algo.ppo import ppo_clip_loss
+
+    case = make_case(0, torch.float64)
+    for aggregation, algo_name in (("token_mean", "token_mean"), ("sequence_mean", "sample_mean")):
+        log_probs, _ = reference_log_probs(case["logits"], case)
+        mine, _ = ppo_clip_reference(log_probs, case, aggregation, "none")
+        theirs, _ = ppo_clip_loss(
+            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), case["mask"],
+            eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=algo_name,
+        )  # fmt: skip
+        assert abs(mine.item() - theirs.item()) <= 1e-12, aggregation
 
 
 def micro_batches(trajectories: list[int], count: int) -> list[list[int]]:
@@ -145,6 +206,7 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from megatron_fr.config.algo import PPOClipConfig
     from megatron_fr.parallel import state
     from megatron_fr.parallel.loss import (
         GlobalBatch,
@@ -152,6 +214,7 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
         agreed_admission,
         flash_reinforce_parallel_loss,
     )
+    from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
 
     results = []
     for tp, dp, cp in LAYOUTS[world_size]:
@@ -160,11 +223,22 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
         shard = slice(tp_rank * VOCAB // tp, (tp_rank + 1) * VOCAB // tp)
-        for seed, n_micro, packed, dtype, q in VARIANTS:
+        for seed, n_micro, packed, dtype, (name, setting) in VARIANTS:
             case = make_case(seed, dtype)
-            config = FlashReinforceConfig(delta=case["delta"], negative_token_fraction=q)
+            if name == "ppo_clip":
+                config = PPOClipConfig(
+                    eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=setting[0],
+                    correction=setting[1], correction_low=LOW, correction_high=HIGH,
+                )  # fmt: skip
+                parallel_loss = ppo_clip_parallel_loss
+            else:
+                config = FlashReinforceConfig(delta=case["delta"], negative_token_fraction=setting)
+                parallel_loss = flash_reinforce_parallel_loss
             advantages = case["rewards"] - case["rewards"].mean()
-            global_batch = GlobalBatch(advantages=advantages, failures=case["failures"])
+            global_batch = GlobalBatch(
+                advantages=advantages, failures=case["failures"],
+                token_counts=case["mask"].sum(1),
+            )  # fmt: skip
             grad = torch.zeros(BATCH, MAX_LEN, VOCAB, dtype=torch.float64)
             loss_sum, per_micro = 0.0, []
             mine = list(range(dp_rank, BATCH, dp))
@@ -175,7 +249,7 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
                 )
                 logits = rows.pop("logits")[..., shard].clone().requires_grad_(True)
                 token_index = rows.pop("token_index")
-                loss, metrics = flash_reinforce_parallel_loss(
+                loss, metrics = parallel_loss(
                     logits,
                     LossBatch(**rows),
                     global_batch,
@@ -196,7 +270,7 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
             results.append(
                 dict(
                     layout=(tp, dp, cp),
-                    variant=(seed, n_micro, packed, str(dtype), q),
+                    variant=(seed, n_micro, packed, str(dtype), name, setting),
                     counts_loss=tp_rank == 0,
                     loss=loss_sum,
                     grad=grad,
@@ -212,13 +286,13 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
 def test_parallel_loss_equals_single_process_loss(world_size):
     per_rank = run_on_ranks(run_layouts, world_size, timeout_s=600)
     references = {}
-    for index, (seed, _, _, dtype, q) in enumerate(
+    for index, (seed, _, _, dtype, loss_spec) in enumerate(
         v for _ in LAYOUTS[world_size] for v in VARIANTS
     ):
         results = [rank_results[index] for rank_results in per_rank]
-        key = (seed, dtype, q)
+        key = (seed, dtype, loss_spec)
         if key not in references:
-            references[key] = reference(make_case(seed, dtype), q)
+            references[key] = reference(make_case(seed, dtype), loss_spec)
         loss, grad, admitted = references[key]
         label = f"layout (tp, dp, cp)={results[0]['layout']} variant={results[0]['variant']}"
         tol = TOLERANCE[dtype]
@@ -230,4 +304,5 @@ def test_parallel_loss_equals_single_process_loss(world_size):
         for r in results:
             assert r["present"].all(), label
             assert r["admitted"].tolist() == admitted.tolist(), label
-        assert 0 < int(admitted.sum()) < BATCH, f"{label}: the gate should split this batch"
+        if loss_spec[0] == "flash_reinforce" or loss_spec[1][1].startswith("sequence"):
+            assert 0 < int(admitted.sum()) < BATCH, f"{label}: the gate should split this batch"

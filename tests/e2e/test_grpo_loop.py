@@ -1,0 +1,139 @@
+"""GRPO through the real loop: G = 4 rollouts per problem, the engine behind a flaky proxy that
+fails every 7th /generate with HTTP 503 (and the client's retries are off, so the failure
+reaches the rollout service). Every batch must hold whole groups only, the failed groups must
+be discarded whole and counted, and the advantages the learner used must be GRPO's group
+formula, written out here, on the rewards of the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from megatron_fr.parallel.spawn import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "cpu_demo.yaml"
+G = 4
+
+
+class FlakyProxy:
+    """Forwards every request to `target`; /generate number 7, 14, ... answers 503."""
+
+    def __init__(self, target: str, every: int = 7) -> None:
+        self.target, self.every = target, every
+        self.generates = self.failed = 0
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),))
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/generate":
+            self.generates += 1
+            if self.generates % self.every == 0:
+                self.failed += 1
+                return web.Response(status=503, text="injected failure")
+        body = await request.read()
+        async with self.session.request(
+            request.method, self.target + request.path_qs, data=body,
+            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+        ) as upstream:  # fmt: skip
+            return web.Response(
+                status=upstream.status, body=await upstream.read(),
+                content_type=upstream.content_type,
+            )  # fmt: skip
+
+    async def _serve(self) -> None:
+        self.stopping = asyncio.Event()
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as self.session:
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_route("*", "/{tail:.*}", self._forward)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self.ready.set()
+            await self.stopping.wait()
+            await runner.cleanup()
+
+    def __enter__(self) -> FlakyProxy:
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(10)
+
+
+def grpo_advantages_written_out(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """(R - mean of the group) / (sample std of the group + eps), one group."""
+    mean = sum(rewards) / len(rewards)
+    std = (sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+@pytest.mark.distributed
+def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path):
+    warm = tmp_path / "warm"
+    prepare = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "prepare", str(RECIPE), "--run-dir", str(warm),
+         "model.warm_start={steps: 40, batch_size: 32}"],
+        capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    hf_dir = prepare.stdout.strip().splitlines()[-1]
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "megatron_fr", "serve", "--model-path", hf_dir, "--port", str(port),
+         "--host", "127.0.0.1", "--engine", "cpu"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    try:
+        with FlakyProxy(f"http://127.0.0.1:{port}") as proxy:
+            command = [
+                sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir",
+                str(run_dir), "steps=3", "learner.estimator=grpo", f"buffer.group_size={G}",
+                "buffer.batch_size=16", "buffer.capacity=64", "buffer.max_in_flight=32",
+                "eval.problems=8", "eval.samples=1", "eval.every_steps=0",
+                f"model.hf_dir={hf_dir}", f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
+                "rollout.engine.start_timeout_s=120", "rollout.max_attempts=1",
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                                    env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
+            assert result.returncode == 0, result.stderr[-4000:]
+            assert proxy.failed >= 1, "no failure was injected"
+    finally:
+        engine.terminate()
+        engine.wait(30)
+
+    config = (run_dir / "config.yaml").read_text()
+    assert "policy_loss: ppo_clip" in config and "aggregation: sequence_mean" in config
+    batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in batches] == [1, 2, 3]
+    for batch in batches:
+        groups = defaultdict(list)
+        for prompt_id, reward, advantage in zip(
+            batch["prompt_ids"], batch["rewards"], batch["advantages"], strict=True
+        ):
+            groups[prompt_id.rsplit("#", 1)[0]].append((reward, advantage))
+        assert all(len(members) == G for members in groups.values()), groups
+        for members in groups.values():
+            expected = grpo_advantages_written_out([reward for reward, _ in members])
+            for (_, advantage), want in zip(members, expected, strict=True):
+                assert abs(advantage - want) <= 1e-5, (members, expected)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [s for s in steps if "reward_mean" in s][-1]
+    assert last["rollout_failures_total"] >= 1 and last["discarded_total"] >= 0
+    assert "clip_fraction" in last

@@ -1,0 +1,179 @@
+"""Fault injection through the real run: `megatron-fr train` (torchrun, 2 gloo learner ranks at
+EP2, the CPU engine, the gloo weight broadcast) is hit by a seeded schedule of faults, and the
+same command is started again after each: SIGKILL of the launcher, SIGKILL of learner rank 1,
+SIGKILL of the inference engine, and two STOP-file stops. After every fault no process of the
+run may be left (found by a marker in the environment every process of the run inherits);
+the engine's death must end the run non-zero within 60 s naming the engine. The finished run
+must have logged every step once, its optimizer step counts must be those of an uninterrupted
+run (Adam's step = the optimizer step on every parameter of every rank), and every problem
+must have been handed out once per epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "cpu_demo.yaml"
+STEPS = 14
+SETTINGS = [
+    f"steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=1", "eval.problems=24",
+    "eval.samples=1", "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
+    "buffer.max_in_flight=32", "task.options={digits: 1, operations: ['+', '-']}",
+    "model.warm_start={steps: 40, batch_size: 32}", "rollout.engine.watch_interval_s=0.5",
+]  # fmt: skip
+"""One-digit + and -: 200 problems, ~160 in the train split, so 14 steps of B = 16 cover
+more than one epoch and the epoch accounting is exercised."""
+FAULTS = ["kill_launcher", "kill_rank", "kill_engine", "stop", "stop"]
+MARKER = "MEGATRON_FR_FAULT_TEST_RUN"
+
+
+def records(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir, "metrics.jsonl")), default=0)
+
+
+def run_processes(marker: str) -> list[psutil.Process]:
+    """Every live process whose environment carries this run's marker."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARKER) == marker and process.status() != "zombie":
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+class Run:
+    """One start of the training command, in a session of its own."""
+
+    def __init__(self, run_dir: Path, marker: str) -> None:
+        command = [sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir",
+                   str(run_dir), *SETTINGS]  # fmt: skip
+        env = os.environ | {"PYTHONPATH": str(REPO), MARKER: marker}
+        self.log = open(run_dir.parent / f"start-{uuid.uuid4().hex[:6]}.log", "w+")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait(self, timeout_s: float) -> int:
+        return self.process.wait(timeout=timeout_s)
+
+
+def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
+    """Apply one fault to a running start and check how that start ends."""
+    if fault == "stop":
+        (run_dir / "STOP").touch()
+        assert run.wait(300) == 0, run.output()[-3000:]
+        assert "stopped on request at step" in run.output()
+        return
+    if fault == "kill_launcher":
+        victim = run.process.pid
+    elif fault == "kill_rank":
+        victim = next(p.pid for p in run_processes(marker) if p.environ().get("RANK") == "1")
+    else:
+        engine = next(p for p in run_processes(marker) if "cpu_server" in " ".join(p.cmdline()))
+        victim, command = engine.pid, engine.cmdline()
+        port = command[command.index("--port") + 1]
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code = run.wait(120)
+    if fault == "kill_engine":
+        assert code != 0 and time.monotonic() - killed_at < 60, "engine death not noticed"
+        named = f"inference engine http://127.0.0.1:{port} (pid {victim}) exited"
+        assert named in run.output(), run.output()[-3000:]
+    elif fault == "kill_rank":
+        assert code != 0
+
+
+def strike(fault: str, rng: random.Random, run_dir: Path, marker: str) -> None:
+    """Start the run and hit it with `fault` 1 or 2 steps past the furthest step logged."""
+    run = Run(run_dir, marker)
+    target = min(last_step(run_dir) + rng.randint(1, 2), STEPS - 1)
+    try:
+        wait_until(lambda: last_step(run_dir) >= target or run.process.poll() is not None,
+                   600, f"step {target}")  # fmt: skip
+        assert run.process.poll() is None, run.output()[-3000:]
+        inject(fault, run, run_dir, marker)
+    finally:
+        if run.process.poll() is None:
+            os.killpg(run.process.pid, signal.SIGKILL)
+            run.wait(60)
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+def test_seeded_faults_then_resume_finish_the_run_as_if_uninterrupted(tmp_path):
+    rng = random.Random(int(os.environ.get("FAULT_SEED", "7")))
+    schedule = rng.sample(FAULTS, len(FAULTS))
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    print(f"fault schedule (FAULT_SEED={os.environ.get('FAULT_SEED', '7')}): {schedule}")
+    for number, fault in enumerate(schedule):
+        strike(fault, rng, run_dir, marker)
+        wait_until(lambda: not run_processes(marker), 30, f"no process left after {fault}")
+        print(f"fault {number + 1} {fault}: struck at step {last_step(run_dir)}, run fully gone")
+    final = Run(run_dir, marker)
+    assert final.wait(900) == 0, final.output()[-4000:]
+    wait_until(lambda: not run_processes(marker), 30, "no process left after the last start")
+
+    steps = [r for r in records(run_dir, "metrics.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for record in steps:  # an uninterrupted run: Adam's step equals the optimizer step
+        assert record["adam_step_min"] == record["adam_step_max"] == record["step"], record
+    assert [r["step"] for r in records(run_dir, "batches.jsonl")] == list(range(1, STEPS + 1))
+    assert_each_problem_once_per_epoch(run_dir)
+
+
+def assert_each_problem_once_per_epoch(run_dir: Path) -> None:
+    """Trained problems plus those still outstanding at the end (queued, re-queued, in
+    flight) must be exactly what the prompt cursor handed out: epoch e's problems each once,
+    and the first `index` of the current epoch once more."""
+    trained = Counter(
+        prompt_id.rsplit("@", 1)[0]
+        for record in records(run_dir, "batches.jsonl")
+        for prompt_id in record["prompt_ids"]
+    )
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())
+    buffer = state["rollout"]["buffer"]
+    outstanding = Counter(buffer["source"]["requeued"])
+    outstanding.update(g[0]["prompt_id"].rsplit("@", 1)[0] for g in buffer["queued"])
+    outstanding.update(g["problem"] for g in buffer["interrupted"] if not g["failed"])
+    handed_out = trained + outstanding
+    epoch, index = buffer["source"]["epoch"], buffer["source"]["index"]
+    assert epoch >= 1, "the run should cover more than one epoch"
+    counts = Counter(handed_out.values())
+    assert set(counts) <= {epoch, epoch + 1}, counts
+    assert counts[epoch + 1] == index, (counts, index)

@@ -1,0 +1,206 @@
+"""RolloutService against a real SGLang-protocol HTTP server (CpuServer around a scripted
+engine) and real child processes as engines: errors are read and end the service with their
+cause, failed generations back off and are counted, a dead engine is named, and close()
+leaves no thread and no open loop behind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from agent_fixtures import ScriptedEngine, build_tokenizer, serving
+
+from megatron_fr.buffer.lag_buffer import LagAwareBuffer
+from megatron_fr.buffer.prompts import PromptSource
+from megatron_fr.config.buffer import BufferConfig
+from megatron_fr.config.rollout import EngineSettings
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
+from megatron_fr.engine.launcher import ServerProcess
+from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.parallel.spawn import free_port
+from megatron_fr.rollout.episodes import single_turn_trajectory
+from megatron_fr.rollout.service import Backoff, EvalSet, RolloutFailed, RolloutService
+from megatron_fr.rollout.supervisor import EngineDied, EngineSupervisor
+
+PROBLEMS = [f"p{i}" for i in range(20)]
+
+
+class Producer:
+    """Episodes of one generate call; the reward is 1 for even problems. `broken_after`
+    makes the n-th episode raise a plain bug (not a rollout failure)."""
+
+    pad_id = 0
+
+    def __init__(self, tokenizer, broken_after: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.train_problems = PROBLEMS
+        self.eval_sets = {"small": PROBLEMS[:4]}
+        self.calls = 0
+        self.broken_after = broken_after
+        self.closed = False
+
+    def sampling(self, temperature: float, top_p: float = 1.0) -> SamplingParams:
+        return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=8)
+
+    async def run(self, client: RolloutClient, problem, prompt_id, group, sampling):
+        self.calls += 1
+        if self.broken_after is not None and self.calls > self.broken_after:
+            raise ZeroDivisionError("a bug in the reward")
+        ids = self.tokenizer.encode(f"solve {problem}", add_special_tokens=False)
+        rollout = await client.generate(ids, sampling)
+        reward = float(int(problem[1:]) % 2 == 0)
+        return single_turn_trajectory(prompt_id, rollout, reward, {"group": group})
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ServerThread:
+    """A CpuServer around a scripted engine, on its own loop in a thread."""
+
+    def __init__(self, tokenizer) -> None:
+        self.engine = ScriptedEngine(tokenizer, lambda conversation: "ok", weight_version="0")
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),))
+
+    async def _serve(self) -> None:
+        self.stopping = asyncio.Event()
+        async with serving(self.engine) as url:
+            self.url = url
+            self.ready.set()
+            await self.stopping.wait()
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def make_service(urls, producer, engines=None, **buffer) -> RolloutService:
+    config = BufferConfig(**{"capacity": 16, "batch_size": 4, "max_lag": 1, **buffer})
+    engines = engines or EngineSupervisor(EngineSettings(urls=urls), [])
+    buffer = LagAwareBuffer(config, PromptSource(producer.train_problems, seed=0))
+    client = RolloutClientConfig(urls=urls, request_timeout_s=5, max_attempts=2)
+    return RolloutService(engines, buffer, producer, client, producer.sampling(1.0))
+
+
+def rollout_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "rollouts"]
+
+
+def test_batches_flow_and_close_leaves_nothing_behind(tokenizer):
+    with ServerThread(tokenizer) as server:
+        producer = Producer(tokenizer)
+        service = make_service([server.url], producer)
+        service.start()
+        try:
+            batch = service.next_batch(0)
+            assert len(batch) == 4 and all(t.token_versions[-1] == 0 for t in batch)
+            results = service.evaluate(
+                {"small": EvalSet(PROBLEMS[:4], samples=2)}, producer.sampling(0.7), 30
+            )
+            assert results == {"small": (0.5, 0.0)}  # p0, p2 of p0..p3 score 1
+            assert service.stats()["rollouts_total"] >= 4
+        finally:
+            service.close()
+    assert not rollout_threads() and service._loop.is_closed() and producer.closed
+    service.close()  # twice is fine
+
+
+def test_a_bug_in_an_episode_ends_the_service_with_its_cause(tokenizer):
+    with ServerThread(tokenizer) as server:
+        service = make_service([server.url], Producer(tokenizer, broken_after=2))
+        service.start()
+        try:
+            with pytest.raises(RolloutFailed, match="a bug in the reward") as error:
+                for version in range(100):
+                    service.next_batch(version)
+                    service.set_version(version + 1)
+            assert isinstance(error.value.__cause__, ZeroDivisionError)
+        finally:
+            service.close()
+    assert not rollout_threads()
+
+
+def test_failed_generations_are_counted_and_back_off(tokenizer, caplog):
+    unreachable = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    service = make_service([unreachable], Producer(tokenizer), capacity=4, batch_size=1)
+    caplog.set_level(logging.WARNING, logger="megatron_fr.rollout")
+    service.start()
+    try:
+        deadline = time.monotonic() + 20
+        while service.backoff.delay_s < service.backoff.max_s and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = service.stats()
+    finally:
+        service.close()
+    assert service.backoff.delay_s == service.backoff.max_s, "no backoff after many failures"
+    assert stats["rollout_failures_total"] >= 7  # 0.05 s doubling to 5 s takes 8 failures
+    assert stats["abandoned_total"] == stats["rollout_failures_total"]
+    assert stats["requeued_total"] == stats["groups_failed_total"] >= 7
+    warnings = [r for r in caplog.records if "rollout(s) failed" in r.getMessage()]
+    assert 1 <= len(warnings) <= 3, "failures are logged at most once per 10 s"
+
+
+def test_backoff_doubles_to_its_cap_and_resets_on_success():
+    backoff = Backoff(base_s=0.1, max_s=1.0, log_every_s=1e9)
+    delays = []
+    for _ in range(6):
+        backoff.failed("x", RuntimeError("down"))
+        delays.append(backoff.delay_s)
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+    backoff.succeeded()
+    assert backoff.delay_s == 0.0
+
+
+def test_a_dead_engine_ends_the_service_naming_it_and_its_log(tokenizer, tmp_path: Path):
+    port = free_port()
+    dying = ServerProcess.start(
+        [sys.executable, "-c", "import sys, time; print('CUDA out of memory'); "
+         "sys.stdout.flush(); time.sleep(1.5); sys.exit(3)"],
+        "127.0.0.1", port, tmp_path,
+    )  # fmt: skip
+    engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
+    service = make_service(engines.urls, Producer(tokenizer), engines=engines)
+    service.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RolloutFailed) as error:
+            service.next_batch(0)
+    finally:
+        service.close()
+    cause = error.value.__cause__
+    assert isinstance(cause, EngineDied)
+    assert f"127.0.0.1:{port}" in str(cause) and f"pid {dying.pid}" in str(cause)
+    assert "exited with code 3" in str(cause) and "CUDA out of memory" in str(cause)
+    assert time.monotonic() - started < 30
+    assert not rollout_threads()
+
+
+def test_an_engine_given_by_url_that_stops_answering_counts_as_dead():
+    async def scenario() -> str:
+        settings = EngineSettings(
+            urls=[f"http://127.0.0.1:{free_port()}"], watch_interval_s=0.05, unreachable_after_s=0.3
+        )
+        with pytest.raises(EngineDied) as error:
+            await asyncio.wait_for(EngineSupervisor(settings, []).watch(), 10)
+        return str(error.value)
+
+    message = asyncio.run(scenario())
+    assert "has not answered GET /health for 0.3 s" in message
