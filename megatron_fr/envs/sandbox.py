@@ -58,7 +58,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+
+from megatron_fr.envs.sandbox_memory import (
+    CallCgroup,
+    MemoryBound,
+    MemoryLimit,
+    node_memory_bytes,
+)
 
 log = logging.getLogger("megatron_fr.sandbox")
 
@@ -71,20 +78,39 @@ READ_CHUNK = 65536
 STOP_GRACE_S = 5.0
 
 Isolation = Literal["namespaces", "rlimits"]
-Status = Literal["ok", "error", "timeout", "output_limit", "cpu_limit", "signal"]
+Status = Literal["ok", "error", "timeout", "output_limit", "cpu_limit", "memory_limit", "signal"]
+NODE_SHARE = 0.5
+"""At most this share of the node's memory may be promised to sandbox calls at once
+(max_concurrent_runs x memory_bytes): the trainer and the inference server need the rest."""
+WEAKER_ISOLATION = (
+    "rlimits isolation: the code shares the host's network and filesystem view; only the "
+    "audit hook (a tripwire, not a boundary) refuses them"
+)
+WEAKER_MEMORY = "rlimits memory bound: RLIMIT_AS shares of memory_bytes per process, not a cgroup"
 
 
 class SandboxConfig(BaseModel):
-    """Limits of one sandboxed run."""
+    """Limits of one sandboxed run (SANDBOX.md: which layer enforces which)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     wall_timeout_s: PositiveFloat = 10.0
-    """Wall-clock limit of the whole run (startup included: about 0.1 s)."""
+    """Wall-clock limit of the whole run (startup included: about 0.1 s; waiting for a free
+    slot, max_concurrent_runs, is not)."""
     cpu_time_s: PositiveInt = 5
     """CPU seconds per process (RLIMIT_CPU): SIGXCPU, then SIGKILL one second later."""
-    memory_bytes: PositiveInt = 512 * 2**20
-    """Address space per process (RLIMIT_AS)."""
+    memory_bytes: PositiveInt = 2**30
+    """Memory of one call, all of its processes together: a cgroup's limit, or without one
+    RLIMIT_AS of (memory_bytes - disk_bytes) / max_processes per process (sandbox_memory.py)."""
+    memory_limit: Literal["auto", "cgroup", "rlimits"] = "auto"
+    """How memory_bytes is enforced. auto: a cgroup (v2, else v1) where one can be made, else
+    the RLIMIT_AS shares (logged as a warning); cgroup: fail when none can be made."""
+    cgroup_parent: str | None = None
+    """A cgroup directory to make each call's cgroup in (v2: its cgroup.subtree_control gets
+    memory; it must hold no process). None: this process's own cgroup, where usable."""
+    max_concurrent_runs: PositiveInt = 8
+    """Calls of one Sandbox running at once; more wait for a free slot. What the sandbox can
+    take from the node is max_concurrent_runs x memory_bytes, which must fit in half of it."""
     max_processes: PositiveInt = 16
     """Processes and threads of the run at once (RLIMIT_NPROC on the run's own uid)."""
     max_output_bytes: PositiveInt = 16 * 2**10
@@ -94,8 +120,10 @@ class SandboxConfig(BaseModel):
     disk_bytes: PositiveInt = 32 * 2**20
     """Size of the private tmpfs holding /sandbox and /tmp ("namespaces" mode)."""
     max_open_files: PositiveInt = 64
-    max_code_bytes: int = Field(default=100_000, gt=0, le=120_000)
-    """Longest code accepted; it travels as one argv string (Linux caps those at 128 KiB)."""
+    max_code_bytes: PositiveInt = 100_000
+    """Longest code accepted (UTF-8 bytes). It reaches the interpreter through an anonymous
+    file as its stdin, never argv or the environment, so no byte of it (NUL...) breaks the
+    launch."""
     isolation: Literal["auto", "namespaces", "rlimits"] = "auto"
     """auto: "namespaces" where they can be created, else "rlimits" (module docstring)."""
     audit_hook: bool = True
@@ -117,6 +145,10 @@ class SandboxResult:
     stderr: str
     elapsed_s: float
     isolation: Isolation
+    memory_limit: MemoryLimit
+    """How memory_bytes held the call: "cgroup2", "cgroup1" or "rlimits" (weaker)."""
+    memory_peak_bytes: int | None
+    """The most memory the call's processes held at once, from its cgroup (None without)."""
     uid: int
     """The uid the code ran as (fresh per run as root): nothing of it is left when run returns."""
     pgid: int
@@ -134,6 +166,8 @@ class SandboxResult:
             "timeout": f"timed out after {limits.wall_timeout_s:g} s (killed)",
             "output_limit": f"output exceeded {limits.max_output_bytes} bytes (killed)",
             "cpu_limit": f"CPU time limit of {limits.cpu_time_s} s exceeded (killed)",
+            "memory_limit": f"memory limit of {limits.memory_bytes} bytes for all processes "
+            "together exceeded (killed)",
             "signal": f"killed by signal {(self.exit_code or 128) - 128}",
         }[self.status]
 
@@ -203,13 +237,23 @@ def _interpreter(path: str | None) -> tuple[str, list[str]]:
 
 
 class Sandbox:
-    """Runs code under `config`; thread-safe, one process tree per run."""
+    """Runs code under `config`; thread-safe, one process tree per run, at most
+    max_concurrent_runs at once."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig()
-        self._python, self._python_dirs = _interpreter(self.config.interpreter)
+        self.config = cfg = config or SandboxConfig()
+        promised, node = cfg.max_concurrent_runs * cfg.memory_bytes, node_memory_bytes()
+        if promised > NODE_SHARE * node:
+            raise ValueError(
+                f"sandbox max_concurrent_runs x memory_bytes = {promised} bytes is more than "
+                f"{NODE_SHARE:g} of this node's {node} bytes: lower one of them"
+            )
+        self._python, self._python_dirs = _interpreter(cfg.interpreter)
+        self._memory = MemoryBound.detect(cfg.memory_bytes, cfg.memory_limit, cfg.cgroup_parent)
+        self._memory.rlimit_as(cfg.max_processes, cfg.disk_bytes)  # a share too small: fail now
         self._isolation: Isolation | None = None
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(cfg.max_concurrent_runs)
 
     @property
     def isolation(self) -> Isolation:
@@ -217,57 +261,80 @@ class Sandbox:
         with self._lock:
             if self._isolation is None:
                 self._isolation = self._resolve()
+                if self._isolation == "rlimits":
+                    log.warning("sandbox is WEAKER than its namespaced form: %s", WEAKER_ISOLATION)
             return self._isolation
+
+    @property
+    def memory_limit(self) -> MemoryLimit:
+        return self._memory.kind
+
+    @property
+    def weaknesses(self) -> list[str]:
+        """How this sandbox falls short of namespaces + a cgroup (empty: it does not). Each
+        was logged as a WARNING when found; python_tool reports them in its step info."""
+        weaker = [WEAKER_ISOLATION] if self.isolation == "rlimits" else []
+        return weaker + ([WEAKER_MEMORY] if self.memory_limit == "rlimits" else [])
 
     def _resolve(self) -> Isolation:
         if self.config.isolation != "auto":
             return self.config.isolation
         if os.geteuid() == 0:
             try:
-                self._run("pass", "namespaces")
+                self._run(b"pass", "namespaces")
                 return "namespaces"
             except SandboxError as error:
                 log.warning("sandbox namespaces unavailable (%s); trying rlimits only", error)
         # As root this needs an interpreter that the sandbox uid may run (not one under /root).
-        self._run("pass", "rlimits")
+        self._run(b"pass", "rlimits")
         return "rlimits"
 
     def run(self, code: str) -> SandboxResult:
         """Run `code` to completion or to a limit. Raises SandboxError (infrastructure failure),
-        ValueError (code longer than max_code_bytes); everything the code does is a result."""
-        if len(code.encode()) > self.config.max_code_bytes:
+        ValueError (code longer than max_code_bytes); everything the code does is a result.
+        Lone surrogates travel as they are, for the interpreter to reject as the code's error."""
+        payload = code.encode("utf-8", "surrogatepass")
+        if len(payload) > self.config.max_code_bytes:
             raise ValueError(f"code is longer than {self.config.max_code_bytes} bytes")
-        return self._run(code, self.isolation)
+        isolation = self.isolation
+        with self._slots:
+            return self._run(payload, isolation)
 
-    def _run(self, code: str, isolation: Isolation) -> SandboxResult:
+    def _run(self, payload: bytes, isolation: Isolation) -> SandboxResult:
         uid = self._fresh_uid()
         root = tempfile.mkdtemp(prefix="mfr-sandbox-")
         report_read, report_write = os.pipe()
+        code_file = _code_file(payload)
         try:
             if isolation == "rlimits" and os.geteuid() == 0:
                 os.chown(root, uid, uid)
-            boot_config = self._boot_config(isolation, uid, root) | {"report_fd": report_write}
-            proc = subprocess.Popen(
-                [self._python, "-I", str(BOOT), json.dumps(boot_config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=root,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True,
-                pass_fds=(report_write,),
-            )
-            os.close(report_write)
-            report_write = -1
-            result = self._supervise(proc, code, isolation, uid, time.monotonic())
+            with self._memory.call() as cgroup:
+                boot_config = self._boot_config(isolation, uid, root) | {
+                    "report_fd": report_write,
+                    "cgroup_procs": cgroup.procs_file if cgroup else None,
+                }
+                proc = subprocess.Popen(
+                    [self._python, "-I", str(BOOT), json.dumps(boot_config)],
+                    stdin=code_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=root,
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                    start_new_session=True,
+                    pass_fds=(report_write,),
+                )
+                for fd in (report_write, code_file):
+                    os.close(fd)
+                report_write = code_file = -1
+                result = self._supervise(proc, isolation, uid, cgroup, time.monotonic())
             failure = _read_report(report_read)
             if failure:
                 raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
             return result
         finally:
-            os.close(report_read)
-            if report_write >= 0:
-                os.close(report_write)
+            for fd in (report_read, report_write, code_file):
+                if fd >= 0:
+                    os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
 
     def _fresh_uid(self) -> int:
@@ -277,6 +344,11 @@ class Sandbox:
             uid = random.randrange(*UID_RANGE)
             if not processes_of(uid):
                 return uid
+
+    def _process_memory(self, isolation: Isolation) -> int:
+        """RLIMIT_AS of each process of a run in `isolation` (MemoryBound.rlimit_as)."""
+        tmpfs = self.config.disk_bytes if isolation == "namespaces" else 0
+        return self._memory.rlimit_as(self.config.max_processes, tmpfs)
 
     def _boot_config(self, isolation: Isolation, uid: int, root: str) -> dict[str, object]:
         cfg = self.config
@@ -297,7 +369,7 @@ class Sandbox:
             "runner_path": str(RUNNER),
             "disk_bytes": cfg.disk_bytes,
             "cpu_time_s": cfg.cpu_time_s,
-            "memory_bytes": cfg.memory_bytes,
+            "memory_bytes": self._process_memory(isolation),
             "max_processes": max_processes,
             "max_file_bytes": cfg.max_file_bytes,
             "max_open_files": cfg.max_open_files,
@@ -309,11 +381,13 @@ class Sandbox:
         }
 
     def _supervise(
-        self, proc: subprocess.Popen, code: str, isolation: Isolation, uid: int, start: float
+        self,
+        proc: subprocess.Popen,
+        isolation: Isolation,
+        uid: int,
+        cgroup: CallCgroup | None,
+        start: float,
     ) -> SandboxResult:
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write(code.encode())
-        proc.stdin.close()
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         streams = {out_fd: bytearray(), err_fd: bytearray()}
         status = self._read(proc, streams, start + self.config.wall_timeout_s)
@@ -326,6 +400,8 @@ class Sandbox:
         stdout, stderr = bytes(streams[out_fd]), bytes(streams[err_fd])
         if status is None:
             status = _status_of(exit_code)
+        if cgroup is not None and cgroup.oom_kills():  # the kernel killed a process for memory
+            status = "memory_limit"
         cap = self.config.max_output_bytes
         return SandboxResult(
             status=status,
@@ -334,6 +410,8 @@ class Sandbox:
             stderr=stderr[:cap].decode(errors="replace"),
             elapsed_s=elapsed,
             isolation=isolation,
+            memory_limit=self._memory.kind,
+            memory_peak_bytes=cgroup.peak_bytes() if cgroup else None,
             uid=uid,
             pgid=proc.pid,
         )
@@ -402,6 +480,17 @@ class Sandbox:
             with contextlib.suppress(BlockingIOError):
                 while len(buffer) <= cap and (data := os.read(fd, READ_CHUNK)):
                     buffer += data
+
+
+def _code_file(payload: bytes) -> int:
+    """An anonymous in-memory file holding the code, rewound: the sandbox's stdin. A file, not
+    a pipe, so the parent never blocks on a large program and any byte is just data."""
+    fd = os.memfd_create("sandbox-code")
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _read_report(fd: int) -> str:

@@ -235,9 +235,9 @@ def _run_hook_only(code: str, workdir: Path) -> subprocess.CompletedProcess:
         "read_roots": sandbox._python_dirs,
         "write_roots": [str(workdir)],
     }
-    command = [sandbox._python, "-I", "-u", "-c", RUNNER.read_text(), json.dumps(policy), code]
+    command = [sandbox._python, "-I", "-u", "-c", RUNNER.read_text(), json.dumps(policy)]
     return subprocess.run(
-        command, cwd=workdir, capture_output=True, text=True, timeout=30, check=False
+        command, input=code, cwd=workdir, capture_output=True, text=True, timeout=30, check=False
     )
 
 
