@@ -1,16 +1,21 @@
 """Runs model-written Python in a sandbox process and reports what happened, never hanging.
 
     Sandbox(config).run(code)
-      ─► Popen(base interpreter -I sandbox_boot.py, own session; code on stdin)
+      ─► wait for one of max_concurrent_runs slots
+      ─► a fresh cgroup for the call, limited to memory_bytes (sandbox_memory.py), if any
+      ─► Popen(base interpreter -I sandbox_boot.py, own session; stdin: an anonymous file
+         holding the code, so no byte of it can break the launch); the supervisor joins the
+         cgroup before it starts anything
       ─► read stdout + stderr with a byte cap, until EOF, exit, or the wall-clock deadline
       ─► always: SIGUSR1 to the supervisor, which kills and reaps the whole tree and exits;
          then SIGKILL whatever is left in the process group or (as root) of the run's uid,
-         until none is left (checked in /proc); reap; remove the private directory
+         until none is left (checked in /proc); reap; remove the private directory and cgroup
       ─► SandboxResult(status "ok" | "error" | "timeout" | "output_limit" | "cpu_limit" |
-         "signal", exit code, output, ...)
+         "memory_limit" | "signal", exit code, output, isolation, memory_limit, peak, ...)
 
-What each layer guarantees (all measured on the project's CPU machine: root in a container,
-Linux 6.x, with CAP_SYS_ADMIN; tests/unit/test_sandbox_*.py exercise each one alone):
+What each layer guarantees (SANDBOX.md has the table; measured on the project's CPU machine:
+root in a container, Linux 6.x, with CAP_SYS_ADMIN, cgroup v1 memory controller;
+tests/unit/test_sandbox_*.py exercise each one alone):
 
 - network namespace ("namespaces" mode): the code has only a loopback interface that is down,
   so no connection leaves it, not even to 127.0.0.1 services of the host (an OS guarantee).
@@ -23,17 +28,26 @@ Linux 6.x, with CAP_SYS_ADMIN; tests/unit/test_sandbox_*.py exercise each one al
 - its own uid (a fresh one per run, when started as root) and no groups, no_new_privs: files
   of other users are protected by permissions, and RLIMIT_NPROC counts only this run's
   processes (root ignores RLIMIT_NPROC, which is why the uid matters for the fork bomb bound).
+- the call's cgroup: memory_bytes for all of the call's processes together (heap, tmpfs
+  files, page cache); past it the kernel OOM-kills inside the call only ("memory_limit").
+  Without a cgroup: RLIMIT_AS of (memory_bytes - disk_bytes) / max_processes per process,
+  which bounds the sum as long as the process count is bounded (weaker, logged as a warning).
 - rlimits: address space (a 10 GB allocation fails with MemoryError), CPU seconds (SIGXCPU,
   then SIGKILL), processes, file size, open files, no core dumps.
 - the parent: wall-clock deadline, output byte cap (reading stops and the run is killed), the
-  uid sweep, and the check that nothing of the run is left.
-- the audit hook (sandbox_runner.py): refuses sockets, starting programs, ctypes, and files
-  outside the allowed directories from Python; a tripwire for clear errors, not a boundary.
+  uid sweep, the check that nothing of the run is left, and max_concurrent_runs (so that
+  max_concurrent_runs x memory_bytes, checked against half the node, is all calls can take).
+- the audit hook (sandbox_runner.py): refuses sockets, starting programs, ctypes, gc
+  introspection and files outside the allowed directories from Python; a convenience for clear
+  errors, not a boundary (it lives in the process it watches: a symlink swapped after its
+  check, or a C-level path, goes round it). No property above relies on it.
 
 "rlimits" mode is the fallback where namespaces cannot be created (not root, no
 CAP_SYS_ADMIN): rlimits, the uid (only as root), the parent's limits and the audit hook; the
 code then shares the host's network and filesystem view, and only the audit hook keeps it from
-them, so this mode is not safe against hostile code. "auto" probes once per Sandbox.
+them, so this mode is not safe against hostile code: it is logged as a warning and listed in
+`Sandbox.weaknesses` (python_tool puts them in each tool step's info). "auto" probes once per
+Sandbox.
 
 The code runs on the base interpreter of this Python (no virtualenv, no PYTHONPATH), so it has
 the standard library and nothing of the project's environment.
@@ -66,6 +80,7 @@ from megatron_fr.envs.sandbox_memory import (
     MemoryLimit,
     node_memory_bytes,
 )
+from megatron_fr.envs.sandbox_procs import exited, group_members, processes_of, tasks_of
 
 log = logging.getLogger("megatron_fr.sandbox")
 
@@ -177,49 +192,6 @@ class SandboxError(RuntimeError):
     fault, so it is raised rather than reported as a tool error."""
 
 
-def _proc_entries() -> list[str]:
-    with contextlib.suppress(FileNotFoundError):
-        return [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    return []
-
-
-def processes_of(uid: int) -> list[int]:
-    """PIDs whose real uid is `uid` and that are not zombies, from /proc."""
-    found = []
-    for pid in _proc_entries():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-            found.append(int(pid))
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs of process group `pgid` that are not zombies, from /proc."""
-    members = []
-    for pid in _proc_entries():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(pid))
-    return members
-
-
-def _tasks_of(uid: int) -> int:
-    """Threads of `uid` (what RLIMIT_NPROC counts)."""
-    total = 0
-    for pid in processes_of(uid):
-        with contextlib.suppress(OSError):
-            total += len(os.listdir(f"/proc/{pid}/task"))
-    return total
-
-
 def _interpreter(path: str | None) -> tuple[str, list[str]]:
     """The interpreter (default: this one's base, outside any virtualenv) and the directories
     it needs (its prefixes)."""
@@ -304,7 +276,6 @@ class Sandbox:
         uid = self._fresh_uid()
         root = tempfile.mkdtemp(prefix="mfr-sandbox-")
         report_read, report_write = os.pipe()
-        code_file = _code_file(payload)
         try:
             if isolation == "rlimits" and os.geteuid() == 0:
                 os.chown(root, uid, uid)
@@ -313,29 +284,38 @@ class Sandbox:
                     "report_fd": report_write,
                     "cgroup_procs": cgroup.procs_file if cgroup else None,
                 }
-                proc = subprocess.Popen(
-                    [self._python, "-I", str(BOOT), json.dumps(boot_config)],
-                    stdin=code_file,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=root,
-                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                    start_new_session=True,
-                    pass_fds=(report_write,),
-                )
-                for fd in (report_write, code_file):
-                    os.close(fd)
-                report_write = code_file = -1
+                proc = self._start(boot_config, payload, root)
+                os.close(report_write)
+                report_write = -1
                 result = self._supervise(proc, isolation, uid, cgroup, time.monotonic())
             failure = _read_report(report_read)
-            if failure:
-                raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
-            return result
+        except OSError as error:  # no cgroup, no process...: the machine's fault, not the code's
+            raise SandboxError(f"{isolation} sandbox could not be started: {error}") from error
         finally:
-            for fd in (report_read, report_write, code_file):
+            for fd in (report_read, report_write):
                 if fd >= 0:
                     os.close(fd)
             shutil.rmtree(root, ignore_errors=True)
+        if failure:
+            raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
+        return result
+
+    def _start(self, boot_config: dict[str, object], payload: bytes, root: str) -> subprocess.Popen:
+        """The supervisor, with the code in an anonymous file as its stdin."""
+        code_file = _code_file(payload)
+        try:
+            return subprocess.Popen(
+                [self._python, "-I", str(BOOT), json.dumps(boot_config)],
+                stdin=code_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=root,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+                pass_fds=(boot_config["report_fd"],),
+            )
+        finally:
+            os.close(code_file)
 
     def _fresh_uid(self) -> int:
         if os.geteuid() != 0:
@@ -356,7 +336,7 @@ class Sandbox:
         workdir, tmpdir = ("/sandbox", "/tmp") if inside else (root, root)
         max_processes: int | None = cfg.max_processes
         if os.geteuid() != 0:  # our own uid: the limit must leave room for what already runs
-            max_processes = _tasks_of(uid) + cfg.max_processes
+            max_processes = tasks_of(uid) + cfg.max_processes
         return {
             "isolation": isolation,
             "parent_pid": os.getpid(),
@@ -436,7 +416,7 @@ class Sandbox:
                     streams[key.fd] += data
                     if sum(map(len, streams.values())) > self.config.max_output_bytes:
                         return "output_limit"
-                if _exited(proc.pid):
+                if exited(proc.pid):
                     return None  # leftovers holding the pipes are killed next
             return None
         finally:
@@ -448,13 +428,13 @@ class Sandbox:
         uid is this run's alone), until none is left. All of it happens before the supervisor
         is reaped, so its pid (the group id) cannot have been reused meanwhile."""
         pgid = proc.pid
-        if not _exited(pgid):
+        if not exited(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pgid, signal.SIGUSR1)
         deadline = time.monotonic() + STOP_GRACE_S
-        while not _exited(pgid) and time.monotonic() < deadline:
+        while not exited(pgid) and time.monotonic() < deadline:
             time.sleep(0.002)
-        if not _exited(pgid):  # last resort: it did not exit on request
+        if not exited(pgid):  # last resort: it did not exit on request
             log.warning("sandbox supervisor %d ignored SIGUSR1; killing its group", pgid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -500,15 +480,6 @@ def _read_report(fd: int) -> str:
     while chunk := os.read(fd, 4096):
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
-
-
-def _exited(pid: int) -> bool:
-    """Whether child `pid` has exited, without reaping it."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
 
 
 def _status_of(exit_code: int) -> Status:
