@@ -153,7 +153,7 @@ def _cgroup_mounts() -> dict[str, tuple[str, str]]:
 
 def _own_directory(key: str) -> Path | None:
     """This process's cgroup directory in hierarchy `key` ("" v2, "memory" v1), if mounted."""
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, LookupError, ValueError):  # not mounted, not listed
         path, (mount_point, root) = _own_cgroups()[key], _cgroup_mounts()[key]
         relative = os.path.relpath(path, root)
         if not relative.startswith(".."):
