@@ -123,9 +123,10 @@ class SandboxConfig(BaseModel):
     cgroup_parent: str | None = None
     """A cgroup directory to make each call's cgroup in (v2: its cgroup.subtree_control gets
     memory; it must hold no process). None: this process's own cgroup, where usable."""
-    max_concurrent_runs: PositiveInt = 8
+    max_concurrent_runs: PositiveInt = 4
     """Calls of one Sandbox running at once; more wait for a free slot. What the sandbox can
-    take from the node is max_concurrent_runs x memory_bytes, which must fit in half of it."""
+    take from the node is max_concurrent_runs x memory_bytes, which must fit in half of it
+    (the default, 4 GiB, fits a 16 GB machine; a training node can afford far more)."""
     max_processes: PositiveInt = 16
     """Processes and threads of the run at once (RLIMIT_NPROC on the run's own uid)."""
     max_output_bytes: PositiveInt = 16 * 2**10
@@ -189,7 +190,8 @@ class SandboxResult:
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (could not be built, or a process survived): not the code's
-    fault, so it is raised rather than reported as a tool error."""
+    fault, so it is raised rather than returned as a result (python_tool logs it and still
+    answers the policy with a tool error)."""
 
 
 def _interpreter(path: str | None) -> tuple[str, list[str]]:
