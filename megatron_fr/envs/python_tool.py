@@ -5,12 +5,20 @@
          "error: <why>" (malformed call, unknown tool, timeout, memory, output cap, ...)
     policy turn without a tool call ─► its final answer is graded (math_grader); done
 
+Whatever a call's code holds (NUL bytes, lone surrogates, 100 kB of junk) and whatever goes
+wrong running it, even the sandbox failing, becomes a "tool" message starting with "error:"
+and the episode goes on: a step never raises because of the policy's text. A sandbox failure
+is also logged with its traceback (it is the machine's fault, not the policy's). Each tool
+step's info says how isolated the calls were: info["sandbox"] = {"isolation", "memory_limit",
+"weaker": [reasons]} (empty "weaker" for namespaces + a cgroup; SANDBOX.md).
+
 Samples: {"id", "problem", "answer"} like "math" (data/python_tool.jsonl is bundled; its rows
 also carry a reference "code" that computes the answer, which the tests run).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -20,6 +28,8 @@ from megatron_fr.envs.math_env import math_messages
 from megatron_fr.envs.math_grader import MathGrader, MathGraderConfig
 from megatron_fr.envs.sandbox import Sandbox, SandboxConfig, SandboxResult
 from megatron_fr.rollout.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls
+
+log = logging.getLogger("megatron_fr.python_tool")
 
 TOOL_NAME = "python"
 PYTHON_TOOL = {
@@ -92,7 +102,9 @@ class PythonToolEpisode(Episode):
             outputs.append(_clip(text, cfg.max_observation_chars))
             statuses.append(status)
         messages = [{"role": "tool", "content": text} for text in outputs]
-        return StepResult(messages=messages, info={"tool_statuses": statuses})
+        return StepResult(
+            messages=messages, info={"tool_statuses": statuses, "sandbox": self._env.sandbox_report}
+        )
 
     def _call(self, call: ToolCall | MalformedToolCall) -> tuple[str, str]:
         """(tool message, status) for one call."""
@@ -107,6 +119,9 @@ class PythonToolEpisode(Episode):
             result = self._env.sandbox.run(code)
         except ValueError as error:  # code over the size limit
             return f"error: {error}", "bad_arguments"
+        except Exception as error:  # anything: the episode must go on (module docstring)
+            log.exception("the sandbox failed on a tool call")
+            return f"error: the tool could not run ({type(error).__name__})", "sandbox_error"
         return self._describe(result), result.status
 
     def _describe(self, result: SandboxResult) -> str:
@@ -123,6 +138,15 @@ class PythonToolEnvironment(Environment):
         self.config = config or PythonToolConfig()
         self.sandbox = Sandbox(self.config.sandbox)
         self.grader = MathGrader(self.config.grader)
+
+    @property
+    def sandbox_report(self) -> dict[str, object]:
+        """How isolated the calls are, for each tool step's info (module docstring)."""
+        try:
+            isolation, weaker = self.sandbox.isolation, self.sandbox.weaknesses
+        except Exception as error:  # the calls said so already: never fail the step for it
+            isolation, weaker = "unavailable", [f"the sandbox could not be built: {error}"]
+        return {"isolation": isolation, "memory_limit": self.sandbox.memory_limit, "weaker": weaker}
 
     def start(self, sample: Sample) -> PythonToolEpisode:
         return PythonToolEpisode(self, sample)

@@ -1,16 +1,21 @@
 """Runs model-written Python in a sandbox process and reports what happened, never hanging.
 
     Sandbox(config).run(code)
-      ─► Popen(base interpreter -I sandbox_boot.py, own session; code on stdin)
+      ─► wait for one of max_concurrent_runs slots
+      ─► a fresh cgroup for the call, limited to memory_bytes (sandbox_memory.py), if any
+      ─► Popen(base interpreter -I sandbox_boot.py, own session; stdin: an anonymous file
+         holding the code, so no byte of it can break the launch); the supervisor joins the
+         cgroup before it starts anything
       ─► read stdout + stderr with a byte cap, until EOF, exit, or the wall-clock deadline
       ─► always: SIGUSR1 to the supervisor, which kills and reaps the whole tree and exits;
          then SIGKILL whatever is left in the process group or (as root) of the run's uid,
-         until none is left (checked in /proc); reap; remove the private directory
+         until none is left (checked in /proc); reap; remove the private directory and cgroup
       ─► SandboxResult(status "ok" | "error" | "timeout" | "output_limit" | "cpu_limit" |
-         "signal", exit code, output, ...)
+         "memory_limit" | "signal", exit code, output, isolation, memory_limit, peak, ...)
 
-What each layer guarantees (all measured on the project's CPU machine: root in a container,
-Linux 6.x, with CAP_SYS_ADMIN; tests/unit/test_sandbox_*.py exercise each one alone):
+What each layer guarantees (SANDBOX.md has the table; measured on the project's CPU machine:
+root in a container, Linux 6.x, with CAP_SYS_ADMIN, cgroup v1 memory controller;
+tests/unit/test_sandbox_*.py exercise each one alone):
 
 - network namespace ("namespaces" mode): the code has only a loopback interface that is down,
   so no connection leaves it, not even to 127.0.0.1 services of the host (an OS guarantee).
@@ -23,17 +28,26 @@ Linux 6.x, with CAP_SYS_ADMIN; tests/unit/test_sandbox_*.py exercise each one al
 - its own uid (a fresh one per run, when started as root) and no groups, no_new_privs: files
   of other users are protected by permissions, and RLIMIT_NPROC counts only this run's
   processes (root ignores RLIMIT_NPROC, which is why the uid matters for the fork bomb bound).
+- the call's cgroup: memory_bytes for all of the call's processes together (heap, tmpfs
+  files, page cache); past it the kernel OOM-kills inside the call only ("memory_limit").
+  Without a cgroup: RLIMIT_AS of (memory_bytes - disk_bytes) / max_processes per process,
+  which bounds the sum as long as the process count is bounded (weaker, logged as a warning).
 - rlimits: address space (a 10 GB allocation fails with MemoryError), CPU seconds (SIGXCPU,
   then SIGKILL), processes, file size, open files, no core dumps.
 - the parent: wall-clock deadline, output byte cap (reading stops and the run is killed), the
-  uid sweep, and the check that nothing of the run is left.
-- the audit hook (sandbox_runner.py): refuses sockets, starting programs, ctypes, and files
-  outside the allowed directories from Python; a tripwire for clear errors, not a boundary.
+  uid sweep, the check that nothing of the run is left, and max_concurrent_runs (so that
+  max_concurrent_runs x memory_bytes, checked against half the node, is all calls can take).
+- the audit hook (sandbox_runner.py): refuses sockets, starting programs, ctypes, gc
+  introspection and files outside the allowed directories from Python; a convenience for clear
+  errors, not a boundary (it lives in the process it watches: a symlink swapped after its
+  check, or a C-level path, goes round it). No property above relies on it.
 
 "rlimits" mode is the fallback where namespaces cannot be created (not root, no
 CAP_SYS_ADMIN): rlimits, the uid (only as root), the parent's limits and the audit hook; the
 code then shares the host's network and filesystem view, and only the audit hook keeps it from
-them, so this mode is not safe against hostile code. "auto" probes once per Sandbox.
+them, so this mode is not safe against hostile code: it is logged as a warning and listed in
+`Sandbox.weaknesses` (python_tool puts them in each tool step's info). "auto" probes once per
+Sandbox.
 
 The code runs on the base interpreter of this Python (no virtualenv, no PYTHONPATH), so it has
 the standard library and nothing of the project's environment.
@@ -58,7 +72,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+
+from megatron_fr.envs.sandbox_memory import (
+    CallCgroup,
+    MemoryBound,
+    MemoryLimit,
+    node_memory_bytes,
+)
+from megatron_fr.envs.sandbox_procs import exited, group_members, processes_of, tasks_of
 
 log = logging.getLogger("megatron_fr.sandbox")
 
@@ -71,20 +93,40 @@ READ_CHUNK = 65536
 STOP_GRACE_S = 5.0
 
 Isolation = Literal["namespaces", "rlimits"]
-Status = Literal["ok", "error", "timeout", "output_limit", "cpu_limit", "signal"]
+Status = Literal["ok", "error", "timeout", "output_limit", "cpu_limit", "memory_limit", "signal"]
+NODE_SHARE = 0.5
+"""At most this share of the node's memory may be promised to sandbox calls at once
+(max_concurrent_runs x memory_bytes): the trainer and the inference server need the rest."""
+WEAKER_ISOLATION = (
+    "rlimits isolation: the code shares the host's network and filesystem view; only the "
+    "audit hook (a tripwire, not a boundary) refuses them"
+)
+WEAKER_MEMORY = "rlimits memory bound: RLIMIT_AS shares of memory_bytes per process, not a cgroup"
 
 
 class SandboxConfig(BaseModel):
-    """Limits of one sandboxed run."""
+    """Limits of one sandboxed run (SANDBOX.md: which layer enforces which)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     wall_timeout_s: PositiveFloat = 10.0
-    """Wall-clock limit of the whole run (startup included: about 0.1 s)."""
+    """Wall-clock limit of the whole run (startup included: about 0.1 s; waiting for a free
+    slot, max_concurrent_runs, is not)."""
     cpu_time_s: PositiveInt = 5
     """CPU seconds per process (RLIMIT_CPU): SIGXCPU, then SIGKILL one second later."""
-    memory_bytes: PositiveInt = 512 * 2**20
-    """Address space per process (RLIMIT_AS)."""
+    memory_bytes: PositiveInt = 2**30
+    """Memory of one call, all of its processes together: a cgroup's limit, or without one
+    RLIMIT_AS of (memory_bytes - disk_bytes) / max_processes per process (sandbox_memory.py)."""
+    memory_limit: Literal["auto", "cgroup", "rlimits"] = "auto"
+    """How memory_bytes is enforced. auto: a cgroup (v2, else v1) where one can be made, else
+    the RLIMIT_AS shares (logged as a warning); cgroup: fail when none can be made."""
+    cgroup_parent: str | None = None
+    """A cgroup directory to make each call's cgroup in (v2: its cgroup.subtree_control gets
+    memory; it must hold no process). None: this process's own cgroup, where usable."""
+    max_concurrent_runs: PositiveInt = 4
+    """Calls of one Sandbox running at once; more wait for a free slot. What the sandbox can
+    take from the node is max_concurrent_runs x memory_bytes, which must fit in half of it
+    (the default, 4 GiB, fits a 16 GB machine; a training node can afford far more)."""
     max_processes: PositiveInt = 16
     """Processes and threads of the run at once (RLIMIT_NPROC on the run's own uid)."""
     max_output_bytes: PositiveInt = 16 * 2**10
@@ -94,8 +136,10 @@ class SandboxConfig(BaseModel):
     disk_bytes: PositiveInt = 32 * 2**20
     """Size of the private tmpfs holding /sandbox and /tmp ("namespaces" mode)."""
     max_open_files: PositiveInt = 64
-    max_code_bytes: int = Field(default=100_000, gt=0, le=120_000)
-    """Longest code accepted; it travels as one argv string (Linux caps those at 128 KiB)."""
+    max_code_bytes: PositiveInt = 100_000
+    """Longest code accepted (UTF-8 bytes). It reaches the interpreter through an anonymous
+    file as its stdin, never argv or the environment, so no byte of it (NUL...) breaks the
+    launch."""
     isolation: Literal["auto", "namespaces", "rlimits"] = "auto"
     """auto: "namespaces" where they can be created, else "rlimits" (module docstring)."""
     audit_hook: bool = True
@@ -117,6 +161,10 @@ class SandboxResult:
     stderr: str
     elapsed_s: float
     isolation: Isolation
+    memory_limit: MemoryLimit
+    """How memory_bytes held the call: "cgroup2", "cgroup1" or "rlimits" (weaker)."""
+    memory_peak_bytes: int | None
+    """The most memory the call's processes held at once, from its cgroup (None without)."""
     uid: int
     """The uid the code ran as (fresh per run as root): nothing of it is left when run returns."""
     pgid: int
@@ -134,56 +182,16 @@ class SandboxResult:
             "timeout": f"timed out after {limits.wall_timeout_s:g} s (killed)",
             "output_limit": f"output exceeded {limits.max_output_bytes} bytes (killed)",
             "cpu_limit": f"CPU time limit of {limits.cpu_time_s} s exceeded (killed)",
+            "memory_limit": f"memory limit of {limits.memory_bytes} bytes for all processes "
+            "together exceeded (killed)",
             "signal": f"killed by signal {(self.exit_code or 128) - 128}",
         }[self.status]
 
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (could not be built, or a process survived): not the code's
-    fault, so it is raised rather than reported as a tool error."""
-
-
-def _proc_entries() -> list[str]:
-    with contextlib.suppress(FileNotFoundError):
-        return [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    return []
-
-
-def processes_of(uid: int) -> list[int]:
-    """PIDs whose real uid is `uid` and that are not zombies, from /proc."""
-    found = []
-    for pid in _proc_entries():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:  # exited while we looked
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-            found.append(int(pid))
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """PIDs of process group `pgid` that are not zombies, from /proc."""
-    members = []
-    for pid in _proc_entries():
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        state, _, pgrp = stat.rsplit(")", 1)[1].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members.append(int(pid))
-    return members
-
-
-def _tasks_of(uid: int) -> int:
-    """Threads of `uid` (what RLIMIT_NPROC counts)."""
-    total = 0
-    for pid in processes_of(uid):
-        with contextlib.suppress(OSError):
-            total += len(os.listdir(f"/proc/{pid}/task"))
-    return total
+    fault, so it is raised rather than returned as a result (python_tool logs it and still
+    answers the policy with a tool error)."""
 
 
 def _interpreter(path: str | None) -> tuple[str, list[str]]:
@@ -203,13 +211,23 @@ def _interpreter(path: str | None) -> tuple[str, list[str]]:
 
 
 class Sandbox:
-    """Runs code under `config`; thread-safe, one process tree per run."""
+    """Runs code under `config`; thread-safe, one process tree per run, at most
+    max_concurrent_runs at once."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig()
-        self._python, self._python_dirs = _interpreter(self.config.interpreter)
+        self.config = cfg = config or SandboxConfig()
+        promised, node = cfg.max_concurrent_runs * cfg.memory_bytes, node_memory_bytes()
+        if promised > NODE_SHARE * node:
+            raise ValueError(
+                f"sandbox max_concurrent_runs x memory_bytes = {promised} bytes is more than "
+                f"{NODE_SHARE:g} of this node's {node} bytes: lower one of them"
+            )
+        self._python, self._python_dirs = _interpreter(cfg.interpreter)
+        self._memory = MemoryBound.detect(cfg.memory_bytes, cfg.memory_limit, cfg.cgroup_parent)
+        self._memory.rlimit_as(cfg.max_processes, cfg.disk_bytes)  # a share too small: fail now
         self._isolation: Isolation | None = None
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(cfg.max_concurrent_runs)
 
     @property
     def isolation(self) -> Isolation:
@@ -217,58 +235,89 @@ class Sandbox:
         with self._lock:
             if self._isolation is None:
                 self._isolation = self._resolve()
+                if self._isolation == "rlimits":
+                    log.warning("sandbox is WEAKER than its namespaced form: %s", WEAKER_ISOLATION)
             return self._isolation
+
+    @property
+    def memory_limit(self) -> MemoryLimit:
+        return self._memory.kind
+
+    @property
+    def weaknesses(self) -> list[str]:
+        """How this sandbox falls short of namespaces + a cgroup (empty: it does not). Each
+        was logged as a WARNING when found; python_tool reports them in its step info."""
+        weaker = [WEAKER_ISOLATION] if self.isolation == "rlimits" else []
+        return weaker + ([WEAKER_MEMORY] if self.memory_limit == "rlimits" else [])
 
     def _resolve(self) -> Isolation:
         if self.config.isolation != "auto":
             return self.config.isolation
         if os.geteuid() == 0:
             try:
-                self._run("pass", "namespaces")
+                self._run(b"pass", "namespaces")
                 return "namespaces"
             except SandboxError as error:
                 log.warning("sandbox namespaces unavailable (%s); trying rlimits only", error)
         # As root this needs an interpreter that the sandbox uid may run (not one under /root).
-        self._run("pass", "rlimits")
+        self._run(b"pass", "rlimits")
         return "rlimits"
 
     def run(self, code: str) -> SandboxResult:
         """Run `code` to completion or to a limit. Raises SandboxError (infrastructure failure),
-        ValueError (code longer than max_code_bytes); everything the code does is a result."""
-        if len(code.encode()) > self.config.max_code_bytes:
+        ValueError (code longer than max_code_bytes); everything the code does is a result.
+        Lone surrogates travel as they are, for the interpreter to reject as the code's error."""
+        payload = code.encode("utf-8", "surrogatepass")
+        if len(payload) > self.config.max_code_bytes:
             raise ValueError(f"code is longer than {self.config.max_code_bytes} bytes")
-        return self._run(code, self.isolation)
+        isolation = self.isolation
+        with self._slots:
+            return self._run(payload, isolation)
 
-    def _run(self, code: str, isolation: Isolation) -> SandboxResult:
+    def _run(self, payload: bytes, isolation: Isolation) -> SandboxResult:
         uid = self._fresh_uid()
         root = tempfile.mkdtemp(prefix="mfr-sandbox-")
         report_read, report_write = os.pipe()
         try:
             if isolation == "rlimits" and os.geteuid() == 0:
                 os.chown(root, uid, uid)
-            boot_config = self._boot_config(isolation, uid, root) | {"report_fd": report_write}
-            proc = subprocess.Popen(
+            with self._memory.call() as cgroup:
+                boot_config = self._boot_config(isolation, uid, root) | {
+                    "report_fd": report_write,
+                    "cgroup_procs": cgroup.procs_file if cgroup else None,
+                }
+                proc = self._start(boot_config, payload, root)
+                os.close(report_write)
+                report_write = -1
+                result = self._supervise(proc, isolation, uid, cgroup, time.monotonic())
+            failure = _read_report(report_read)
+        except OSError as error:  # no cgroup, no process...: the machine's fault, not the code's
+            raise SandboxError(f"{isolation} sandbox could not be started: {error}") from error
+        finally:
+            for fd in (report_read, report_write):
+                if fd >= 0:
+                    os.close(fd)
+            shutil.rmtree(root, ignore_errors=True)
+        if failure:
+            raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
+        return result
+
+    def _start(self, boot_config: dict[str, object], payload: bytes, root: str) -> subprocess.Popen:
+        """The supervisor, with the code in an anonymous file as its stdin."""
+        code_file = _code_file(payload)
+        try:
+            return subprocess.Popen(
                 [self._python, "-I", str(BOOT), json.dumps(boot_config)],
-                stdin=subprocess.PIPE,
+                stdin=code_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=root,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 start_new_session=True,
-                pass_fds=(report_write,),
+                pass_fds=(boot_config["report_fd"],),
             )
-            os.close(report_write)
-            report_write = -1
-            result = self._supervise(proc, code, isolation, uid, time.monotonic())
-            failure = _read_report(report_read)
-            if failure:
-                raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
-            return result
         finally:
-            os.close(report_read)
-            if report_write >= 0:
-                os.close(report_write)
-            shutil.rmtree(root, ignore_errors=True)
+            os.close(code_file)
 
     def _fresh_uid(self) -> int:
         if os.geteuid() != 0:
@@ -278,13 +327,18 @@ class Sandbox:
             if not processes_of(uid):
                 return uid
 
+    def _process_memory(self, isolation: Isolation) -> int:
+        """RLIMIT_AS of each process of a run in `isolation` (MemoryBound.rlimit_as)."""
+        tmpfs = self.config.disk_bytes if isolation == "namespaces" else 0
+        return self._memory.rlimit_as(self.config.max_processes, tmpfs)
+
     def _boot_config(self, isolation: Isolation, uid: int, root: str) -> dict[str, object]:
         cfg = self.config
         inside = isolation == "namespaces"
         workdir, tmpdir = ("/sandbox", "/tmp") if inside else (root, root)
         max_processes: int | None = cfg.max_processes
         if os.geteuid() != 0:  # our own uid: the limit must leave room for what already runs
-            max_processes = _tasks_of(uid) + cfg.max_processes
+            max_processes = tasks_of(uid) + cfg.max_processes
         return {
             "isolation": isolation,
             "parent_pid": os.getpid(),
@@ -297,7 +351,7 @@ class Sandbox:
             "runner_path": str(RUNNER),
             "disk_bytes": cfg.disk_bytes,
             "cpu_time_s": cfg.cpu_time_s,
-            "memory_bytes": cfg.memory_bytes,
+            "memory_bytes": self._process_memory(isolation),
             "max_processes": max_processes,
             "max_file_bytes": cfg.max_file_bytes,
             "max_open_files": cfg.max_open_files,
@@ -309,11 +363,13 @@ class Sandbox:
         }
 
     def _supervise(
-        self, proc: subprocess.Popen, code: str, isolation: Isolation, uid: int, start: float
+        self,
+        proc: subprocess.Popen,
+        isolation: Isolation,
+        uid: int,
+        cgroup: CallCgroup | None,
+        start: float,
     ) -> SandboxResult:
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write(code.encode())
-        proc.stdin.close()
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         streams = {out_fd: bytearray(), err_fd: bytearray()}
         status = self._read(proc, streams, start + self.config.wall_timeout_s)
@@ -326,6 +382,8 @@ class Sandbox:
         stdout, stderr = bytes(streams[out_fd]), bytes(streams[err_fd])
         if status is None:
             status = _status_of(exit_code)
+        if cgroup is not None and cgroup.oom_kills():  # the kernel killed a process for memory
+            status = "memory_limit"
         cap = self.config.max_output_bytes
         return SandboxResult(
             status=status,
@@ -334,6 +392,8 @@ class Sandbox:
             stderr=stderr[:cap].decode(errors="replace"),
             elapsed_s=elapsed,
             isolation=isolation,
+            memory_limit=self._memory.kind,
+            memory_peak_bytes=cgroup.peak_bytes() if cgroup else None,
             uid=uid,
             pgid=proc.pid,
         )
@@ -358,7 +418,7 @@ class Sandbox:
                     streams[key.fd] += data
                     if sum(map(len, streams.values())) > self.config.max_output_bytes:
                         return "output_limit"
-                if _exited(proc.pid):
+                if exited(proc.pid):
                     return None  # leftovers holding the pipes are killed next
             return None
         finally:
@@ -370,13 +430,13 @@ class Sandbox:
         uid is this run's alone), until none is left. All of it happens before the supervisor
         is reaped, so its pid (the group id) cannot have been reused meanwhile."""
         pgid = proc.pid
-        if not _exited(pgid):
+        if not exited(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pgid, signal.SIGUSR1)
         deadline = time.monotonic() + STOP_GRACE_S
-        while not _exited(pgid) and time.monotonic() < deadline:
+        while not exited(pgid) and time.monotonic() < deadline:
             time.sleep(0.002)
-        if not _exited(pgid):  # last resort: it did not exit on request
+        if not exited(pgid):  # last resort: it did not exit on request
             log.warning("sandbox supervisor %d ignored SIGUSR1; killing its group", pgid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -404,6 +464,17 @@ class Sandbox:
                     buffer += data
 
 
+def _code_file(payload: bytes) -> int:
+    """An anonymous in-memory file holding the code, rewound: the sandbox's stdin. A file, not
+    a pipe, so the parent never blocks on a large program and any byte is just data."""
+    fd = os.memfd_create("sandbox-code")
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def _read_report(fd: int) -> str:
     """What the sandbox wrote on its report pipe: nothing unless it could not be built (every
     writer is gone by now, so this does not block)."""
@@ -411,15 +482,6 @@ def _read_report(fd: int) -> str:
     while chunk := os.read(fd, 4096):
         chunks.append(chunk)
     return b"".join(chunks).decode(errors="replace")
-
-
-def _exited(pid: int) -> bool:
-    """Whether child `pid` has exited, without reaping it."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
 
 
 def _status_of(exit_code: int) -> Status:

@@ -1,5 +1,9 @@
 """The sandbox's own side: `python -I sandbox_boot.py CONFIG_JSON`, the model's code on stdin.
 
+stdin is an anonymous file holding the code; it stays fd 0 down to the runner, which reads it
+(sandbox_runner.py). The code is never in an argv or the environment, where a NUL byte would
+make the exec fail.
+
 Started by megatron_fr.envs.sandbox (the parent), never imported by it. Standard library only,
 and nothing of this repository is imported: in "namespaces" mode the repository is invisible
 once the root is built, and the interpreter that runs the model's code is a fresh one
@@ -8,6 +12,7 @@ once the root is built, and the interpreter that runs the model's code is a fres
 "namespaces" mode (root, Linux):
 
     supervisor  (the parent's child, its own session, a child subreaper; outer pid namespace)
+      │  joins the call's cgroup (cfg["cgroup_procs"], when there is one) before anything else
       │  unshare(mount, net, pid, ipc, uts) then fork; waits; exits with the child's status
       │  once nothing of the tree is left; SIGUSR1 from the parent = kill everything now
       └─ init   (pid 1 of the new pid namespace, still root): mounts a size-limited tmpfs as the
@@ -148,8 +153,8 @@ def _limit(kind, value):
     resource.setrlimit(kind, (value, value))
 
 
-def _become_runner(cfg, runner_source, code, parent_alive):
-    """Drop privileges, set the limits, exec the fresh interpreter on the model's code."""
+def _become_runner(cfg, runner_source, parent_alive):
+    """Drop privileges, set the limits, exec the fresh interpreter (the code is on stdin)."""
     if os.geteuid() == 0:
         os.setgroups([])
         os.setgid(cfg["uid"])
@@ -172,25 +177,25 @@ def _become_runner(cfg, runner_source, code, parent_alive):
         "LANG": "C.UTF-8",
     }
     hook = json.dumps(cfg["hook"])
-    argv = [cfg["python"], "-I", "-u", "-c", runner_source, hook, code]
+    argv = [cfg["python"], "-I", "-u", "-c", runner_source, hook]
     os.execve(cfg["python"], argv, env)
 
 
-def _init(cfg, runner_source, code):
+def _init(cfg, runner_source):
     """pid 1 of the sandbox: build the root, start the runner, reap until the runner ends."""
     _build_root(cfg)
     runner = os.fork()
     if runner == 0:
-        _start_runner(cfg, runner_source, code, lambda: os.getppid() == 1)
+        _start_runner(cfg, runner_source, lambda: os.getppid() == 1)
     while True:  # orphans of the runner are re-parented to us: reap them as well
         pid, status = os.wait()
         if pid == runner:
             _exit_like(status)  # leaving pid 1 kills whatever is left in the namespace
 
 
-def _start_runner(cfg, runner_source, code, parent_alive):
+def _start_runner(cfg, runner_source, parent_alive):
     try:
-        _become_runner(cfg, runner_source, code, parent_alive)
+        _become_runner(cfg, runner_source, parent_alive)
     except BaseException as error:  # exec failed: report, never fall through to the caller
         _report(cfg, f"runner: {error}")
     os._exit(SETUP_FAILED)
@@ -230,12 +235,15 @@ def _reap_everything():
         time.sleep(0.005)
 
 
-def _supervise(cfg, runner_source, code):
+def _supervise(cfg, runner_source):
     """The parent's child: one child (init, or the runner itself in "rlimits" mode), every
     orphan of the tree reaped here, SIGUSR1 from the parent = kill it all now. Exits, with
     the child's status, only once nothing of the tree is left: the parent never has to kill
     this process, whose orphaned children would otherwise be left to pid 1 (which, in a
     container, may never reap them)."""
+    if cfg["cgroup_procs"]:  # first: every process of the call is then born inside it
+        with open(cfg["cgroup_procs"], "w") as procs:
+            procs.write(str(os.getpid()))
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
     supervisor = os.getpid()
     namespaces = cfg["isolation"] == "namespaces"
@@ -252,11 +260,11 @@ def _supervise(cfg, runner_source, code):
         os.close(alive_write)
         if not namespaces:
             os.close(alive_read)
-            _start_runner(cfg, runner_source, code, lambda: os.getppid() == supervisor)
+            _start_runner(cfg, runner_source, lambda: os.getppid() == supervisor)
         try:
             _die_with_parent(lambda: _writer_alive(alive_read))
             os.close(alive_read)
-            _init(cfg, runner_source, code)
+            _init(cfg, runner_source)
         except BaseException as error:
             _report(cfg, f"init: {error}")
         os._exit(SETUP_FAILED)
@@ -275,15 +283,11 @@ def main():
     signal.signal(signal.SIGUSR1, _kill_children)  # first: the parent may ask at any time
     cfg = json.loads(sys.argv[1])
     os.set_inheritable(cfg["report_fd"], False)  # close-on-exec: the runner's exec drops it
-    code = sys.stdin.buffer.read().decode("utf-8", errors="replace")
     with open(cfg["runner_path"], encoding="utf-8") as runner:
         runner_source = runner.read()
-    devnull = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
     try:
         _die_with_parent(lambda: os.getppid() == cfg["parent_pid"])
-        _supervise(cfg, runner_source, code)
+        _supervise(cfg, runner_source)
     except BaseException as error:
         _report(cfg, f"supervisor: {error}")
         os._exit(SETUP_FAILED)

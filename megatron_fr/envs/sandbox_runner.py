@@ -1,14 +1,23 @@
-"""Runs the model's code inside the sandbox: `python -I -u -c <this source> HOOK_JSON CODE`.
+"""Runs the model's code inside the sandbox: `python -I -u -c <this source> HOOK_JSON`, the
+code (UTF-8, surrogates passed through) on stdin.
 
 sandbox_boot.py exec's a fresh interpreter on this source after dropping privileges and
-setting the limits. It installs the audit hook (when HOOK_JSON enables it) and then executes
-CODE as the `__main__` module, with tracebacks that show the model's own lines only.
+setting the limits. It reads the code from stdin (an anonymous file: any byte, NUL included,
+is data; the interpreter then rejects what is not Python as the code's own error), points
+stdin at /dev/null, installs the audit hook (when HOOK_JSON enables it) and executes the code
+as the `__main__` module, with tracebacks that show the model's own lines only.
 
-The audit hook is a tripwire, not a boundary: it refuses, from Python, network sockets,
-starting programs, ctypes, and file access outside the allowed directories, so the common
-cases fail fast with a clear PermissionError. Code that reaches raw syscalls (a C extension)
-is not stopped by it; the OS layers (namespaces, chroot, uid, rlimits) are what holds then.
-Standard library only; it is never imported by the project.
+The audit hook is a convenience, not a boundary: it refuses, from Python, network sockets,
+starting programs, ctypes, file access outside the allowed directories and the gc
+introspection that reaches its own state, so the common cases fail fast with a clear
+PermissionError. It runs in the same process as the code it watches, so it can be got round:
+a path checked here can be swapped for a symlink before the kernel opens it (another thread
+or process racing the check), code that reaches raw syscalls (a C extension, an interpreter
+bug) never raises the events, and Python-level ways to reach the hook's state other than gc
+may exist. The OS layers (namespaces, chroot, uid, rlimits, the call's cgroup) are what hold
+then; in the "rlimits" isolation mode there are none for the network and the filesystem, which
+is why that mode is reported as weaker (SANDBOX.md). Standard library only; it is never
+imported by the project.
 """
 
 import json
@@ -28,6 +37,8 @@ PROGRAM_EVENTS = frozenset(
 CTYPES_EVENTS = frozenset({"ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata"})
 SOCKET_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
 NAME_EVENTS = frozenset({"socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr"})
+INTROSPECTION_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+"""How code finds this hook's closure (and flips its re-entrancy flag to switch it off)."""
 
 
 def _under(path, roots):
@@ -82,6 +93,8 @@ def install_hook(read_roots, write_roots):
                 refuse("starting programs")
             elif event in CTYPES_EVENTS:
                 refuse("ctypes")
+            elif event in INTROSPECTION_EVENTS:
+                refuse("gc introspection")
             elif is_network(event, args):
                 refuse("network access")
         finally:
@@ -107,15 +120,25 @@ def run(code):
     except BaseException as error:
         # This runner's own frames (the exec, the audit hook) are "<string>": not the model's.
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != "<string>"]
-        lines = ["Traceback (most recent call last):\n", *traceback.format_list(frames)]
+        header = ["Traceback (most recent call last):\n"] if frames else []  # did not compile
+        lines = [*header, *traceback.format_list(frames)]
         lines += traceback.format_exception_only(type(error), error)
         sys.stderr.write("".join(lines))
         sys.exit(1)
 
 
+def read_code():
+    """The model's code, from stdin; stdin is /dev/null afterwards (the code reads nothing)."""
+    code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return code
+
+
 def main():
     policy = json.loads(sys.argv[1])
-    code = sys.argv[2]
+    code = read_code()
     if policy["enabled"]:
         install_hook(policy["read_roots"], policy["write_roots"])
     del policy

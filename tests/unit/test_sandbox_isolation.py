@@ -235,9 +235,9 @@ def _run_hook_only(code: str, workdir: Path) -> subprocess.CompletedProcess:
         "read_roots": sandbox._python_dirs,
         "write_roots": [str(workdir)],
     }
-    command = [sandbox._python, "-I", "-u", "-c", RUNNER.read_text(), json.dumps(policy), code]
+    command = [sandbox._python, "-I", "-u", "-c", RUNNER.read_text(), json.dumps(policy)]
     return subprocess.run(
-        command, cwd=workdir, capture_output=True, text=True, timeout=30, check=False
+        command, input=code, cwd=workdir, capture_output=True, text=True, timeout=30, check=False
     )
 
 
@@ -252,6 +252,8 @@ def _run_hook_only(code: str, workdir: Path) -> subprocess.CompletedProcess:
         ("import subprocess; subprocess.run(['true'])", "starting programs"),
         ("import os; os.system('true')", "starting programs"),
         ("import ctypes; ctypes.CDLL(None)", "ctypes"),
+        ("import gc; gc.get_objects()", "gc introspection"),
+        ("import gc; gc.get_referrers(object)", "gc introspection"),
     ],
 )
 def test_sandbox_audit_hook_alone_refuses(code: str, refused: str, tmp_path: Path) -> None:
@@ -269,6 +271,44 @@ def test_sandbox_audit_hook_allows_the_workdir_and_the_stdlib(tmp_path: Path) ->
     )
     done = _run_hook_only(code, tmp_path)
     assert (done.returncode, done.stdout) == (0, "ok 1\n"), done.stderr
+
+
+SWITCH_OFF_THE_HOOK = """
+import gc
+for obj in gc.get_objects():
+    if callable(obj) and getattr(obj, "__name__", "") == "hook" and obj.__closure__:
+        for cell in obj.__closure__:
+            if isinstance(cell.cell_contents, list):
+                cell.cell_contents.append(True)  # its re-entrancy flag: every event now passes
+"""
+
+
+@needs_namespaces
+def test_sandbox_hook_switched_off_leaves_the_os_layers_holding(listener) -> None:
+    """The hook is a convenience: with it refused nothing more than the OS already refuses.
+    The gc route to its state is refused; with the hook off (OS_ONLY stands for any way
+    round it) the same attack still finds no file and no network."""
+    refused = run(SWITCH_OFF_THE_HOOK + "print('off')", WITH_HOOK)
+    assert "PermissionError: sandbox: gc introspection" in refused.stderr, refused
+    port, accepted = listener
+    attack = SWITCH_OFF_THE_HOOK + (
+        f"print(open({str(REPO / 'README.md')!r}).read()[:10])\n"
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)"
+    )
+    contained = run(attack, OS_ONLY)
+    assert "FileNotFoundError" in contained.stderr and contained.stdout == ""
+    assert accepted == []
+
+
+@needs_namespaces
+def test_sandbox_code_of_any_size_and_bytes_reaches_the_interpreter() -> None:
+    """The code travels in a file, not argv: 1 MB (argv caps one string at 128 KiB) and
+    control bytes are fine; a NUL is the interpreter's error, reported, not a launch failure."""
+    big = "x = 0\n" + "x += 1\n" * 150_000 + "print(x, '\x01\x7f\u00e9')"
+    sandbox = Sandbox(OS_ONLY.model_copy(update={"max_code_bytes": 2_000_000}))
+    assert sandbox.run(big).stdout == "150000 \x01\x7f\u00e9\n"
+    nul = sandbox.run("print(1)\x00")
+    assert nul.status == "error" and "null bytes" in nul.stderr
 
 
 def test_sandbox_refuses_oversized_code() -> None:
