@@ -46,8 +46,10 @@ def plot_sweep(results: list[SimResult], out: str | Path) -> Path:
         nodes = result.rollout_nodes + result.learner_nodes
         shares = [result.lag_histogram[x] / total for x in xs]
         lags.step(xs, shares, where="mid", color=f"C{index}", label=f"{nodes} nodes")
+    totals = sorted({r.rollout_nodes + r.learner_nodes for r in results})
     for ax in (util, throughput):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(totals, labels=[str(n) for n in totals])
         ax.set_xlabel("nodes (rollout + learner)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -98,7 +98,8 @@ def suggest(config: SimConfig, total_nodes: int, target_lag: int, *,
     _search(splits, run)
     bar.close()
     results = [done[r] for r in sorted(done)]
-    chosen, reason = _choose(results, max_drop_share, tolerance, target_lag)
+    budget = (target_lag + 1) * config.scheme.batch_size
+    chosen, reason = _choose(results, max_drop_share, tolerance, target_lag, budget)
     return Suggestion(total_nodes, target_lag, chosen, results, skipped, reason)
 
 
@@ -120,39 +121,30 @@ def _search(splits: list[int], run: Callable[[int], SimResult]) -> None:
 
 
 def _choose(results: list[SimResult], max_drop_share: float, tolerance: float,
-            target_lag: int) -> tuple[SimResult, str]:  # fmt: skip
+            target_lag: int, budget: int) -> tuple[SimResult, str]:  # fmt: skip
     feasible = [r for r in results if r.drop_share <= max_drop_share]
     note = ""
-    if not feasible:
-        feasible = [min(results, key=lambda r: r.drop_share)]
-        note = (f" No split keeps drops under {max_drop_share:.0%}: this is the one that drops "
-                "least; consider a larger target lag or shorter responses.")  # fmt: skip
+    if not feasible:  # the lag target and the lengths, not the split, set the drops then
+        least = min(r.drop_share for r in results)
+        feasible = [r for r in results if r.drop_share <= least + max_drop_share]
+        note = (f"\nNo split keeps drops under {max_drop_share:.0%} (the least is {least:.1%}): "
+                "at this target lag the long responses outlive their staleness budget; a larger "
+                "target lag or a shorter max_new_tokens keeps them.")  # fmt: skip
     best = max(r.trajectories_per_hour for r in feasible)
     near = [r for r in feasible if r.trajectories_per_hour >= (1 - tolerance) * best]
     chosen = min(near, key=lambda r: (r.lag_mean, r.rollout_nodes))
-    return chosen, _explain(chosen, results, near, target_lag, tolerance) + note
+    return chosen, _explain(chosen, results, near, target_lag, tolerance, budget) + note
 
 
 def _explain(chosen: SimResult, results: list[SimResult], near: list[SimResult],
-             target_lag: int, tolerance: float) -> str:  # fmt: skip
+             target_lag: int, tolerance: float, budget: int) -> str:  # fmt: skip
     c = chosen
     lines = [
         f"{c.rollout_nodes} rollout + {c.learner_nodes} learner nodes: "
         f"{c.trajectories_per_hour:,.0f} trajectories/h at lag mean {c.lag_mean:.2f} "
         f"(max_lag {target_lag}), {c.drop_share:.1%} dropped as too old.",
+        _bottleneck(c, results, budget),
     ]
-    if c.learner_wait < 0.1:
-        lines.append(
-            f"Learner-bound: the learner trains {c.learner_util:.0%} and syncs {c.sync_share:.0%} "
-            f"of the time and waits {c.learner_wait:.0%}; more rollout nodes would raise lag and "
-            "drops, not throughput."
-        )
-    else:
-        lines.append(
-            f"Rollout-bound: the learner waits {c.learner_wait:.0%} of the time for batches; the "
-            f"servers use {c.rollout_util:.0%} of their decode capacity "
-            f"({c.mean_running_per_server:.1f} requests each on average)."
-        )
     for other in results:
         if abs(other.rollout_nodes - c.rollout_nodes) == 1:
             lines.append(
@@ -165,3 +157,31 @@ def _explain(chosen: SimResult, results: list[SimResult], near: list[SimResult],
             "has the lowest mean lag of them."
         )
     return "\n".join(lines)
+
+
+SATURATED = 0.8
+"""Share of the servers' decode peak above which generation counts as capacity-bound."""
+
+
+def _bottleneck(c: SimResult, results: list[SimResult], budget: int) -> str:
+    """Which limit sets the pace: the learner, the servers' capacity, or the staleness budget
+    (the buffer admits at most `budget` pending rollouts, however many servers there are)."""
+    if c.learner_wait < 0.1:
+        return (
+            f"Learner-bound: the learner trains {c.learner_util:.0%} and syncs {c.sync_share:.0%} "
+            f"of the time and waits {c.learner_wait:.0%}; more rollout nodes would raise lag and "
+            "drops, not throughput."
+        )
+    text = f"Rollout-bound: the learner waits {c.learner_wait:.0%} of the time for batches. "
+    if c.rollout_util >= SATURATED:
+        text += f"The servers decode at {c.rollout_util:.0%} of their peak: they are the limit."
+    else:
+        text += (
+            f"The servers use {c.rollout_util:.0%} of their decode peak with "
+            f"{c.mean_running_per_server:.1f} requests each: the staleness budget ({budget} "
+            "pending rollouts, (max_lag + 1) x B) rather than the server count caps what is in "
+            "flight, and long responses set the pace; a larger batch or target lag fills them."
+        )
+    if c.rollout_nodes == max(r.rollout_nodes for r in results):
+        text += " The most rollout nodes tried still leave the learner waiting."
+    return text

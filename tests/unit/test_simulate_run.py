@@ -9,10 +9,12 @@ fixed latency, so every time below is written out from those rates.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
 from megatron_fr.buffer.lag_buffer import BufferConfig
+from megatron_fr.sim.cli import main
 from megatron_fr.sim.config import SimConfig
 from megatron_fr.sim.costs import DecodeModel
 from megatron_fr.sim.engine import Scheme, StepRecord, grpo_sync
@@ -137,9 +139,65 @@ def test_server_queue_and_prefill():
     assert_steps(result.steps, [(0, 3.2, 4.2, 5.2, (0, 0))])
 
 
-def test_same_seed_same_figures_and_stall_is_reported():
+def test_same_seed_same_figures():
     config = SimConfig(steps=12, warmup_steps=2).with_split(1, 1)
     first, second = (simulate(config, grpo_sync(config.scheme)) for _ in range(2))
     assert first.to_dict() == second.to_dict()
     other = simulate(config.model_copy(update={"seed": 1}), grpo_sync(config.scheme))
     assert other.to_dict() != first.to_dict()
+
+
+# --- the command line ---------------------------------------------------------------------
+
+FAST = ["steps=16", "warmup_steps=4", "scheme.batch_size=32", "scheme.max_lag=2"]
+
+
+def test_help_lists_every_setting(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for section, model in SimConfig.model_fields.items():
+        annotation = model.annotation
+        names = annotation.model_fields if hasattr(annotation, "model_fields") else {"": None}
+        for name in names:
+            assert f"  {section}.{name} = " in text or f"  {section} = " in text
+
+
+def test_sweep_writes_table_plot_and_json(tmp_path, capsys):
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    args = ["--nodes", "4", "8", "--plot", str(png), "--json", str(out), *FAST]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert table.count("flash_reinforce") == 2 and table.count("grpo_sync") == 2
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(out.read_text())
+    assert [(r["scheme"], r["rollout_nodes"], r["learner_nodes"]) for r in rows] == [
+        ("flash_reinforce", 2, 2), ("grpo_sync", 2, 2),
+        ("flash_reinforce", 4, 4), ("grpo_sync", 4, 4),
+    ]  # fmt: skip
+    grpo = [r for r in rows if r["scheme"] == "grpo_sync"]
+    assert all(r["lag_histogram"] == {"0": 12 * 32} and r["drop_share"] == 0 for r in grpo)
+    assert all(r["lag_max"] <= 2 for r in rows)
+
+
+def test_suggest_explains_its_choice(tmp_path, capsys):
+    png = tmp_path / "split.png"
+    assert main(["--suggest", "--nodes", "4", "--target-lag", "1", "--plot", str(png), *FAST]) == 0
+    text = capsys.readouterr().out
+    assert "suggested for 4 nodes:" in text and "bound" in text
+    assert png.is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("server.peak_tokens_per_s=50", "single_stream_tokens_per_s"),
+        ("server.speed=3", "server.speed"),
+        ("server.gpus_per_server=3", "must divide cluster.gpus_per_node"),
+        ("lengths.file=/nonexistent.jsonl", "lengths file /nonexistent.jsonl not found"),
+    ],
+)
+def test_bad_settings_are_named(capsys, override, message):
+    assert main([override, *FAST]) == 2
+    assert message in capsys.readouterr().err
