@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.suggest:
             return _suggest(args, config)
         return _compare(args, config)
-    except (ValueError, SimulationStalled) as error:
+    except (ValueError, FileNotFoundError, SimulationStalled) as error:
         print(f"simulate_run.py: error: {error}", file=sys.stderr)
         return BAD_INPUT
 

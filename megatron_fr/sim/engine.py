@@ -16,6 +16,12 @@ A scheme is the buffer config plus the group size: FlashREINFORCE is G = 1 with 
 synchronous GRPO is G rollouts per prompt with max_lag = 0 and capacity B, under which the
 buffer admits exactly one batch per version, so generation waits for the learner and the
 learner for the whole batch (no overlap, lag 0).
+
+Left out: rewards, tool calls and environments take no time; lengths are drawn independently,
+within a GRPO group too (whose rollouts in fact share a prompt and often a length); each
+rollout of a group prefills the shared prompt (SGLang's prefix cache would share it);
+evaluation and checkpoint pauses, failed requests and the rollout workers' 20 ms admission
+polling do not happen.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """What a simulation reports, measured between the end of warm-up and the end of the last step.
 
-rollout_util     tokens decoded / (servers x peak tokens/s x window): how much of the
-                 rollout GPUs' decode capacity was used (a server with one request is
-                 busy but far from its batched peak)
-rollout_busy     share of server-time with at least one request decoding
-learner_util     share of the window the learner spent in optimizer steps
-sync_share       share spent in weight syncs (servers paused as well)
-learner_wait     share spent waiting for a batch
-trajectories_per_hour   trained trajectories (B per step) per hour of the window
-lag_*            lag = learner version at consumption - oldest version of a trajectory
-drop_share       trajectories dropped as too old / trajectories generated
-wasted_tokens    response tokens of dropped trajectories / tokens decoded
+    rollout_util     tokens decoded / (servers x peak tokens/s x window): how much of the
+                     rollout GPUs' decode capacity was used (a server with one request is
+                     busy but far from its batched peak)
+    rollout_busy     share of server-time with at least one request decoding
+    learner_util     share of the window the learner spent in optimizer steps
+    sync_share       share spent in weight syncs (servers paused as well)
+    learner_wait     share spent waiting for a batch
+    trajectories_per_hour   trained trajectories (B per step) per hour of the window
+    lag_*            lag = learner version at consumption - oldest version of a trajectory
+    drop_share       trajectories dropped as too old / trajectories generated
+    wasted_tokens    response tokens of dropped trajectories / tokens decoded
+
+Utilisations are shares of time or capacity, 0..1; the window excludes warm-up steps.
 """
 
 from __future__ import annotations

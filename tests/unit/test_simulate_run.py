@@ -196,6 +196,7 @@ def test_suggest_explains_its_choice(tmp_path, capsys):
         ("server.speed=3", "server.speed"),
         ("server.gpus_per_server=3", "must divide cluster.gpus_per_node"),
         ("lengths.file=/nonexistent.jsonl", "lengths file /nonexistent.jsonl not found"),
+        ("learner.model=/nonexistent", "no config.json at '/nonexistent'"),
     ],
 )
 def test_bad_settings_are_named(capsys, override, message):
