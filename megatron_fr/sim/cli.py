@@ -30,7 +30,9 @@ EXAMPLES = """examples:
   tools/simulate_run.py --nodes 4 8 16 32 64 --plot sweep.png
   tools/simulate_run.py --suggest --nodes 16 --target-lag 8 lengths.median_tokens=4096
   tools/simulate_run.py --config my_cluster.yaml server.peak_tokens_per_s=9000 --json out.json
-  tools/simulate_run.py --validate runs/cpu_demo lengths.prompt_tokens=12
+  tools/simulate_run.py --validate runs/cpu_demo lengths.prompt_tokens=7 \\
+      server.single_stream_tokens_per_s=50 server.peak_tokens_per_s=50 \\
+      server.max_running_requests=32       # the CPU engine: no batching, 32 threads
 
 settings (dotted.key=value on the command line, or nested keys in --config YAML):
 """

@@ -16,6 +16,11 @@ measured one; the lag histogram and the drop share are then predictions. When th
 the bottleneck the step time does not depend on the servers' speed and the factor cannot be
 found; the report says so.
 
+The servers' batching curve is not fitted, only scaled: give its shape. The CPU engine
+(engine/cpu_server.py) decodes its requests one token each in turn under one lock and serves 32
+at once, i.e. server.single_stream_tokens_per_s = server.peak_tokens_per_s and
+server.max_running_requests=32; the arithmetic task's prompts are 7 tokens (BOS + "23+05=").
+
 Not logged today, and what would make the check sharp: the time the learner waits for each
 batch and the time it trains, separately (the train-time estimate above is a guess); per
 trajectory its prompt and response tokens, its admission, first-token and finish times, its
