@@ -191,7 +191,7 @@ class Simulation:
 
     def _dispatch(self, rollout_id: str) -> None:
         length = self.lengths.draw()
-        request = Request(rollout_id, length.prompt_tokens, length.response_tokens, self.version)
+        request = Request(rollout_id, length.prompt_tokens, length.response_tokens)
         self.requests[rollout_id] = request
         self._send(request)
 

@@ -30,7 +30,6 @@ class Request:
     rollout_id: str
     prompt_tokens: int
     response_tokens: int
-    dispatched_version: int
     decoded: float = 0.0
     """Tokens decoded in earlier segments (before weight syncs)."""
     first_version: int | None = None

@@ -3,9 +3,10 @@ suits a target lag (--suggest).
 
 How a split is chosen: every split whose learner nodes can hold the model (launch/plan.py, when
 a GPU memory is given) is simulated with max_lag = the target; those that drop more than
-`max_drop_share` of their rollouts as too old are ruled out; of the rest, the splits within
-`tolerance` of the best trajectories per hour are near-equal, and the one with the lowest mean
-lag among them wins (fresher data and fewer drops for the same throughput). Throughput is
+`max_drop_share` of their rollouts as too old are ruled out (unless all do: the drops then
+come from the target lag and the response lengths, and the report says so); of the rest, the
+splits within `tolerance` of the best trajectories per hour are near-equal, and the one with
+the lowest mean lag among them wins (fresher data for the same throughput). Throughput is
 min(what the rollout nodes generate, what the learner nodes consume), so it rises with rollout
 nodes until the learner becomes the bottleneck and falls after; with more than 16 splits a
 coarse grid is simulated first and the neighbourhood of its best point is then filled in.
@@ -124,12 +125,14 @@ def _choose(results: list[SimResult], max_drop_share: float, tolerance: float,
             target_lag: int, budget: int) -> tuple[SimResult, str]:  # fmt: skip
     feasible = [r for r in results if r.drop_share <= max_drop_share]
     note = ""
-    if not feasible:  # the lag target and the lengths, not the split, set the drops then
-        least = min(r.drop_share for r in results)
-        feasible = [r for r in results if r.drop_share <= least + max_drop_share]
-        note = (f"\nNo split keeps drops under {max_drop_share:.0%} (the least is {least:.1%}): "
-                "at this target lag the long responses outlive their staleness budget; a larger "
-                "target lag or a shorter max_new_tokens keeps them.")  # fmt: skip
+    if not feasible:  # the lag target and the lengths, more than the split, set the drops then
+        least = min(results, key=lambda r: r.drop_share)
+        feasible = results
+        note = (f"\nNo split keeps drops under {max_drop_share:.0%}, so they were not used to "
+                f"choose; the least is {least.drop_share:.1%} ({least.rollout_nodes} rollout "
+                f"nodes, {least.trajectories_per_hour:,.0f} trajectories/h). The dropped are the "
+                "long responses, which outlive their staleness budget: a larger target lag or a "
+                "smaller max_new_tokens keeps them.")  # fmt: skip
     best = max(r.trajectories_per_hour for r in feasible)
     near = [r for r in feasible if r.trajectories_per_hour >= (1 - tolerance) * best]
     chosen = min(near, key=lambda r: (r.lag_mean, r.rollout_nodes))

@@ -8,6 +8,7 @@ fixed latency, so every time below is written out from those rates.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -20,6 +21,7 @@ from megatron_fr.sim.costs import DecodeModel
 from megatron_fr.sim.engine import Scheme, StepRecord, grpo_sync
 from megatron_fr.sim.lengths import RolloutLength
 from megatron_fr.sim.result import simulate
+from megatron_fr.sim.sweep import _choose
 
 
 class Cycle:
@@ -202,3 +204,30 @@ def test_suggest_explains_its_choice(tmp_path, capsys):
 def test_bad_settings_are_named(capsys, override, message):
     assert main([override, *FAST]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_split_choice_rules():
+    """Drop limit first, then throughput within 2 %, then the lowest mean lag; when every
+    split drops too much, the limit is set aside and the report says so."""
+    config = one_server(1.0, 1.0, steps=2)
+    base = simulate(config, flash(2, 0), Cycle([20]))
+
+    def split(rollout, per_hour, lag, drop, wait=0.0):
+        return dataclasses.replace(base, rollout_nodes=rollout, learner_nodes=8 - rollout,
+                                   trajectories_per_hour=per_hour, lag_mean=lag,
+                                   drop_share=drop, learner_wait=wait)  # fmt: skip
+
+    results = [split(2, 900, 1.0, 0.01), split(3, 1000, 3.0, 0.2), split(4, 985, 2.0, 0.03),
+               split(5, 990, 2.5, 0.04)]  # fmt: skip
+    chosen, reason = _choose(results, 0.05, 0.02, target_lag=4, budget=10)
+    assert chosen.rollout_nodes == 4  # 3 drops too much; 4 and 5 within 2 % of 990; 4 lags less
+    assert reason.startswith("4 rollout + 4 learner nodes: 985 trajectories/h at lag mean 2.00")
+    assert "Learner-bound" in reason and "2 splits come within 2%" in reason
+    assert "With 3 rollout nodes: 1,000 trajectories/h" in reason
+    chosen, reason = _choose(results, 0.001, 0.02, target_lag=4, budget=10)
+    assert chosen.rollout_nodes == 4  # 3, 4, 5 within 2 % of 1000: 4 lags least
+    assert "No split keeps drops under 0%" in reason
+    assert "the least is 1.0% (2 rollout nodes" in reason
+    rollout_bound = [split(2, 900, 1.0, 0.0, wait=0.5)]
+    _, reason = _choose(rollout_bound, 0.05, 0.02, target_lag=4, budget=10)
+    assert "Rollout-bound: the learner waits 50%" in reason and "budget (10 pending" in reason
