@@ -94,7 +94,8 @@ def runs(draw):
     return config, Scheme("random", buffer, group), responses
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(runs())
 def test_simulator_follows_the_buffer_rule(run):
     config, scheme, responses = run
