@@ -79,19 +79,45 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, text = override.partition("=")
         if not sep or not key:
             raise ValueError(f"override {override!r} is not of the form dotted.key=value")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"override {override!r}: the value is not YAML ({error})") from None
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {override!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(text)
+        node[leaf] = value
+    return data
+
+
+def read_recipe(recipe: str | Path) -> dict:
+    """The recipe file's mapping; FileNotFoundError / ValueError naming the file and, for bad
+    YAML, the line and column."""
+    path = Path(recipe)
+    if not path.exists():
+        raise FileNotFoundError(f"recipe {path} not found")
+    if not path.is_file():
+        raise ValueError(
+            f"recipe {path} is not a file (a YAML recipe, e.g. examples/cpu_demo.yaml)"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or error
+        raise ValueError(f"recipe {path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"recipe {path}: not a text file ({error})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path}: the top level must be a mapping of settings")
     return data
 
 
 def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
-    path = Path(recipe)
-    if not path.exists():
-        raise FileNotFoundError(f"recipe {path} not found")
-    data = yaml.safe_load(path.read_text()) or {}
-    return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+    return RunConfig.model_validate(apply_overrides(read_recipe(recipe), list(overrides)))

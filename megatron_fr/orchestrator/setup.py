@@ -82,7 +82,9 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     )
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
-        urls=engines.urls, request_timeout_s=config.rollout.request_timeout_s
+        urls=engines.urls,
+        request_timeout_s=config.rollout.request_timeout_s,
+        max_attempts=config.rollout.max_attempts,
     )
     sampling = producer.sampling(config.rollout.temperature)
     return RolloutService(engines, buffer, producer, client, sampling)

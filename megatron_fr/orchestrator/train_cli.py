@@ -25,6 +25,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         config = load_run_config(args.recipe, args.overrides)
+        check_run_dir(args.run_dir)
     except (ValueError, FileNotFoundError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)
         return 2
@@ -42,6 +43,15 @@ def main(args: argparse.Namespace) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     train(config, args.run_dir)
     return 0
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse, before any process starts, a run directory that cannot hold a run."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} exists and is not a directory")
+    parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--run-dir {run_dir}: {parent} is not writable")
 
 
 def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
