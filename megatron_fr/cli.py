@@ -5,6 +5,7 @@ megatron-fr prepare RECIPE --run-dir DIR [key=value ...] the model a run starts 
 megatron-fr serve --model-path D --port P [...]          one inference server (foreground)
 megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
+megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
                                         megatron-to-hf, verify)
 """
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
     from megatron_fr.engine import serve_cli
     from megatron_fr.learner import smoke
-    from megatron_fr.orchestrator import plot, prepare_cli, train_cli
+    from megatron_fr.orchestrator import compare, plot, prepare_cli, train_cli
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
          "PNG of reward, acceptance, lag and eval accuracy of a run directory"),
         ("convert", convert, convert.run,
          "HF <-> megatron checkpoint conversion and logit verification"),
+        ("compare", compare, compare.run,
+         "FlashREINFORCE vs GRPO vs RLOO at equal rollouts, or a max_lag sweep"),
         ("smoke", smoke, smoke.main,
          "CPU smoke run: a tiny megatron GPT learns a toy reward (gloo ranks)"),
     )  # fmt: skip

@@ -10,7 +10,7 @@ into the run directory (config.yaml); a restart with the same command resumes th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,6 +19,7 @@ from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.config.rollout import EvalSettings, RolloutSettings
+from megatron_fr.config.tasks import ArithmeticTask, TaskSettings
 from megatron_fr.config.weights import WeightSyncConfig
 
 
@@ -31,12 +32,6 @@ class ModelSettings(_Strict):
     """The starting HF checkpoint; None: warm-start the task's tiny model (CPU demo)."""
     warm_start: dict[str, Any] = Field(default_factory=dict)
     """steps / batch_size / lr of the supervised warm start (learner/warm_start.py defaults)."""
-
-
-class TaskSettings(_Strict):
-    name: Literal["arithmetic"] = "arithmetic"
-    options: dict[str, Any] = Field(default_factory=dict)
-    """The task's own config (tasks/arithmetic.py ArithmeticConfig)."""
 
 
 class CheckpointSettings(_Strict):
@@ -52,7 +47,7 @@ class RunConfig(_Strict):
     """Learner processes on this node when `megatron-fr train` starts them itself (torchrun
     --nproc-per-node); under an existing torchrun/srun launch the environment decides."""
     model: ModelSettings = ModelSettings()
-    task: TaskSettings = TaskSettings()
+    task: TaskSettings = ArithmeticTask()
     parallel: ParallelConfig = ParallelConfig()
     learner: LearnerConfig = LearnerConfig()
     buffer: BufferConfig

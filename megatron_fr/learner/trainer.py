@@ -207,6 +207,10 @@ class Learner:
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
         reported["clipped"] = metrics.get("clip_fraction_tokens", torch.zeros(()))
+        kl = metrics.get("sequence_kl")
+        reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
+            metrics["present"], dtype=torch.float64
+        )  # fmt: skip
         return loss * scale, reported
 
     def _micro_batches(self, batch: list[Trajectory], pad_id: int) -> list[MicroBatch]:
@@ -337,7 +341,7 @@ class Learner:
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
-        values = torch.zeros(3, dtype=torch.float64)
+        values = torch.zeros(4, dtype=torch.float64)
         if ps.is_pipeline_last_stage():
             admitted, present = agreed_admission(per_micro, dp_group)
             sums = torch.stack(
@@ -349,7 +353,10 @@ class Learner:
             dist.all_reduce(sums, group=dp_group)
             tokens = max(sum(t.num_policy_tokens for t in batch), 1)
             acceptance = admitted.double().sum() / max(int(present.sum()), 1)
-            values = torch.stack([sums[0], acceptance, sums[1] / tokens])
+            # each trajectory lives in one micro-batch of one DP rank: the sum is the batch's
+            kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
+            dist.all_reduce(kl, group=dp_group)
+            values = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
         if self.parallel.pipeline > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
@@ -364,6 +371,7 @@ class Learner:
             "loss": values[0].item(),
             "acceptance_rate": values[1].item(),
             "clip_fraction": values[2].item(),
+            "sequence_kl_mean": values[3].item(),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_successful": float(bool(updated)),
             "lr": self.optimizer.param_groups[0]["lr"],

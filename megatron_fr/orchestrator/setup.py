@@ -42,7 +42,7 @@ def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
             raise FileNotFoundError(f"model.hf_dir {hf_dir}: no config.json there")
         return hf_dir
     hf_dir = run_dir / "warm_start"
-    task = build_task(config.task.name, config.task.options)
+    task = build_task(config.task)
     settings = DEFAULT_WARM_START | config.model.warm_start
     report = warm_start(hf_dir, task, tiny_model_config(), seed=config.seed, **settings)
     print(f"warm start: {report}", flush=True)
@@ -67,7 +67,7 @@ def build_producer(config: RunConfig) -> EpisodeProducer:
     """What the run's problems are and how an episode is played (the task)."""
     from megatron_fr.tasks import build_task
 
-    task = build_task(config.task.name, config.task.options)
+    task = build_task(config.task)
     return TokenTaskEpisodes(
         task, train_size=task.split_size("train"), eval_size=config.eval.problems, seed=config.seed
     )

@@ -34,14 +34,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
-
 from megatron_fr.buffer.trajectory import (
     NON_POLICY_VERSION,
     InvalidTrajectory,
     Trajectory,
     validate_trajectory,
 )
+from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import Rollout, RolloutClient
 from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Episode, Message
@@ -51,24 +50,6 @@ Finish = Literal[
 ]
 PLACEHOLDER = "\u2063MEGATRON-FR-ASSISTANT-TURN\u2063"
 """Stands for an assistant turn's content when rendering the template around it."""
-
-
-class AgentConfig(BaseModel):
-    """Limits of one episode."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_turns: PositiveInt = 8
-    """Policy turns (generate calls) per episode."""
-    max_new_tokens_per_turn: PositiveInt = 1024
-    max_episode_tokens: PositiveInt = 8192
-    """Length of the whole row: prompt, every turn, every observation."""
-    max_turn_time_s: PositiveFloat = 300.0
-    """Wall time of one generation (server queueing included)."""
-    max_episode_time_s: PositiveFloat = 1800.0
-    """Wall time of the whole episode, environment steps included."""
-    max_observation_chars: PositiveInt = 8192
-    """Each observation message is cut to this many characters before it is tokenised."""
 
 
 class ChatFormat:

@@ -1,7 +1,8 @@
 """Verifiable tasks: problems to prompt with, and an exact reward for what the policy wrote.
 
 A task works in token ids end to end (prompt ids in, generated ids scored), so rollouts,
-rewards and the supervised warm start need no tokenizer. Tasks are chosen by name in TASKS.
+rewards and the supervised warm start need no tokenizer. Tasks are chosen by `task.name` in
+the run config (config/tasks.py).
 """
 
 from __future__ import annotations
@@ -34,17 +35,9 @@ class Task(Protocol):
     def reward(self, problem: Problem, output_ids: list[int]) -> float: ...
 
 
-TASKS: dict[str, type[ArithmeticTask]] = {"arithmetic": ArithmeticTask}
-CONFIGS: dict[str, type[BaseModel]] = {"arithmetic": ArithmeticConfig}
+def build_task(config: ArithmeticConfig) -> Task:
+    """The token-level task a run's `task` settings describe (`arithmetic`)."""
+    return ArithmeticTask(config)
 
 
-def build_task(name: str, options: dict) -> Task:
-    """The task registered as `name`, configured by `options` (validated by its config)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
-    return TASKS[name](CONFIGS[name](**options))
-
-
-__all__ = [
-    "CONFIGS", "TASKS", "ArithmeticConfig", "ArithmeticTask", "Problem", "Task", "build_task",
-]  # fmt: skip
+__all__ = ["ArithmeticConfig", "ArithmeticTask", "Problem", "Task", "build_task"]

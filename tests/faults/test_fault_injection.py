@@ -30,7 +30,7 @@ STEPS = 14
 SETTINGS = [
     f"steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=1", "eval.problems=24",
     "eval.samples=1", "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
-    "buffer.max_in_flight=32", "task.options={digits: 1, operations: ['+', '-']}",
+    "buffer.max_in_flight=32", "task.digits=1",
     "model.warm_start={steps: 40, batch_size: 32}", "rollout.engine.watch_interval_s=0.5",
 ]  # fmt: skip
 """One-digit + and -: 200 problems, ~160 in the train split, so 14 steps of B = 16 cover

@@ -3,11 +3,14 @@ tiny Qwen3-MoE config the CPU demo trains."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
+from megatron_fr.config.run import load_run_config
 from megatron_fr.models.hf_config import load_hf_config
-from megatron_fr.tasks import TASKS
+from megatron_fr.tasks import build_task
 from megatron_fr.tasks.arithmetic import (
     BOS_ID,
     EOS_ID,
@@ -20,6 +23,8 @@ from megatron_fr.tasks.arithmetic import (
     encode,
     tiny_model_config,
 )
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 
 
 def all_ids(task: ArithmeticTask, split: str) -> set[str]:
@@ -134,7 +139,8 @@ def test_config_is_frozen_validated_and_registered():
         ArithmeticConfig().digits = 3
     with pytest.raises(ValueError, match="split"):
         ArithmeticTask().problems("test", 1)
-    assert TASKS["arithmetic"] is ArithmeticTask
+    config = load_run_config(RECIPE, ["task.digits=1", "task.operations=['-']"]).task
+    assert isinstance(build_task(config), ArithmeticTask) and config.operations == ("-",)
 
 
 def test_tiny_model_config_builds_a_qwen3_moe_model_with_the_task_vocabulary():

@@ -1,0 +1,67 @@
+"""`megatron-fr compare`: its short mode end to end (one seed, one step per run, through the
+real training command), and its summary arithmetic on run directories written here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.orchestrator import compare
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["buffer.batch_size=8", "buffer.capacity=32", "buffer.max_in_flight=16",
+        "eval.problems=8", "eval.samples=1", "eval.every_steps=0",
+        "model.warm_start={steps: 20, batch_size: 16}"]  # fmt: skip
+
+
+def write_run(run_dir: Path, evals: dict[int, float], acceptance: float, kl: float) -> None:
+    run_dir.mkdir(parents=True)
+    lines = [{"step": s, "rollouts_total": 0, "eval_accuracy": a} for s, a in evals.items()]
+    lines += [{"step": s, "reward_mean": 0.5, "acceptance_rate": acceptance,
+               "sequence_kl_mean": kl} for s in range(1, max(evals) + 1)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
+    runs = {}
+    curves = {"fr": [{0: 0.2, 2: 0.5, 4: 0.6}, {0: 0.2, 2: 0.4, 4: 0.6}],
+              "grpo": [{0: 0.2, 2: 0.3, 4: 0.45}, {0: 0.2, 2: 0.3, 4: 0.45}]}  # fmt: skip
+    for name, seeds in curves.items():
+        for seed, evals in enumerate(seeds):
+            write_run(tmp_path / f"{name}{seed}", evals, acceptance=0.9, kl=1e-3)
+            summary = compare.summarise(name, seed, tmp_path / f"{name}{seed}", batch_size=10)
+            runs.setdefault(name, []).append(summary)
+    curve = compare.mean_curve(runs["fr"])
+    assert [x for x, _, _ in curve] == [0, 20, 40]
+    assert [v for _, m, s in curve for v in (m, s)] == pytest.approx([0.2, 0, 0.45, 0.05, 0.6, 0])
+    # GRPO ends at 0.45; FlashREINFORCE's mean reaches it at 20 rollouts, half of GRPO's 40
+    table = compare.results_table(runs, reference="grpo")
+    assert "| fr | 2 | 0.600 +- 0.000 | 0.900 | 1.00e-03 | 20 (0.50x of 40) |" in table
+    assert "| grpo | 2 | 0.450 +- 0.000 | 0.900 | 1.00e-03 | 40 (1.00x of 40) |" in table
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["methods", "lag"])
+def test_short_mode_runs_every_configuration_end_to_end(tmp_path, mode):
+    out = tmp_path / mode
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "compare", mode, str(REPO / "examples/cpu_demo.yaml"),
+         "--out", str(out), "--seeds", "1", "--steps", "1", *TINY],
+        capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = (["flash_reinforce", "grpo_g4", "rloo_g4"] if mode == "methods"
+             else ["lag0", "lag2", "lag8", "lag8_no_gate"])  # fmt: skip
+    table = (out / "results.md").read_text()
+    for name in names:
+        assert f"| {name} | 1 |" in table
+        config = (out / f"{name}-seed0" / "config.yaml").read_text()
+        assert "hf_dir:" in config and "warm_start" in config  # all from the one warm start
+    assert (out / "accuracy.png").stat().st_size > 10_000
+    if mode == "lag":
+        assert "delta: .inf" in (out / "lag8_no_gate-seed0" / "config.yaml").read_text()
