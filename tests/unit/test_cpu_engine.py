@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
 
 def serve(model_dir, scenario, max_concurrency: int = 32):
     """Run `await scenario(client, engine)` against a fresh server on the given model."""
-    engine = CpuEngine(model_dir)
+    engine = CpuEngine(model_dir, context_length=1024)
 
     async def main():
         server = CpuServer(engine, max_concurrency)
@@ -37,7 +37,12 @@ def serve(model_dir, scenario, max_concurrency: int = 32):
 
 
 def body(max_new_tokens=8, seed=0, **sampling):
-    params = {"max_new_tokens": max_new_tokens, "seed": seed, "ignore_eos": True, **sampling}
+    params = {
+        "max_new_tokens": max_new_tokens,
+        "sampling_seed": seed,
+        "ignore_eos": True,
+        **sampling,
+    }
     return {"input_ids": PROMPT, "sampling_params": params, "return_logprob": True}
 
 
