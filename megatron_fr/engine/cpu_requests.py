@@ -187,7 +187,8 @@ def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
     params = body.get("sampling_params")
     if isinstance(params, list):
         if not batched or len(params) != count:
-            raise BadRequest(f"sampling_params is a list of {len(params)} for {count} prompt(s)")
+            prompts = f"a batch of {count}" if batched else "a single prompt"
+            raise BadRequest(f"sampling_params is a list of {len(params)} for {prompts}")
         samplings = [parse_sampling(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
     else:
         samplings = [parse_sampling(params)] * count

@@ -244,6 +244,11 @@ class CpuServer:
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         try:  # a bucket refused for any reason makes the session's end discard all of it
             body = await _json_object(request)
+            if not self.engine.update_session_open:  # checked first, as SGLang 0.5.23 does
+                raise BadRequest(
+                    "update_weights_from_distributed must run between begin_weight_update() "
+                    "and end_weight_update()"
+                )
             names, dtypes, shapes = _bucket_metadata(body)
             group = self._bucket_group(body)
             version = version_field(body, "weight_version", None)
@@ -273,11 +278,6 @@ class CpuServer:
         return web.json_response({"success": True, "message": f"received {count} tensors"})
 
     def _bucket_group(self, body: dict) -> WeightUpdateGroup:
-        if not self.engine.update_session_open:  # checked first, as SGLang 0.5.23 does
-            raise BadRequest(
-                "update_weights_from_distributed must run between begin_weight_update() and "
-                "end_weight_update()"
-            )
         name = field(body, "group_name", str, "weight_update_group")
         if name not in self.groups:
             raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group")
@@ -390,7 +390,10 @@ async def _errors_as_json(request: web.Request, handler):
     except web.HTTPException as error:
         if error.status < 400:
             raise
-        return _error(error.status, error.text or error.reason)
+        message = error.text or ""
+        if message in ("", f"{error.status}: {error.reason}"):  # aiohttp's bare default
+            message = f"{error.reason}: {request.method} {request.path}"
+        return _error(error.status, message)
     except KeyError as error:  # a tensor name the model does not have
         return _error(400, str(error.args[0]) if error.args else "unknown key")
     except ValueError as error:  # BadRequest, RequestError, malformed JSON, ...
