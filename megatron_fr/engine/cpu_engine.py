@@ -29,6 +29,7 @@ What the engine guarantees, and why:
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class CpuEngine:
         self.fault: str | None = None
         """Why the weights are unusable (a load failed half-way), or None."""
         self._eos = set(_as_list(self.model.generation_config.eos_token_id))
+        self._cache_arg = _cache_argument(self.model)
 
     # --- generation ---------------------------------------------------------------------
 
@@ -169,10 +171,10 @@ class CpuEngine:
                     if self.fault is not None:
                         raise WeightsFault(self.fault)
                     result = self.model(
-                        input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True
+                        input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
                     )
                     versions.append(self.weight_version)
-                cache = result.past_key_values
+                cache = getattr(result, self._cache_arg)
                 log_probs = sampling_log_probs(result.logits[0, -1], sampling)
                 token = _pick(log_probs, sampling, generator)
                 ids.append(token)
@@ -412,6 +414,14 @@ def _as_list(value) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The name transformers gives the KV cache, in the forward's arguments and its output:
+    "cache" from transformers 5 on ("past_key_values" is deprecated there), before that
+    "past_key_values"."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _config_context_length(config) -> int:

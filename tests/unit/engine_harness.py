@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -117,9 +118,12 @@ def carried_cache_log_probs(
     """Token i scored by models[i] step by step, with the KV cache of earlier positions kept
     from the models that encoded them (an in-place update keeps a running request's cache)."""
     cache, feed, rows = None, prompt, []
+    name = (
+        "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
+    )
     with torch.no_grad():
         for model, token in zip(models, tokens, strict=True):
-            out = model(input_ids=torch.tensor([feed]), past_key_values=cache, use_cache=True)
-            cache, feed = out.past_key_values, [token]
+            out = model(input_ids=torch.tensor([feed]), use_cache=True, **{name: cache})
+            cache, feed = getattr(out, name), [token]
             rows.append(out.logits[0, -1])
     return _row_log_probs(torch.stack(rows), tokens, temperature)
