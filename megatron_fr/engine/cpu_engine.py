@@ -1,49 +1,34 @@
-"""The CPU inference engine behind ``cpu_server``: a transformers model, sampling, weight updates.
+"""The CPU inference engine behind ``cpu_server``: a transformers model, sampling, pauses.
 
-Requests run one thread each; their decoding steps interleave, each step under ``_step_lock``.
-What the engine guarantees, and why:
+Requests run one thread each; their decoding steps interleave, each inside
+`ServedWeights.step()` (cpu_weights), which also gives the version of the weights the step
+runs on, so every output token carries the version of the weights that produced it, whatever
+the pause mode and however an update races with the request. What else the engine guarantees:
 
 - Log-probs: the log-prob reported for a token is that of the distribution the token was
   drawn from (logits / temperature, then top-k, then top-p), so an importance ratio built on
   it is exact (SGLang reports the untruncated one; protocol.SamplingParams.logprob_mismatch).
-- Per-token weight versions: a step reads the version label inside the same critical section
-  that runs the model, and every change of weights or label takes that lock, so the version
-  recorded for a token is the version of the weights that produced it, whatever the pause
-  mode and however an update races with the request.
-- Atomic weight updates. A distributed update spans several HTTP calls (/begin_weight_update,
-  one /update_weights_from_distributed per bucket, /end_weight_update) and its sender can
-  die between them, so its tensors are staged and swapped in at /end_weight_update in one
-  step-lock section (with the version it named): generation keeps running on the complete old
-  weights meanwhile, a rejected bucket discards the whole update, and a session that never
-  ends changes nothing. Memory: one copy of what the session sent. A disk load is one call, so
-  it holds the step lock across all its chunks instead (no steps run during it; memory stays
-  one chunk); names and shapes are checked against the model before anything is written, and
-  should reading still fail half-way, the engine refuses to decode (WeightsFault, HTTP 503)
-  until a later update completes, rather than serve a mix of two versions.
+- Limits: a prompt outside the vocabulary or the context length (config max_position_embeddings
+  or the --context-length flag, as in SGLang) is refused before any work.
 - Pauses work as in SGLang: "abort" ends the requests present (finish reason "abort", tokens so
   far returned); "in_place" holds them between steps with their KV cache, so after an update
   they continue on the new weights over a prefix encoded by the old ones; "retract" holds them
   too but drops their KV cache, so they resume by re-encoding prompt and tokens so far with
-  the new weights. Requests arriving while paused wait for /continue_generation.
+  the new weights. Requests arriving while paused wait for /continue_generation; an aborted
+  request (by rid, abort_all, or its client disconnecting) ends at its next step.
 """
 
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_fr.convert.hf_files import HFCheckpointReader
+from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
 from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-DISK_CHUNK_TENSORS = 64
-"""Tensors read from disk at a time by a disk load (bounded memory on big checkpoints)."""
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -82,16 +67,6 @@ class Aborted(Exception):
     """A request ended by /abort_request, a disconnected client or /pause_generation abort."""
 
 
-class RequestError(ValueError):
-    """A request the model cannot take (token outside the vocabulary, longer than the context,
-    a rid already running); answered with HTTP 400 before any work."""
-
-
-class WeightsFault(RuntimeError):
-    """The weights were left half-written by a failed load; decoding is refused until a later
-    update completes (HTTP 503: the client retries on another server)."""
-
-
 def sampling_log_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Log-probs of the distribution tokens are drawn from: logits / T, then top-k, then
     top-p (the smallest set of most likely tokens whose mass reaches p). Greedy decoding
@@ -111,15 +86,6 @@ def sampling_log_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1)
 
 
-@dataclass
-class _UpdateSession:
-    """Tensors staged between /begin_weight_update and /end_weight_update."""
-
-    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    version: str | None = None
-    failure: str | None = None
-
-
 class CpuEngine:
     """One transformers model serving many concurrent requests, step by step."""
 
@@ -135,16 +101,12 @@ class CpuEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.tokenizer = _optional_tokenizer(model_path)
         self.context_length = context_length or _config_context_length(self.model.config)
-        self.weight_version = "default"
-        self._step_lock = threading.Lock()
+        self.weights = ServedWeights(self.model)
         self._state = threading.Condition()
         self._paused: str | None = None
         self._retractions = 0
         self._active: set[str] = set()
         self._aborted: set[str] = set()
-        self._session: _UpdateSession | None = None
-        self.fault: str | None = None
-        """Why the weights are unusable (a load failed half-way), or None."""
         self._eos = set(_as_list(self.model.generation_config.eos_token_id))
         self._cache_arg = _cache_argument(self.model)
 
@@ -167,13 +129,11 @@ class CpuEngine:
                 seen = self._wait_while_paused(rid)
                 if seen != retractions:  # retracted while paused: re-encode with new weights
                     cache, feed, retractions = None, list(input_ids) + ids, seen
-                with self._step_lock, torch.no_grad():
-                    if self.fault is not None:
-                        raise WeightsFault(self.fault)
+                with self.weights.step() as version:
                     result = self.model(
                         input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
                     )
-                    versions.append(self.weight_version)
+                versions.append(version)
                 cache = getattr(result, self._cache_arg)
                 log_probs = sampling_log_probs(result.logits[0, -1], sampling)
                 token = _pick(log_probs, sampling, generator)
@@ -269,135 +229,13 @@ class CpuEngine:
 
     # --- weights ------------------------------------------------------------------------
 
-    def set_weight_version(self, version: str) -> None:
-        """Relabel the served weights; inside an update session the label waits for the
-        staged weights it names (applied at end_update)."""
-        with self._state:
-            if self._session is not None:
-                self._session.version = version
-                return
-        with self._step_lock:
-            self.weight_version = version
-
     @property
-    def update_session_open(self) -> bool:
-        with self._state:
-            return self._session is not None
+    def weight_version(self) -> str:
+        return self.weights.version
 
-    def begin_update(self) -> None:
-        with self._state:
-            if self._session is not None:
-                raise RequestError(
-                    "a weight-update session is already open; call end_weight_update"
-                )
-            self._session = _UpdateSession()
-
-    def check_update(self, shapes: list[tuple[str, list[int]]]) -> None:
-        """Refuse, before a byte is received, a bucket whose names or shapes the model does not
-        have, or one sent outside a session (the caller marks the session failed)."""
-        if not self.update_session_open:
-            raise RequestError(
-                "update_weights_from_distributed must run between begin_weight_update() and "
-                "end_weight_update()"
-            )
-        params = dict(self.model.named_parameters())
-        try:
-            for name, shape in shapes:
-                _target_slice(params, name, shape)
-        except (KeyError, ValueError) as error:
-            raise RequestError(_message(error)) from error
-
-    def fail_update(self, reason: str) -> None:
-        """Mark the open session (if any) as failed: its end applies nothing."""
-        with self._state:
-            if self._session is not None and self._session.failure is None:
-                self._session.failure = reason
-
-    def stage(self, tensors: list[tuple[str, torch.Tensor]], version: str | None) -> int:
-        """Keep one received bucket (and the version it names) for end_update."""
-        self.check_update([(name, list(tensor.shape)) for name, tensor in tensors])
-        with self._state:
-            if self._session is None:
-                raise RequestError("the weight-update session ended while a bucket arrived")
-            self._session.tensors += tensors
-            if version is not None:
-                self._session.version = version
-        return len(tensors)
-
-    def end_update(self) -> int:
-        """Swap every staged tensor (and the session's version) in at once; raise, changing
-        nothing, if a bucket of the session was refused."""
-        with self._state:
-            session, self._session = self._session, None
-        if session is None:
-            raise RequestError("no weight-update session is open; call begin_weight_update first")
-        if session.failure is not None:
-            raise RequestError(f"weight update discarded, nothing applied: {session.failure}")
-        params = dict(self.model.named_parameters())
-        with self._step_lock, torch.no_grad():
-            for name, tensor in session.tensors:
-                _target_slice(params, name, tensor.shape).copy_(tensor)
-            if session.version is not None:
-                self.weight_version = session.version
-            self.fault = None
-        return len(session.tensors)
-
-    def load_from_disk(self, model_path: str | Path, version: str | None = None) -> int:
-        """Load every tensor of an HF checkpoint directory (and then the version label) with
-        no decoding step in between."""
-        params = dict(self.model.named_parameters())
-        try:  # everything checked before anything is written
-            reader = HFCheckpointReader(model_path)
-            names = sorted(reader.tensors)
-            for name in names:
-                _target_slice(params, name, reader.tensors[name].shape)
-        except Exception as error:  # a missing directory, a foreign checkpoint, a bad header
-            raise RequestError(f"model_path {str(model_path)!r}: {_message(error)}") from error
-        with self._step_lock, torch.no_grad():
-            try:
-                for start in range(0, len(names), DISK_CHUNK_TENSORS):
-                    chunk = reader.read(names[start : start + DISK_CHUNK_TENSORS])
-                    for name, tensor in chunk.items():
-                        _target_slice(params, name, tensor.shape).copy_(tensor)
-            except Exception as error:
-                self.fault = f"loading {model_path} failed half-way ({error}); update again"
-                raise WeightsFault(self.fault) from error
-            if version is not None:
-                self.weight_version = version
-            self.fault = None
-        return len(names)
-
-    def read_named_tensor(self, name: str) -> torch.Tensor:
-        with self._step_lock:
-            params = dict(self.model.named_parameters())
-            return _target_slice(params, name, None).detach().clone()
-
-
-def _target_slice(params: dict, name: str, shape: torch.Size | None) -> torch.Tensor:
-    """The live tensor a checkpoint-named tensor (save_pretrained names) is written into.
-
-    transformers keeps a MoE layer's experts fused in memory (experts.gate_up_proj [E, 2I, H]
-    with gate first, experts.down_proj [E, H, I]); per-expert names map to their slices.
-    Unknown names and wrong shapes raise, naming the tensor."""
-    target = params.get(name)
-    match = _EXPERT.match(name)
-    if match:
-        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
-        fused = params.get(f"{prefix}.{'down_proj' if which == 'down' else 'gate_up_proj'}")
-        if fused is not None and expert < fused.shape[0]:
-            target = fused[expert]
-            if which != "down":
-                half = target.shape[0] // 2
-                target = target[:half] if which == "gate" else target[half:]
-    if target is None:
-        raise KeyError(f"{name}: no such tensor in the served model")
-    if shape is not None and tuple(target.shape) != tuple(shape):
-        raise ValueError(f"{name}: shape {list(shape)} sent, the model has {list(target.shape)}")
-    return target
-
-
-def _message(error: Exception) -> str:
-    return str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.weights.set_version(version)
 
 
 def _pick(log_probs: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:

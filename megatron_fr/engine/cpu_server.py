@@ -15,7 +15,7 @@ token); a model directory without tokenizer files serves input_ids requests.
 A /generate response carries SGLang's per-token version spans, meta_info.weight_versions =
 [{"version", "start", "end"}, ...] over the output tokens, and meta_info.weight_version = the
 last span's version (srt/utils/weight_versions.py). Hostile or broken clients cannot wedge it:
-bodies are bounded (413), malformed requests get a 400 naming the field (cpu_requests), prompts
+bodies are bounded (413), malformed requests get a 400 naming the field (cpu_wire), prompts
 are checked against the context length, and a client that disconnects ends its generation.
 """
 
@@ -30,12 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from aiohttp import web
 
-from megatron_fr.engine.cpu_engine import CpuEngine, Output, WeightsFault
-from megatron_fr.engine.cpu_requests import (
+from megatron_fr.engine.cpu_engine import CpuEngine, Output
+from megatron_fr.engine.cpu_weights import WeightsFault
+from megatron_fr.engine.cpu_wire import (
+    DTYPES,
     BadRequest,
     GenerateJob,
+    bool_flags,
+    bucket_metadata,
     field,
-    is_int,
+    generate_response,
     parse_generate,
     version_field,
 )
@@ -44,7 +48,6 @@ from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_REQUEST_MIB = 16
 """Largest request body accepted (a 128k-token prompt is about 1 MiB of JSON)."""
 DISCONNECT_POLL_S = 0.1
@@ -52,48 +55,17 @@ DISCONNECT_POLL_S = 0.1
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 
 
-def version_spans(output: Output) -> list[dict]:
-    """SGLang's meta_info.weight_versions: runs of equal versions over the output tokens,
-    tiling [0, n); one empty span of the current version when there is no token."""
-    versions = output.token_versions
-    if versions is None:
-        versions = [output.weight_version] * len(output.output_ids)
-    spans: list[dict] = []
-    for i, version in enumerate(versions):
-        if spans and spans[-1]["version"] == version:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": version, "start": i, "end": i + 1})
-    return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
-
-
-def _generate_response(output: Output, rid: str, tokenizer) -> dict:
-    text = tokenizer.decode(output.output_ids) if tokenizer else ""
-    spans = version_spans(output)
-    return {
-        "text": text,
-        "output_ids": output.output_ids,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": output.finish_reason,
-            "prompt_tokens": output.prompt_tokens,
-            "completion_tokens": len(output.output_ids),
-            "output_token_logprobs": [
-                [logprob, token, None]
-                for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
-            ],
-            "weight_version": spans[-1]["version"],
-            "weight_versions": spans,
-        },
-    }
-
-
 class ClientGone(Exception):
     """The HTTP client of a /generate disconnected before its answer."""
 
 
 class CpuServer:
-    """HTTP handlers around one CpuEngine; blocking work runs in a thread pool."""
+    """HTTP handlers around one CpuEngine; blocking work runs in a thread pool.
+
+    What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
+    weight_version, active_requests, generate(input_ids, sampling, rid) -> Output,
+    abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
+    weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
 
     def __init__(
         self,
@@ -176,7 +148,7 @@ class CpuServer:
                 return web.Response(status=499, text="client disconnected")
             raise
         responses = [
-            _generate_response(output, job.rid, self.engine.tokenizer)
+            generate_response(output, job.rid, self.engine.tokenizer)
             for output, job in zip(outputs, jobs, strict=True)
         ]
         return web.json_response(responses if batched else responses[0])
@@ -233,31 +205,31 @@ class CpuServer:
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await _json_object(request, empty_ok=True)
-        self.engine.begin_update()
+        self.engine.weights.begin_update()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await _json_object(request, empty_ok=True)
-        count = await self._control(self.engine.end_update)
+        count = await self._control(self.engine.weights.end_update)
         return web.json_response({"success": True, "message": f"applied {count} tensors"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         try:  # a bucket refused for any reason makes the session's end discard all of it
             body = await _json_object(request)
-            if not self.engine.update_session_open:  # checked first, as SGLang 0.5.23 does
+            if not self.engine.weights.session_open:  # checked first, as SGLang 0.5.23 does
                 raise BadRequest(
                     "update_weights_from_distributed must run between begin_weight_update() "
                     "and end_weight_update()"
                 )
-            names, dtypes, shapes = _bucket_metadata(body)
+            names, dtypes, shapes = bucket_metadata(body)
             group = self._bucket_group(body)
             version = version_field(body, "weight_version", None)
-            _bool_flags(body, "flush_cache", "abort_all_requests")
+            bool_flags(body, "flush_cache", "abort_all_requests")
             if field(body, "load_format", str, None) is not None:
                 raise BadRequest("load_format: the CPU engine receives tensor by tensor (null)")
-            self.engine.check_update(list(zip(names, shapes, strict=True)))
+            self.engine.weights.check_update(list(zip(names, shapes, strict=True)))
         except ValueError as error:
-            self.engine.fail_update(str(error))
+            self.engine.weights.fail_update(str(error))
             raise
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
@@ -269,9 +241,9 @@ class CpuServer:
                     tensor = torch.empty(shape, dtype=DTYPES[dtype])
                     group.broadcast(tensor)
                     tensors.append((name, tensor))
-                return self.engine.stage(tensors, version)
+                return self.engine.weights.stage(tensors, version)
             except Exception as error:
-                self.engine.fail_update(f"receiving the bucket failed: {error}")
+                self.engine.weights.fail_update(f"receiving the bucket failed: {error}")
                 raise
 
         count = await self._control(receive)
@@ -287,12 +259,12 @@ class CpuServer:
         body = await _json_object(request)
         path = field(body, "model_path", str)
         version = version_field(body, "weight_version", None)
-        _bool_flags(body, "flush_cache", "abort_all_requests")
+        bool_flags(body, "flush_cache", "abort_all_requests")
         if body.get("load_format") not in DISK_LOAD_FORMATS:
             raise BadRequest(f"load_format must be one of {DISK_LOAD_FORMATS}")
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
-        count = await self._control(self.engine.load_from_disk, path, version)
+        count = await self._control(self.engine.weights.load_from_disk, path, version)
         return web.json_response(
             {"success": True, "message": f"loaded {count} tensors", "num_paused_requests": 0}
         )
@@ -300,8 +272,8 @@ class CpuServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         version = version_field(body, "new_version")
-        _bool_flags(body, "abort_all_requests")
-        await self._control(self.engine.set_weight_version, version)
+        bool_flags(body, "abort_all_requests")
+        await self._control(self.engine.weights.set_version, version)
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
         return web.json_response({"success": True, "message": version})
@@ -317,28 +289,8 @@ class CpuServer:
         size = field(body, "truncate_size", int, 100)
         if size < 0:
             raise BadRequest(f"truncate_size must be >= 0, got {size}")
-        tensor = await self._control(self.engine.read_named_tensor, name)
+        tensor = await self._control(self.engine.weights.read, name)
         return web.json_response(tensor.float().flatten()[:size].tolist())
-
-
-def _bucket_metadata(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
-    names, dtypes = field(body, "names", list), field(body, "dtypes", list)
-    shapes = field(body, "shapes", list)
-    if not len(names) == len(dtypes) == len(shapes):
-        raise BadRequest("names, dtypes and shapes must have the same length")
-    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
-        if not isinstance(name, str):
-            raise BadRequest(f"names[{i}] must be a string, got {name!r:.80}")
-        if dtype not in DTYPES:
-            raise BadRequest(f"dtypes[{i}] must be one of {sorted(DTYPES)}, got {dtype!r:.80}")
-        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
-            raise BadRequest(f"shapes[{i}] must be a list of sizes >= 0, got {shape!r:.80}")
-    return names, dtypes, shapes
-
-
-def _bool_flags(body: dict, *names: str) -> None:
-    for name in names:
-        field(body, name, bool, False)
 
 
 async def _json_object(request: web.Request, empty_ok: bool = False) -> dict:
@@ -372,6 +324,7 @@ async def _unless_disconnected(request: web.Request, work: asyncio.Future):
         watcher.cancel()
     if work not in done:
         work.cancel()
+        work.add_done_callback(lambda future: future.cancelled() or future.exception())
         raise ClientGone()
     return work.result()
 

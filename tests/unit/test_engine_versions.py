@@ -23,7 +23,7 @@ from engine_harness import (
 )
 from tiny_qwen import saved_tensors, tiny_checkpoint
 
-from megatron_fr.engine import cpu_engine
+from megatron_fr.engine import cpu_weights
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.cpu_engine import CpuEngine
 from megatron_fr.engine.protocol import SamplingParams, parse_generate_response
@@ -158,14 +158,14 @@ def test_updates_without_a_pause_never_run_a_step_on_half_loaded_weights(
     engine = CpuEngine(ckpt["a"], context_length=1024)
     gate = StepGate(engine, ckpt)
     if transport == "disk":
-        monkeypatch.setattr(cpu_engine, "DISK_CHUNK_TENSORS", 4)
-        read = cpu_engine.HFCheckpointReader.read
+        monkeypatch.setattr(cpu_weights, "DISK_CHUNK_TENSORS", 4)
+        read = cpu_weights.HFCheckpointReader.read
 
         def slow_read(self, names):
             time.sleep(0.02)  # leaves room for steps between chunks, if anything allowed them
             return read(self, names)
 
-        monkeypatch.setattr(cpu_engine.HFCheckpointReader, "read", slow_read)
+        monkeypatch.setattr(cpu_weights.HFCheckpointReader, "read", slow_read)
 
     async def main():
         async with serving(engine) as (url, server), aiohttp.ClientSession() as http:
@@ -245,8 +245,8 @@ def test_session_versions_refused_buckets_and_unended_sessions(ckpt):
 def test_a_disk_load_failing_half_way_stops_decoding_until_a_complete_update(ckpt, monkeypatch):
     engine = CpuEngine(ckpt["a"], context_length=256)
     gate = StepGate(engine, ckpt)
-    monkeypatch.setattr(cpu_engine, "DISK_CHUNK_TENSORS", 4)
-    read, calls = cpu_engine.HFCheckpointReader.read, []
+    monkeypatch.setattr(cpu_weights, "DISK_CHUNK_TENSORS", 4)
+    read, calls = cpu_weights.HFCheckpointReader.read, []
 
     def failing_read(self, names):
         calls.append(names)
@@ -254,7 +254,7 @@ def test_a_disk_load_failing_half_way_stops_decoding_until_a_complete_update(ckp
             raise OSError("disk gone")
         return read(self, names)
 
-    monkeypatch.setattr(cpu_engine.HFCheckpointReader, "read", failing_read)
+    monkeypatch.setattr(cpu_weights.HFCheckpointReader, "read", failing_read)
     generate = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
 
     async def main():

@@ -529,7 +529,7 @@ def test_spans_as_sglang_writes_them_parse_to_the_version_of_every_token(sglang_
 
 def test_the_cpu_engine_writes_spans_exactly_as_sglang(sglang_spans) -> None:
     from megatron_fr.engine.cpu_engine import Output
-    from megatron_fr.engine.cpu_server import _generate_response
+    from megatron_fr.engine.cpu_wire import generate_response
 
     rng = random.Random(1)
     for _ in range(300):
@@ -539,6 +539,6 @@ def test_the_cpu_engine_writes_spans_exactly_as_sglang(sglang_spans) -> None:
         sglang_spans["add_weight_versions_to_meta_info"](expected, spans, len(versions))
         ids = list(range(len(versions)))
         output = Output(ids, [-1.0] * len(ids), {"type": "length"}, label, 3, versions)
-        meta = _generate_response(output, "r", None)["meta_info"]
+        meta = generate_response(output, "r", None)["meta_info"]
         got = {key: meta[key] for key in ("weight_version", "weight_versions")}
         assert got == expected, (versions, events, label)

@@ -1,11 +1,15 @@
-"""Validation of the CPU server's request bodies: a malformed request becomes a BadRequest
-(HTTP 400) naming the field and the reason before any work starts, never a 500 or a silently
-different request.
+"""The CPU server's wire format: validation of request bodies, and SGLang's /generate answer.
 
-Field names are SGLang's (sglang 0.5.23: GenerateReqInput in srt/managers/io_struct.py,
-SamplingParams in srt/sampling/sampling_params.py). A null value means "absent", as in SGLang.
-Fields the CPU engine does not implement are accepted only at SGLang's default value, so a
-request never means one thing on SGLang and another here; any other name is refused.
+A malformed request becomes a BadRequest (HTTP 400) naming the field and the reason before any
+work starts, never a 500 or a silently different request. Field names are SGLang's (sglang
+0.5.23: GenerateReqInput in srt/managers/io_struct.py, SamplingParams in
+srt/sampling/sampling_params.py). A null value means "absent", as in SGLang. Fields the CPU
+engine does not implement are accepted only at SGLang's default value, so a request never
+means one thing on SGLang and another here; any other name is refused.
+
+The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
+add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
+tiling the output tokens, and meta_info.weight_version = the last span's version.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_fr.engine.cpu_engine import Sampling
+import torch
 
+from megatron_fr.engine.cpu_engine import Output, Sampling
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Tensor dtypes a weight-update bucket may carry (torch attribute names, as SGLang sends)."""
 SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 """SGLang's SamplingParams.verify bounds."""
 
@@ -230,3 +238,61 @@ def _rids(rid: object, count: int, batched: bool) -> list[str]:
     if len(rid) != count or len(set(rid)) != count:
         raise BadRequest(f"rid must hold {count} distinct ids, got {rid!r:.200}")
     return list(rid)
+
+
+def bucket_metadata(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """names, dtypes and shapes of an /update_weights_from_distributed bucket."""
+    names, dtypes = field(body, "names", list), field(body, "dtypes", list)
+    shapes = field(body, "shapes", list)
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest("names, dtypes and shapes must have the same length")
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if not isinstance(name, str):
+            raise BadRequest(f"names[{i}] must be a string, got {name!r:.80}")
+        if dtype not in DTYPES:
+            raise BadRequest(f"dtypes[{i}] must be one of {sorted(DTYPES)}, got {dtype!r:.80}")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise BadRequest(f"shapes[{i}] must be a list of sizes >= 0, got {shape!r:.80}")
+    return names, dtypes, shapes
+
+
+def bool_flags(body: dict, *names: str) -> None:
+    for name in names:
+        field(body, name, bool, False)
+
+
+def version_spans(output: Output) -> list[dict]:
+    """SGLang's meta_info.weight_versions: runs of equal versions over the output tokens,
+    tiling [0, n); one empty span of the current version when there is no token."""
+    versions = output.token_versions
+    if versions is None:
+        versions = [output.weight_version] * len(output.output_ids)
+    spans: list[dict] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
+
+
+def generate_response(output: Output, rid: str, tokenizer) -> dict:
+    """SGLang's /generate answer for one finished request."""
+    text = tokenizer.decode(output.output_ids) if tokenizer else ""
+    spans = version_spans(output)
+    return {
+        "text": text,
+        "output_ids": output.output_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": output.finish_reason,
+            "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": len(output.output_ids),
+            "output_token_logprobs": [
+                [logprob, token, None]
+                for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
+            ],
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+        },
+    }
