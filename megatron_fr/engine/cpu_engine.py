@@ -100,6 +100,8 @@ class CpuEngine:
         self.model_path = str(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.tokenizer = _optional_tokenizer(model_path)
+        if context_length is not None and context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {context_length}")
         self.context_length = context_length or _config_context_length(self.model.config)
         self.weights = ServedWeights(self.model)
         self._state = threading.Condition()
@@ -256,8 +258,8 @@ def _as_list(value) -> list[int]:
 
 def _cache_argument(model: torch.nn.Module) -> str:
     """The name transformers gives the KV cache, in the forward's arguments and its output:
-    "cache" from transformers 5 on ("past_key_values" is deprecated there), before that
-    "past_key_values"."""
+    "cache" in recent releases (the installed 5.25 warns that "past_key_values" will be removed
+    in 5.40), "past_key_values" in older ones."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 

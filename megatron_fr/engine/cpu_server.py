@@ -49,7 +49,8 @@ from megatron_fr.utils.parent_watch import exit_when_parent_dies
 log = logging.getLogger("megatron_fr.cpu_server")
 
 DEFAULT_MAX_REQUEST_MIB = 16
-"""Largest request body accepted (a 128k-token prompt is about 1 MiB of JSON)."""
+"""Largest request body accepted (a 131 072-token prompt of six-digit token ids is 0.92 MiB of
+JSON)."""
 DISCONNECT_POLL_S = 0.1
 """How often a waiting /generate checks whether its client is still connected."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
@@ -142,8 +143,9 @@ class CpuServer:
             # A client gone, a cancelled handler or a refused prompt of a batch: nothing more
             # of this request is worth computing.
             for job, future in zip(jobs, futures, strict=True):
-                future.cancel()  # not started yet: never starts
-                self.engine.abort(job.rid)
+                if not future.done():  # (a finished one's rid may belong to another request)
+                    future.cancel()  # not started yet: never starts
+                    self.engine.abort(job.rid)
             if isinstance(error, ClientGone):
                 return web.Response(status=499, text="client disconnected")
             raise

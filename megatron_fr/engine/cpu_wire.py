@@ -31,7 +31,7 @@ SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid")
 """/generate fields the engine implements."""
 GENERATE_IGNORED = {
-    "return_logprob": bool,  # output log-probs are always returned
+    "return_logprob": (bool, list),  # output log-probs are always returned (a list: per item)
     "return_text_in_logprobs": bool,  # the text slot of each log-prob entry is null
     "log_metrics": bool,
     "no_logs": bool,
@@ -126,7 +126,8 @@ def _check_names(body: dict, known: tuple, ignored: dict, default_only: dict, wh
             field(body, name, ignored[name])
         elif name in default_only:
             default = default_only[name]
-            if type(value) is not type(default) or value != default:
+            same = value is default if isinstance(default, bool) else _is_number(value)
+            if not same or value != default:
                 raise BadRequest(
                     f"{what} {name!r}={value!r:.80} is not supported by the CPU engine (only "
                     f"SGLang's default {default!r})"
@@ -195,8 +196,8 @@ def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
     params = body.get("sampling_params")
     if isinstance(params, list):
         if not batched or len(params) != count:
-            prompts = f"a batch of {count}" if batched else "a single prompt"
-            raise BadRequest(f"sampling_params is a list of {len(params)} for {prompts}")
+            what = f"a batch of {count}" if batched else "a single prompt"
+            raise BadRequest(f"sampling_params is a list of {len(params)} for {what}")
         samplings = [parse_sampling(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
     else:
         samplings = [parse_sampling(params)] * count

@@ -7,6 +7,7 @@ from __future__ import annotations
 import __future__
 
 import ast
+import contextlib
 import copy
 import importlib.util
 import math
@@ -156,6 +157,44 @@ def test_endpoint_paths_are_routes_of_sglang_http_server() -> None:
     paths = {getattr(p, name) for name in dir(p) if name.endswith("_PATH")}
     assert len(paths) == 13
     assert paths <= routes, sorted(paths - routes)
+
+
+def _literal_defaults(source: str, cls: str) -> dict[str, object]:
+    """{field: default} for the fields of `cls` whose default is a plain literal."""
+    node = next(n for n in ast.parse(source).body if getattr(n, "name", None) == cls)
+    defaults = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+            with contextlib.suppress(ValueError):
+                defaults[stmt.target.id] = ast.literal_eval(stmt.value)
+    return defaults
+
+
+def test_the_cpu_engine_accepts_only_sglang_names_and_defaults(io_struct) -> None:
+    """Every /generate and sampling field the CPU server accepts is one of SGLang's, and those
+    it accepts only at their default hold SGLang's default (so no request means one thing on
+    SGLang and another on the CPU engine)."""
+    from megatron_fr.engine import cpu_wire as w
+    from megatron_fr.engine.cpu_engine import Sampling
+
+    generate = {*w.GENERATE_FIELDS, *w.GENERATE_IGNORED, *w.GENERATE_DEFAULT_ONLY}
+    assert generate <= set(io_struct["GenerateReqInput"]), generate - set(
+        io_struct["GenerateReqInput"]
+    )
+    source = (_sglang_root() / "srt/sampling/sampling_params.py").read_text()
+    sglang = class_fields(source)["SamplingParams"]
+    ours = {*Sampling.__dataclass_fields__, *w.SAMPLING_IGNORED, *w.SAMPLING_DEFAULT_ONLY}
+    assert ours <= set(sglang), ours - set(sglang)
+    defaults = _literal_defaults(source, "SamplingParams")
+    assert {k: defaults[k] for k in w.SAMPLING_DEFAULT_ONLY} == w.SAMPLING_DEFAULT_ONLY
+    engine = Sampling()
+    for name in ("temperature", "top_p", "max_new_tokens", "ignore_eos", "sampling_seed"):
+        assert getattr(engine, name) == defaults[name], name
+    generate_defaults = _literal_defaults(
+        (_sglang_root() / "srt/managers/io_struct.py").read_text(), "GenerateReqInput"
+    )
+    for name in ("stream", "return_routed_experts"):
+        assert w.GENERATE_DEFAULT_ONLY[name] == generate_defaults[name], name
 
 
 def test_generate_request_body() -> None:
