@@ -243,3 +243,22 @@ def test_every_malformed_request_gets_a_400_naming_the_problem(model_dir):
     assert unknown[0] == 404 and unknown[1] == "Not Found: POST /no_such_endpoint"
     assert wrong_method[0] == 405 and wrong_method[1] == "Method Not Allowed: GET /generate"
     assert good[0] == 200 and engine.active_requests == 0
+
+
+def test_a_duplicate_rid_is_refused_and_the_request_owning_it_runs_on(model_dir):
+    engine = CpuEngine(model_dir, context_length=512)
+    calls = count_forwards(engine)
+
+    async def main():
+        async with serving(engine) as (url, _), aiohttp.ClientSession() as http:
+            body = {"input_ids": PROMPT, "rid": "x", "sampling_params": {"max_new_tokens": 400}}
+            owner = asyncio.create_task(send(http, url, "/generate", body))
+            await _until(lambda: len(calls) > 5, "the first request running")
+            duplicate = await send(http, url, "/generate", body)
+            return duplicate, await owner
+
+    duplicate, owner = asyncio.run(main())
+    assert duplicate[:2] == (400, "rid 'x' is already running")
+    assert (
+        owner[0] == 200 and json.loads(owner[2])["meta_info"]["finish_reason"]["type"] == "length"
+    )
