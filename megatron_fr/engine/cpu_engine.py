@@ -14,8 +14,9 @@ the pause mode and however an update races with the request. What else the engin
   far returned); "in_place" holds them between steps with their KV cache, so after an update
   they continue on the new weights over a prefix encoded by the old ones; "retract" holds them
   too but drops their KV cache, so they resume by re-encoding prompt and tokens so far with
-  the new weights. Requests arriving while paused wait for /continue_generation; an aborted
-  request (by rid, abort_all, or its client disconnecting) ends at its next step.
+  the new weights. Requests arriving while paused wait for /continue_generation (abort_all
+  and a later "abort" pause leave them waiting, as in SGLang); an aborted request (by rid,
+  abort_all, or its client disconnecting) ends at its next step.
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ class CpuEngine:
         self._paused: str | None = None
         self._retractions = 0
         self._active: set[str] = set()
+        self._admitting: set[str] = set()
+        """Requests that arrived while paused and wait for /continue_generation: as in SGLang
+        (they wait before reaching its scheduler), abort_all and a pause "abort" skip them;
+        an abort by rid (or their client leaving) still ends them."""
         self._aborted: set[str] = set()
         self._eos = set(_as_list(self.model.generation_config.eos_token_id))
         self._cache_arg = _cache_argument(self.model)
@@ -184,10 +189,12 @@ class CpuEngine:
             if rid in self._active:
                 raise RequestError(f"rid {rid!r} is already running")
             self._active.add(rid)
+            self._admitting.add(rid)
 
     def _leave(self, rid: str) -> None:
         with self._state:
             self._active.discard(rid)
+            self._admitting.discard(rid)
             self._aborted.discard(rid)
             self._state.notify_all()
 
@@ -195,6 +202,7 @@ class CpuEngine:
         """Block while paused; raise Aborted if `rid` was aborted; the retraction count."""
         with self._state:
             self._state.wait_for(lambda: self._paused is None or rid in self._aborted)
+            self._admitting.discard(rid)
             if rid in self._aborted:
                 raise Aborted(rid)
             return self._retractions
@@ -207,7 +215,7 @@ class CpuEngine:
         with self._state:
             self._paused = mode
             if mode == "abort":
-                self._aborted |= self._active
+                self._aborted |= self._active - self._admitting
             if mode == "retract":
                 self._retractions += 1
             self._state.notify_all()
@@ -219,7 +227,7 @@ class CpuEngine:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         with self._state:
-            targets = set(self._active) if abort_all else {rid} & self._active
+            targets = self._active - self._admitting if abort_all else {rid} & self._active
             self._aborted |= targets
             self._state.notify_all()
             return len(targets)

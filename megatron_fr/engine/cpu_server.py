@@ -274,10 +274,9 @@ class CpuServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
         version = version_field(body, "new_version")
-        bool_flags(body, "abort_all_requests")
-        await self._control(self.engine.weights.set_version, version)
-        if body.get("abort_all_requests"):
+        if field(body, "abort_all_requests", bool, True):  # SGLang's default, before relabeling
             self.engine.abort(abort_all=True)
+        await self._control(self.engine.weights.set_version, version)
         return web.json_response({"success": True, "message": version})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:

@@ -162,6 +162,9 @@ def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(c
         waiting = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=2)))
         await asyncio.sleep(0.3)
         waited = not waiting.done()
+        # As in SGLang, a request waiting out the pause is not "running": a second abort pause
+        # and /update_weight_version's default abort_all_requests leave it waiting.
+        await client.post("/pause_generation", json={"mode": "abort"})
         await client.post("/update_weight_version", json={"new_version": "5"})
         await client.post("/continue_generation", json={})
         resumed = await (await waiting).json()
