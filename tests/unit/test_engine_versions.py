@@ -91,7 +91,8 @@ async def send_buckets(http, url, server, path, session_version: str | None = No
         await post_ok(http, url, "/update_weights_from_distributed", body)
     await post_ok(http, url, "/end_weight_update", {})
     if session_version is not None:
-        await post_ok(http, url, "/update_weight_version", {"new_version": session_version})
+        body = {"new_version": session_version, "abort_all_requests": False}  # as WeightSync
+        await post_ok(http, url, "/update_weight_version", body)
 
 
 SPLIT, LENGTH = 6, 20
@@ -218,7 +219,8 @@ def test_session_versions_refused_buckets_and_unended_sessions(ckpt):
             server.groups["weight_update_group"] = TensorFeed(tensors)
             await post_ok(http, url, "/begin_weight_update", {})
             await post_ok(http, url, "/update_weights_from_distributed", bodies[0])
-            await post_ok(http, url, "/update_weight_version", {"new_version": "7"})
+            body = {"new_version": "7", "abort_all_requests": False}
+            await post_ok(http, url, "/update_weight_version", body)
             async with http.get(url + "/get_weight_version") as response:
                 during = await response.json()
             bad = dict(bodies[1], shapes=[[3, 3], *bodies[1]["shapes"][1:]])
