@@ -5,8 +5,11 @@
             connection error / timeout / 5xx ──► mark server down, retry on another server
             4xx / malformed response ──────────► raise (naming the server and the field)
                           │ finish_reason "abort" (server paused for a weight update)
-                          └─► re-submit prompt + tokens so far, budget reduced, tag new tokens
-                              with the version the server reports for that segment
+                          └─► re-submit prompt + tokens so far, budget reduced
+
+Every token keeps the weight version the server reports for it (SGLang's per-token
+meta_info.weight_versions spans), so a segment that straddles an in-place update, and a
+continuation after an abort, both carry the version of the weights that sampled each token.
 
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
@@ -91,7 +94,7 @@ class Rollout:
     output_logprobs: list[float]
     """Behavior log-prob of each output token, as the server reported it when sampling."""
     token_versions: list[str]
-    """Weight version of each output token; changes where a weight update split the request."""
+    """The version of the weights that sampled each output token, as the server reported it."""
     finish_reason: FinishReason
     routed_experts: list[object] | None
     """One routed-experts payload per segment, in order (segment k covers its own prompt,

@@ -1,48 +1,54 @@
-"""The CPU inference engine behind ``cpu_server``: a transformers model, sampling, weight updates.
+"""The CPU inference engine behind ``cpu_server``: a transformers model, sampling, pauses.
 
-What it must get right for RL: the log-prob returned for each token is that of the
-distribution the token was actually drawn from (temperature, top-k and top-p applied), and
-the weights never change in the middle of a forward step — each decoding step runs under one
-lock that a weight update also takes, so every token is produced by exactly one weight
-version. Pausing works as in SGLang: mode "abort" ends in-flight requests (finish reason
-"abort", tokens so far returned), "in_place"/"retract" hold them between steps; new requests
-wait while paused.
+Requests run one thread each; their decoding steps interleave, each inside
+`ServedWeights.step()` (cpu_weights), which also gives the version of the weights the step
+runs on, so every output token carries the version of the weights that produced it, whatever
+the pause mode and however an update races with the request. What else the engine guarantees:
+
+- Log-probs: the log-prob reported for a token is that of the distribution the token was
+  drawn from (logits / temperature, then top-k, then top-p), so an importance ratio built on
+  it is exact (SGLang reports the untruncated one; protocol.SamplingParams.logprob_mismatch).
+- Limits: a prompt outside the vocabulary or the context length (config max_position_embeddings
+  or the --context-length flag, as in SGLang) is refused before any work.
+- Pauses work as in SGLang: "abort" ends the requests present (finish reason "abort", tokens so
+  far returned); "in_place" holds them between steps with their KV cache, so after an update
+  they continue on the new weights over a prefix encoded by the old ones; "retract" holds them
+  too but drops their KV cache, so they resume by re-encoding prompt and tokens so far with
+  the new weights. Requests arriving while paused wait for /continue_generation (abort_all
+  and a later "abort" pause leave them waiting, as in SGLang); an aborted request (by rid,
+  abort_all, or its client disconnecting) ends at its next step.
 """
 
 from __future__ import annotations
 
-import re
+import inspect
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_fr.convert.hf_files import HFCheckpointReader
+from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
+from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 @dataclass
 class Sampling:
-    """The SGLang sampling parameters the engine implements."""
+    """The SGLang sampling parameters the engine implements, with SGLang's defaults."""
 
     temperature: float = 1.0
+    """Below protocol.GREEDY_TEMPERATURE: greedy decoding (as SGLang)."""
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 128
+    """-1 keeps the whole vocabulary."""
+    max_new_tokens: int | None = 128
+    """None: up to the context length."""
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = None
-
-    @classmethod
-    def from_json(cls, body: dict) -> Sampling:
-        known = {name: body[name] for name in cls.__dataclass_fields__ if name in body}
-        sampling = cls(**{k: v for k, v in known.items() if v is not None})
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.max_new_tokens < 0:
-            raise ValueError(f"invalid sampling_params {known}")
-        return sampling
+    sampling_seed: int | None = None
+    """Seeds the request's own generator (same seed, same tokens); None draws a fresh one."""
 
 
 @dataclass
@@ -51,21 +57,26 @@ class Output:
     logprobs: list[float]
     finish_reason: dict
     weight_version: str
+    """The engine's version label when the request finished."""
     prompt_tokens: int
+    token_versions: list[str] | None = None
+    """The version of the weights that produced each output token; None means all of them were
+    produced by `weight_version` (an engine whose weights never change mid-request)."""
 
 
 class Aborted(Exception):
-    """A request ended by /abort_request or /pause_generation mode=abort."""
+    """A request ended by /abort_request, a disconnected client or /pause_generation abort."""
 
 
 def sampling_log_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Log-probs of the distribution tokens are drawn from: logits / T, then top-k, then
-    top-p (the smallest set of most likely tokens whose mass reaches p). T = 0 is greedy and
-    reports the plain softmax's log-prob of the argmax."""
+    top-p (the smallest set of most likely tokens whose mass reaches p). Greedy decoding
+    reports the plain softmax, as SGLang does."""
     logits = logits.float()
-    if sampling.temperature > 0:
-        logits = logits / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+    if sampling.temperature < GREEDY_TEMPERATURE:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1:
@@ -79,83 +90,134 @@ def sampling_log_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
 class CpuEngine:
     """One transformers model serving many concurrent requests, step by step."""
 
-    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model_path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        context_length: int | None = None,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.tokenizer = _optional_tokenizer(model_path)
-        self.weight_version = "default"
-        self._step_lock = threading.Lock()
+        if context_length is not None and context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {context_length}")
+        self.context_length = context_length or _config_context_length(self.model.config)
+        self.weights = ServedWeights(self.model)
         self._state = threading.Condition()
         self._paused: str | None = None
+        self._retractions = 0
         self._active: set[str] = set()
+        self._admitting: set[str] = set()
+        """Requests that arrived while paused and wait for /continue_generation: as in SGLang
+        (they wait before reaching its scheduler), abort_all and a pause "abort" skip them;
+        an abort by rid (or their client leaving) still ends them."""
         self._aborted: set[str] = set()
         self._eos = set(_as_list(self.model.generation_config.eos_token_id))
+        self._cache_arg = _cache_argument(self.model)
 
     # --- generation ---------------------------------------------------------------------
 
     def generate(self, input_ids: list[int], sampling: Sampling, rid: str) -> Output:
-        """Decode one request to a stop token, max_new_tokens, or an abort."""
-        if not input_ids:
-            raise ValueError("input_ids is empty")
-        vocab = self.model.config.vocab_size
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise ValueError(f"input_ids outside the vocabulary [0, {vocab})")
+        """Decode one request to a stop token, its token budget, or an abort."""
+        budget = self._token_budget(input_ids, sampling)
         generator = torch.Generator()
-        generator.manual_seed(sampling.seed if sampling.seed is not None else _fresh_seed())
+        seed = sampling.sampling_seed
+        generator.manual_seed(seed if seed is not None else _fresh_seed())
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[str] = []
+        finish: dict = {"type": "length", "length": budget}
         self._enter(rid)
-        ids, logprobs, finish = [], [], {"type": "length", "length": sampling.max_new_tokens}
-        cache, feed, version = None, torch.tensor([input_ids]), self.weight_version
         try:
-            for _ in range(sampling.max_new_tokens):
-                self._wait_while_paused(rid)
-                with self._step_lock, torch.no_grad():
-                    result = self.model(input_ids=feed, past_key_values=cache, use_cache=True)
-                    version = self.weight_version
-                cache = result.past_key_values
+            cache, feed, retractions = None, list(input_ids), self._wait_while_paused(rid)
+            for _ in range(budget):
+                seen = self._wait_while_paused(rid)
+                if seen != retractions:  # retracted while paused: re-encode with new weights
+                    cache, feed, retractions = None, list(input_ids) + ids, seen
+                with self.weights.step() as version:
+                    result = self.model(
+                        input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
+                    )
+                versions.append(version)
+                cache = getattr(result, self._cache_arg)
                 log_probs = sampling_log_probs(result.logits[0, -1], sampling)
                 token = _pick(log_probs, sampling, generator)
                 ids.append(token)
                 logprobs.append(log_probs[token].item())
-                feed = torch.tensor([[token]])
+                feed = [token]
                 if token in sampling.stop_token_ids or (
                     token in self._eos and not sampling.ignore_eos
                 ):
                     finish = {"type": "stop", "matched": token}
                     break
         except Aborted:
-            finish, version = {"type": "abort", "message": "aborted"}, self.weight_version
+            finish = {"type": "abort", "message": "aborted"}
         finally:
             self._leave(rid)
-        return Output(ids, logprobs, finish, version, len(input_ids))
+        return Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
+
+    def _token_budget(self, input_ids: list[int], sampling: Sampling) -> int:
+        """Refuse what the model cannot take, as SGLang's tokenizer manager does, before any
+        work (a prompt over the context would otherwise hold the step lock for its whole
+        forward); the number of tokens the request may generate."""
+        if not input_ids:
+            raise RequestError("input_ids is empty")
+        vocab = self.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise RequestError(f"input_ids outside the vocabulary [0, {vocab})")
+        count, limit = len(input_ids), self.context_length
+        if count >= limit:
+            raise RequestError(
+                f"The input ({count} tokens) is longer than the model's context length "
+                f"({limit} tokens)."
+            )
+        if sampling.max_new_tokens is None:
+            return limit - count
+        if count + sampling.max_new_tokens > limit:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {limit} "
+                f"tokens. You requested a total of {count + sampling.max_new_tokens} tokens: "
+                f"{count} tokens from the input and {sampling.max_new_tokens} tokens for the "
+                "completion."
+            )
+        return sampling.max_new_tokens
 
     def _enter(self, rid: str) -> None:
         with self._state:
-            self._state.wait_for(lambda: self._paused is None)
+            if rid in self._active:
+                raise RequestError(f"rid {rid!r} is already running")
             self._active.add(rid)
+            self._admitting.add(rid)
 
     def _leave(self, rid: str) -> None:
         with self._state:
             self._active.discard(rid)
+            self._admitting.discard(rid)
             self._aborted.discard(rid)
             self._state.notify_all()
 
-    def _wait_while_paused(self, rid: str) -> None:
+    def _wait_while_paused(self, rid: str) -> int:
+        """Block while paused; raise Aborted if `rid` was aborted; the retraction count."""
         with self._state:
             self._state.wait_for(lambda: self._paused is None or rid in self._aborted)
+            self._admitting.discard(rid)
             if rid in self._aborted:
                 raise Aborted(rid)
+            return self._retractions
 
     # --- control ------------------------------------------------------------------------
 
     def pause(self, mode: str) -> None:
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._state:
             self._paused = mode
             if mode == "abort":
-                self._aborted |= self._active
+                self._aborted |= self._active - self._admitting
+            if mode == "retract":
+                self._retractions += 1
             self._state.notify_all()
 
     def resume(self) -> None:
@@ -165,7 +227,7 @@ class CpuEngine:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         with self._state:
-            targets = set(self._active) if abort_all else {rid} & self._active
+            targets = self._active - self._admitting if abort_all else {rid} & self._active
             self._aborted |= targets
             self._state.notify_all()
             return len(targets)
@@ -177,55 +239,17 @@ class CpuEngine:
 
     # --- weights ------------------------------------------------------------------------
 
-    def load_named_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy checkpoint-named tensors (save_pretrained names) into the live model.
+    @property
+    def weight_version(self) -> str:
+        return self.weights.version
 
-        transformers keeps a MoE layer's experts fused in memory (experts.gate_up_proj
-        [E, 2I, H] with gate first, experts.down_proj [E, H, I]); per-expert names are written
-        into their slices. Unknown names and wrong shapes raise, naming the tensor.
-        """
-        params = dict(self.model.named_parameters())
-        count = 0
-        with self._step_lock, torch.no_grad():
-            for name, tensor in tensors:
-                _target_slice(params, name, tensor.shape).copy_(tensor)
-                count += 1
-        return count
-
-    def read_named_tensor(self, name: str) -> torch.Tensor:
-        return _target_slice(dict(self.model.named_parameters()), name, None).detach().clone()
-
-    def load_from_disk(self, model_path: str | Path) -> int:
-        reader = HFCheckpointReader(model_path)
-        names = sorted(reader.tensors)
-        chunk = 64  # read a few tensors at a time: bounded memory on big checkpoints
-        return sum(
-            self.load_named_tensors(reader.read(names[i : i + chunk]).items())
-            for i in range(0, len(names), chunk)
-        )
-
-
-def _target_slice(params: dict, name: str, shape: torch.Size | None) -> torch.Tensor:
-    match = _EXPERT.match(name)
-    if match:
-        prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)
-        if which == "down":
-            target = params[f"{prefix}.down_proj"][expert]
-        else:
-            fused = params[f"{prefix}.gate_up_proj"][expert]
-            half = fused.shape[0] // 2
-            target = fused[:half] if which == "gate" else fused[half:]
-    elif name in params:
-        target = params[name]
-    else:
-        raise KeyError(f"{name}: no such tensor in the served model")
-    if shape is not None and tuple(target.shape) != tuple(shape):
-        raise ValueError(f"{name}: shape {list(shape)} sent, the model has {list(target.shape)}")
-    return target
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.weights.set_version(version)
 
 
 def _pick(log_probs: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    if sampling.temperature == 0:
+    if sampling.temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(log_probs))
     return int(torch.multinomial(log_probs.exp(), 1, generator=generator))
 
@@ -238,6 +262,23 @@ def _as_list(value) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The name transformers gives the KV cache, in the forward's arguments and its output:
+    "cache" in recent releases (the installed 5.25 warns that "past_key_values" will be removed
+    in 5.40), "past_key_values" in older ones."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _config_context_length(config) -> int:
+    length = getattr(config, "max_position_embeddings", None)
+    if not isinstance(length, int) or length < 2:
+        raise ValueError(
+            f"config.json has no usable max_position_embeddings ({length!r}): pass --context-length"
+        )
+    return length
 
 
 def _optional_tokenizer(model_path: str | Path):

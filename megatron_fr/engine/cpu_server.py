@@ -11,74 +11,76 @@ io_struct): /health, /model_info, /generate (single and batched, input_ids or te
 /update_weights_from_disk, /update_weight_version, /destroy_weights_update_group and
 /get_weights_by_name. Requests are served concurrently (one thread each, interleaved token by
 token); a model directory without tokenizer files serves input_ids requests.
+
+A /generate response carries SGLang's per-token version spans, meta_info.weight_versions =
+[{"version", "start", "end"}, ...] over the output tokens, and meta_info.weight_version = the
+last span's version (srt/utils/weight_versions.py). Hostile or broken clients cannot wedge it:
+bodies are bounded (413), malformed requests get a 400 naming the field (cpu_wire), prompts
+are checked against the context length, and a client that disconnects ends its generation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 from aiohttp import web
 
-from megatron_fr.engine.cpu_engine import CpuEngine, Output, Sampling
+from megatron_fr.engine.cpu_engine import CpuEngine, Output
+from megatron_fr.engine.cpu_weights import WeightsFault
+from megatron_fr.engine.cpu_wire import (
+    DTYPES,
+    BadRequest,
+    GenerateJob,
+    bool_flags,
+    bucket_metadata,
+    field,
+    generate_response,
+    parse_generate,
+    version_field,
+)
 from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_REQUEST_MIB = 16
+"""Largest request body accepted (a 131 072-token prompt of six-digit token ids is 0.92 MiB of
+JSON)."""
+DISCONNECT_POLL_S = 0.1
+"""How often a waiting /generate checks whether its client is still connected."""
+DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 
 
-class BadRequest(ValueError):
-    """Answered with HTTP 400 and the message."""
-
-
-def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if name not in body or body[name] is None:
-        if default is ...:
-            raise BadRequest(f"missing field {name!r}")
-        return default
-    value = body[name]
-    if not isinstance(value, kind):
-        raise BadRequest(f"field {name!r} must be {kind}, got {type(value).__name__}")
-    return value
-
-
-def _generate_response(output: Output, rid: str, tokenizer) -> dict:
-    text = tokenizer.decode(output.output_ids) if tokenizer else ""
-    return {
-        "text": text,
-        "output_ids": output.output_ids,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": output.finish_reason,
-            "prompt_tokens": output.prompt_tokens,
-            "completion_tokens": len(output.output_ids),
-            "output_token_logprobs": [
-                [logprob, token, None]
-                for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
-            ],
-            "weight_version": output.weight_version,
-        },
-    }
+class ClientGone(Exception):
+    """The HTTP client of a /generate disconnected before its answer."""
 
 
 class CpuServer:
-    """HTTP handlers around one CpuEngine; blocking work runs in a thread pool."""
+    """HTTP handlers around one CpuEngine; blocking work runs in a thread pool.
 
-    def __init__(self, engine: CpuEngine, max_concurrency: int = 32):
+    What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
+    weight_version, active_requests, generate(input_ids, sampling, rid) -> Output,
+    abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
+    weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
+
+    def __init__(
+        self,
+        engine: CpuEngine,
+        max_concurrency: int = 32,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_MIB * 2**20,
+    ):
         self.engine = engine
+        self.max_request_bytes = max_request_bytes
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency)
         # Weight updates get threads of their own: requests waiting out a pause hold every
         # generation thread, and the update that would end the pause must still run.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.groups: dict[str, WeightUpdateGroup] = {}
-        self.session_open = False  # SGLang's begin/end weight-update session
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -87,7 +89,7 @@ class CpuServer:
         return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn, *args)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024**3, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[_errors_as_json])
         get = {
             "/health": self.health,
             "/health_generate": self.health,
@@ -130,55 +132,46 @@ class CpuServer:
     async def get_weight_version(self, _request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
+    # --- generation ---------------------------------------------------------------------
+
     async def generate(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        if body.get("return_routed_experts"):
-            raise BadRequest("return_routed_experts is not supported by the CPU engine")
-        prompts, batched = self._prompts(body)
-        params = body.get("sampling_params") or {}
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
-        rids = rids if isinstance(rids, list) else [rids]
-        if not len(params) == len(rids) == len(prompts):
-            raise BadRequest("sampling_params and rid must match the number of prompts")
+        jobs, batched = parse_generate(await _json_object(request))
+        futures = [asyncio.ensure_future(self._run(self._generate_one, job)) for job in jobs]
         try:
-            samplings = [Sampling.from_json(p) for p in params]
-        except (TypeError, ValueError) as error:
-            raise BadRequest(str(error)) from error
-        outputs = await asyncio.gather(
-            *(
-                self._run(self.engine.generate, *job)
-                for job in zip(prompts, samplings, rids, strict=True)
-            )
-        )
+            outputs = await _unless_disconnected(request, asyncio.gather(*futures))
+        except BaseException as error:
+            # A client gone, a cancelled handler or a refused prompt of a batch: nothing more
+            # of this request is worth computing.
+            for job, future in zip(jobs, futures, strict=True):
+                if not future.done():  # (a finished one's rid may belong to another request)
+                    future.cancel()  # not started yet: never starts
+                    self.engine.abort(job.rid)
+            if isinstance(error, ClientGone):
+                return web.Response(status=499, text="client disconnected")
+            raise
         responses = [
-            _generate_response(output, rid, self.engine.tokenizer)
-            for output, rid in zip(outputs, rids, strict=True)
+            generate_response(output, job.rid, self.engine.tokenizer)
+            for output, job in zip(outputs, jobs, strict=True)
         ]
         return web.json_response(responses if batched else responses[0])
 
-    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
-        if body.get("input_ids") is not None:
-            ids = body["input_ids"]
-            batched = bool(ids) and isinstance(ids[0], list)
-            prompts = ids if batched else [ids]
-            if not all(isinstance(t, int) for p in prompts for t in p):
-                raise BadRequest("input_ids must be a list of token ids (or a list of lists)")
-            return prompts, batched
-        if body.get("text") is not None:
+    def _generate_one(self, job: GenerateJob) -> Output:
+        prompt = job.prompt
+        if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
-            texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
-            encoded = [self.engine.tokenizer.encode(text) for text in texts]
-            return encoded, isinstance(body["text"], list)
-        raise BadRequest("send input_ids or text")
+            prompt = self.engine.tokenizer.encode(prompt)
+        return self.engine.generate(prompt, job.sampling, job.rid)
+
+    # --- control ------------------------------------------------------------------------
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        self.engine.pause(_field(body, "mode", str, "abort"))
+        body = await _json_object(request, empty_ok=True)
+        self.engine.pause(field(body, "mode", str, "abort"))
         return web.json_response({"success": True, "message": "paused"})
 
-    async def continue_generation(self, _request: web.Request) -> web.Response:
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _json_object(request, empty_ok=True)
         self.engine.resume()
         return web.json_response({"success": True, "message": "continued"})
 
@@ -189,118 +182,181 @@ class CpuServer:
         return web.Response(text="Cache flushed.")
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        rid = _field(body, "rid", str, None)
-        count = self.engine.abort(rid, abort_all=_field(body, "abort_all", bool, False))
+        body = await _json_object(request, empty_ok=True)
+        rid = field(body, "rid", str, None)
+        count = self.engine.abort(rid, abort_all=field(body, "abort_all", bool, False))
         return web.json_response({"success": True, "aborted": count})
 
+    # --- weights ------------------------------------------------------------------------
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        name = _field(body, "group_name", str, "weight_update_group")
+        body = await _json_object(request)
+        name = field(body, "group_name", str, "weight_update_group")
         group = await self._control(
             lambda: create_weight_update_group(
-                _field(body, "master_address", str),
-                _field(body, "master_port", int),
-                _field(body, "rank_offset", int),
-                _field(body, "world_size", int),
+                field(body, "master_address", str),
+                field(body, "master_port", int),
+                field(body, "rank_offset", int),
+                field(body, "world_size", int),
                 name,
-                backend=_field(body, "backend", str, "gloo"),
+                backend=field(body, "backend", str, "gloo"),
             )
         )
         self.groups[name] = group
         return web.json_response({"success": True, "message": f"joined {name} as {group.rank}"})
 
-    async def begin_weight_update(self, _request: web.Request) -> web.Response:
-        if self.session_open:
-            raise BadRequest("a weight-update session is already open; call end_weight_update")
-        self.session_open = True
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _json_object(request, empty_ok=True)
+        self.engine.weights.begin_update()
         return web.json_response({"success": True, "message": "Success"})
 
-    async def end_weight_update(self, _request: web.Request) -> web.Response:
-        if not self.session_open:
-            raise BadRequest("no weight-update session is open; call begin_weight_update first")
-        self.session_open = False
-        return web.json_response({"success": True, "message": "Success"})
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _json_object(request, empty_ok=True)
+        count = await self._control(self.engine.weights.end_update)
+        return web.json_response({"success": True, "message": f"applied {count} tensors"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        if not self.session_open:  # as SGLang 0.5.23 refuses it
-            raise BadRequest(
-                "update_weights_from_distributed must run between begin_weight_update() and "
-                "end_weight_update()"
-            )
-        names, dtypes = _field(body, "names", list), _field(body, "dtypes", list)
-        shapes = _field(body, "shapes", list)
-        if not len(names) == len(dtypes) == len(shapes):
-            raise BadRequest("names, dtypes and shapes must have the same length")
-        unknown = sorted(set(dtypes) - DTYPES.keys())
-        if unknown:
-            raise BadRequest(f"unsupported dtypes {unknown}")
-        group_name = _field(body, "group_name", str, "weight_update_group")
-        if group_name not in self.groups:
-            raise BadRequest(
-                f"no weight update group {group_name!r}: call /init_weights_update_group"
-            )
-        group = self.groups[group_name]
+        try:  # a bucket refused for any reason makes the session's end discard all of it
+            body = await _json_object(request)
+            if not self.engine.weights.session_open:  # checked first, as SGLang 0.5.23 does
+                raise BadRequest(
+                    "update_weights_from_distributed must run between begin_weight_update() "
+                    "and end_weight_update()"
+                )
+            names, dtypes, shapes = bucket_metadata(body)
+            group = self._bucket_group(body)
+            version = version_field(body, "weight_version", None)
+            bool_flags(body, "flush_cache", "abort_all_requests")
+            if field(body, "load_format", str, None) is not None:
+                raise BadRequest("load_format: the CPU engine receives tensor by tensor (null)")
+            self.engine.weights.check_update(list(zip(names, shapes, strict=True)))
+        except ValueError as error:
+            self.engine.weights.fail_update(str(error))
+            raise
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
 
         def receive() -> int:
-            tensors = []
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=DTYPES[dtype])
-                group.broadcast(tensor)
-                tensors.append((name, tensor))
-            return self.engine.load_named_tensors(tensors)
+            try:
+                tensors = []
+                for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+                    tensor = torch.empty(shape, dtype=DTYPES[dtype])
+                    group.broadcast(tensor)
+                    tensors.append((name, tensor))
+                return self.engine.weights.stage(tensors, version)
+            except Exception as error:
+                self.engine.weights.fail_update(f"receiving the bucket failed: {error}")
+                raise
 
         count = await self._control(receive)
-        self._maybe_set_version(body)
-        return web.json_response({"success": True, "message": f"updated {count} tensors"})
+        return web.json_response({"success": True, "message": f"received {count} tensors"})
+
+    def _bucket_group(self, body: dict) -> WeightUpdateGroup:
+        name = field(body, "group_name", str, "weight_update_group")
+        if name not in self.groups:
+            raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group")
+        return self.groups[name]
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        count = await self._control(self.engine.load_from_disk, _field(body, "model_path", str))
-        self._maybe_set_version(body)
+        body = await _json_object(request)
+        path = field(body, "model_path", str)
+        version = version_field(body, "weight_version", None)
+        bool_flags(body, "flush_cache", "abort_all_requests")
+        if body.get("load_format") not in DISK_LOAD_FORMATS:
+            raise BadRequest(f"load_format must be one of {DISK_LOAD_FORMATS}")
+        if body.get("abort_all_requests"):
+            self.engine.abort(abort_all=True)
+        count = await self._control(self.engine.weights.load_from_disk, path, version)
         return web.json_response(
             {"success": True, "message": f"loaded {count} tensors", "num_paused_requests": 0}
         )
 
-    def _maybe_set_version(self, body: dict) -> None:
-        version = body.get("weight_version")
-        if version is not None:
-            self.engine.weight_version = str(version)
-
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.engine.weight_version = str(_field(body, "new_version", (str, int)))
-        if body.get("abort_all_requests"):
+        body = await _json_object(request)
+        version = version_field(body, "new_version")
+        if field(body, "abort_all_requests", bool, True):  # SGLang's default, before relabeling
             self.engine.abort(abort_all=True)
-        return web.json_response({"success": True, "message": self.engine.weight_version})
+        await self._control(self.engine.weights.set_version, version)
+        return web.json_response({"success": True, "message": version})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.groups.pop(_field(body, "group_name", str, "weight_update_group"), None)
+        body = await _json_object(request)
+        self.groups.pop(field(body, "group_name", str, "weight_update_group"), None)
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        try:
-            tensor = self.engine.read_named_tensor(_field(body, "name", str))
-        except KeyError as error:
-            raise BadRequest(str(error.args[0])) from error
-        values = tensor.float().flatten()[: _field(body, "truncate_size", int, 100)]
-        return web.json_response(values.tolist())
+        body = await _json_object(request)
+        name = field(body, "name", str)
+        size = field(body, "truncate_size", int, 100)
+        if size < 0:
+            raise BadRequest(f"truncate_size must be >= 0, got {size}")
+        tensor = await self._control(self.engine.weights.read, name)
+        return web.json_response(tensor.float().flatten()[:size].tolist())
 
 
-async def _json_or_empty(request: web.Request) -> dict:
-    return await request.json() if request.can_read_body else {}
+async def _json_object(request: web.Request, empty_ok: bool = False) -> dict:
+    """The request body as a JSON object (BadRequest otherwise); {} for an empty body where
+    the endpoint has only optional fields."""
+    raw = await request.read()
+    if not raw.strip() and empty_ok:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise BadRequest(f"the body is not JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def _unless_disconnected(request: web.Request, work: asyncio.Future):
+    """The result of `work`, or ClientGone as soon as the client has disconnected (aiohttp
+    cancels the handler on disconnect only when the runner is built with handler_cancellation;
+    polling the transport works either way)."""
+
+    async def disconnected() -> None:
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work not in done:
+        work.cancel()
+        work.add_done_callback(lambda future: future.cancelled() or future.exception())
+        raise ClientGone()
+    return work.result()
+
+
+def _error(status: int, message: str) -> web.Response:
+    """SGLang's error body: {"error": {"message": ...}}."""
+    return web.json_response({"error": {"message": message}}, status=status)
 
 
 @web.middleware
 async def _errors_as_json(request: web.Request, handler):
-    """Bad input -> 400 with SGLang's {"error": {"message": ...}} body; the server lives on."""
+    """Bad input -> 400 naming the field, a body over the limit -> 413, an unknown path -> 404,
+    half-loaded weights -> 503; always a JSON reason, and the server lives on."""
     try:
         return await handler(request)
-    except (BadRequest, ValueError, KeyError) as error:
-        return web.json_response({"error": {"message": str(error)}}, status=400)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        message = error.text or ""
+        if message in ("", f"{error.status}: {error.reason}"):  # aiohttp's bare default
+            message = f"{error.reason}: {request.method} {request.path}"
+        return _error(error.status, message)
+    except KeyError as error:  # a tensor name the model does not have
+        return _error(400, str(error.args[0]) if error.args else "unknown key")
+    except ValueError as error:  # BadRequest, RequestError, malformed JSON, ...
+        return _error(400, str(error))
+    except WeightsFault as error:
+        return _error(503, str(error))
+    except Exception as error:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -311,6 +367,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest prompt + max_new_tokens accepted (as SGLang's flag; default: the "
+        "config's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-request-mib",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_MIB,
+        help="largest request body accepted; larger ones get HTTP 413",
+    )
     parser.add_argument(
         "--parent-pid",
         type=int,
@@ -324,15 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = CpuEngine(args.model_path, dtype=DTYPES[args.dtype])
-    log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
-    web.run_app(
-        CpuServer(engine, args.max_concurrency).app(),
-        host=args.host,
-        port=args.port,
-        print=None,
-        access_log=None,
-    )
+    engine = CpuEngine(args.model_path, DTYPES[args.dtype], args.context_length)
+    log.info(
+        "serving %s on http://%s:%d (context length %d)",
+        args.model_path, args.host, args.port, engine.context_length,
+    )  # fmt: skip
+    server = CpuServer(engine, args.max_concurrency, int(args.max_request_mib * 2**20))
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

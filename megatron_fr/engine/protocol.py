@@ -164,10 +164,11 @@ class GenerateOutput:
     """Behavior log-prob of each output token, as SGLang computed it when sampling."""
     finish_reason: FinishReason
     weight_version: str
-    """The version the server reports for the response (its latest weights)."""
+    """SGLang's `meta_info.weight_version`: the version of the last output token's weights (the
+    server's version when there is no token)."""
     token_versions: list[str]
-    """The weight version of each output token: from `meta_info.weight_versions` spans when the
-    server updated its weights mid-request, else `weight_version` for all of them."""
+    """The version of the weights that produced each output token, from SGLang's
+    `meta_info.weight_versions` spans."""
     routed_experts: object | None
     """SGLang's routed-experts payload (base64), kept opaque; None unless requested."""
     prompt_tokens: int | None
@@ -249,31 +250,43 @@ def _parse_version(meta: dict, prefix: str) -> str:
     raise MalformedResponse(path, f"expected a string, got {version!r}")
 
 
-def _parse_version_spans(meta: dict, count: int, fallback: str, prefix: str) -> list[str]:
-    """Per-token versions from SGLang's `weight_versions` spans ([{version, start, end}], which
-    must tile [0, len(output_ids)) in order); all `fallback` when the server sent none."""
-    spans = meta.get("weight_versions")
-    if spans is None:
-        return [fallback] * count
+def _parse_version_spans(meta: dict, count: int, version: str, prefix: str) -> list[str]:
+    """One version per output token from SGLang's `meta_info.weight_versions`
+    (srt/utils/weight_versions.py: add_weight_versions_to_meta_info): [{version, start, end}]
+    spans, non-empty and in order, tiling [0, len(output_ids)); a response without a token has
+    one span [0, 0), or none (some of SGLang's abort paths). `weight_version` is the last span's
+    version. A response with tokens but no spans is refused: tagging every token with the final
+    version would understate the lag of the tokens sampled before an update."""
     path = _join(prefix, "weight_versions")
-    if not isinstance(spans, list):
-        raise MalformedResponse(path, f"expected a list, got {type(spans).__name__}")
+    spans = meta.get("weight_versions")
+    if spans is None and count == 0:
+        return []
+    if not isinstance(spans, list) or not spans:
+        got = "missing" if spans is None else repr(spans)[:80]
+        raise MalformedResponse(path, f"expected a non-empty list of spans, got {got}")
     versions: list[str] = []
     for i, span in enumerate(spans):
-        if not isinstance(span, dict):
-            raise MalformedResponse(f"{path}[{i}]", "expected {version, start, end}")
-        start, end, version = span.get("start"), span.get("end"), span.get("version")
-        if not isinstance(version, str):
-            raise MalformedResponse(f"{path}[{i}].version", f"expected a string, got {version!r}")
-        if start != len(versions) or not _is_int(start):
+        where = f"{path}[{i}]"
+        if not isinstance(span, dict) or set(span) != {"version", "start", "end"}:
+            raise MalformedResponse(where, f"expected {{version, start, end}}, got {span!r:.80}")
+        start, end, name = span["start"], span["end"], span["version"]
+        if not isinstance(name, str):
+            raise MalformedResponse(f"{where}.version", f"expected a string, got {name!r}")
+        if not _is_int(start) or start != len(versions):
+            raise MalformedResponse(f"{where}.start", f"expected {len(versions)}, got {start!r}")
+        empty_ok = count == 0 and len(spans) == 1
+        if not _is_int(end) or not (start <= end if empty_ok else start < end) or end > count:
             raise MalformedResponse(
-                f"{path}[{i}].start", f"expected {len(versions)}, got {start!r}"
+                f"{where}.end", f"expected {start + (not empty_ok)}..{count}, got {end!r}"
             )
-        if not _is_int(end) or not start <= end <= count:
-            raise MalformedResponse(f"{path}[{i}].end", f"expected {start}..{count}, got {end!r}")
-        versions.extend([version] * (end - start))
+        versions.extend([name] * (end - start))
     if len(versions) != count:
         raise MalformedResponse(path, f"cover {len(versions)} of {count} output tokens")
+    if spans[-1]["version"] != version:
+        raise MalformedResponse(
+            _join(prefix, "weight_version"),
+            f"{version!r} is not the last span's version {spans[-1]['version']!r}",
+        )
     return versions
 
 

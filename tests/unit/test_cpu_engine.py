@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
 
 def serve(model_dir, scenario, max_concurrency: int = 32):
     """Run `await scenario(client, engine)` against a fresh server on the given model."""
-    engine = CpuEngine(model_dir)
+    engine = CpuEngine(model_dir, context_length=1024)
 
     async def main():
         server = CpuServer(engine, max_concurrency)
@@ -37,19 +37,27 @@ def serve(model_dir, scenario, max_concurrency: int = 32):
 
 
 def body(max_new_tokens=8, seed=0, **sampling):
-    params = {"max_new_tokens": max_new_tokens, "seed": seed, "ignore_eos": True, **sampling}
+    params = {
+        "max_new_tokens": max_new_tokens,
+        "sampling_seed": seed,
+        "ignore_eos": True,
+        **sampling,
+    }
     return {"input_ids": PROMPT, "sampling_params": params, "return_logprob": True}
 
 
-def hf_distributions(model_dir, tokens: list[int]) -> torch.Tensor:
-    """Independent reference: transformers' own log-softmax over the whole sequence at once,
+def hf_logits(model_dir, tokens: list[int]) -> torch.Tensor:
+    """Independent reference: transformers' own logits over the whole sequence at once,
     [response length, vocab], row t predicting response token t."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0]
-    return torch.log_softmax(logits, -1)[len(PROMPT) - 1 : -1]
+        return model(torch.tensor([tokens])).logits[0][len(PROMPT) - 1 : -1]
+
+
+def hf_distributions(model_dir, tokens: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_logits(model_dir, tokens), -1)
 
 
 def hf_log_probs(model_dir, tokens: list[int]) -> torch.Tensor:
@@ -118,6 +126,31 @@ def test_top_k_sampling_reports_renormalised_log_probs(checkpoints):
     assert (engine_lp - torch.stack(expected)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_log_probs_at_temperature_0_6_are_transformers_logits_over_t(checkpoints, top_p):
+    """The reported log-prob is log softmax(logits / 0.6), renormalised over the nucleus when
+    top_p < 1 (the distribution the token was drawn from), against transformers' logits."""
+
+    async def scenario(client, _engine):
+        request = body(16, temperature=0.6, top_p=top_p)
+        return await (await client.post("/generate", json=request)).json()
+
+    answer = serve(checkpoints / "a", scenario)
+    rows = hf_logits(checkpoints / "a", PROMPT + answer["output_ids"]) / 0.6
+    expected, truncated = [], False
+    for row, token in zip(rows, answer["output_ids"], strict=True):
+        probs = torch.softmax(row.double(), -1)
+        ranked, order = probs.sort(descending=True)
+        kept = int(torch.searchsorted(ranked.cumsum(0), torch.tensor(top_p).double())) + 1
+        kept = min(kept, len(order))
+        truncated |= kept < len(order)
+        assert token in order[:kept].tolist(), "a token outside the nucleus was sampled"
+        expected.append(torch.log(probs[token] / ranked[:kept].sum()))
+    engine_lp = torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
+    assert (engine_lp.double() - torch.stack(expected)).abs().max() <= 1e-5
+    assert truncated == (top_p < 1)
+
+
 def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(checkpoints):
     async def scenario(client, engine):
         long = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=400)))
@@ -129,6 +162,9 @@ def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(c
         waiting = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=2)))
         await asyncio.sleep(0.3)
         waited = not waiting.done()
+        # As in SGLang, a request waiting out the pause is not "running": a second abort pause
+        # and /update_weight_version's default abort_all_requests leave it waiting.
+        await client.post("/pause_generation", json={"mode": "abort"})
         await client.post("/update_weight_version", json={"new_version": "5"})
         await client.post("/continue_generation", json={})
         resumed = await (await waiting).json()

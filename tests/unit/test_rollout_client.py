@@ -1,9 +1,10 @@
 """RolloutClient against a scripted SGLang-protocol server defined here.
 
 The server answers /generate deterministically: output token i is (last input token + 1 + i),
-every log-prob is -0.5, the weight version comes from its script, and it finishes "length" at
-max_new_tokens (or "stop" on a stop token). Switches make it slow, broken (malformed body, 5xx,
-4xx) or abort after k tokens (a pause for a weight update, after which its version goes up).
+every log-prob is -0.5, the weight version comes from its script (reported as SGLang's
+per-token spans), and it finishes "length" at max_new_tokens (or "stop" on a stop token).
+Switches make it slow, broken (malformed body, 5xx, 4xx), abort after k tokens (a pause for a
+weight update, after which its version goes up) or update its weights in place mid-request.
 Run as a script (`python test_rollout_client.py --port 0 --delay S`) it serves in its own process,
 printing "PORT <n>", so a test can kill it by PID mid-request.
 """
@@ -46,11 +47,14 @@ class Script:
     """Answer every /generate with this HTTP status."""
     malformed: str | None = None
     """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON;
-    "too_long": one token more than max_new_tokens."""
+    "too_long": one token more than max_new_tokens; "spans": the version spans miss a token."""
     abort_after: int = 0
     aborts: int = 0
     """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
     tokens, as a pause racing a stop token would) and then bump `version`."""
+    switch_after: int | None = None
+    """Once: tokens from this index on come from `version` + 1 (an in-place weight update in
+    the middle of the request), and the version stays there."""
     log: list[dict] = field(default_factory=list)
     """Every /generate received: rid, input_ids, max_new_tokens, return_routed_experts."""
 
@@ -70,12 +74,14 @@ def _generate_body(script: Script, body: dict) -> dict:
         finish = {"type": "abort", "message": "Abort in waiting queue"}
     if script.malformed == "too_long":
         ids.append(ids[-1] + 1)
+    spans = _spans(script, len(ids))
     meta = {
         "id": body.get("rid"),
         "finish_reason": finish,
         "prompt_tokens": len(prompt),
         "completion_tokens": len(ids),
-        "weight_version": str(script.version),
+        "weight_version": spans[-1]["version"],
+        "weight_versions": spans,
         "output_token_logprobs": [[-0.5, token, None] for token in ids],
     }
     if body["return_routed_experts"]:
@@ -86,6 +92,19 @@ def _generate_body(script: Script, body: dict) -> dict:
         script.aborts -= 1
         script.version += 1
     return {"text": "", "output_ids": ids, "meta_info": meta}
+
+
+def _spans(script: Script, count: int) -> list[dict]:
+    """SGLang's meta_info.weight_versions for `count` tokens of the script's version(s)."""
+    switch = script.switch_after
+    if switch is None or not 0 < switch < count:
+        return [{"version": str(script.version), "start": 0, "end": count}]
+    script.switch_after, script.version = None, script.version + 1
+    spans = [{"version": str(script.version - 1), "start": 0, "end": switch}]
+    spans.append({"version": str(script.version), "start": switch, "end": count})
+    if script.malformed == "spans":
+        spans[-1]["end"] -= 1
+    return spans
 
 
 def scripted_app(script: Script) -> web.Application:
@@ -353,6 +372,35 @@ def test_abort_is_continued_and_tokens_carry_their_version() -> None:
     assert rollout.prompt_ids == [10, 20]
     second = script.log[1]
     assert second["input_ids"] == [10, 20, 21, 22, 23] and second["max_new_tokens"] == 5
+
+
+def test_versions_switching_inside_a_segment_and_across_an_abort_are_kept_per_token() -> None:
+    """An in-place update after token 2 (two spans in one response), then an abort after
+    token 5 and a continuation under the next version."""
+    script = Script(switch_after=2, abort_after=5, aborts=1)
+
+    async def body() -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls)) as client:
+            return await client.generate([10], sampling(8))
+
+    rollout = asyncio.run(body())
+    assert rollout.output_ids == list(range(11, 19))
+    assert rollout.token_versions == ["1", "1", "2", "2", "2", "3", "3", "3"]
+    assert (rollout.finish_reason, rollout.continuations) == ("length", 1)
+
+
+def test_version_spans_missing_a_token_are_malformed_and_not_retried() -> None:
+    a, b = Script(switch_after=1, malformed="spans"), Script()
+
+    async def body() -> None:
+        async with serving(a, b) as urls, RolloutClient(config(urls)) as client:
+            with pytest.raises(MalformedResponse) as info:
+                await client.generate([1], sampling(4))
+            assert info.value.path == "meta_info.weight_versions"
+            assert f"from {urls[0]}: meta_info.weight_versions: cover 3 of 4" in str(info.value)
+
+    asyncio.run(body())
+    assert (len(a.log), len(b.log)) == (1, 0)
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,19 @@
 """SGLang wire format: request bodies checked against SGLang's own request types (read from the
 installed source with `ast`; importing sglang fails without its dependencies), and the strict
-/generate response parser checked against well-formed and malformed bodies."""
+/generate response parser checked against well-formed and malformed bodies, and the per-token
+weight-version spans checked against SGLang's own span code (run from the installed source)."""
 
 from __future__ import annotations
+import __future__
 
 import ast
+import contextlib
 import copy
 import importlib.util
 import math
+import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -154,6 +159,44 @@ def test_endpoint_paths_are_routes_of_sglang_http_server() -> None:
     assert paths <= routes, sorted(paths - routes)
 
 
+def _literal_defaults(source: str, cls: str) -> dict[str, object]:
+    """{field: default} for the fields of `cls` whose default is a plain literal."""
+    node = next(n for n in ast.parse(source).body if getattr(n, "name", None) == cls)
+    defaults = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value:
+            with contextlib.suppress(ValueError):
+                defaults[stmt.target.id] = ast.literal_eval(stmt.value)
+    return defaults
+
+
+def test_the_cpu_engine_accepts_only_sglang_names_and_defaults(io_struct) -> None:
+    """Every /generate and sampling field the CPU server accepts is one of SGLang's, and those
+    it accepts only at their default hold SGLang's default (so no request means one thing on
+    SGLang and another on the CPU engine)."""
+    from megatron_fr.engine import cpu_wire as w
+    from megatron_fr.engine.cpu_engine import Sampling
+
+    generate = {*w.GENERATE_FIELDS, *w.GENERATE_IGNORED, *w.GENERATE_DEFAULT_ONLY}
+    assert generate <= set(io_struct["GenerateReqInput"]), generate - set(
+        io_struct["GenerateReqInput"]
+    )
+    source = (_sglang_root() / "srt/sampling/sampling_params.py").read_text()
+    sglang = class_fields(source)["SamplingParams"]
+    ours = {*Sampling.__dataclass_fields__, *w.SAMPLING_IGNORED, *w.SAMPLING_DEFAULT_ONLY}
+    assert ours <= set(sglang), ours - set(sglang)
+    defaults = _literal_defaults(source, "SamplingParams")
+    assert {k: defaults[k] for k in w.SAMPLING_DEFAULT_ONLY} == w.SAMPLING_DEFAULT_ONLY
+    engine = Sampling()
+    for name in ("temperature", "top_p", "max_new_tokens", "ignore_eos", "sampling_seed"):
+        assert getattr(engine, name) == defaults[name], name
+    generate_defaults = _literal_defaults(
+        (_sglang_root() / "srt/managers/io_struct.py").read_text(), "GenerateReqInput"
+    )
+    for name in ("stream", "return_routed_experts"):
+        assert w.GENERATE_DEFAULT_ONLY[name] == generate_defaults[name], name
+
+
 def test_generate_request_body() -> None:
     assert p.generate_request([5, 6], SAMPLING, rid="x") == {
         "input_ids": [5, 6],
@@ -280,6 +323,7 @@ def well_formed() -> dict:
             "prompt_tokens": 4,
             "completion_tokens": 3,
             "weight_version": "2",
+            "weight_versions": [{"version": "2", "start": 0, "end": 3}],
             "output_token_logprobs": [[-0.5, 11, None], [-1.25, 12, None], [0.0, 13, "x"]],
         },
     }
@@ -346,6 +390,7 @@ def _delete(path: tuple) -> Callable[[dict], None]:
 
 
 LP = ("meta_info", "output_token_logprobs")
+SPAN2 = {"version": "2", "start": 0, "end": 3}
 MALFORMED: list[tuple[str, Callable[[dict], None], str]] = [
     ("missing output_ids", _delete(("output_ids",)), "output_ids"),
     ("output_ids not a list", _set(("output_ids",), "11 12 13"), "output_ids"),
@@ -388,19 +433,37 @@ MALFORMED: list[tuple[str, Callable[[dict], None], str]] = [
         "meta_info.weight_version",
     ),
     ("negative prompt_tokens", _set(("meta_info", "prompt_tokens"), -1), "meta_info.prompt_tokens"),
-    (
-        "version spans with a gap",
-        _set(
-            ("meta_info", "weight_versions"),
-            [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}],
-        ),
-        "meta_info.weight_versions[1].start",
-    ),
-    (
-        "version spans too short",
-        _set(("meta_info", "weight_versions"), [{"version": "1", "start": 0, "end": 2}]),
-        "meta_info.weight_versions",
-    ),
+    *[
+        (f"version spans: {case}", _set(("meta_info", "weight_versions"), spans), path)
+        for case, spans, path in [
+            ("missing", None, "meta_info.weight_versions"),
+            ("not a list", {"version": "2", "start": 0, "end": 3}, "meta_info.weight_versions"),
+            ("empty", [], "meta_info.weight_versions"),
+            ("a list span", [["2", 0, 3]], "meta_info.weight_versions[0]"),
+            ("extra key", [{**SPAN2, "x": 1}], "meta_info.weight_versions[0]"),
+            ("int version", [{**SPAN2, "version": 2}], "meta_info.weight_versions[0].version"),
+            ("bool start", [{**SPAN2, "start": False}], "meta_info.weight_versions[0].start"),
+            ("start not 0", [{**SPAN2, "start": 1}], "meta_info.weight_versions[0].start"),
+            ("float end", [{**SPAN2, "end": 3.0}], "meta_info.weight_versions[0].end"),
+            ("end past the tokens", [{**SPAN2, "end": 4}], "meta_info.weight_versions[0].end"),
+            ("too short", [{**SPAN2, "end": 2}], "meta_info.weight_versions"),
+            (
+                "a gap",
+                [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}],
+                "meta_info.weight_versions[1].start",
+            ),
+            (
+                "an empty span",
+                [{"version": "1", "start": 0, "end": 0}, SPAN2],
+                "meta_info.weight_versions[0].end",
+            ),
+            (
+                "weight_version is not the last span's",
+                [SPAN2 | {"end": 2}, {"version": "3", "start": 2, "end": 3}],
+                "meta_info.weight_version",
+            ),
+        ]
+    ],
 ]
 
 
@@ -431,3 +494,90 @@ def test_parse_batched_responses_prefix_the_index() -> None:
     assert info.value.path == "[1].meta_info.output_token_logprobs[0][1]"
     with pytest.raises(MalformedResponse, match="has 1 responses for 2 prompts"):
         p.parse_generate_responses([good], 2)
+
+
+# --- per-token weight versions: SGLang's own span code, run from the installed source ---------
+
+
+@dataclass
+class _Span:
+    """Stands for SGLang's msgspec WeightVersionSpan (msgspec is not installed): same fields."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Event:
+    old_version: str
+    num_output_tokens: int
+
+
+@pytest.fixture(scope="module")
+def sglang_spans() -> dict[str, Callable]:
+    """compute_weight_version_spans and add_weight_versions_to_meta_info exactly as written in
+    the installed srt/utils/weight_versions.py (the module imports msgspec, absent here, so the
+    two functions are cut out with `ast` and executed alone)."""
+    source = (_sglang_root() / "srt/utils/weight_versions.py").read_text()
+    wanted = {"compute_weight_version_spans", "add_weight_versions_to_meta_info"}
+    functions = [n for n in ast.parse(source).body if getattr(n, "name", None) in wanted]
+    assert {f.name for f in functions} == wanted, "SGLang's span functions moved"
+    namespace: dict = {"WeightVersionSpan": _Span}
+    module = ast.Module(body=functions, type_ignores=[])
+    exec(
+        compile(module, "weight_versions.py", "exec", flags=__future__.annotations.compiler_flag),
+        namespace,
+    )
+    return namespace
+
+
+def _random_generation(rng: random.Random) -> tuple[list[str], list[_Event], str]:
+    """A request's life as SGLang's scheduler records it: tokens produced under the current
+    label, label changes at random points (several in a row, before the first token, after
+    the last), an event per change once the request has output (record_weight_version_events).
+    Returns (the version of each token, the events, the label when it finished)."""
+    label, versions, events = "v0", [], []
+    for step in range(rng.randint(0, 12)):
+        while rng.random() < 0.3:
+            if versions:
+                events.append(_Event(label, len(versions)))
+            label = f"v{step}.{rng.randint(0, 9)}"
+        versions.append(label)
+    if rng.random() < 0.3:
+        events.append(_Event(label, len(versions)) if versions else None)
+        label = "final"
+    return versions, [e for e in events if e is not None], label
+
+
+def test_spans_as_sglang_writes_them_parse_to_the_version_of_every_token(sglang_spans) -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        versions, events, label = _random_generation(rng)
+        spans = sglang_spans["compute_weight_version_spans"](events, label, len(versions))
+        meta = {"weight_version": "stale"}
+        sglang_spans["add_weight_versions_to_meta_info"](meta, spans, len(versions))
+        body = copy.deepcopy(well_formed())
+        body["output_ids"] = list(range(len(versions)))
+        body["meta_info"]["output_token_logprobs"] = [[-1.0, i, None] for i in body["output_ids"]]
+        body["meta_info"] |= meta
+        out = p.parse_generate_response(body)
+        assert out.token_versions == versions, (versions, meta)
+        assert out.weight_version == (versions[-1] if versions else label)
+
+
+def test_the_cpu_engine_writes_spans_exactly_as_sglang(sglang_spans) -> None:
+    from megatron_fr.engine.cpu_engine import Output
+    from megatron_fr.engine.cpu_wire import generate_response
+
+    rng = random.Random(1)
+    for _ in range(300):
+        versions, events, label = _random_generation(rng)
+        spans = sglang_spans["compute_weight_version_spans"](events, label, len(versions))
+        expected: dict = {}
+        sglang_spans["add_weight_versions_to_meta_info"](expected, spans, len(versions))
+        ids = list(range(len(versions)))
+        output = Output(ids, [-1.0] * len(ids), {"type": "length"}, label, 3, versions)
+        meta = generate_response(output, "r", None)["meta_info"]
+        got = {key: meta[key] for key in ("weight_version", "weight_versions")}
+        assert got == expected, (versions, events, label)

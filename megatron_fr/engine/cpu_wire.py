@@ -1,0 +1,299 @@
+"""The CPU server's wire format: validation of request bodies, and SGLang's /generate answer.
+
+A malformed request becomes a BadRequest (HTTP 400) naming the field and the reason before any
+work starts, never a 500 or a silently different request. Field names are SGLang's (sglang
+0.5.23: GenerateReqInput in srt/managers/io_struct.py, SamplingParams in
+srt/sampling/sampling_params.py). A null value means "absent", as in SGLang. Fields the CPU
+engine does not implement are accepted only at SGLang's default value, so a request never
+means one thing on SGLang and another here; any other name is refused.
+
+The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
+add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
+tiling the output tokens, and meta_info.weight_version = the last span's version.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_fr.engine.cpu_engine import Output, Sampling
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Tensor dtypes a weight-update bucket may carry (torch attribute names, as SGLang sends)."""
+SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
+"""SGLang's SamplingParams.verify bounds."""
+
+GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid")
+"""/generate fields the engine implements."""
+GENERATE_IGNORED = {
+    "return_logprob": (bool, list),  # output log-probs are always returned (a list: per item)
+    "return_text_in_logprobs": bool,  # the text slot of each log-prob entry is null
+    "log_metrics": bool,
+    "no_logs": bool,
+}
+"""/generate fields of any value of this type that change nothing the engine returns."""
+GENERATE_DEFAULT_ONLY = {
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "stream": False,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+}
+"""/generate fields the engine does not implement: accepted at SGLang's default only."""
+
+SAMPLING_IGNORED = {
+    "skip_special_tokens": bool,
+    "spaces_between_special_tokens": bool,
+    "no_stop_trim": bool,
+    "stream_interval": int,
+}
+"""Sampling fields that only shape SGLang's detokenized text or streaming."""
+SAMPLING_DEFAULT_ONLY = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+}
+"""Sampling fields the engine does not implement: accepted at SGLang's default only."""
+
+
+class BadRequest(ValueError):
+    """Answered with HTTP 400 and the message."""
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """One prompt of a /generate request: token ids, or text the server tokenizes."""
+
+    prompt: list[int] | str
+    sampling: Sampling
+    rid: str
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """`body[name]` checked against `kind` (a bool is not an int, an int is a float); null or
+    absent gives `default`, or BadRequest when the field is required."""
+    value = body.get(name)
+    if value is None:
+        if default is ...:
+            raise BadRequest(f"missing field {name!r}")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = any(
+        _is_number(value) if k is float else is_int(value) if k is int else isinstance(value, k)
+        for k in kinds
+    )
+    if not ok:
+        raise BadRequest(
+            f"field {name!r} must be {_kind_name(kind)}, got {type(value).__name__} {value!r:.80}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(f"field {name!r} must be finite, got {value}")
+    return value
+
+
+def version_field(body: dict, name: str, default: Any = ...) -> str | None:
+    """A weight version: SGLang carries strings; ints are accepted and written as strings."""
+    value = field(body, name, (str, int), default)
+    return None if value is None else str(value)
+
+
+def _check_names(body: dict, known: tuple, ignored: dict, default_only: dict, what: str) -> None:
+    for name, value in body.items():
+        if value is None or name in known:
+            continue
+        if name in ignored:
+            field(body, name, ignored[name])
+        elif name in default_only:
+            default = default_only[name]
+            same = value is default if isinstance(default, bool) else _is_number(value)
+            if not same or value != default:
+                raise BadRequest(
+                    f"{what} {name!r}={value!r:.80} is not supported by the CPU engine (only "
+                    f"SGLang's default {default!r})"
+                )
+        else:
+            raise BadRequest(
+                f"{what} {name!r} is not supported by the CPU engine (it implements "
+                f"{', '.join(known)})"
+            )
+
+
+def parse_sampling(params: object, where: str = "sampling_params") -> Sampling:
+    if params is None:
+        return Sampling()
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where} must be an object, got {type(params).__name__}")
+    implemented = tuple(Sampling.__dataclass_fields__)
+    try:
+        _check_names(params, implemented, SAMPLING_IGNORED, SAMPLING_DEFAULT_ONLY, "sampling field")
+        defaults = Sampling()
+        sampling = Sampling(
+            temperature=field(params, "temperature", float, defaults.temperature),
+            top_p=field(params, "top_p", float, defaults.top_p),
+            top_k=field(params, "top_k", int, defaults.top_k),
+            # an explicit null means "up to the context length", as in SGLang
+            max_new_tokens=field(params, "max_new_tokens", int, None)
+            if "max_new_tokens" in params
+            else defaults.max_new_tokens,
+            stop_token_ids=_token_ids(field(params, "stop_token_ids", list, []), "stop_token_ids"),
+            ignore_eos=field(params, "ignore_eos", bool, defaults.ignore_eos),
+            sampling_seed=field(params, "sampling_seed", int, None),
+        )
+        _check_sampling(sampling)
+    except BadRequest as error:
+        raise BadRequest(f"{where}: {error}") from error
+    return sampling
+
+
+def _check_sampling(s: Sampling) -> None:
+    """SGLang's SamplingParams.verify rules."""
+    if s.temperature < 0:
+        raise BadRequest(f"temperature must be a non-negative finite number, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k != -1 and s.top_k < 1:
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {s.top_k}")
+    if s.max_new_tokens is not None and s.max_new_tokens < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {s.max_new_tokens}")
+    low, high = SAMPLING_SEED_RANGE
+    if s.sampling_seed is not None and not low <= s.sampling_seed <= high:
+        raise BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {s.sampling_seed}")
+
+
+def _token_ids(value: list, where: str) -> list[int]:
+    for i, token in enumerate(value):
+        if not is_int(token):
+            raise BadRequest(f"{where}[{i}] must be an int token id, got {token!r:.80}")
+    return value
+
+
+def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
+    """The jobs of a /generate body (one per prompt) and whether it was a batch."""
+    _check_names(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_DEFAULT_ONLY, "field")
+    prompts, batched = _prompts(body)
+    count = len(prompts)
+    params = body.get("sampling_params")
+    if isinstance(params, list):
+        if not batched or len(params) != count:
+            what = f"a batch of {count}" if batched else "a single prompt"
+            raise BadRequest(f"sampling_params is a list of {len(params)} for {what}")
+        samplings = [parse_sampling(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
+    else:
+        samplings = [parse_sampling(params)] * count
+    rids = _rids(body.get("rid"), count, batched)
+    return [GenerateJob(*job) for job in zip(prompts, samplings, rids, strict=True)], batched
+
+
+def _prompts(body: dict) -> tuple[list[list[int] | str], bool]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequest("send exactly one of input_ids or text")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), True
+        raise BadRequest("text must be a string or a non-empty list of strings")
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("input_ids must be a non-empty list of token ids (or of such lists)")
+    if not isinstance(ids[0], list):
+        return [_token_ids(ids, "input_ids")], False
+    prompts = []
+    for i, prompt in enumerate(ids):
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest(f"input_ids[{i}] must be a non-empty list of token ids")
+        prompts.append(_token_ids(prompt, f"input_ids[{i}]"))
+    return prompts, True
+
+
+def _rids(rid: object, count: int, batched: bool) -> list[str]:
+    """SGLang's rules: none -> fresh ids; a str for a batch -> "<rid>_<i>"; a list -> one
+    unique id per prompt."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)] if batched else [rid]
+    if not batched or not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise BadRequest("rid must be a string, or a list of strings for a batch")
+    if len(rid) != count or len(set(rid)) != count:
+        raise BadRequest(f"rid must hold {count} distinct ids, got {rid!r:.200}")
+    return list(rid)
+
+
+def bucket_metadata(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """names, dtypes and shapes of an /update_weights_from_distributed bucket."""
+    names, dtypes = field(body, "names", list), field(body, "dtypes", list)
+    shapes = field(body, "shapes", list)
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest("names, dtypes and shapes must have the same length")
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if not isinstance(name, str):
+            raise BadRequest(f"names[{i}] must be a string, got {name!r:.80}")
+        if dtype not in DTYPES:
+            raise BadRequest(f"dtypes[{i}] must be one of {sorted(DTYPES)}, got {dtype!r:.80}")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise BadRequest(f"shapes[{i}] must be a list of sizes >= 0, got {shape!r:.80}")
+    return names, dtypes, shapes
+
+
+def bool_flags(body: dict, *names: str) -> None:
+    for name in names:
+        field(body, name, bool, False)
+
+
+def version_spans(output: Output) -> list[dict]:
+    """SGLang's meta_info.weight_versions: runs of equal versions over the output tokens,
+    tiling [0, n); one empty span of the current version when there is no token."""
+    versions = output.token_versions
+    if versions is None:
+        versions = [output.weight_version] * len(output.output_ids)
+    spans: list[dict] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
+
+
+def generate_response(output: Output, rid: str, tokenizer) -> dict:
+    """SGLang's /generate answer for one finished request."""
+    text = tokenizer.decode(output.output_ids) if tokenizer else ""
+    spans = version_spans(output)
+    return {
+        "text": text,
+        "output_ids": output.output_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": output.finish_reason,
+            "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": len(output.output_ids),
+            "output_token_logprobs": [
+                [logprob, token, None]
+                for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
+            ],
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+        },
+    }
