@@ -152,6 +152,10 @@ class ScriptedEngine:
         logprobs = [-0.05 * (1 + i % 7) for i in range(len(ids))]
         return Output(ids, logprobs, finish, self.weight_version, len(input_ids))
 
+    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Nothing runs between the scripted answers, so there is nothing to abort."""
+        return 0
+
 
 @contextlib.asynccontextmanager
 async def serving(engine: object) -> AsyncIterator[str]:

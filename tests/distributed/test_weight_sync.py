@@ -100,7 +100,7 @@ def _generate(url: str, prompt: list[int], seed: int) -> dict:
             "temperature": 1.0,
             "max_new_tokens": 12,
             "ignore_eos": True,
-            "seed": seed,
+            "sampling_seed": seed,
         },
         "return_logprob": True,
     }
@@ -212,7 +212,8 @@ def cpu_engine(tmp_path):
     log = open(tmp_path / "engine.log", "w")  # noqa: SIM115 (closed in teardown)
     process = subprocess.Popen(
         [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path",
-         str(tmp_path / "served"), "--port", str(port), "--threads", "1"],
+         str(tmp_path / "served"), "--port", str(port), "--threads", "1",
+         "--context-length", "8192"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
