@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 
 from megatron_fr.engine.cpu_engine import CpuEngine, Output, Sampling
-from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine.sglang_source import DistributedReceiver, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
@@ -77,7 +77,7 @@ class CpuServer:
         # Weight updates get threads of their own: requests waiting out a pause hold every
         # generation thread, and the update that would end the pause must still run.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
-        self.groups: dict[str, WeightUpdateGroup] = {}
+        self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
         self.session_open = False  # SGLang's begin/end weight-update session
 
     async def _run(self, fn, *args):
@@ -195,20 +195,20 @@ class CpuServer:
         return web.json_response({"success": True, "aborted": count})
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
         body = await request.json()
         name = _field(body, "group_name", str, "weight_update_group")
-        group = await self._control(
-            lambda: create_weight_update_group(
-                _field(body, "master_address", str),
-                _field(body, "master_port", int),
-                _field(body, "rank_offset", int),
-                _field(body, "world_size", int),
-                name,
-                backend=_field(body, "backend", str, "gloo"),
-            )
-        )
-        self.groups[name] = group
-        return web.json_response({"success": True, "message": f"joined {name} as {group.rank}"})
+        args = (
+            _field(body, "master_address", str), _field(body, "master_port", int),
+            _field(body, "rank_offset", int), _field(body, "world_size", int), name,
+            _field(body, "backend", str, "gloo"),
+        )  # fmt: skip
+        try:
+            rank = await self._control(self.receiver.join, *args)
+        except SglangSourceMissing as error:
+            message = f"the CPU engine joins weight groups with SGLang's code: {error}"
+            raise BadRequest(message) from error
+        return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 
     async def begin_weight_update(self, _request: web.Request) -> web.Response:
         if self.session_open:
@@ -237,18 +237,14 @@ class CpuServer:
         if unknown:
             raise BadRequest(f"unsupported dtypes {unknown}")
         group_name = _field(body, "group_name", str, "weight_update_group")
-        if group_name not in self.groups:
+        if group_name not in self.receiver.groups:
             raise BadRequest(
                 f"no weight update group {group_name!r}: call /init_weights_update_group"
             )
-        group = self.groups[group_name]
+        load_format = _field(body, "load_format", str, None)
 
-        def receive() -> int:
-            tensors = []
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=DTYPES[dtype])
-                group.broadcast(tensor)
-                tensors.append((name, tensor))
+        def receive() -> int:  # as SGLang's WeightUpdater receives, then load
+            tensors = self.receiver.receive(names, dtypes, shapes, group_name, load_format)
             return self.engine.load_named_tensors(tensors)
 
         count = await self._control(receive)
@@ -277,7 +273,9 @@ class CpuServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.groups.pop(_field(body, "group_name", str, "weight_update_group"), None)
+        name = _field(body, "group_name", str, "weight_update_group")
+        if not await self._control(self.receiver.destroy, name):
+            raise BadRequest(f"no weight update group {name!r} to destroy")
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
