@@ -238,6 +238,7 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
             params_dtype=config.learner.params_dtype,
             gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
             reserve_gib=options.reserve_gb,
+            entropies=config.learner.flash_reinforce.negative_token_fraction < 1,
         )  # fmt: skip
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None
