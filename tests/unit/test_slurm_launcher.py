@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 WRAPPERS = sorted((REPO / "slurm" / "recipes").glob("*.sh"))
 STATIC_SCRIPTS = [
     REPO / "slurm" / "launch.sh", REPO / "slurm" / "job.sh", *WRAPPERS,
-    REPO / "tools" / "slurm_local.sh",
+    REPO / "tools" / "slurm_local.sh", REPO / "tools" / "gpu_check.sh",
 ]  # fmt: skip
 GPU_WRAPPERS = [path for path in WRAPPERS if path.stem != "cpu_demo"]
 
