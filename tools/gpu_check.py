@@ -305,24 +305,29 @@ def sglang(args: argparse.Namespace) -> int:
             return (mine - engine).abs().max().item()
 
         figure("max |engine - learner| log-prob before", f"{max_diff():.4f}")
-        config = WeightSyncConfig(
-            master_address="127.0.0.1", master_port=args.port + 50, backend="nccl",
-            bucket_mib=args.bucket_mib, timeout_s=300,
-        )  # fmt: skip
-        sync = WeightSync.from_config(config, [Engine(server.url)], spec)
-        sync.connect()
-        timings = _time_buckets(sync)
-        report = sync.sync(model, version=1)
-        after = max_diff()
-        figure("engines", sync.engines)
-        figure(
-            "sync",
-            f"{report.bytes / 1e6:.1f} MB in {report.buckets} buckets, {report.seconds:.2f} s",
-        )
-        for index, (nbytes, seconds) in enumerate(timings):
-            figure(f"bucket {index} GB/s", f"{nbytes / seconds / 1e9:.2f} ({nbytes / 1e6:.1f} MB)")
-        figure("max |engine - learner| log-prob after", f"{after:.4f}")
-        sync.close()
+        after = 0.0
+        for version, bucket_format in enumerate(("tensors", "flattened"), start=1):
+            config = WeightSyncConfig(
+                master_address="127.0.0.1", master_port=args.port + 50 + 10 * version,
+                backend="nccl", bucket_mib=args.bucket_mib, bucket_format=bucket_format,
+                timeout_s=300,
+            )  # fmt: skip
+            sync = WeightSync.from_config(config, [Engine(server.url)], spec)
+            sync.connect()
+            timings = _time_buckets(sync)
+            report = sync.sync(model, version=version)
+            sync.close()
+            diff = max_diff()
+            after = max(after, diff)
+            figure("engines", sync.engines)
+            figure(f"sync ({bucket_format})", f"{report.bytes / 1e6:.1f} MB in "
+                   f"{report.buckets} buckets, {report.seconds:.2f} s")  # fmt: skip
+            for index, (nbytes, seconds) in enumerate(timings):
+                figure(
+                    f"  bucket {index} GB/s",
+                    f"{nbytes / seconds / 1e9:.2f} ({nbytes / 1e6:.1f} MB)",
+                )
+            figure(f"max |engine - learner| log-prob after ({bucket_format})", f"{diff:.4f}")
     finally:
         server.stop()
     if after > args.tolerance:

@@ -68,7 +68,7 @@ def sglang_rank_alone(port: int, results) -> None:
 
 
 @pytest.mark.distributed
-def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2():
+def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monkeypatch):
     engines = [Engine("http://a", tp_size=2, kind="sglang"), Engine("http://b", tp_size=2)]
     world, offsets = group_layout(engines)
     assert (world, offsets) == (5, [1, 3])
@@ -81,6 +81,10 @@ def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2():
     ]
     for proc in procs:
         proc.start()
+    # The sender runs as a torchrun rank does: there, a tcp:// rendezvous would make it a
+    # client of the agent's store; the sender hosts its own store and is unaffected.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         group = create_weight_update_group("127.0.0.1", port, world, GROUP, "gloo", timeout_s=120)
         for _, tensor in bucket():

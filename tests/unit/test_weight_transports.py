@@ -108,13 +108,14 @@ def test_flattened_bucket_is_sglangs_layout_and_misaligned_buckets_go_tensor_by_
         bucket_class.empty(["x", "y"], ["bfloat16", "float32"], [[3], [2]], "cpu")
 
 
-def test_distributed_transport_requests_are_sglang_requests(monkeypatch, io_struct):
+@pytest.mark.parametrize("flatten", [False, True])
+def test_distributed_transport_requests_are_sglang_requests(flatten, monkeypatch, io_struct):
     recorder = Recorder()
     monkeypatch.setattr(dist_module, "post_json", recorder.post_json)
     monkeypatch.setattr(dist_module, "create_weight_update_group", lambda *a, **k: recorder)
     monkeypatch.setattr(dist_module, "address_towards", lambda host: "10.0.0.7")
     engines = [Engine(f"http://e{i}:1", tp_size=2, kind="sglang") for i in range(2)]
-    transport = DistributedTransport(engines, "10.0.0.1", 29600, "nccl")
+    transport = DistributedTransport(engines, "10.0.0.1", 29600, "nccl", flatten=flatten)
     transport.connect(stage=1)  # stage 1: its own port, group and address
     inits = [body for _, path, body in recorder.posts if path == "/init_weights_update_group"]
     for body in inits:
@@ -128,10 +129,15 @@ def test_distributed_transport_requests_are_sglang_requests(monkeypatch, io_stru
     (update,) = {json.dumps(body) for _, _, body in recorder.posts}
     update = json.loads(update)
     assert_request_of(update, "UpdateWeightsFromDistributedReqInput", io_struct)
-    assert update["load_format"] == "flattened_bucket" and update["flush_cache"] is False
+    assert update["flush_cache"] is False
     assert update["dtypes"] == ["float32", "bfloat16", "float32"]
-    assert len(recorder.broadcasts) == 1  # one broadcast per bucket
-    assert torch.equal(recorder.broadcasts[0], flatten_bucket(mixed_bucket()))
+    if flatten:  # one broadcast per bucket
+        assert update["load_format"] == "flattened_bucket" and len(recorder.broadcasts) == 1
+        assert torch.equal(recorder.broadcasts[0], flatten_bucket(mixed_bucket()))
+    else:  # SGLang's default: tensor by tensor, in the order the request names them
+        assert update["load_format"] is None
+        sent = [tensor for _, tensor in mixed_bucket()]
+        assert all(torch.equal(a, b) for a, b in zip(recorder.broadcasts, sent, strict=True))
     transport.close()
     destroy = recorder.posts[-1][2]
     assert_request_of(destroy, "DestroyWeightsUpdateGroupReqInput", io_struct)

@@ -49,8 +49,8 @@ class DistributedTransport(WeightTransport):
     """Broadcast from the stage's sending rank (group rank 0) to every engine rank: NCCL on
     GPUs, gloo on CPU. One group per pipeline stage, hosted by that stage's sending rank on
     port ``master_port + stage``. For each bucket the engines are told what is coming
-    (/update_weights_from_distributed, load_format "flattened_bucket": one broadcast per
-    bucket) and receive it while that request is in flight."""
+    (/update_weights_from_distributed) and receive it while that request is in flight: tensor
+    by tensor, or with ``flatten`` as one buffer (load_format "flattened_bucket")."""
 
     needs_session = True
 
@@ -62,8 +62,10 @@ class DistributedTransport(WeightTransport):
         backend: str = "gloo",
         timeout_s: float = 120.0,
         group_name: str = "weight_update_group",
+        flatten: bool = False,
     ):
         super().__init__(engines, timeout_s)
+        self.flatten = flatten
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.base_group_name = group_name
         self.group: WeightUpdateGroup | None = None
@@ -115,7 +117,7 @@ class DistributedTransport(WeightTransport):
     def send(self, bucket: Bucket) -> None:
         if self.group is None:
             raise RuntimeError("DistributedTransport.send before connect")
-        flat = flatten_bucket(bucket)
+        flat = flatten_bucket(bucket) if self.flatten else None
         body = protocol.update_weights_from_distributed_request(
             [name for name, _ in bucket],
             [dtype_name(tensor) for _, tensor in bucket],
