@@ -28,6 +28,9 @@ while [ $# -gt 0 ]; do
 done
 check() { "$python" "$repo/tools/gpu_check.py" "$@"; }
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# As the Slurm jobs set it: NCCL's cuMem buffers are not shareable between the learner and the
+# SGLang processes of the weight-update group.
+export NCCL_CUMEM_ENABLE=0
 
 if [ "$dry_run" = 1 ]; then
     check plan
