@@ -54,13 +54,26 @@ run() {
     echo "${words[*]}"
 }
 
+# The CPUs each step's one task per node gets: the job's per-node request, or on whole nodes
+# the fewest any node of the job has (SLURM_JOB_CPUS_PER_NODE, e.g. "64(x2),48"). Slurm >= 22.05
+# gives a step's task one CPU unless told (srun no longer inherits --cpus-per-task).
+step_cpus() {
+    if [ -n "${MFR_CPUS_PER_NODE:-}" ]; then
+        echo "$MFR_CPUS_PER_NODE"
+    elif [ -n "${SLURM_JOB_CPUS_PER_NODE:-}" ]; then
+        tr ',' '\n' <<<"$SLURM_JOB_CPUS_PER_NODE" | sed 's/(.*//' | sort -n | head -n 1
+    fi
+}
+
 # srun one task per node on the nodes named (comma-separated), in the container if any.
 srun_on() {
-    local nodes=$1 count
+    local nodes=$1 count cpus cpu_flag=()
     shift
     count=$(tr ',' '\n' <<<"$nodes" | wc -l)
+    cpus=$(step_cpus)
+    [ -n "$cpus" ] && cpu_flag=(--cpus-per-task="$cpus")
     run srun --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --nodelist="$nodes" \
-        --kill-on-bad-exit=1 "${MFR_CONTAINER[@]}" "$@"
+        "${cpu_flag[@]}" --kill-on-bad-exit=1 "${MFR_CONTAINER[@]}" "$@"
 }
 
 resolve_nodes() {

@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per micro-batch of one replica (LearnerConfig.micro_batch_tokens)",
     )  # fmt: skip
     parser.add_argument("--params-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--entropies", action="store_true",
+        help="the loss computes token entropies (negative_token_fraction < 1): one more "
+        "fp32 logits-sized buffer on the last stage",
+    )  # fmt: skip
     for flag in LAYOUT_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help=f"{flag.upper()} size (check mode)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return INVALID
     options = dict(
         micro_batch_tokens=args.micro_batch_tokens, params_dtype=args.params_dtype,
-        gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb,
+        gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, entropies=args.entropies,
     )  # fmt: skip
     if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _check(spec, world, args, options)

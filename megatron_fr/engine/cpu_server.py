@@ -43,7 +43,7 @@ from megatron_fr.engine.cpu_wire import (
     parse_generate,
     version_field,
 )
-from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine.sglang_source import DistributedReceiver, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
@@ -80,7 +80,7 @@ class CpuServer:
         # Weight updates get threads of their own: requests waiting out a pause hold every
         # generation thread, and the update that would end the pause must still run.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
-        self.groups: dict[str, WeightUpdateGroup] = {}
+        self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -190,20 +190,20 @@ class CpuServer:
     # --- weights ------------------------------------------------------------------------
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
         body = await _json_object(request)
         name = field(body, "group_name", str, "weight_update_group")
-        group = await self._control(
-            lambda: create_weight_update_group(
-                field(body, "master_address", str),
-                field(body, "master_port", int),
-                field(body, "rank_offset", int),
-                field(body, "world_size", int),
-                name,
-                backend=field(body, "backend", str, "gloo"),
-            )
-        )
-        self.groups[name] = group
-        return web.json_response({"success": True, "message": f"joined {name} as {group.rank}"})
+        args = (
+            field(body, "master_address", str), field(body, "master_port", int),
+            field(body, "rank_offset", int), field(body, "world_size", int), name,
+            field(body, "backend", str, "gloo"),
+        )  # fmt: skip
+        try:
+            rank = await self._control(self.receiver.join, *args)
+        except SglangSourceMissing as error:
+            message = f"the CPU engine joins weight groups with SGLang's code: {error}"
+            raise BadRequest(message) from error
+        return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await _json_object(request, empty_ok=True)
@@ -224,11 +224,16 @@ class CpuServer:
                     "and end_weight_update()"
                 )
             names, dtypes, shapes = bucket_metadata(body)
-            group = self._bucket_group(body)
+            group_name = field(body, "group_name", str, "weight_update_group")
+            if group_name not in self.receiver.groups:
+                raise BadRequest(
+                    f"no weight update group {group_name!r}: call /init_weights_update_group"
+                )
             version = version_field(body, "weight_version", None)
             bool_flags(body, "flush_cache", "abort_all_requests")
-            if field(body, "load_format", str, None) is not None:
-                raise BadRequest("load_format: the CPU engine receives tensor by tensor (null)")
+            load_format = field(body, "load_format", str, None)
+            if load_format not in (None, "flattened_bucket"):
+                raise BadRequest("load_format must be null (tensor by tensor) or flattened_bucket")
             self.engine.weights.check_update(list(zip(names, shapes, strict=True)))
         except ValueError as error:
             self.engine.weights.fail_update(str(error))
@@ -236,13 +241,9 @@ class CpuServer:
         if body.get("abort_all_requests"):
             self.engine.abort(abort_all=True)
 
-        def receive() -> int:
+        def receive() -> int:  # as SGLang's WeightUpdater receives, then staged
             try:
-                tensors = []
-                for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                    tensor = torch.empty(shape, dtype=DTYPES[dtype])
-                    group.broadcast(tensor)
-                    tensors.append((name, tensor))
+                tensors = self.receiver.receive(names, dtypes, shapes, group_name, load_format)
                 return self.engine.weights.stage(tensors, version)
             except Exception as error:
                 self.engine.weights.fail_update(f"receiving the bucket failed: {error}")
@@ -250,12 +251,6 @@ class CpuServer:
 
         count = await self._control(receive)
         return web.json_response({"success": True, "message": f"received {count} tensors"})
-
-    def _bucket_group(self, body: dict) -> WeightUpdateGroup:
-        name = field(body, "group_name", str, "weight_update_group")
-        if name not in self.groups:
-            raise BadRequest(f"no weight update group {name!r}: call /init_weights_update_group")
-        return self.groups[name]
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
@@ -281,7 +276,9 @@ class CpuServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
-        self.groups.pop(field(body, "group_name", str, "weight_update_group"), None)
+        name = field(body, "group_name", str, "weight_update_group")
+        if not await self._control(self.receiver.destroy, name):
+            raise BadRequest(f"no weight update group {name!r} to destroy")
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

@@ -1,57 +1,81 @@
-"""The process group between one learner rank and the inference engines' ranks.
+"""The sending end (rank 0) of the process group between a learner rank and the engines' ranks.
 
-It lives outside the learner's default group (the engines are other programs), so it is built
-to meet SGLang's ``init_custom_process_group``: a TCP store at master_address:master_port
-(hosted by the learner rank, rank 0), prefixed by the group name, and a process group of the
-requested backend on it. Both ends
-calling this with the same address, port, name and world size meet; rank 0 is the sender.
+SGLang's ranks join with ``init_custom_process_group`` (srt/utils/common.py): a ``tcp://``
+rendezvous (a TCPStore client), ``PrefixStore(group_name, store)``, then torch's
+``_new_process_group_helper``, which prefixes the keys again with the group name and the
+device before the backend rendezvous. Rank 0 must build the same stack, or the two sides wait
+on different keys. This module builds it with one difference: the TCPStore server is created
+directly, not through ``rendezvous("tcp://...")``, because under torchrun that handler makes
+rank 0 a client of the job's agent store (TORCHELASTIC_USE_AGENT_STORE), where nobody would
+host the group's port. tests/distributed/test_weight_group.py checks this sender against
+SGLang's own function, read from the installed package, in separate processes.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+BACKENDS = ("gloo", "nccl")
 
 
 @dataclass
 class WeightUpdateGroup:
-    """The group and the TCP store it was built on (rank 0's store socket must outlive it)."""
+    """The group and the TCP store it was built on (the store's server must outlive it)."""
 
     group: dist.ProcessGroup
     store: dist.Store
     rank: int
     world_size: int
+    name: str
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Send (rank 0) or receive (the others) one tensor, in place."""
+        """Send one tensor from rank 0 (this end) to every engine rank, in place."""
         self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+    def destroy(self) -> None:
+        dist.destroy_process_group(self.group)
 
 
 def create_weight_update_group(
     master_address: str,
     master_port: int,
-    rank: int,
     world_size: int,
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
 ) -> WeightUpdateGroup:
-    """Join (rank 0: host) the weight-update group; blocks until all world_size ranks arrive."""
+    """Host the weight-update group as its rank 0; blocks until all world_size ranks joined
+    (the engines join after POST /init_weights_update_group with the same address, port,
+    name and world size)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-update backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    # A TCPStore made directly, not through dist.rendezvous("tcp://..."): under torchrun that
-    # handler turns rank 0 into a client of the job's agent store, and nobody would host.
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+        master_address, master_port, world_size, is_master=True, timeout=timeout,
         wait_for_workers=False,
     )  # fmt: skip
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    elif backend == "nccl":
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    else:
-        raise ValueError(f"weight-update backend must be 'gloo' or 'nccl', got {backend!r}")
-    return WeightUpdateGroup(group, store, rank, world_size)
+    prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
+    group, _ = _new_process_group_helper(
+        world_size, 0, [], Backend(backend), prefixed, group_name=group_name,
+        backend_options=None, timeout=timeout, device_id=None,
+    )  # fmt: skip
+    # SGLang registers the group's ranks as identity so dist.* calls may name them directly.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return WeightUpdateGroup(group, store, 0, world_size, group_name)
+
+
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that routes to `host` (no packet is sent):
+    what a stage's sending rank tells the engines to connect to."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(host), 9))
+        except OSError as error:
+            raise OSError(f"no route from this host to engine host {host!r}: {error}") from error
+        return probe.getsockname()[0]

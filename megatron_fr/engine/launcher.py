@@ -1,12 +1,19 @@
 """Starting, health-checking and stopping one inference server process (SGLang on GPUs, the
 project's SGLang-protocol CPU engine elsewhere).
 
-    launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log)
+    launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log,
+                               CUDA_VISIBLE_DEVICES narrowed to the server's GPUs)
     .wait_healthy(s)   ─► poll GET /health; on exit or deadline, raise with the log's last lines
     .stop(s)           ─► SIGTERM to the group, SIGKILL after s seconds, wait
 
 The server gets its own process group because SGLang forks scheduler and detokenizer processes:
 signalling the group we created (by its PID) stops them too, and nothing else.
+
+GPU placement: SGLang takes the first GPUs it sees (``--base-gpu-id`` 0). Launched from a
+learner rank under torchrun, that is the learner's GPU 0, so unless ``gpu_ids`` says where,
+the server gets the GPUs after the learner's (torchrun's LOCAL_WORLD_SIZE ranks use GPUs
+0..LOCAL_WORLD_SIZE-1): its CUDA_VISIBLE_DEVICES is narrowed to them, entries of the parent's
+own CUDA_VISIBLE_DEVICES when that is set (SGLang then counts from 0 among them).
 """
 
 from __future__ import annotations
@@ -72,6 +79,17 @@ class ServerLaunchConfig(BaseModel):
     """auto: SGLang when CUDA is available, else the CPU engine."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
+    gpu_ids: tuple[NonNegativeInt, ...] = ()
+    """SGLang's GPUs on this node, as indices into the devices this process sees; empty: the
+    GPUs after the learner's under torchrun, else all visible ones (module docstring). The
+    same GPUs as the learner only for colocated serving (the tensor transport), with
+    mem_fraction_static leaving the learner its memory."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs SGLang uses on one node: TP x data-parallel replicas, over the nodes."""
+        replicas = 1 if self.enable_dp_attention else self.dp_size
+        return self.tp_size * replicas // self.nnodes
 
     @model_validator(mode="after")
     def _check_layout(self) -> ServerLaunchConfig:
@@ -88,6 +106,11 @@ class ServerLaunchConfig(BaseModel):
             raise ValueError(
                 f"dist_init_addr (host:port of node 0) is required for nnodes {self.nnodes}"
             )
+        if self.gpu_ids and len(self.gpu_ids) != self.gpus_per_node:
+            raise ValueError(
+                f"gpu_ids {list(self.gpu_ids)}: SGLang uses {self.gpus_per_node} GPU(s) per node "
+                f"with tp_size {self.tp_size}, dp_size {self.dp_size}, nnodes {self.nnodes}"
+            )
         return self
 
 
@@ -95,10 +118,10 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     """argv of `python -m sglang.launch_server` for `cfg`."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
     cmd += ["--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size)]
-    if cfg.dp_size > 1:
+    if cfg.enable_dp_attention:  # 0.5.23's spelling of "--dp-size N --enable-dp-attention"
+        cmd += ["--attn-dp-size", str(cfg.dp_size)]
+    elif cfg.dp_size > 1:
         cmd += ["--dp-size", str(cfg.dp_size)]
-    if cfg.enable_dp_attention:
-        cmd.append("--enable-dp-attention")
     cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     if cfg.nnodes > 1:
@@ -122,6 +145,8 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
     }
     if cfg.enable_dp_attention:
         unsupported["enable_dp_attention"] = True
+    if cfg.gpu_ids:
+        unsupported["gpu_ids"] = cfg.gpu_ids
     if cfg.extra_args:
         unsupported["extra_args"] = cfg.extra_args
     if unsupported:
@@ -148,6 +173,39 @@ def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[s
     if resolve_engine(cfg) == "sglang":
         return sglang_command(cfg)
     return cpu_engine_command(cfg, watch_parent)
+
+
+def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries an SGLang server gets (module docstring); empty: leave
+    the environment as it is. ValueError when the GPUs are not there."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(device_count)]
+    ids = list(cfg.gpu_ids)
+    if not ids and "LOCAL_WORLD_SIZE" in environ:
+        learner = int(environ["LOCAL_WORLD_SIZE"])
+        ids = list(range(learner, learner + cfg.gpus_per_node))
+        if ids[-1] >= len(devices):
+            raise ValueError(
+                f"the learner's {learner} rank(s) on this node use GPUs 0..{learner - 1} of "
+                f"{len(devices)}; SGLang needs {cfg.gpus_per_node} more: run fewer learner "
+                "ranks, or set gpu_ids (the learner's own GPUs only for colocated serving)"
+            )
+    missing = [i for i in ids if i >= len(devices)]
+    if missing:
+        raise ValueError(f"gpu_ids {missing} not among the {len(devices)} visible GPU(s)")
+    return [devices[i] for i in ids]
+
+
+def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
+    """The server's environment: this one without the launcher's rank variables, and for
+    SGLang CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
+    env = standalone_env()
+    if resolve_engine(cfg) != "sglang":
+        return env
+    import torch
+
+    gpus = server_gpus(cfg, dict(os.environ), torch.cuda.device_count())
+    return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 
 
 def live_group_members(pgid: int) -> list[int]:
@@ -183,8 +241,10 @@ class ServerProcess:
         self._stopped = False
 
     @classmethod
-    def start(cls, command: list[str], host: str, port: int, log_dir: Path) -> ServerProcess:
-        """Run `command` in its own process group, output appended to log_dir/server-<port>.log."""
+    def start(cls, command: list[str], host: str, port: int, log_dir: Path,
+              env: dict[str, str] | None = None) -> ServerProcess:  # fmt: skip
+        """Run `command` in its own process group, output appended to log_dir/server-<port>.log;
+        `env`: its environment (default: this one without the launcher's rank variables)."""
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"server-{port}.log"
         with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -196,7 +256,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=standalone_env(),
+                env=standalone_env() if env is None else env,
             )
             log_start = log.tell()
         # A server bound to all interfaces is polled on loopback.
@@ -275,4 +335,6 @@ class ServerProcess:
 
 def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
     """Start the server `cfg` describes (engine resolved now); call wait_healthy next."""
-    return ServerProcess.start(server_command(cfg), cfg.host, cfg.port, cfg.log_dir)
+    return ServerProcess.start(
+        server_command(cfg), cfg.host, cfg.port, cfg.log_dir, env=server_env(cfg)
+    )

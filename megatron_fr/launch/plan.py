@@ -34,18 +34,33 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                               gate|up output 4F, activation output 2F, dropout mask h; their
                               ungated 4h MLP: 2h + 8h + 8h + h = 19h]
   with q = heads x head_dim, kv = kv_heads x head_dim; dense: r = 1, F = intermediate_size;
-  MoE: r = top-k, F = top-k x moe_intermediate_size (balanced routing: a rank's experts see as
-  many token copies as it sent). Flash attention never stores the a s^2 softmax tensors (the
-  part Korthikanti's selective recompute drops), so the estimate depends on tokens only.
+  MoE: r = top-k x ETP, F = top-k x moe_intermediate_size (balanced routing: a rank's
+  experts see as many token copies as it sent, all-gathered over the ETP group by megatron's
+  alltoall dispatcher, each on F / ETP of the width), plus per MoE layer (E experts, top-k k)
+    router     2h + 4E                                      [gate input; routing scores]
+    combine    2hk                                          [expert outputs, kept by the
+                              multiplication with the routing probabilities]
+  Flash attention never stores the a s^2 softmax tensors (the part Korthikanti's selective
+  recompute drops), so the estimate depends on tokens only.
   Sequence parallelism is assumed whenever TP > 1 (megatron requires it for MoE with TP > 1),
   so every term is divided by TP, and CP divides the tokens; a GPU holds T / (TP x CP) tokens
-  of a micro-batch of T tokens (LearnerConfig.micro_batch_tokens). The last stage adds the
-  output layer, 4h + 4V per token (final-norm and projection inputs, fp32 logits; their 4sbh/t
-  (1 + v/h)). 1F1B: stage s keeps PP - s micro-batches of its L/PP layers in flight.
-  With full recompute only each layer's input (2h per token) is kept, plus one layer's
-  working set while it is recomputed. Not counted: router logits, MoE permutation buffers,
-  the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator fragmentation
-  (the `reserve` allowance stands in for the last three).
+  of a micro-batch of T tokens (LearnerConfig.micro_batch_tokens). 1F1B: stage s keeps PP - s
+  micro-batches of its L/PP layers in flight. With full recompute only each layer's input (2h
+  per token) is kept, plus one layer's working set while it is recomputed.
+  Working buffers, once per GPU on top of the kept activations:
+    MoE dispatch  2hk (2 + 2 ETP)   [one layer at a time: the permuted token copies, the
+                              all-to-all output, its ETP all-gather and the expert-sorted copy
+                              are alive together]
+    loss path (last stage)  4h + V (b + c + 4 + 4e)         [final-norm and output-layer
+                              inputs; the logits in the params dtype (b = 2 for bf16, 4 for
+                              fp32); the fp32 copy the learner's loss takes of bf16 logits
+                              (c = 4, 0 for fp32 logits); the fp32 softmax buffer that
+                              vocab_parallel_log_probs keeps for the backward (4); with
+                              entropies (negative_token_fraction < 1, e = 1) its fp32
+                              shifted-logits temporary (4)], V / TP of the vocabulary for
+                              each of the T / CP tokens: the same product as above.
+  Not counted: the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator
+  fragmentation (the `reserve` allowance stands in for the last three).
 """
 
 from __future__ import annotations
@@ -213,18 +228,33 @@ def stage_params(spec: HFModelSpec, parallel: ParallelConfig, stage: int) -> Par
     return ParamCounts(dense=dense, expert=expert)
 
 
-def activation_bytes_per_token_layer(spec: HFModelSpec) -> int:
+def activation_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int = 1) -> int:
     """Bytes one token leaves for the backward in one layer, no recompute (module docstring)."""
     h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
     attention = 3 * h + 4 * q + 4 * kv + (2 * q + 2 * kv if spec.qk_layernorm else 0)
     norms = 4 * h
-    if spec.is_moe:
-        copies = spec.num_experts_per_tok
-        width = spec.num_experts_per_tok * spec.moe_intermediate_size
-    else:
-        copies, width = 1, spec.intermediate_size
-    mlp = 2 * h * copies + 6 * width + h
-    return attention + norms + mlp
+    if not spec.is_moe:
+        return attention + norms + 2 * h + 6 * spec.intermediate_size + h
+    k = spec.num_experts_per_tok
+    experts = 2 * h * k * expert_tensor + 6 * k * spec.moe_intermediate_size + h
+    router = 2 * h + 4 * spec.num_experts
+    combine = 2 * h * k
+    return attention + norms + experts + router + combine
+
+
+def moe_dispatch_bytes_per_token(spec: HFModelSpec, expert_tensor: int = 1) -> int:
+    """The token-dispatch working set of one MoE layer, per token (module docstring)."""
+    if not spec.is_moe:
+        return 0
+    return 2 * spec.hidden_size * spec.num_experts_per_tok * (2 + 2 * expert_tensor)
+
+
+def loss_path_bytes_per_token(spec: HFModelSpec, params_dtype: str, entropies: bool) -> int:
+    """The last stage's output layer and loss, per token of its vocabulary share (module
+    docstring): the product with V is per token of T / CP at V / TP, i.e. T / (TP x CP)."""
+    logits = BYTES_PER_PARAM[params_dtype][0]
+    fp32_copy = 4 if logits < 4 else 0
+    return 4 * spec.hidden_size + spec.vocab_size * (logits + fp32_copy + 4 + 4 * entropies)
 
 
 def plan_layout(
@@ -236,23 +266,27 @@ def plan_layout(
     params_dtype: str = "bfloat16",
     gpu_mem_gib: float | None = None,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
+    entropies: bool = False,
 ) -> Plan:
-    """The figures of a layout; LayoutError if it is invalid (check_layout)."""
+    """The figures of a layout; LayoutError if it is invalid (check_layout). `entropies`: the
+    loss computes token entropies (negative_token_fraction < 1)."""
     check_layout(spec, parallel, world)
     weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
     tp, pp, cp = parallel.tensor, parallel.pipeline, parallel.context
     dp = parallel.data_parallel_size(world)
     edp = world // (parallel.effective_expert_tensor * parallel.expert * pp)
+    etp = parallel.effective_expert_tensor
     tokens = micro_batch_tokens / (tp * cp)  # this GPU's share of a micro-batch
-    per_layer = tokens * activation_bytes_per_token_layer(spec)
+    per_layer = tokens * activation_bytes_per_token_layer(spec, etp)
     layer_input = tokens * 2 * spec.hidden_size
-    output = tokens * (4 * spec.hidden_size + 4 * spec.vocab_size)
+    dispatch = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    output = tokens * loss_path_bytes_per_token(spec, params_dtype, entropies)
     layers = spec.num_layers // pp
     stages = []
     for stage in range(pp):
         params = stage_params(spec, parallel, stage)
         in_flight = pp - stage
-        last = output if stage == pp - 1 else 0
+        last = dispatch + (output if stage == pp - 1 else 0)
         stages.append(
             StagePlan(
                 stage=stage,

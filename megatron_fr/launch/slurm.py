@@ -81,6 +81,13 @@ class SlurmOptions(BaseModel):
     """USR1 this long before the time limit: enough for one step and its checkpoint
     (Slurm may send it up to a minute earlier)."""
     exclusive: bool = False
+    """Whole nodes: all their CPUs and memory (sbatch --exclusive --mem=0)."""
+    cpus_per_node: PositiveInt | None = None
+    """CPUs per node (sbatch --cpus-per-task, one task per node; every step gets them all);
+    required unless exclusive: without it Slurm gives a shared node's job one CPU."""
+    mem_per_node_gb: float | None = Field(default=None, gt=0)
+    """Memory per node in GiB (sbatch --mem); required unless exclusive (without it the job
+    gets the partition's default, often a few GB)."""
     container_image: str | None = None
     """pyxis/enroot image; the container flags go to every srun only when this is set."""
     container_mounts: str | None = None
@@ -155,6 +162,7 @@ def resolve_job(
             "weights.transport 'tensor' needs engines on the learner's GPUs; this launcher puts "
             "the servers on nodes of their own (use 'distributed', or 'disk' on a shared path)"
         )
+    _check_node_share(options, procs)
     server_gpus, servers_per_node = _servers(options)
     engine = options.engine if options.engine != "auto" else ("sglang" if gpus else "cpu")
     if engine == "cpu" and server_gpus:
@@ -171,6 +179,20 @@ def resolve_job(
         config=config, plan=plan, engine=engine, procs_per_node=procs, server_gpus=server_gpus,
         servers_per_node=servers_per_node, python=python,
     )  # fmt: skip
+
+
+def _check_node_share(options: SlurmOptions, procs: int) -> None:
+    if options.exclusive:
+        return
+    if options.cpus_per_node is None or options.mem_per_node_gb is None:
+        raise LaunchError(
+            "a job that shares its nodes must say what it needs of each: --cpus-per-node N "
+            "--mem-per-node-gb M (or --exclusive for whole nodes)"
+        )
+    if options.cpus_per_node < procs:
+        raise LaunchError(
+            f"cpus_per_node {options.cpus_per_node} < {procs} learner rank(s) per node"
+        )
 
 
 def _servers(options: SlurmOptions) -> tuple[int, int]:
@@ -216,6 +238,7 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
             params_dtype=config.learner.params_dtype,
             gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
             reserve_gib=options.reserve_gb,
+            entropies=config.learner.flash_reinforce.negative_token_fraction < 1,
         )  # fmt: skip
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None
@@ -243,8 +266,14 @@ def sbatch_directives(job: SlurmJob) -> list[str]:
     named = {"partition": o.partition, "account": o.account, "time": o.time}
     flags += [f"--{name}={value}" for name, value in named.items() if value]
     if o.exclusive:
-        flags.append("--exclusive")
+        flags += ["--exclusive", "--mem=0"]  # --exclusive alone leaves memory at the default
+    else:
+        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_mib(o.mem_per_node_gb)}M"]
     return flags + list(o.sbatch_args)
+
+
+def _mib(gib: float) -> int:
+    return int(gib * 1024)
 
 
 def container_flags(options: SlurmOptions) -> list[str]:
@@ -270,6 +299,7 @@ def settings(job: SlurmJob) -> dict[str, str | list[str]]:
         MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),
         MFR_SERVER_THREADS=str(o.server_threads), MFR_SERVER_ARGS=list(o.server_args),
         MFR_PORT_BASE=str(o.port_base), MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
+        MFR_CPUS_PER_NODE=str(o.cpus_per_node or ""),
         MFR_CONTAINER=container_flags(o), MFR_ENV=[*NCCL_ENV, *o.env],
     )  # fmt: skip
 
@@ -302,7 +332,7 @@ def summary(job: SlurmJob) -> str:
             f" max lag {job.config.buffer.max_lag})",
             f"run dir   {job.run_dir} (logs: logs/slurm-<job>.<restart>/)",
             f"nodes     {n}: rollout {_span(1, r)}, learner {_span(r + 1, n)};"
-            f" {o.gpus_per_node} GPU(s) per node",
+            f" {o.gpus_per_node} GPU(s) per node, " + _share(o),
             f"servers   {r * job.servers_per_node} ({job.servers_per_node} per rollout node,"
             f" {job.engine} engine, {server}); ports {ports[0]}-{ports[-1]}",
             f"learner   {job.learner_ranks} ranks = {o.learner_nodes} node(s) x"
@@ -315,6 +345,12 @@ def summary(job: SlurmJob) -> str:
             f"env       {' '.join([*NCCL_ENV, *o.env])}",
         ]
     )
+
+
+def _share(o: SlurmOptions) -> str:
+    if o.exclusive:
+        return "whole nodes (exclusive)"
+    return f"{o.cpus_per_node} CPU(s) and {_mib(o.mem_per_node_gb)} MiB each"
 
 
 def _span(first: int, last: int) -> str:

@@ -1,14 +1,19 @@
 """Push the learner's weights to the inference engines after an optimizer step.
 
 Protocol, run by every learner rank together (the resharding gathers are collectives):
+  0. once (connect): rank 0 asks each engine its layout (GET /server_info: SGLang's TP size,
+     the ranks it has in a weight-update group) and every rank gets the answer; then each
+     stage's sending rank (TP 0, DP 0) connects its transport, one stage after the other;
   1. rank 0 pauses every engine (/pause_generation; mode "abort" ends in-flight requests,
      which the rollout client continues under the new version) and, for the broadcast and
      tensor transports, opens SGLang's weight-update session (/begin_weight_update);
-  2. every stage streams its buckets; the stage's sending rank (TP 0, DP 0) hands each to
-     the transport;
-  3. rank 0 commits (disk: reload), closes the session (/end_weight_update), sets the new
-     weight version, optionally reads a few
-     tensors back and compares them bitwise, and resumes generation (/continue_generation).
+  2. the stages stream their buckets ONE STAGE AFTER THE OTHER: an SGLang scheduler serves
+     one update call at a time, so two stages broadcasting at once to several engines could
+     each hold one engine while waiting for the other (a deadlock);
+  3. rank 0 commits (disk: reload), closes the session (/end_weight_update), empties the
+     engines' prefix caches (/flush_cache, so no KV of the old weights is reused), sets the
+     new weight version, optionally reads a few tensors back (CPU engine only) and resumes
+     generation (/continue_generation).
 Every engine call has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
 mixed-version tokens into training data.
@@ -24,10 +29,15 @@ import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.engine import protocol
-from megatron_fr.engine.http import EngineRequestError, post_all, post_json
+from megatron_fr.engine.http import EngineRequestError, flush_cache, post_all, post_json
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.reshard import iter_hf_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
+from megatron_fr.weights.transports.base import resolve_engine
+
+SGLANG_WEIGHT_READBACK = ("llama", "opt", "granite", "exaone4")
+"""Model families whose SGLang 0.5.23 model class defines get_weights_by_name (the others
+answer /get_weights_by_name with an error); tests/unit/test_weight_transports.py reads them."""
 
 
 class WeightSyncError(RuntimeError):
@@ -36,6 +46,9 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class SyncReport:
+    """One sync, on every rank: totals over all stages; spot_checked tensors (rank 0's, from
+    stage 0) read back from every engine."""
+
     version: str
     buckets: int
     tensors: int
@@ -54,69 +67,105 @@ def is_stage_sender() -> bool:
     )
 
 
+def _stages() -> tuple[int, int]:
+    """(this rank's pipeline stage, number of stages)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+
+
 class WeightSync:
-    def __init__(
-        self,
-        transport: WeightTransport,
-        spec: HFModelSpec,
-        *,
-        bucket_bytes: int = 512 * 2**20,
-        pause_mode: str = "abort",
-        timeout_s: float = 60.0,
-        spot_check: int = 0,
-    ):
-        self.transport, self.spec = transport, spec
-        self.bucket_bytes, self.pause_mode = bucket_bytes, pause_mode
-        self.timeout_s, self.spot_check = timeout_s, spot_check
+    def __init__(self, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
+        if not engines:
+            raise ValueError("the weight sync needs at least one engine")
+        self.config, self.engines, self.spec = config, engines, spec
+        self.bucket_bytes = config.bucket_mib * 2**20
+        self.timeout_s = config.timeout_s
+        self.transport: WeightTransport | None = None
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
-        return cls(
-            build_transport(config, engines),
-            spec,
-            bucket_bytes=config.bucket_mib * 2**20,
-            pause_mode=config.pause_mode,
-            timeout_s=config.timeout_s,
-            spot_check=config.spot_check,
-        )
+        return cls(config, engines, spec)
 
     def connect(self) -> None:
-        """Once per run, on every learner rank (only stage senders talk to the engines)."""
-        from megatron.core import parallel_state as ps
-
-        stage = ps.get_pipeline_model_parallel_rank()
-        failure = self._attempt(is_stage_sender(), "connect", lambda: self.transport.connect(stage))
+        """Once per run, on every learner rank (only rank 0 and the stage senders talk to the
+        engines); sync() calls it if nobody did."""
+        resolved: list[Engine] = []
+        failure = self._attempt(
+            dist.get_rank() == 0, "resolve engines",
+            lambda: resolved.extend(resolve_engine(e, self.timeout_s) for e in self.engines),
+        )  # fmt: skip
         _raise_if_any(failure)
+        box = [resolved]
+        dist.broadcast_object_list(box, src=0)
+        transport = build_transport(self.config, box[0])
+        try:
+            self._check_spot_check(box[0])
+            transport.check_engines()
+        except ValueError as error:  # the same engines on every rank: all raise alike
+            raise WeightSyncError(f"weight sync refused: {error}") from None
+        stage, stages = _stages()
+        sender = is_stage_sender()
+        for turn in range(stages):
+            mine = sender and stage == turn
+            failure = self._attempt(mine, f"connect {turn}", lambda: transport.connect(stage))
+            _raise_if_any(failure)
+        self.engines, self.transport = box[0], transport
+
+    def _check_spot_check(self, engines: list[Engine]) -> None:
+        model_type = self.spec.model_type
+        if self.config.spot_check and model_type not in SGLANG_WEIGHT_READBACK:
+            sglang = [engine.url for engine in engines if engine.kind == "sglang"]
+            if sglang:
+                raise ValueError(
+                    f"spot_check {self.config.spot_check}: SGLang 0.5.23 does not implement "
+                    f"/get_weights_by_name for {model_type} (only {SGLANG_WEIGHT_READBACK}); "
+                    f"{sglang} are SGLang servers: set weights.spot_check=0"
+                )
 
     def sync(self, model: torch.nn.Module, version: str | int) -> SyncReport:
         """Every learner rank calls this; all of them return, or all raise WeightSyncError."""
+        if self.transport is None:
+            self.connect()
         version, started = str(version), time.monotonic()
         rank0, sender = dist.get_rank() == 0, is_stage_sender()
-        failure = self._attempt(rank0, "pause", self._pause)
+        _raise_if_any(self._attempt(rank0, "pause", self._pause))
+        stage, stages = _stages()
+        counts, kept = [0, 0, 0], []
+        for turn in range(stages):
+            failure = None
+            if stage == turn:
+                failure = self._send_stage(model, sender, counts, kept)
+            _raise_if_any(failure)
+        failure = self._attempt(rank0, "commit", lambda: self._commit(version, kept))
         _raise_if_any(failure)
-        buckets = tensors = nbytes = 0
-        kept: list[tuple[str, torch.Tensor]] = []
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, (counts, len(kept)) if sender else ([0, 0, 0], 0))
+        buckets, tensors, nbytes = (sum(c[i] for c, _ in per_rank) for i in range(3))
+        seconds = time.monotonic() - started
+        return SyncReport(version, buckets, tensors, nbytes, seconds, per_rank[0][1])
+
+    def _send_stage(self, model, sender: bool, counts: list[int], kept: list) -> str | None:
+        """This stage's buckets (every rank of the stage iterates; its sender sends)."""
+        failure = None
         for bucket in iter_hf_buckets(model, self.spec, self.bucket_bytes):
             # After a failure the sender stops sending but keeps iterating: the resharding
             # gathers are collectives its peers are waiting in.
             if sender and failure is None:
                 failure = self._attempt(True, "send", lambda b=bucket: self.transport.send(b))
-                keep = self.spot_check - len(kept)
+                keep = self.config.spot_check - len(kept) if dist.get_rank() == 0 else 0
                 kept += [(n, t.flatten()[:8].clone()) for n, t in bucket[: max(keep, 0)]]
-            buckets, tensors = buckets + 1, tensors + len(bucket)
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            counts[0] += 1  # [buckets, tensors, bytes] of this stage
+            counts[1] += len(bucket)
+            counts[2] += sum(t.numel() * t.element_size() for _, t in bucket)
             del bucket  # else it stays alive while the next one is built: two buckets' memory
         if failure is None:
             failure = self._attempt(sender, "finish", self.transport.finish_stage)
-        _raise_if_any(failure)
-        failure = self._attempt(rank0, "commit", lambda: self._commit(version, kept))
-        _raise_if_any(failure)
-        return SyncReport(version, buckets, tensors, nbytes, time.monotonic() - started, len(kept))
+        return failure
 
     def _pause(self) -> None:
-        self._post_all(
-            protocol.PAUSE_GENERATION_PATH, protocol.pause_generation_request(self.pause_mode)
-        )
+        pause = protocol.pause_generation_request(self.config.pause_mode)
+        self._post_all(protocol.PAUSE_GENERATION_PATH, pause)
         if self.transport.needs_session:
             self._post_all(
                 protocol.BEGIN_WEIGHT_UPDATE_PATH, protocol.begin_weight_update_request()
@@ -126,6 +175,9 @@ class WeightSync:
         self.transport.commit(version)
         if self.transport.needs_session:
             self._post_all(protocol.END_WEIGHT_UPDATE_PATH, protocol.end_weight_update_request())
+        if self.config.flush_cache:
+            for url in self.transport.urls:
+                flush_cache(url, self.timeout_s)
         self._post_all(
             protocol.UPDATE_WEIGHT_VERSION_PATH, protocol.update_weight_version_request(version)
         )
@@ -133,7 +185,7 @@ class WeightSync:
         self._post_all(protocol.CONTINUE_GENERATION_PATH, protocol.continue_generation_request())
 
     def _post_all(self, path: str, body: dict) -> None:
-        post_all(self.transport.urls, path, body, self.timeout_s)
+        post_all([engine.url for engine in self.engines], path, body, self.timeout_s)
 
     @staticmethod
     def _attempt(this_rank: bool, what: str, call) -> str | None:
@@ -142,7 +194,7 @@ class WeightSync:
             return None
         try:
             call()
-        except (EngineRequestError, WeightSyncError, RuntimeError, TimeoutError) as error:
+        except (EngineRequestError, WeightSyncError, RuntimeError, TimeoutError, OSError) as error:
             return f"rank {dist.get_rank()} at {what}: {error}"
         return None
 
@@ -156,6 +208,12 @@ class WeightSync:
                     raise WeightSyncError(
                         f"spot check: {url} serves {name} = {served}, sent {expected.tolist()}"
                     )
+
+    def close(self) -> None:
+        """At the end of the run, on every rank: the stage senders leave their groups."""
+        if self.transport is not None and is_stage_sender():
+            self.transport.close()
+        self.transport = None
 
 
 def _raise_if_any(failure: str | None) -> None:

@@ -9,4 +9,5 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 exec "$here/../launch.sh" "$here/../../examples/cpu_demo.yaml" \
     --job-name cpu_demo \
     --rollout-nodes 1 --learner-nodes 2 --gpus-per-node 0 --procs-per-node 1 \
+    --cpus-per-node 1 --mem-per-node-gb 1 \
     "$@"

@@ -111,39 +111,44 @@ def _generate(url: str, prompt: list[int], seed: int) -> dict:
         return json.loads(response.read())
 
 
-def learner_log_probs(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
-    """The learner's log-probs of tokens[prompt_len:] given everything before (full vocab)."""
-    ids = torch.tensor([tokens])
-    positions = torch.arange(len(tokens)).unsqueeze(0)
+def hf_log_probs(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
+    """log-probs of tokens[prompt_len:] given everything before, by a transformers model that
+    holds the learner's weights (the learner's own forward needs every stage at PP > 1)."""
     with torch.no_grad():
-        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True)
+        logits = model(torch.tensor([tokens])).logits
     log_probs = torch.log_softmax(logits[0].float(), dim=-1)
     targets = torch.tensor(tokens[prompt_len:])
     return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
 
 
-def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, url: str, port: int):
-    """Sample from the engine before and after a sync; compare with the learner's log-probs.
-    Then a sync to an engine that never answers must fail within its timeout."""
+def sync_on_rank(rank: int, world_size: int, megatron_dir: str, hf_dir: str, config: dict,
+                 url: str, port: int):  # fmt: skip
+    """At PP2 (one sender per stage, each with its own group to the engine, sending one stage
+    after the other): sample from the engine before and after a sync and compare with the
+    learner's log-probs. Then a scaled model through the disk transport, then a sync to an
+    engine that never answers, which must fail within its timeout."""
     import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
 
     from megatron_fr.config import WeightSyncConfig
     from megatron_fr.weights.sync import WeightSync, WeightSyncError
     from megatron_fr.weights.transports import Engine
 
-    spec, model = load_learner(megatron_dir, config, ParallelConfig(expert=2))
+    spec, model = load_learner(megatron_dir, config, ParallelConfig(pipeline=2))
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     prompt, results = [3, 17, 42, 5], {}
 
     def sample_and_score(seed: int):
         payload = [None]
         if rank == 0:
             answer = _generate(url, prompt, seed)
-            engine_lp = [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
-            payload = [(answer["output_ids"], engine_lp, answer["meta_info"]["weight_version"])]
+            engine_lp = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
+            mine = hf_log_probs(reference, prompt + answer["output_ids"], len(prompt))
+            payload = [
+                ((mine - engine_lp).abs().max().item(), answer["meta_info"]["weight_version"])
+            ]
         dist.broadcast_object_list(payload, src=0)
-        output_ids, engine_lp, version = payload[0]
-        mine = learner_log_probs(model, prompt + output_ids, len(prompt))
-        return (mine - torch.tensor(engine_lp)).abs().max().item(), version
+        return payload[0]
 
     results["before"] = sample_and_score(seed=1)
     in_flight = _start_long_rollout(url) if rank == 0 else None
@@ -153,29 +158,33 @@ def sync_on_rank(rank: int, world_size: int, megatron_dir: str, config: dict, ur
     sync.connect()
     report = sync.sync(model, version=7)
     results["report"] = (report.buckets, report.tensors, report.spot_checked)
+    results["engines"] = sync.engines
     if in_flight is not None:
         in_flight[0].join(timeout=120)
         results["continued"] = in_flight[1]
     results["after"] = sample_and_score(seed=2)
+    sync.close()
 
-    with torch.no_grad():  # a "training step": every rank scales its shards alike
-        for parameter in model.parameters():
-            parameter.mul_(0.9)
+    with torch.no_grad():  # a "training step": every HF tensor is a rearrangement of
+        for module in (model, reference):  # megatron tensors, so scaling all commutes
+            for parameter in module.parameters():
+                parameter.mul_(0.9)
     results["stale"] = sample_and_score(seed=3)
-    disk_dir = str(Path(megatron_dir).parent / "sync_dir")
-    disk_config = WeightSyncConfig(transport="disk", directory=disk_dir, timeout_s=60)
+    disk_dir = Path(megatron_dir).parent / "sync_dir"
+    disk_config = WeightSyncConfig(transport="disk", directory=str(disk_dir), timeout_s=60)
     disk_sync = WeightSync.from_config(disk_config, [Engine(url)], spec)
-    disk_sync.connect()
-    disk_sync.sync(model, version=8)
+    disk_sync.sync(model, version=8)  # connects itself
     results["after_disk"] = sample_and_score(seed=4)
+    results["disk_files"] = sorted(path.name for path in disk_dir.iterdir())
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen()  # accepts connections, never answers
-    dead = [Engine(f"http://127.0.0.1:{silent.getsockname()[1]}")]
+    dead = [Engine(f"http://127.0.0.1:{silent.getsockname()[1]}", tp_size=1, kind="cpu")]
     started = time.monotonic()
     try:
-        WeightSync.from_config(WeightSyncConfig(timeout_s=2.0), dead, spec).sync(model, version=9)
+        dead_config = disk_config.model_copy(update={"timeout_s": 2.0})
+        WeightSync.from_config(dead_config, dead, spec).sync(model, version=9)
     except WeightSyncError as error:
         results["dead"] = (str(error), time.monotonic() - started)
     silent.close()
@@ -237,8 +246,8 @@ def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights
 ):
     config, _, _, _ = _trained_checkpoint(tmp_path)
     results_by_rank = run_on_ranks(
-        sync_on_rank, 2, str(tmp_path / "learner.m"), config, cpu_engine, free_port(),
-        timeout_s=600,
+        sync_on_rank, 2, str(tmp_path / "learner.m"), str(tmp_path / "learner_hf"), config,
+        cpu_engine, free_port(), timeout_s=600,
     )  # fmt: skip
     results = results_by_rank[0]
     before, _ = results["before"]
@@ -246,16 +255,22 @@ def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights
     assert before > 1e-2, f"the engine should start with other weights (max diff {before})"
     assert after <= 1e-5, f"after the sync: max |engine - learner| log-prob {after}"
     assert version == "7"
+    (engine,) = results["engines"]  # resolved from the server: the CPU engine, one rank
+    assert (engine.tp_size, engine.kind) == (1, "cpu")
     stale, _ = results["stale"]
     after_disk, version = results["after_disk"]
     assert stale > 1e-3 and after_disk <= 1e-5 and version == "8", (stale, after_disk, version)
+    # Both stages' files lie directly in the directory SGLang's loader globs, with one index.
+    files = results["disk_files"]
+    assert "model.safetensors.index.json" in files
+    assert {name[:7] for name in files if name.endswith(".safetensors")} == {"stage00", "stage01"}
     rollout = results["continued"]["rollout"]
     versions = rollout.token_versions
     assert len(rollout.output_ids) == len(versions) == 4000 and rollout.continuations >= 1
     switch = versions.index("7")
     assert switch > 0 and set(versions[:switch]) == {"default"} and set(versions[switch:]) == {"7"}
     buckets, tensors, spot_checked = results["report"]
-    assert buckets > 1 and tensors == 45 and spot_checked == 4
+    assert buckets > 2 and tensors == 45 and spot_checked == 4
     message, seconds = results["dead"]
     assert "pause" in message and "127.0.0.1" in message and "within 2 s" in message, message
     assert seconds < 10

@@ -50,13 +50,17 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     optimizer = 12 * dense // 2 + 12 * expert // 1
     # Activations at 16,384 tokens per micro-batch: TP4 + SP leaves 4,096 tokens per GPU.
     # Per token and layer: attention 3h + 4q + 4kv + (2q + 2kv) for q/k norms, norms 4h,
-    # MLP 2h*k + 6*k*f + h; output layer 4h + 4V per token (fp32 logits).
-    tokens = 16384 // 4
+    # experts 2h*k*ETP + 6*k*f + h, router 2h + 4E, combine 2h*k (the expert outputs the
+    # probability weighting keeps). Once per GPU: the MoE dispatch working set 2h*k*(2 + 2 ETP);
+    # the loss path 4h + V*(2 bf16 logits + 4 fp32 copy + 4 softmax buffer) per token.
+    tokens, etp = 16384 // 4, 1
     per_layer = tokens * (3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv + 4 * h
-                          + 2 * h * top_k + 6 * top_k * width + h)  # fmt: skip
-    output = tokens * (4 * h + 4 * vocab)
-    activations = layers * per_layer + output
-    activations_recompute = layers * tokens * 2 * h + per_layer + output
+                          + 2 * h * top_k * etp + 6 * top_k * width + h
+                          + 2 * h + 4 * experts + 2 * h * top_k)  # fmt: skip
+    dispatch = tokens * 2 * h * top_k * (2 + 2 * etp)
+    output = tokens * (4 * h + vocab * (2 + 4 + 4))
+    activations = layers * per_layer + dispatch + output
+    activations_recompute = layers * tokens * 2 * h + per_layer + dispatch + output
 
     result = plan_cli(
         "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
@@ -72,13 +76,31 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     assert per_gpu["weight_bytes"] == weights == 8_037_494_784
     assert per_gpu["grad_bytes"] == grads == 16_074_989_568
     assert per_gpu["optimizer_bytes"] == optimizer == 45_855_756_288
-    assert per_gpu["activation_bytes"] == activations == 24_870_125_568
-    assert per_gpu["activation_bytes_recompute"] == activations_recompute == 3_793_747_968
+    assert per_gpu["activation_bytes"] == activations == 36_489_396_224
+    assert per_gpu["activation_bytes_recompute"] == activations_recompute == 8_217_690_112
     state = weights + grads + optimizer  # 65.2 GiB
-    assert plan["peak_bytes"] == state + activations  # 88.3 GiB
+    assert plan["peak_bytes"] == state + activations  # 99.1 GiB
     # 80 GiB with the 4 GiB reserve: only with full recompute.
     assert plan["fits"] is False and plan["fits_recompute"] is True
     assert (state + activations_recompute) / GIB + 4 <= 80 < (state + activations) / GIB + 4
+
+
+def test_entropies_and_expert_tensor_parallelism_add_what_the_formula_says():
+    spec = load_hf_config("qwen3-30b-a3b")
+    h, k, vocab, tokens = 2048, 8, 151936, 16384 // 4
+    base = dict(micro_batch_tokens=16384)
+    etp1 = ParallelConfig(tensor=4, expert=8, expert_tensor=1, sequence_parallel=True)
+    plain = plan_layout(spec, etp1, 8, **base).stages[0].activation_bytes
+    # Entropies: one more fp32 logits-sized temporary on the last stage (4V per token).
+    with_entropy = plan_layout(spec, etp1, 8, entropies=True, **base).stages[0].activation_bytes
+    assert with_entropy - plain == tokens * vocab * 4
+    # ETP4 (EP2 on 8 GPUs): expert inputs all-gathered over ETP: 2hk per token more per
+    # layer for each extra ETP rank, and the dispatch set grows by 4hk per extra ETP rank.
+    etp4 = ParallelConfig(tensor=4, expert=2, expert_tensor=4, sequence_parallel=True)
+    ep2 = ParallelConfig(tensor=4, expert=2, expert_tensor=1, sequence_parallel=True)
+    wide = plan_layout(spec, etp4, 8, **base).stages[0].activation_bytes
+    narrow = plan_layout(spec, ep2, 16, **base).stages[0].activation_bytes
+    assert wide - narrow == 48 * tokens * 2 * h * k * 3 + tokens * 4 * h * k * 3
 
 
 @pytest.mark.parametrize(
@@ -120,8 +142,10 @@ def test_pipeline_stages_hold_their_own_layers_and_embeddings():
     # Tied embeddings under PP keep a copy on the last stage, which also has the final norm.
     assert last - first == spec.hidden_size
     assert first + last == total_params(spec) + embedding
-    # 1F1B: stage 0 keeps 2 micro-batches in flight, the last one 1 (plus the logits).
-    assert plan.stages[0].activation_bytes > plan.stages[1].activation_bytes
+    # 1F1B: stage 0 keeps 2 micro-batches of its layers in flight, the last one 1, plus the
+    # loss path: 4h + V (2 bf16 logits + 4 fp32 copy + 4 softmax buffer) per token.
+    loss = 1024 * (4 * spec.hidden_size + spec.vocab_size * (2 + 4 + 4))
+    assert plan.stages[0].activation_bytes == 2 * (plan.stages[1].activation_bytes - loss)
     odd_vocab = dataclasses.replace(spec, vocab_size=spec.vocab_size + 1)
     with pytest.raises(LayoutError, match="TP 2 does not divide vocab_size 151937"):
         plan_layout(odd_vocab, ParallelConfig(tensor=2), 2, micro_batch_tokens=1024)

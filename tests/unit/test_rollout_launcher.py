@@ -23,6 +23,8 @@ from megatron_fr.engine.launcher import (
     cpu_engine_command,
     resolve_engine,
     server_command,
+    server_env,
+    server_gpus,
     sglang_command,
 )
 
@@ -69,7 +71,7 @@ def test_sglang_command_dp_attention() -> None:
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "Qwen/Qwen3-30B-A3B",
         "--tp-size", "4", "--ep-size", "4",
-        "--dp-size", "4", "--enable-dp-attention",
+        "--attn-dp-size", "4",  # 0.5.23's spelling of --dp-size 4 --enable-dp-attention
         "--mem-fraction-static", "0.7",
         "--host", "127.0.0.1", "--port", "31000",
         "--skip-server-warmup",
@@ -146,6 +148,34 @@ def test_auto_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_launch_config_refuses_bad_layouts(kwargs: dict, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         ServerLaunchConfig(model_path="m", **kwargs)
+
+
+def test_sglang_goes_on_the_gpus_after_the_learners_under_torchrun() -> None:
+    tp2 = ServerLaunchConfig(model_path="m", tp_size=2, engine="sglang")
+    assert server_gpus(tp2, {}, 8) == []  # standalone: all visible GPUs, as SGLang's default
+    assert server_gpus(tp2, {"LOCAL_WORLD_SIZE": "4"}, 8) == ["4", "5"]
+    # Entries of the parent's own CUDA_VISIBLE_DEVICES, in its order.
+    narrowed = {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "2,3,5,7,9"}
+    assert server_gpus(tp2, narrowed, 0) == ["5", "7"]
+    colocated = tp2.model_copy(update={"gpu_ids": (0, 1)})
+    assert server_gpus(colocated, {"LOCAL_WORLD_SIZE": "2"}, 2) == ["0", "1"]
+    with pytest.raises(ValueError, match=r"7 rank\(s\) on this node use GPUs 0\.\.6 of 8"):
+        server_gpus(tp2, {"LOCAL_WORLD_SIZE": "7"}, 8)
+    with pytest.raises(ValueError, match=r"gpu_ids \[9\] not among the 8 visible"):
+        server_gpus(tp2.model_copy(update={"gpu_ids": (0, 9)}), {}, 8)
+    with pytest.raises(ValidationError, match=r"SGLang uses 4 GPU\(s\) per node"):
+        ServerLaunchConfig(model_path="m", tp_size=2, dp_size=2, gpu_ids=(0, 1))
+
+
+def test_server_env_narrows_cuda_visible_devices_for_sglang_only(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    env = server_env(ServerLaunchConfig(model_path="m", engine="sglang"))
+    assert env["CUDA_VISIBLE_DEVICES"] == "7" and "LOCAL_RANK" not in env
+    assert server_env(ServerLaunchConfig(model_path="m", engine="cpu"))["CUDA_VISIBLE_DEVICES"] == (
+        "6,7"
+    )
 
 
 # Stand-in servers: tiny Python processes with the lifecycle of a real one.

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 WRAPPERS = sorted((REPO / "slurm" / "recipes").glob("*.sh"))
 STATIC_SCRIPTS = [
     REPO / "slurm" / "launch.sh", REPO / "slurm" / "job.sh", *WRAPPERS,
-    REPO / "tools" / "slurm_local.sh",
+    REPO / "tools" / "slurm_local.sh", REPO / "tools" / "gpu_check.sh",
 ]  # fmt: skip
 GPU_WRAPPERS = [path for path in WRAPPERS if path.stem != "cpu_demo"]
 
@@ -83,14 +83,18 @@ def test_rendered_batch_scripts_pass_bash_n_and_shellcheck(wrapper, tmp_path, sh
 def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path):
     out = dry_run(WRAPPERS[0], tmp_path, "steps=6", "model.warm_start={steps: 60}").stdout
     run_dir, recipe = tmp_path / "run", REPO / "examples" / "cpu_demo.yaml"
-    assert "nodes     3: rollout node 1, learner nodes 2-3; 0 GPU(s) per node" in out
+    assert (
+        "nodes     3: rollout node 1, learner nodes 2-3; 0 GPU(s) per node, 1 CPU(s) and 1024 MiB"
+        " each" in out
+    )
     assert (
         "servers   1 (1 per rollout node, cpu engine, 1 thread(s) each); ports 20100-20100" in out
     )
     assert "learner   2 ranks = 2 node(s) x 1" in out
     assert "TP1 PP1 CP1 EP2 ETP1 (DP2, EDP1) on 2 ranks" in out
     srun = (
-        "srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --nodelist={nodes} --kill-on-bad-exit=1"
+        "srun --nodes={n} --ntasks={n} --ntasks-per-node=1 --nodelist={nodes} --cpus-per-task=1"
+        " --kill-on-bad-exit=1"
     )
     python = str(REPO / ".venv" / "bin" / "python")  # slurm/launch.sh's interpreter
     overrides = "steps=6 'model.warm_start={steps: 60}'"
@@ -136,6 +140,7 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
         "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={tmp_path}/run/logs/slurm-%j.out",
         "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
         "#SBATCH --gpus-per-node=8", "#SBATCH --time=04:00:00", "#SBATCH --exclusive",
+        "#SBATCH --mem=0",
     ]  # fmt: skip
 
 
@@ -144,6 +149,30 @@ def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
     out = dry_run(wrapper, tmp_path).stdout
     assert "fits 80.00 GiB: yes without recompute" in out
     assert "sglang engine" in out and len(commands(out)) >= 4
+
+
+def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
+    script = tmp_path / "job.sbatch"
+    dry_run(WRAPPERS[0], tmp_path, "--script-out", str(script), "--cpus-per-node", "2",
+            "--mem-per-node-gb", "1.5")  # fmt: skip
+    sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --cpus-per-task=2" in sbatch and "#SBATCH --mem=1536M" in sbatch
+    assert "#SBATCH --exclusive" not in sbatch
+    # On whole nodes each step gets the fewest CPUs any node of the job has.
+    body = (REPO / "slurm" / "job.sh").read_text()
+    function = body[
+        body.index("step_cpus() {") : body.index("\n}\n", body.index("step_cpus()")) + 3
+    ]
+    for job_cpus, expected in (("64(x2),48", "48"), ("96", "96")):
+        result = subprocess.run(
+            ["bash", "-c", f"{function}\nstep_cpus"], capture_output=True, text=True,
+            env={"SLURM_JOB_CPUS_PER_NODE": job_cpus, "PATH": os.environ["PATH"]},
+        )  # fmt: skip
+        assert result.stdout.strip() == expected, result.stderr
+    recipe = str(REPO / "examples" / "cpu_demo.yaml")
+    bare = launch(str(REPO / "slurm" / "launch.sh"), recipe, "--run-dir", str(tmp_path / "run"),
+                  "--learner-nodes", "2", "--dry-run")  # fmt: skip
+    assert bare.returncode == 2 and "--cpus-per-node N --mem-per-node-gb M" in bare.stderr
 
 
 def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
@@ -173,6 +202,7 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
         ("cpu_demo", ["buffer.batch_size=0"], "recipe"),
         ("qwen2p5_math_1p5b", ["--server-gpus", "3"], "server_gpus 3 does not divide"),
         ("cpu_demo", ["--engine", "sglang"], "SGLang needs GPUs"),
+        ("cpu_demo", ["--cpus-per-node", "0"], "cpus_per_node"),
     ],
 )  # fmt: skip
 def test_bad_jobs_are_refused_before_submission(wrapper, args, reason, tmp_path):

@@ -5,22 +5,24 @@ from __future__ import annotations
 import torch
 
 from megatron_fr.config.weights import WeightSyncConfig
-from megatron_fr.weights.transports.base import Engine, WeightTransport
+from megatron_fr.weights.transports.base import Engine, WeightTransport, resolve_engine
 from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport
 from megatron_fr.weights.transports.tensor import TensorTransport
 
-__all__ = ["Engine", "WeightTransport", "build_transport"]
+__all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 
 
 def build_transport(config: WeightSyncConfig, engines: list[Engine]) -> WeightTransport:
+    """The transport `config` names, for resolved engines (tp_size known)."""
     if config.transport == "distributed":
         backend = config.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         return DistributedTransport(
-            engines, config.master_address, config.master_port, backend, config.timeout_s
-        )
+            engines, config.master_address, config.master_port, backend, config.timeout_s,
+            flatten=config.bucket_format == "flattened",
+        )  # fmt: skip
     if config.transport == "tensor":
         return TensorTransport(engines, config.timeout_s)
     return DiskTransport(engines, config.directory, config.timeout_s)

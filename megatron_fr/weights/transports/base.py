@@ -1,24 +1,75 @@
 """The interface every weight transport implements, and the engines it talks to.
 
-The sync (``weights/sync.py``) calls ``connect`` once, then per sync ``send`` for each of the
-stage's buckets and ``finish_stage`` on the stage's sending rank, and ``commit`` on global
-rank 0 after every stage has sent. Every engine call has a deadline (``timeout_s``).
+The sync (``weights/sync.py``) resolves the engines (``resolve_engine``), calls ``connect``
+once, then per sync ``send`` for each of the stage's buckets and ``finish_stage`` on the
+stage's sending rank, and ``commit`` on global rank 0 after every stage has sent. Every
+engine call has a deadline (``timeout_s``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
+from megatron_fr.engine.http import (
+    MODEL_INFO_PATH,
+    SERVER_INFO_PATH,
+    EngineRequestError,
+    get_json,
+)
 from megatron_fr.weights.reshard import Bucket
+
+EngineKind = Literal["sglang", "cpu"]
 
 
 @dataclass(frozen=True)
 class Engine:
-    """An inference server: its URL and how many ranks it has in a weight-update group."""
+    """An inference server: its URL, how many ranks it has in a weight-update group (its
+    tensor-parallel size) and what serves it. None: ask the server (``resolve_engine``)."""
 
     url: str
-    tp_size: int = 1
+    tp_size: int | None = None
+    kind: EngineKind | None = None
+    pp_size: int = 1
+    """SGLang pipeline stages; each would join the weight-update group at the same ranks."""
+    dp_replicas: int = 1
+    """SGLang data-parallel replicas (dp_size without DP attention), likewise."""
+
+    @property
+    def resolved(self) -> bool:
+        return self.tp_size is not None and self.kind is not None
+
+
+def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
+    """Fill in what the server reports. SGLang's GET /server_info returns its resolved server
+    arguments (tp_size, pp_size, dp_size, attn_dp_size) and its "version"; the
+    project's CPU engine has no /server_info and is one process (TP 1). A tp_size given by
+    the caller must equal what SGLang reports."""
+    if engine.resolved:
+        return engine
+    try:
+        info = get_json(engine.url, SERVER_INFO_PATH, timeout_s)
+    except EngineRequestError as error:
+        if error.status != 404:
+            raise
+        get_json(engine.url, MODEL_INFO_PATH, timeout_s)  # a server that answers, not SGLang
+        return replace(engine, tp_size=engine.tp_size or 1, kind=engine.kind or "cpu")
+    if not isinstance(info, dict) or "tp_size" not in info:
+        raise EngineRequestError(f"{engine.url}{SERVER_INFO_PATH}: no tp_size in {info!r:.200}")
+    tp_size = int(info["tp_size"])
+    if engine.tp_size is not None and engine.tp_size != tp_size:
+        raise EngineRequestError(
+            f"{engine.url}: configured with tp_size {engine.tp_size}, the server reports "
+            f"tp_size {tp_size}"
+        )
+    # 0.5.23 resolves the old "--dp-size N --enable-dp-attention" to attn_dp_size N, dp_size 1
+    # (arg_groups/parallel_hook.py): dp_size then counts whole replicas; an older server that
+    # reports enable_dp_attention without attn_dp_size counted attention groups in dp_size.
+    old_spelling = info.get("enable_dp_attention") and "attn_dp_size" not in info
+    dp_replicas = 1 if old_spelling else int(info.get("dp_size") or 1)
+    return replace(engine, tp_size=tp_size, kind="sglang",
+                   pp_size=int(info.get("pp_size") or 1), dp_replicas=dp_replicas)  # fmt: skip
 
 
 class WeightTransport(ABC):
@@ -35,6 +86,9 @@ class WeightTransport(ABC):
     def urls(self) -> list[str]:
         return [engine.url for engine in self.engines]
 
+    def check_engines(self) -> None:  # noqa: B027  (optional hook)
+        """Raise ValueError if the (resolved) engines cannot take this transport."""
+
     def connect(self, stage: int) -> None:  # noqa: B027  (optional hook)
         """Once, on the stage's sending rank, before the first sync."""
 
@@ -47,3 +101,6 @@ class WeightTransport(ABC):
 
     def commit(self, version: str) -> None:  # noqa: B027  (optional hook)
         """On global rank 0, after every stage has sent everything."""
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """On the stage's sending rank, when the run ends: release groups and threads."""

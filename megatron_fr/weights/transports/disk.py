@@ -5,49 +5,72 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_fr.convert.hf_files import INDEX_NAME, ShardedSafetensorsWriter
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_fr.convert.hf_files import INDEX_NAME
 from megatron_fr.engine import protocol
 from megatron_fr.engine.http import post_all
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 
+STAGE_FILES = "stage*-*.safetensors"
+
+
+def stage_file(stage: int, index: int) -> str:
+    return f"stage{stage:02d}-{index:05d}.safetensors"
+
 
 class DiskTransport(WeightTransport):
-    """Each stage writes its buckets as safetensors under ``directory/stage-K/``; on commit
-    rank 0 writes one index over all stages and every engine reloads from the directory. The
-    directory must be visible to the engines (shared file system)."""
+    """Every stage writes its buckets as ``directory/stageKK-NNNNN.safetensors`` (one file per
+    bucket), directly in ``directory``: SGLang's loader globs ``*.safetensors`` in the model
+    path itself (DefaultModelLoader._prepare_weights), never in sub-directories, and keeps
+    the files the index names. On commit rank 0 writes ``model.safetensors.index.json`` over
+    the files present and every engine reloads from the directory. The directory must be
+    visible to the engines (shared file system); only these files are ever deleted there."""
 
     def __init__(self, engines: list[Engine], directory: str | Path, timeout_s: float = 600.0):
         super().__init__(engines, timeout_s)
         self.directory = Path(directory)
-        self._writer: ShardedSafetensorsWriter | None = None
+        self.stage: int | None = None
+        self._written = 0
 
     def connect(self, stage: int) -> None:
-        self.stage_dir = self.directory / f"stage-{stage}"
-        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        self.stage = stage
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if stage == 0:  # the stages are fixed for the run: files of an earlier layout go
+            self._remove(STAGE_FILES)
+            (self.directory / INDEX_NAME).unlink(missing_ok=True)
+
+    def _remove(self, pattern: str) -> None:
+        for old in self.directory.glob(pattern):
+            old.unlink()
 
     def send(self, bucket: Bucket) -> None:
-        if self._writer is None:
-            for old in self.stage_dir.glob("*"):
-                old.unlink()
-            self._writer = ShardedSafetensorsWriter(self.stage_dir, max_shard_bytes=2**62)
-        for name, tensor in bucket:
-            self._writer.add(name, tensor)
+        if self.stage is None:
+            raise RuntimeError("DiskTransport.send before connect")
+        if self._written == 0:  # this stage's files of the previous sync
+            self._remove(f"stage{self.stage:02d}-*.safetensors")
+        tensors = {name: tensor.contiguous() for name, tensor in bucket}
+        path = self.directory / stage_file(self.stage, self._written)
+        save_file(tensors, path, metadata={"format": "pt"})
+        self._written += 1
 
     def finish_stage(self) -> None:
-        if self._writer is not None:
-            self._writer.finish()
-            self._writer = None
+        self._written = 0
 
     def commit(self, version: str) -> None:
-        weight_map = {}
-        for index_file in sorted(self.directory.glob(f"stage-*/{INDEX_NAME}")):
-            stage_map = json.loads(index_file.read_text())["weight_map"]
-            prefix = index_file.parent.name
-            weight_map.update({name: f"{prefix}/{file}" for name, file in stage_map.items()})
-        index = {"metadata": {}, "weight_map": weight_map}
-        (self.directory / INDEX_NAME).write_text(json.dumps(index))
+        weight_map, total = {}, 0
+        for file in sorted(self.directory.glob(STAGE_FILES)):
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                    if name in weight_map:
+                        raise ValueError(f"{name} written twice ({weight_map[name]}, {file.name})")
+                    weight_map[name] = file.name
+            total += file.stat().st_size
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         body = protocol.update_weights_from_disk_request(
-            str(self.directory), weight_version=version, flush_cache=True
+            str(self.directory), weight_version=version, flush_cache=False
         )
         post_all(self.urls, protocol.UPDATE_WEIGHTS_FROM_DISK_PATH, body, self.timeout_s)

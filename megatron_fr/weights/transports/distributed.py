@@ -3,91 +3,150 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlparse
 
 import torch
 
 from megatron_fr.engine import protocol
-from megatron_fr.engine.group import WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine.group import WeightUpdateGroup, address_towards, create_weight_update_group
 from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FLATTENED = "flattened_bucket"
+
+
+def group_layout(engines: list[Engine]) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of a weight-update group: the sender is rank
+    0, and SGLang's TP rank t of an engine joins at that engine's offset + t
+    (WeightUpdater.init_weights_update_group), so offsets are cumulative TP sizes."""
+    offsets, next_rank = [], 1
+    for engine in engines:
+        offsets.append(next_rank)
+        next_rank += engine.tp_size
+    return next_rank, offsets
+
+
+def flatten_bucket(bucket: Bucket) -> torch.Tensor | None:
+    """The bucket as one uint8 tensor in the layout of SGLang's FlattenedTensorBucket (each
+    tensor's bytes, in order), or None where a tensor would start at a byte offset its dtype
+    cannot be viewed at (SGLang's receiver refuses those; the bucket then goes tensor by
+    tensor)."""
+    offset = 0
+    for _, tensor in bucket:
+        if offset % tensor.element_size():
+            return None
+        offset += tensor.numel() * tensor.element_size()
+    return torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for _, tensor in bucket])
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    """The name SGLang resolves with getattr(torch, name)."""
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 class DistributedTransport(WeightTransport):
     """Broadcast from the stage's sending rank (group rank 0) to every engine rank: NCCL on
-    GPUs, gloo on CPU. One group per pipeline stage, on port ``master_port + stage``, so the
-    stages send in parallel. For each bucket the engines are told what is coming
-    (/update_weights_from_distributed) and receive it while that request is in flight."""
+    GPUs, gloo on CPU. One group per pipeline stage, hosted by that stage's sending rank on
+    port ``master_port + stage``. For each bucket the engines are told what is coming
+    (/update_weights_from_distributed) and receive it while that request is in flight: tensor
+    by tensor, or with ``flatten`` as one buffer (load_format "flattened_bucket")."""
 
     needs_session = True
 
     def __init__(
         self,
         engines: list[Engine],
-        master_address: str,
+        master_address: str | None,
         master_port: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
         group_name: str = "weight_update_group",
+        flatten: bool = False,
     ):
         super().__init__(engines, timeout_s)
+        self.flatten = flatten
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.base_group_name = group_name
         self.group: WeightUpdateGroup | None = None
         self.group_name = group_name
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(engines)))
 
+    def check_engines(self) -> None:
+        for engine in self.engines:
+            if engine.pp_size > 1 or engine.dp_replicas > 1:
+                raise ValueError(
+                    f"{engine.url}: SGLang with pp_size {engine.pp_size} and "
+                    f"{engine.dp_replicas} data-parallel replica(s): their ranks would join "
+                    "the weight-update group at the same rank (rank_offset + tp_rank); "
+                    "serve with pp_size 1 and dp_size 1 (or --enable-dp-attention)"
+                )
+
+    def sender_address(self, stage: int) -> str:
+        """Stage 0's sender is global rank 0, at the configured address if one is given;
+        every other stage's sender may be on another node, and says where it is itself."""
+        if stage == 0 and self.master_address:
+            return self.master_address
+        return address_towards(urlparse(self.engines[0].url).hostname or "127.0.0.1")
+
     def connect(self, stage: int) -> None:
         self.group_name = f"{self.base_group_name}_pp{stage}"
-        port = self.master_port + stage
-        world_size = 1 + sum(engine.tp_size for engine in self.engines)
-        offsets = [1 + sum(e.tp_size for e in self.engines[:i]) for i in range(len(self.engines))]
-        joins = [
-            self._pool.submit(
-                post_json,
-                engine.url,
-                protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH,
+        address, port = self.sender_address(stage), self.master_port + stage
+        world_size, offsets = group_layout(self.engines)
+        joins = self._submit(
+            protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH,
+            [
                 protocol.init_weights_update_group_request(
-                    self.master_address, port, offset, world_size, self.group_name, self.backend
-                ),
-                self.timeout_s,
-            )
-            for engine, offset in zip(self.engines, offsets, strict=True)
-        ]
+                    address, port, offset, world_size, self.group_name, self.backend
+                )
+                for offset in offsets
+            ],
+        )
         try:
             self.group = create_weight_update_group(
-                self.master_address, port, 0, world_size, self.group_name, self.backend,
-                timeout_s=self.timeout_s,
-            )  # fmt: skip
+                address, port, world_size, self.group_name, self.backend, self.timeout_s
+            )
         except (RuntimeError, TimeoutError) as error:
             _raise_first_engine_error(joins, self.timeout_s)
             raise EngineRequestError(
                 f"engines {self.urls} did not join weight group {self.group_name} at "
-                f"{self.master_address}:{port} within {self.timeout_s:g} s: {error}"
+                f"{address}:{port} within {self.timeout_s:g} s: {error}"
             ) from error
         _raise_first_engine_error(joins, self.timeout_s)
 
     def send(self, bucket: Bucket) -> None:
         if self.group is None:
             raise RuntimeError("DistributedTransport.send before connect")
+        flat = flatten_bucket(bucket) if self.flatten else None
         body = protocol.update_weights_from_distributed_request(
             [name for name, _ in bucket],
-            [_DTYPE_NAMES[tensor.dtype] for _, tensor in bucket],
+            [dtype_name(tensor) for _, tensor in bucket],
             [list(tensor.shape) for _, tensor in bucket],
             group_name=self.group_name,
-            flush_cache=False,
+            flush_cache=False,  # the sync flushes once, after the last stage (sync.py)
+            load_format=FLATTENED if flat is not None else None,
         )
-        calls = [
-            self._pool.submit(
-                post_json, url, protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, body, self.timeout_s
-            )
-            for url in self.urls
-        ]
-        for _, tensor in bucket:
-            self.group.broadcast(tensor.contiguous())
+        calls = self._submit(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, [body] * len(self.urls))
+        for tensor in [flat] if flat is not None else [t.contiguous() for _, t in bucket]:
+            self.group.broadcast(tensor)
         _raise_first_engine_error(calls, self.timeout_s)
+
+    def _submit(self, path: str, bodies: list[dict]) -> list[Future]:
+        """One call per engine (bodies in engine order), each on a thread of its own."""
+        return [
+            self._pool.submit(post_json, url, path, body, self.timeout_s)
+            for url, body in zip(self.urls, bodies, strict=True)
+        ]
+
+    def close(self) -> None:
+        if self.group is not None:
+            body = protocol.destroy_weights_update_group_request(self.group_name)
+            path = protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH
+            calls = self._submit(path, [body] * len(self.urls))
+            self.group.destroy()
+            self.group = None
+            _raise_first_engine_error(calls, self.timeout_s)
+        self._pool.shutdown(wait=False)
 
 
 def _raise_first_engine_error(calls: list[Future], timeout_s: float) -> None:

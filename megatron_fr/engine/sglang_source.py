@@ -1,0 +1,162 @@
+"""SGLang's own code for the weight-update group, taken from the installed sglang package.
+
+The CPU engine joins the learner's weight-update group and receives the broadcast tensors the
+way SGLang does, by running SGLang's functions: ``init_custom_process_group``
+(srt/utils/common.py), ``WeightUpdater.receive_weights_from_distributed`` and its flattened
+bucket path (srt/model_executor/model_runner_components/weight_updater.py), and
+``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py). So the learner's sender is tested
+against the receiver a cluster runs, not against a copy of ours.
+
+Importing those modules fails on a CPU machine (``sglang.srt.utils`` pulls orjson, triton and
+the rest of SGLang's GPU set, and sglang is installed there without its dependencies), but the
+functions themselves need only torch. Where the import works (a GPU install) it is used;
+elsewhere each function is read from its file with ``ast`` and executed on its own, in a
+namespace holding exactly the names it uses. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+COMMON = "srt/utils/common.py"
+WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
+TENSOR_BUCKET = "srt/weight_sync/tensor_bucket.py"
+SGLANG_VERSION = "0.5.23"
+"""The version whose code the project's weight transports were checked against."""
+
+
+class SglangSourceMissing(RuntimeError):
+    """The sglang package (or the function asked for) is not installed here."""
+
+
+def sglang_root() -> Path:
+    """The installed sglang package directory, found without importing (executing) it."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise SglangSourceMissing(
+            f"the sglang package is not installed; on CPU: pip install --no-deps "
+            f"sglang=={SGLANG_VERSION} (tools/setup_cpu.sh does)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def function_source(relative_path: str, name: str, class_name: str | None = None) -> str:
+    """The source of top-level function `name` (or method `name` of `class_name`)."""
+    path = sglang_root() / relative_path
+    tree = ast.parse(path.read_text())
+    body = tree.body
+    if class_name is not None:
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == class_name]
+        if not classes:
+            raise SglangSourceMissing(f"{path}: no class {class_name}")
+        body = classes[0].body
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return ast.unparse(node)
+    where = f"{class_name}.{name}" if class_name else name
+    raise SglangSourceMissing(f"{path}: no function {where} (is sglang {SGLANG_VERSION}?)")
+
+
+def exec_function(source: str, name: str, namespace: dict[str, Any]) -> Callable:
+    """Define the one function in `source` inside `namespace` and return it. Annotations stay
+    unevaluated (as under ``from __future__ import annotations``): they name SGLang types
+    that are not in the namespace."""
+    flags = __future__.annotations.compiler_flag
+    exec(compile(source, f"<sglang {name}>", "exec", flags=flags, dont_inherit=True), namespace)
+    return namespace[name]
+
+
+def _import_or_none(module: str, attribute: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except Exception:  # any failure of SGLang's import chain means: read the file instead
+        return None
+
+
+@functools.cache
+def init_custom_process_group() -> Callable:
+    """SGLang's ``init_custom_process_group``: rendezvous (tcp://), PrefixStore(group_name),
+    then torch's ``_new_process_group_helper``, which adds its own prefixes on top."""
+    imported = _import_or_none("sglang.srt.utils", "init_custom_process_group")
+    if imported is not None:
+        return imported
+    import packaging.version
+    import torch
+
+    release = packaging.version.parse(torch.__version__).release
+    namespace = {"torch": torch, "torch_release": release}
+    source = function_source(COMMON, "init_custom_process_group")
+    return exec_function(source, "init_custom_process_group", namespace)
+
+
+@functools.cache
+def flattened_tensor_bucket() -> type:
+    """SGLang's ``FlattenedTensorBucket`` (its module imports only torch and dataclasses)."""
+    imported = _import_or_none("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket")
+    if imported is not None:
+        return imported
+    path = sglang_root() / TENSOR_BUCKET
+    spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FlattenedTensorBucket
+
+
+@functools.cache
+def _receive_methods() -> tuple[Callable, Callable]:
+    import torch
+
+    namespace = {"torch": torch, "FlattenedTensorBucket": flattened_tensor_bucket()}
+    names = ("receive_weights_from_distributed", "_receive_bucketed_weights_from_distributed")
+    return tuple(
+        exec_function(function_source(WEIGHT_UPDATER, name, "WeightUpdater"), name, namespace)
+        for name in names
+    )
+
+
+class DistributedReceiver:
+    """The receiving half of SGLang's WeightUpdater for one process holding one TP rank:
+    the groups it joined by name, and SGLang's own receive code run on them."""
+
+    def __init__(self, tp_rank: int = 0, device: str = "cpu"):
+        self.tp_rank, self.device = tp_rank, device
+        self.groups: dict[str, Any] = {}
+
+    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str, backend: str) -> int:  # fmt: skip
+        """As SGLang's WeightUpdater.init_weights_update_group: rank = offset + tp_rank."""
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+        rank = rank_offset + self.tp_rank
+        self.groups[group_name] = init_custom_process_group()(
+            backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+            world_size=world_size, rank=rank, group_name=group_name,
+        )  # fmt: skip
+        return rank
+
+    def receive(self, names: list, dtypes: list, shapes: list, group_name: str,
+                load_format: str | None) -> list:  # fmt: skip
+        """(name, tensor) pairs broadcast by group rank 0, as SGLang receives them."""
+        receive, receive_bucketed = _receive_methods()
+        state = SimpleNamespace(_model_update_group=self.groups, device=self.device)
+        state._receive_bucketed_weights_from_distributed = functools.partial(
+            receive_bucketed, state
+        )
+        return receive(state, names=names, dtypes=dtypes, shapes=shapes,
+                       group_name=group_name, load_format=load_format)  # fmt: skip
+
+    def destroy(self, group_name: str) -> bool:
+        import torch.distributed as dist
+
+        group = self.groups.pop(group_name, None)
+        if group is not None:
+            dist.destroy_process_group(group)
+        return group is not None

@@ -1,0 +1,124 @@
+"""The learner's weight-update sender against SGLang's own receiving code, in separate
+processes: SGLang's init_custom_process_group and WeightUpdater receive methods, read from
+the installed sglang package (engine/sglang_source.py), on gloo.
+
+Two servers at TP2 make a group of 1 + 2 + 2 = 5 ranks; SGLang's TP rank t of a server joins
+at that server's rank_offset + t, so the offsets are 1 and 3. A hand-built sender
+(TCPStore -> PrefixStore -> ProcessGroupGloo) waits on other keys than SGLang's ranks: the
+negative control shows the test can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from megatron_fr.engine.group import create_weight_update_group
+from megatron_fr.parallel.spawn import free_port
+from megatron_fr.weights.transports.base import Engine
+from megatron_fr.weights.transports.distributed import flatten_bucket, group_layout
+
+GROUP = "weight_update_group_pp0"
+
+
+def bucket() -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes and shapes, offsets aligned for the flattened layout."""
+    return [
+        ("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+        ("model.norm.weight", torch.tensor([0.5, -1.25, 3.0, 7.5], dtype=torch.bfloat16)),
+        ("lm_head.weight", torch.linspace(-1, 1, 6, dtype=torch.float32).reshape(2, 3)),
+    ]
+
+
+def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
+    """One TP rank of an SGLang server: joins with SGLang's function, receives one bucket
+    tensor by tensor and one flattened, with SGLang's receive code."""
+    from megatron_fr.engine.sglang_source import DistributedReceiver
+
+    receiver = DistributedReceiver(tp_rank=tp_rank)
+    try:
+        rank = receiver.join("127.0.0.1", port, offset, world, GROUP, "gloo")
+        names = [name for name, _ in bucket()]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket()]
+        shapes = [list(t.shape) for _, t in bucket()]
+        per_tensor = receiver.receive(names, dtypes, shapes, GROUP, None)
+        flat = receiver.receive(names, dtypes, shapes, GROUP, "flattened_bucket")
+        results.put(
+            (rank, [(n, t.clone()) for n, t in per_tensor], [(n, t.clone()) for n, t in flat])
+        )
+        receiver.destroy(GROUP)
+    except Exception as error:  # reported, so the test fails with the cause
+        results.put((f"offset {offset} tp {tp_rank}", repr(error), None))
+
+
+def sglang_rank_alone(port: int, results) -> None:
+    from megatron_fr.engine.sglang_source import init_custom_process_group
+
+    try:
+        init_custom_process_group()(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+            group_name=GROUP, timeout=datetime.timedelta(seconds=4),
+        )  # fmt: skip
+        results.put("joined")
+    except Exception as error:
+        results.put(type(error).__name__)
+
+
+@pytest.mark.distributed
+def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monkeypatch):
+    engines = [Engine("http://a", tp_size=2, kind="sglang"), Engine("http://b", tp_size=2)]
+    world, offsets = group_layout(engines)
+    assert (world, offsets) == (5, [1, 3])
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [
+        ctx.Process(target=sglang_tp_rank, args=(offset, tp, world, port, results))
+        for offset in offsets
+        for tp in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    # The sender runs as a torchrun rank does: there, a tcp:// rendezvous would make it a
+    # client of the agent's store; the sender hosts its own store and is unaffected.
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        group = create_weight_update_group("127.0.0.1", port, world, GROUP, "gloo", timeout_s=120)
+        for _, tensor in bucket():
+            group.broadcast(tensor)
+        group.broadcast(flatten_bucket(bucket()))
+        received = sorted((results.get(timeout=120) for _ in procs), key=lambda r: str(r[0]))
+        group.destroy()
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert [rank for rank, _, _ in received] == [1, 2, 3, 4], received
+    for _, per_tensor, flat in received:
+        for got in (per_tensor, flat):
+            assert [name for name, _ in got] == [name for name, _ in bucket()]
+            for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
+                assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+
+
+@pytest.mark.distributed
+def test_a_hand_built_prefix_store_sender_never_meets_sglang():
+    """Negative control: TCPStore -> PrefixStore(name) -> ProcessGroupGloo, as the project's
+    sender was built before, times out against SGLang's init_custom_process_group."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    proc = ctx.Process(target=sglang_rank_alone, args=(port, results))
+    proc.start()
+    timeout = datetime.timedelta(seconds=4)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout,
+                          wait_for_workers=False)  # fmt: skip
+    with pytest.raises(RuntimeError, match="timeout"):
+        dist.ProcessGroupGloo(dist.PrefixStore(GROUP, store), 0, 2, timeout)
+    assert results.get(timeout=60) != "joined"
+    proc.join(timeout=60)

@@ -1,0 +1,353 @@
+"""Weight transports against SGLang's own code (sglang 0.5.23, read from the installed
+package): request bodies against its io_struct request types, the group's rank layout against
+its WeightUpdater, the flattened bucket against its FlattenedTensorBucket, the tensor payloads
+against BaseTpWorker.deserialize_own_rank, the disk layout against its loader's glob and
+index filter; then engine discovery, cache flushing and the spot-check refusal on stand-in
+HTTP servers."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import glob
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_rollout_protocol import class_fields
+
+from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine import protocol
+from megatron_fr.engine import sglang_source as src
+from megatron_fr.engine.http import EngineRequestError, flush_cache
+from megatron_fr.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+from megatron_fr.weights import sync as sync_module
+from megatron_fr.weights.transports import disk as disk_module
+from megatron_fr.weights.transports import distributed as dist_module
+from megatron_fr.weights.transports import tensor as tensor_module
+from megatron_fr.weights.transports.base import Engine, resolve_engine
+from megatron_fr.weights.transports.disk import DiskTransport
+from megatron_fr.weights.transports.distributed import (
+    DistributedTransport,
+    flatten_bucket,
+    group_layout,
+)
+from megatron_fr.weights.transports.tensor import TensorTransport
+
+
+@pytest.fixture(scope="module")
+def io_struct() -> dict[str, dict[str, bool]]:
+    return class_fields((src.sglang_root() / "srt/managers/io_struct.py").read_text())
+
+
+def assert_request_of(body: dict, request_class: str, io_struct) -> None:
+    """Every key a field of SGLang's request type, every field without default present."""
+    fields = io_struct[request_class]
+    assert set(body) <= set(fields), set(body) - set(fields)
+    assert {name for name, has_default in fields.items() if not has_default} <= set(body)
+
+
+def mixed_bucket() -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("a.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("b.weight", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+        ("c.weight", torch.ones(4, dtype=torch.float32)),
+    ]
+
+
+class Recorder:
+    """Stands in for post_json / the process group: records what would be sent."""
+
+    def __init__(self):
+        self.posts: list[tuple[str, str, dict]] = []
+        self.broadcasts: list[torch.Tensor] = []
+
+    def post_json(self, url, path, body, timeout_s):
+        self.posts.append((url, path, body))
+        return {"success": True}
+
+    def broadcast(self, tensor):
+        self.broadcasts.append(tensor.clone())
+
+    def destroy(self):
+        pass
+
+
+# --- the broadcast transport ------------------------------------------------------------------
+
+
+def test_group_layout_gives_each_sglang_tp_rank_its_own_rank():
+    source = src.function_source(src.WEIGHT_UPDATER, "init_weights_update_group", "WeightUpdater")
+    assert "rank = rank_offset + self.tp_rank" in source  # SGLang's rule
+    engines = [Engine("u", tp_size=tp) for tp in (4, 1, 2)]
+    world, offsets = group_layout(engines)
+    assert (world, offsets) == (8, [1, 5, 6])
+    ranks = [o + t for o, e in zip(offsets, engines, strict=True) for t in range(e.tp_size)]
+    assert sorted(ranks) == list(range(1, world))
+
+
+def test_flattened_bucket_is_sglangs_layout_and_misaligned_buckets_go_tensor_by_tensor():
+    bucket_class = src.flattened_tensor_bucket()
+    flat = flatten_bucket(mixed_bucket())
+    assert torch.equal(flat, bucket_class(named_tensors=mixed_bucket()).get_flattened_tensor())
+    names = [n for n, _ in mixed_bucket()]
+    dtypes = [dist_module.dtype_name(t) for _, t in mixed_bucket()]
+    received = bucket_class.empty(names, dtypes, [list(t.shape) for _, t in mixed_bucket()], "cpu")
+    received.get_flattened_tensor().copy_(flat)
+    for (name, got), (_, sent) in zip(received.reconstruct_tensors(), mixed_bucket(), strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent), name
+    odd = [("x", torch.ones(3, dtype=torch.bfloat16)), ("y", torch.ones(2, dtype=torch.float32))]
+    assert flatten_bucket(odd) is None
+    with pytest.raises(ValueError, match="Unaligned"):  # why the fallback exists
+        bucket_class.empty(["x", "y"], ["bfloat16", "float32"], [[3], [2]], "cpu")
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_distributed_transport_requests_are_sglang_requests(flatten, monkeypatch, io_struct):
+    recorder = Recorder()
+    monkeypatch.setattr(dist_module, "post_json", recorder.post_json)
+    monkeypatch.setattr(dist_module, "create_weight_update_group", lambda *a, **k: recorder)
+    monkeypatch.setattr(dist_module, "address_towards", lambda host: "10.0.0.7")
+    engines = [Engine(f"http://e{i}:1", tp_size=2, kind="sglang") for i in range(2)]
+    transport = DistributedTransport(engines, "10.0.0.1", 29600, "nccl", flatten=flatten)
+    transport.connect(stage=1)  # stage 1: its own port, group and address
+    inits = [body for _, path, body in recorder.posts if path == "/init_weights_update_group"]
+    for body in inits:
+        assert_request_of(body, "InitWeightsUpdateGroupReqInput", io_struct)
+    assert [(b["rank_offset"], b["world_size"]) for b in inits] == [(1, 5), (3, 5)]
+    assert {(b["master_address"], b["master_port"], b["group_name"]) for b in inits} == {
+        ("10.0.0.7", 29601, "weight_update_group_pp1")
+    }
+    recorder.posts.clear()
+    transport.send(mixed_bucket())
+    (update,) = {json.dumps(body) for _, _, body in recorder.posts}
+    update = json.loads(update)
+    assert_request_of(update, "UpdateWeightsFromDistributedReqInput", io_struct)
+    assert update["flush_cache"] is False
+    assert update["dtypes"] == ["float32", "bfloat16", "float32"]
+    if flatten:  # one broadcast per bucket
+        assert update["load_format"] == "flattened_bucket" and len(recorder.broadcasts) == 1
+        assert torch.equal(recorder.broadcasts[0], flatten_bucket(mixed_bucket()))
+    else:  # SGLang's default: tensor by tensor, in the order the request names them
+        assert update["load_format"] is None
+        sent = [tensor for _, tensor in mixed_bucket()]
+        assert all(torch.equal(a, b) for a, b in zip(recorder.broadcasts, sent, strict=True))
+    transport.close()
+    destroy = recorder.posts[-1][2]
+    assert_request_of(destroy, "DestroyWeightsUpdateGroupReqInput", io_struct)
+    transport.master_address = None
+    assert transport.sender_address(0) == "10.0.0.7"  # no address configured: its own
+
+
+def test_distributed_transport_refuses_engines_whose_ranks_would_collide():
+    for engine in (Engine("http://x", 2, "sglang", pp_size=2), Engine("http://x", 2, "sglang",
+                                                                      dp_replicas=2)):  # fmt: skip
+        with pytest.raises(ValueError, match="same rank"):
+            DistributedTransport([engine], None, 1).check_engines()
+
+
+# --- the tensor transport -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_tensor_transport_sends_one_own_payload_per_sglang_tp_rank(tp_size, io_struct):
+    serialized = []
+
+    def serialize(bucket):
+        serialized.append(bucket)
+        return f"payload-{len(serialized) - 1}"
+
+    engine = Engine("http://e:1", tp_size=tp_size, kind="sglang")
+    body = TensorTransport([engine], 10.0, serialize).request_body(mixed_bucket(), engine)
+    assert_request_of(body, "UpdateWeightsFromTensorReqInput", io_struct)
+    payloads = body["serialized_named_tensors"]
+    assert payloads == [f"payload-{i}" for i in range(tp_size)]  # a serialization each
+    # Every SGLang TP rank reads its own payload (BaseTpWorker.deserialize_own_rank).
+    source = src.function_source(
+        "srt/managers/tp_worker.py", "deserialize_own_rank", "BaseTpWorker"
+    )
+    for tp_rank in range(tp_size):
+        namespace = {
+            "monkey_patch_torch_reductions": lambda: None,
+            "MultiprocessingSerializer": SimpleNamespace(deserialize=lambda payload: payload),
+            "get_parallel": lambda rank=tp_rank: SimpleNamespace(tp_rank=rank),
+        }
+        own = src.exec_function(source, "deserialize_own_rank", namespace)
+        assert own(None, payloads) == f"payload-{tp_rank}"
+    with pytest.raises(ValueError, match="tp_size unknown"):
+        TensorTransport([Engine("http://e:1")], 1.0, serialize).request_body([], Engine("u"))
+
+
+def test_tensor_transport_without_sglang_says_so(monkeypatch):
+    monkeypatch.setattr(tensor_module, "post_json", Recorder().post_json)
+    transport = TensorTransport([Engine("http://e:1", tp_size=1, kind="sglang")], 1.0)
+    with pytest.raises(RuntimeError, match="needs an importable SGLang"):
+        transport.send(mixed_bucket())
+
+
+# --- the disk transport -------------------------------------------------------------------------
+
+
+def sglang_weight_files(folder: Path) -> list[str]:
+    """The files SGLang's DefaultModelLoader._prepare_weights loads from `folder` for the
+    safetensors format: its glob, then its index filter (exec'd from weight_utils.py)."""
+    loader = (src.sglang_root() / "srt/model_loader/loader.py").read_text()
+    assert "glob.glob(os.path.join(hf_folder, pattern))" in loader
+    filter_source = src.function_source(
+        "srt/model_loader/weight_utils.py", "filter_duplicate_safetensors_files"
+    )
+    namespace = {"os": os, "json": json, "fnmatch": fnmatch}
+    filter_files = src.exec_function(filter_source, "filter_duplicate_safetensors_files", namespace)
+    files = glob.glob(os.path.join(str(folder), "*.safetensors"))
+    return filter_files(files, str(folder), "model.safetensors.index.json")
+
+
+def test_disk_layout_is_what_sglangs_loader_reads(tmp_path, monkeypatch, io_struct):
+    recorder = Recorder()
+    monkeypatch.setattr(disk_module, "post_all", lambda urls, path, body, t: recorder.posts.append(
+        (urls, path, body)))  # fmt: skip
+    engines = [Engine("http://e:1", tp_size=1, kind="sglang")]
+    stages = [DiskTransport(engines, tmp_path), DiskTransport(engines, tmp_path)]
+    (tmp_path / "stage-0").mkdir()  # a leftover of the old layout must not matter
+    sent = {
+        f"s{stage}.t{i}": torch.full((3,), stage * 10.0 + i) for stage in (0, 1) for i in range(3)
+    }
+
+    def sync(buckets_per_stage):
+        for stage, transport in enumerate(stages):
+            names = sorted(n for n in sent if n.startswith(f"s{stage}."))
+            for chunk in buckets_per_stage[stage]:
+                transport.send([(name, sent[name]) for name in names[chunk]])
+            transport.finish_stage()
+        stages[0].commit("3")
+        loaded = {}
+        for file in sglang_weight_files(tmp_path):
+            loaded.update(load_file(file))
+        return loaded
+
+    for stage, transport in enumerate(stages):
+        transport.connect(stage)
+    loaded = sync([[slice(0, 1), slice(1, 3)], [slice(0, 1), slice(1, 2), slice(2, 3)]])
+    assert loaded.keys() == sent.keys() and all(torch.equal(loaded[n], sent[n]) for n in sent)
+    # A later sync with fewer buckets leaves no stale file behind (each stage clears its own).
+    sent = {name: tensor + 1 for name, tensor in sent.items()}
+    loaded = sync([[slice(0, 3)], [slice(0, 3)]])
+    assert loaded.keys() == sent.keys() and all(torch.equal(loaded[n], sent[n]) for n in sent)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "stage00-00000.safetensors", "stage01-00000.safetensors",
+    ]  # fmt: skip
+    _, path, body = recorder.posts[-1]
+    assert path == "/update_weights_from_disk" and body["model_path"] == str(tmp_path)
+    assert_request_of(body, "UpdateWeightFromDiskReqInput", io_struct)
+
+
+# --- engines, cache, spot check ---------------------------------------------------------------
+
+
+class StubServer:
+    """An HTTP server on a free port answering from `routes`: path -> list of (status, body),
+    used in order (the last one repeats)."""
+
+    def __init__(self, routes: dict[str, list[tuple[int, object]]]):
+        self.routes, self.calls = routes, []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                path = self.path.split("?")[0]
+                stub.calls.append(path)
+                answers = stub.routes.get(path, [(404, {"detail": "Not Found"})])
+                status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+                text = body if isinstance(body, str) else json.dumps(body)
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_engines_are_resolved_from_what_sglang_reports():
+    parallel = class_fields((src.sglang_root() / "srt/arg_groups/fields/parallel.py").read_text())
+    server_args = {name for fields in parallel.values() for name in fields}
+    assert {"tp_size", "pp_size", "dp_size", "attn_dp_size"} <= server_args
+    info_source = src.function_source(src.COMMON, "build_server_info")
+    assert "server_args.resolved_dict()" in info_source  # /server_info carries them
+    # As 0.5.23 reports "--tp-size 4 --dp-size 2 --enable-dp-attention": attention DP inside
+    # one TP group (one replica).
+    sglang = {"tp_size": 4, "pp_size": 1, "dp_size": 1, "attn_dp_size": 2,
+              "enable_dp_attention": True, "version": "0.5.23"}  # fmt: skip
+    with StubServer({"/server_info": [(200, sglang)]}) as server:
+        engine = resolve_engine(Engine(server.url), 5.0)
+        assert (engine.tp_size, engine.kind, engine.dp_replicas) == (4, "sglang", 1)
+        with pytest.raises(EngineRequestError, match="configured with tp_size 2"):
+            resolve_engine(Engine(server.url, tp_size=2), 5.0)
+    replicas_info = sglang | {"dp_size": 2, "attn_dp_size": 1, "enable_dp_attention": False}
+    with StubServer({"/server_info": [(200, replicas_info)]}) as server:
+        replicas = resolve_engine(Engine(server.url), 5.0)
+        with pytest.raises(ValueError, match="same rank"):
+            DistributedTransport([replicas], None, 1).check_engines()
+    with StubServer({"/model_info": [(200, {"model_path": "m"})]}) as server:  # the CPU engine
+        engine = resolve_engine(Engine(server.url), 5.0)
+        assert (engine.tp_size, engine.kind) == (1, "cpu")
+
+
+def test_flush_cache_retries_while_sglang_refuses_and_gives_up_at_the_deadline():
+    handler = src.function_source("srt/entrypoints/http_server.py", "flush_cache")
+    assert "HTTPStatus.BAD_REQUEST" in handler  # SGLang's answer while requests are pending
+    busy = (400, "Cache not flushed")
+    with StubServer({"/flush_cache": [busy, busy, (200, "Cache flushed.")]}) as server:
+        flush_cache(server.url, timeout_s=10, retry_s=0.01)
+        assert server.calls == ["/flush_cache"] * 3
+    with (
+        StubServer({"/flush_cache": [busy]}) as server,
+        pytest.raises(EngineRequestError, match=r"cache not flushed within 0\.2 s"),
+    ):
+        flush_cache(server.url, timeout_s=0.2, retry_s=0.01)
+
+
+def test_spot_check_is_refused_for_sglang_serving_the_projects_model_families():
+    models = src.sglang_root() / "srt/models"
+    for family in sync_module.SGLANG_WEIGHT_READBACK:
+        assert "def get_weights_by_name" in (models / f"{family}.py").read_text(), family
+    for family in SUPPORTED_MODEL_TYPES:
+        assert "def get_weights_by_name" not in (models / f"{family}.py").read_text(), family
+    spec = load_hf_config("qwen3-30b-a3b")
+    checked = sync_module.WeightSync(WeightSyncConfig(spot_check=2), [Engine("u")], spec)
+    checked._check_spot_check([Engine("http://cpu", 1, "cpu")])  # the CPU engine: allowed
+    with pytest.raises(ValueError, match="does not implement /get_weights_by_name for qwen3_moe"):
+        checked._check_spot_check([Engine("http://gpu", 4, "sglang")])
+
+
+def test_in_place_pause_cannot_flush_the_cache():
+    with pytest.raises(ValueError, match="refuses to flush its prefix cache while requests run"):
+        WeightSyncConfig(pause_mode="in_place")
+    assert WeightSyncConfig(pause_mode="in_place", flush_cache=False).pause_mode == "in_place"
+    assert protocol.update_weights_from_disk_request("d", flush_cache=False)["flush_cache"] is False
+
+
+def test_sglang_source_reads_functions_without_importing_sglang():
+    tree = ast.parse(src.function_source(src.COMMON, "init_custom_process_group"))
+    assert tree.body[0].name == "init_custom_process_group"
+    with pytest.raises(src.SglangSourceMissing, match="no function nope"):
+        src.function_source(src.COMMON, "nope")
+    assert callable(src.init_custom_process_group())

@@ -1,0 +1,389 @@
+#!/usr/bin/env python
+"""The Python steps of tools/gpu_check.sh (which runs them in order, tier by tier).
+
+    python tools/gpu_check.py plan                 # the steps; imports every part (CPU is fine)
+    python tools/gpu_check.py probe single|cluster # exit 0: the tier can run; 4: skipped (why)
+    python tools/gpu_check.py parity --out DIR     # tiny Qwen3-MoE: megatron on CUDA vs HF
+    python tools/gpu_check.py throughput --out DIR # Qwen3-30B-A3B slice: tokens/s, TFLOP/s
+    python tools/gpu_check.py train --out DIR      # 3 steps of the loop, disk weight update
+    python tools/gpu_check.py sglang --out DIR     # SGLang + NCCL weight update, GB/s/bucket
+
+Every step prints its figures as `name: value` lines; a failed check exits 1 with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SKIPPED, FAILED = 4, 1
+PARTS = (
+    "megatron_fr.models.gpt", "megatron_fr.convert.checkpoint", "megatron_fr.parallel.state",
+    "megatron_fr.parallel.vocab_parallel", "megatron_fr.weights.sync",
+    "megatron_fr.engine.launcher", "megatron_fr.engine.protocol", "megatron_fr.utils.gpu_telemetry",
+    "megatron_fr.tasks.arithmetic",
+)  # fmt: skip
+STEPS = {
+    "single": [
+        ("parity", "tiny Qwen3-MoE learner on CUDA in bf16 (TE spec when present), inputs on "
+                   "the device: log-probs vs transformers on the same GPU"),
+        ("throughput", "forward + backward of the learner's model and loss on a slice of "
+                       "Qwen3-30B-A3B (real shapes: 128 experts, top-8): tokens/s, model "
+                       "TFLOP/s, peak memory (GPU telemetry)"),
+        ("train", "3 steps of `megatron-fr train` (1 rank on this GPU, the CPU engine on the "
+                  "host, disk weight update in SGLang's loader layout)"),
+    ],
+    "cluster": [
+        ("parity", "the same parity check, now with transformer-engine's layer spec"),
+        ("sglang", "a real SGLang server on the tiny model (GPU 1), NCCL weight update from "
+                   "the learner (GPU 0): engine log-probs vs learner's, GB/s per bucket"),
+    ],
+}  # fmt: skip
+
+
+def figure(name: str, value: object) -> None:
+    print(f"{name}: {value}", flush=True)
+
+
+def plan(_args: argparse.Namespace) -> int:
+    """Print the tiers and import every module the steps use (works without a GPU)."""
+    for tier, steps in STEPS.items():
+        print(f"{tier} tier:")
+        for name, what in steps:
+            print(f"  {name:10s} {what}")
+    for module in PARTS:
+        importlib.import_module(module)
+    figure("imports", f"{len(PARTS)} modules import")
+    return 0
+
+
+def probe(args: argparse.Namespace) -> int:
+    """Exit 0 when `args.tier` can run here, else print why and exit SKIPPED."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    figure("gpus", ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) or "none")
+    missing = [] if gpus else ["no CUDA device"]
+    if args.tier == "cluster":
+        if gpus < 2:
+            missing.append(f"{gpus} GPU(s), the cluster tier needs 2")
+        for package, what in (("transformer_engine", "transformer-engine"), ("sglang", "SGLang")):
+            if importlib.util.find_spec(package) is None:
+                missing.append(f"{what} not installed")
+        if not missing:
+            try:
+                importlib.import_module("sglang.srt.utils")
+            except Exception as error:  # an SGLang that cannot run here
+                missing.append(f"SGLang does not import ({type(error).__name__}: {error})")
+    if missing:
+        print(f"skipped: {'; '.join(missing)}")
+        return SKIPPED
+    return 0
+
+
+# --- single-GPU tier ---------------------------------------------------------------------------
+
+
+def tiny_checkpoint(directory: Path, seed: int) -> Path:
+    """A random tiny Qwen3-MoE (the CPU demo's shape) saved by transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_fr.tasks.arithmetic import tiny_model_config
+
+    if not (directory / "config.json").exists():
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(**tiny_model_config())
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def megatron_learner(hf_dir: Path, megatron_dir: Path):
+    """(spec, bf16 megatron model on this GPU) holding hf_dir's weights; one rank."""
+    import torch
+
+    from megatron_fr.config.parallel import ParallelConfig
+    from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint, load_megatron_checkpoint
+    from megatron_fr.models.gpt import build_gpt_model
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.parallel.state import initialize_single_process
+
+    initialize_single_process(ParallelConfig(), seed=0)
+    if not megatron_dir.exists():
+        hf_to_megatron_checkpoint(hf_dir, megatron_dir, progress=False)
+    spec = load_hf_config(hf_dir)
+    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16, initialize=False)
+    load_megatron_checkpoint(model, megatron_dir)
+    return spec, model.eval()
+
+
+def learner_log_probs(model, tokens, prompt_len: int):
+    """Log-probs of tokens[prompt_len:] by the megatron model (inputs on its device)."""
+    import torch
+
+    ids = torch.tensor([tokens], device="cuda")
+    positions = torch.arange(len(tokens), device="cuda").unsqueeze(0)
+    with torch.no_grad():
+        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True)
+    log_probs = torch.log_softmax(logits[0].float(), dim=-1)
+    targets = torch.tensor(tokens[prompt_len:], device="cuda")
+    return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
+
+
+def parity(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_fr.models.gpt import use_transformer_engine
+
+    hf_dir = tiny_checkpoint(args.out / "tiny_hf", seed=0)
+    _, model = megatron_learner(hf_dir, args.out / f"tiny_megatron_{os.getpid()}")
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda().eval()
+    tokens = torch.randint(
+        0, reference.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    mine = learner_log_probs(model, tokens, 1)
+    with torch.no_grad():
+        logits = reference(torch.tensor([tokens], device="cuda")).logits
+    theirs = torch.log_softmax(logits[0].float(), -1)[:-1].gather(
+        -1, torch.tensor(tokens[1:], device="cuda")[:, None]
+    )[:, 0]
+    diff = (mine - theirs).abs().max().item()
+    figure("layer spec", "transformer-engine" if use_transformer_engine() else "megatron local")
+    figure("max |log-prob megatron - transformers| (bf16, 47 tokens)", f"{diff:.4f}")
+    if diff > args.tolerance:
+        print(f"FAILED: log-probs differ by {diff:.4f} > {args.tolerance}")
+        return FAILED
+    return 0
+
+
+def model_flops_per_token(spec, seq_len: int) -> float:
+    """6 x the parameters a token passes through (non-expert weights, top-k of the experts,
+    the output layer; not the embedding lookup) + causal attention's 6 x L x s x q_dim."""
+    h, q, kv = (
+        spec.hidden_size,
+        spec.num_attention_heads * spec.head_dim,
+        spec.num_key_value_heads * spec.head_dim,
+    )
+    attention_weights = h * (q + 2 * kv) + q * h
+    experts = spec.num_experts_per_tok * 3 * h * spec.moe_intermediate_size
+    router = spec.num_experts * h
+    per_layer = attention_weights + experts + router
+    matmul_params = spec.num_layers * per_layer + spec.vocab_size * h
+    attention = 6 * spec.num_layers * seq_len * q  # QK^T and AV: 4 s q per token fwd, x3, causal /2
+    return 6 * matmul_params + attention
+
+
+def throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_fr.config.parallel import ParallelConfig
+    from megatron_fr.models.gpt import build_gpt_model
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.parallel.state import initialize_single_process
+    from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
+    from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+
+    initialize_single_process(ParallelConfig(), seed=0)
+    spec = dataclasses.replace(load_hf_config("qwen3-30b-a3b"), num_layers=args.layers)
+    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16)
+    telemetry = GpuTelemetry()
+    seq = args.tokens
+    ids = torch.randint(0, spec.vocab_size, (1, seq + 1), device="cuda")
+    positions = torch.arange(seq, device="cuda").unsqueeze(0)
+
+    def step() -> None:
+        logits = model(ids[:, :-1], positions, attention_mask=None)
+        log_probs, _ = vocab_parallel_log_probs(logits.float(), ids[:, 1:])
+        (-log_probs.mean()).backward()
+
+    for _ in range(2):  # warm-up: allocator, kernels' autotuning
+        step()
+    torch.cuda.synchronize()
+    telemetry.sample()  # resets the peak: the next sample is the timed steps'
+    started = time.perf_counter()
+    for _ in range(args.iterations):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / args.iterations
+    tokens_per_s = seq / seconds
+    figure(
+        "slice",
+        f"Qwen3-30B-A3B shapes, {args.layers} layers, {spec.num_experts} experts, "
+        f"top-{spec.num_experts_per_tok}, {seq} tokens per step",
+    )
+    figure("learner tokens/s (fwd+bwd, 1 GPU)", f"{tokens_per_s:,.0f}")
+    figure("model TFLOP/s", f"{tokens_per_s * model_flops_per_token(spec, seq) / 1e12:.1f}")
+    for name, value in telemetry.sample().items():
+        figure(name, f"{value:.2f}")
+    return 0
+
+
+def train(args: argparse.Namespace) -> int:
+    """prepare (warm start) -> the CPU engine on the host -> 3 steps on this GPU."""
+    from megatron_fr.parallel.spawn import free_port
+
+    run_dir, recipe = args.out / "train_run", str(REPO / "examples" / "cpu_demo.yaml")
+    quick = ["model.warm_start={steps: 60, batch_size: 32}", "learner_ranks=1", "parallel.expert=1",
+             "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
+             "buffer.max_in_flight=32", "learner.params_dtype=bfloat16"]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_fr"]
+    prepared = subprocess.run([*command, "prepare", recipe, "--run-dir", str(run_dir), *quick],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    hf_dir = prepared.stdout.strip().splitlines()[-1]
+    port = free_port()
+    with open(args.out / "cpu_engine.log", "w") as log:
+        engine = subprocess.Popen([sys.executable, "-m", "megatron_fr.engine.cpu_server",
+                                   "--model-path", hf_dir, "--port", str(port), "--threads", "4"],
+                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        started = time.monotonic()
+        urls = json.dumps([f"http://127.0.0.1:{port}"])
+        result = subprocess.run(
+            [*command, "train", recipe, "--run-dir", str(run_dir), *quick, "steps=3",
+             f"rollout.engine.urls={urls}", "weights.transport=disk",
+             f"weights.directory={args.out / 'weights'}", "weights.spot_check=0"],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        engine.kill()
+        engine.wait()
+    if result.returncode:
+        print(f"FAILED: megatron-fr train exited {result.returncode}:\n{result.stderr[-3000:]}")
+        return FAILED
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "reward_mean" in row]
+    figure("steps logged", [row["step"] for row in steps])
+    figure("wall time (3 steps, incl. start)", f"{time.monotonic() - started:.0f} s")
+    for key in ("step_s", "sync_s", "tokens_per_s"):
+        figure(f"{key} (last step)", f"{steps[-1][key]:.3g}")
+    return 0 if [row["step"] for row in steps] == [1, 2, 3] else FAILED
+
+
+# --- cluster tier ------------------------------------------------------------------------------
+
+
+def sglang(args: argparse.Namespace) -> int:
+    """SGLang serves the tiny model (seed 0) on GPU 1; the learner (seed 1) on GPU 0 sends its
+    weights over NCCL; after, SGLang's log-probs must be the learner's."""
+    import torch
+
+    from megatron_fr.config.weights import WeightSyncConfig
+    from megatron_fr.engine.http import post_json
+    from megatron_fr.engine.launcher import ServerLaunchConfig, launch_server
+    from megatron_fr.weights.sync import WeightSync
+    from megatron_fr.weights.transports import Engine
+
+    served = tiny_checkpoint(args.out / "tiny_hf", seed=0)
+    learner_hf = tiny_checkpoint(args.out / "tiny_hf_learner", seed=1)
+    launch = ServerLaunchConfig(
+        model_path=str(served), port=args.port, engine="sglang", gpu_ids=(1,),
+        mem_fraction_static=0.5, log_dir=args.out,
+    )  # fmt: skip
+    server = launch_server(launch)
+    try:
+        server.wait_healthy(deadline_s=600)
+        spec, model = megatron_learner(learner_hf, args.out / f"learner_megatron_{os.getpid()}")
+        prompt = [3, 17, 42, 5]
+
+        def max_diff() -> float:
+            sampling = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
+            body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": -1,
+                    "sampling_params": sampling}  # fmt: skip
+            answer = post_json(server.url, "/generate", body, 120)
+            engine = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
+            mine = learner_log_probs(model, prompt + answer["output_ids"], len(prompt)).cpu()
+            return (mine - engine).abs().max().item()
+
+        figure("max |engine - learner| log-prob before", f"{max_diff():.4f}")
+        after = 0.0
+        for version, bucket_format in enumerate(("tensors", "flattened"), start=1):
+            config = WeightSyncConfig(
+                master_address="127.0.0.1", master_port=args.port + 50 + 10 * version,
+                backend="nccl", bucket_mib=args.bucket_mib, bucket_format=bucket_format,
+                timeout_s=300,
+            )  # fmt: skip
+            sync = WeightSync.from_config(config, [Engine(server.url)], spec)
+            sync.connect()
+            timings = _time_buckets(sync)
+            report = sync.sync(model, version=version)
+            sync.close()
+            diff = max_diff()
+            after = max(after, diff)
+            figure("engines", sync.engines)
+            figure(f"sync ({bucket_format})", f"{report.bytes / 1e6:.1f} MB in "
+                   f"{report.buckets} buckets, {report.seconds:.2f} s")  # fmt: skip
+            for index, (nbytes, seconds) in enumerate(timings):
+                figure(
+                    f"  bucket {index} GB/s",
+                    f"{nbytes / seconds / 1e9:.2f} ({nbytes / 1e6:.1f} MB)",
+                )
+            figure(f"max |engine - learner| log-prob after ({bucket_format})", f"{diff:.4f}")
+    finally:
+        server.stop()
+    if after > args.tolerance:
+        print(f"FAILED: after the update the engine's log-probs differ by {after:.4f}")
+        return FAILED
+    return 0
+
+
+def _time_buckets(sync) -> list[tuple[int, float]]:
+    """Wrap the transport's send to time each bucket; the list fills during the sync."""
+    import torch
+
+    timings: list[tuple[int, float]] = []
+    send = sync.transport.send
+
+    def timed(bucket):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        send(bucket)
+        torch.cuda.synchronize()
+        timings.append(
+            (sum(t.numel() * t.element_size() for _, t in bucket), time.perf_counter() - started)
+        )
+
+    sync.transport.send = timed
+    return timings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    sub.add_parser("plan", help="print the steps; import every part").set_defaults(run=plan)
+    probe_parser = sub.add_parser("probe", help="can this tier run here?")
+    probe_parser.add_argument("tier", choices=sorted(STEPS))
+    probe_parser.set_defaults(run=probe)
+    for name, run in (("parity", parity), ("throughput", throughput), ("train", train),
+                      ("sglang", sglang)):  # fmt: skip
+        step = sub.add_parser(name, help=dict(STEPS["single"] + STEPS["cluster"])[name])
+        step.add_argument("--out", type=Path, required=True, help="work directory")
+        step.add_argument("--tolerance", type=float, default=0.05,
+                          help="largest |log-prob difference| accepted (bf16)")  # fmt: skip
+        step.add_argument("--layers", type=int, default=4, help="throughput: layers of the slice")
+        step.add_argument("--tokens", type=int, default=4096, help="throughput: tokens per step")
+        step.add_argument("--iterations", type=int, default=5, help="throughput: timed steps")
+        step.add_argument("--port", type=int, default=31000, help="sglang: server port")
+        step.add_argument("--bucket-mib", type=int, default=1, help="sglang: bucket size")
+        step.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "out", None) is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU path end to end, in two tiers, printing figures (the steps: tools/gpu_check.py).
+#   tools/gpu_check.sh [--out DIR] [--dry-run]
+# Single-GPU tier (one H100/H200; torch, transformers and megatron-core from wheels, no
+# network; about 8 min): the tiny Qwen3-MoE learner on CUDA in bf16 against transformers, the
+# learner's tokens/s and model TFLOP/s on a slice of Qwen3-30B-A3B's shapes, and 3 steps of the
+# training loop with a disk weight update. Cluster tier (transformer-engine, SGLang and >= 2
+# GPUs): the parity check with TE's layer spec, then a real SGLang server updated over NCCL,
+# its log-probs against the learner's, GB/s per bucket. A tier that cannot run here says why
+# and is skipped. --dry-run prints the plan and checks that the Python parts import (no GPU).
+# Exit status: 0 when every step that ran passed, 1 otherwise.
+# The interpreter: $MFR_PYTHON, else the repository's .venv, else python3 on PATH.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python=${MFR_PYTHON:-}
+if [ -z "$python" ]; then
+    if [ -x "$repo/.venv/bin/python" ]; then python=$repo/.venv/bin/python; else python=python3; fi
+fi
+out=${TMPDIR:-/tmp}/megatron-fr-gpu-check
+dry_run=0
+while [ $# -gt 0 ]; do
+    case $1 in
+        --out) out=$2; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+check() { "$python" "$repo/tools/gpu_check.py" "$@"; }
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+# As the Slurm jobs set it: NCCL's cuMem buffers are not shareable between the learner and the
+# SGLang processes of the weight-update group.
+export NCCL_CUMEM_ENABLE=0
+
+if [ "$dry_run" = 1 ]; then
+    check plan
+    exit 0
+fi
+
+mkdir -p "$out"
+failed=()
+# One step: its own time limit, its figures on stdout, a failure recorded (not fatal).
+step() {
+    local name=$1 limit=$2 started=$SECONDS rc=0
+    shift 2
+    echo "--- $name"
+    timeout "$limit" "$python" "$repo/tools/gpu_check.py" "$name" --out "$out" "$@" || rc=$?
+    echo "    ($name: $((SECONDS - started)) s, exit $rc)"
+    if [ "$rc" -ne 0 ]; then failed+=("$name"); fi
+}
+
+run_tier() {
+    local tier=$1 rc=0
+    shift
+    echo "=== $tier tier"
+    check probe "$tier" || rc=$?
+    if [ "$rc" -eq 4 ]; then
+        return 0 # probe printed what is missing
+    elif [ "$rc" -ne 0 ]; then
+        failed+=("probe $tier")
+        return 0
+    fi
+    "$@"
+}
+
+single_tier() {
+    step parity 120
+    step throughput 240
+    step train 300
+}
+
+cluster_tier() {
+    step parity 180
+    step sglang 480
+}
+
+run_tier single single_tier
+run_tier cluster cluster_tier
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "gpu_check: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu_check: every step that ran passed (work dir $out)"
