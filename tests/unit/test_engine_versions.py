@@ -41,14 +41,19 @@ def ckpt(tmp_path_factory):
 
 
 class TensorFeed:
-    """Stands in for the weight-update process group (the transport is not what is tested
-    here): each broadcast fills the receiving tensor with the next tensor sent."""
+    """Stands in for the weight-update group's receiver (the transport is not what is tested
+    here; tests/distributed/test_weight_group.py tests it against SGLang's own code): each
+    bucket received is the next tensors sent, in their shapes."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.queue = list(tensors)
+        self.groups = {"weight_update_group": None}
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        tensor.copy_(self.queue.pop(0))
+    def receive(self, names, dtypes, shapes, group_name, load_format) -> list:
+        return [
+            (name, self.queue.pop(0).reshape(shape))
+            for name, shape in zip(names, shapes, strict=True)
+        ]
 
 
 async def post(http: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[int, object]:
@@ -85,7 +90,7 @@ def bucket_bodies(path, count: int = 3, version: str | None = None) -> tuple[lis
 async def send_buckets(http, url, server, path, session_version: str | None = None) -> None:
     """The project's weight-sync order: begin, buckets, end, then /update_weight_version."""
     bodies, tensors = bucket_bodies(path)
-    server.groups["weight_update_group"] = TensorFeed(tensors)
+    server.receiver = TensorFeed(tensors)
     await post_ok(http, url, "/begin_weight_update", {})
     for body in bodies:
         await post_ok(http, url, "/update_weights_from_distributed", body)
@@ -181,7 +186,7 @@ def test_updates_without_a_pause_never_run_a_step_on_half_loaded_weights(
                 await load
             else:
                 bodies, tensors = bucket_bodies(ckpt["b"], version="2")
-                server.groups["weight_update_group"] = TensorFeed(tensors)
+                server.receiver = TensorFeed(tensors)
                 await post_ok(http, url, "/begin_weight_update", {})
                 for hold, bucket in zip([8, 12, None], bodies, strict=True):
                     await post_ok(http, url, "/update_weights_from_distributed", bucket)
@@ -216,7 +221,7 @@ def test_session_versions_refused_buckets_and_unended_sessions(ckpt):
     async def main():
         async with serving(engine) as (url, server), aiohttp.ClientSession() as http:
             bodies, tensors = bucket_bodies(ckpt["b"])
-            server.groups["weight_update_group"] = TensorFeed(tensors)
+            server.receiver = TensorFeed(tensors)
             await post_ok(http, url, "/begin_weight_update", {})
             await post_ok(http, url, "/update_weights_from_distributed", bodies[0])
             body = {"new_version": "7", "abort_all_requests": False}
@@ -228,7 +233,7 @@ def test_session_versions_refused_buckets_and_unended_sessions(ckpt):
             discarded = await post(http, url, "/end_weight_update", {})
             after_discard = (gate.identify(), engine.weight_version)
             await post_ok(http, url, "/begin_weight_update", {})  # never ended
-            server.groups["weight_update_group"] = TensorFeed(tensors)
+            server.receiver = TensorFeed(tensors)
             for body in bucket_bodies(ckpt["b"], version="9")[0]:
                 await post_ok(http, url, "/update_weights_from_distributed", body)
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}
