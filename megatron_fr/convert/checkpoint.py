@@ -106,17 +106,21 @@ LEGACY_KEYS = {
 """Key asked for -> the key older local-spec checkpoints of MoE models stored it under."""
 
 
-def _use_legacy_keys(request: dict, megatron_dir: Path) -> None:
-    """Point requested keys the checkpoint lacks at their legacy names when it has those."""
+def use_legacy_keys(request: dict, megatron_dir: Path) -> None:
+    """Point requested keys the checkpoint lacks at their legacy names when it has those.
+
+    `request` is any sharded state dict about to be loaded from `megatron_dir` (a model's, or
+    a learner's model + optimizer state), changed in place."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     stored = dist_checkpointing.load_tensors_metadata(str(megatron_dir))
     for entry in nested_values(request):
-        legacy = LEGACY_KEYS.get(entry.key)
-        if isinstance(entry, ShardedTensor) and entry.key not in stored and legacy in stored:
-            entry.key = legacy
+        if not isinstance(entry, ShardedTensor) or entry.key in stored:
+            continue
+        if LEGACY_KEYS.get(entry.key) in stored:
+            entry.key = LEGACY_KEYS[entry.key]
 
 
 def _mismatch(kind: str, keys) -> str:
@@ -137,7 +141,7 @@ def load_megatron_checkpoint(model: torch.nn.Module, megatron_dir: str | Path) -
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     request = model.sharded_state_dict()
-    _use_legacy_keys(request, Path(megatron_dir))
+    use_legacy_keys(request, Path(megatron_dir))
     try:
         loaded, unrequested, absent = dist_checkpointing.load(
             request, str(megatron_dir), strict=StrictHandling.RETURN_ALL
