@@ -87,11 +87,23 @@ def _assemble(index: int, name: str, param: torch.nn.Parameter) -> torch.Tensor 
     shards = [torch.empty_like(param) for _ in range(size)] if rank == owner else None
     dst = dist.get_global_rank(group, owner)
     dist.gather(param.detach().contiguous(), shards, dst=dst, group=group)
-    return unshard_tensor(shards, param) if rank == owner else None
+    return unshard_tensor(shards, param, name) if rank == owner else None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where and how the export is written (export_hf_from_model's arguments)."""
+
+    out: Path
+    config_text: str
+    files_from: Path | None
+    max_shard_bytes: int
+    dtype: torch.dtype | None
+    progress: bool
 
 
 def _write_part(
-    model, spec: HFModelSpec, writer: ShardedSafetensorsWriter, dtype, progress: bool
+    model, spec: HFModelSpec, writer: ShardedSafetensorsWriter, target: _Target
 ) -> tuple[list[WrittenShard], str | None]:
     """This rank's share of the HF tensors, into its own files. Takes part in every gather
     even after a write failed (peers wait on them); returns (files, the first fault)."""
@@ -100,7 +112,7 @@ def _write_part(
     global_names = global_parameter_names(model, spec.num_experts)
     fault = None
     bar = tqdm(total=len(names), desc="model -> hf", unit="tensor", file=sys.stderr,
-               disable=not progress or _rank() != 0)  # fmt: skip
+               disable=not target.progress or _rank() != 0)  # fmt: skip
     with bar, torch.no_grad():
         for index, (name, param) in enumerate(names.items()):
             bar.update()
@@ -114,7 +126,7 @@ def _write_part(
                 continue
             try:
                 for hf_name, tensor in megatron_tensor_to_hf(spec, full_name, full, layout).items():
-                    writer.add(hf_name, tensor.to(device="cpu", dtype=dtype or tensor.dtype))
+                    writer.add(hf_name, tensor.to("cpu", dtype=target.dtype or tensor.dtype))
             except Exception as error:  # reported to every rank, then raised
                 fault = f"rank {_rank()}: writing {full_name} failed: {error!r}"
     try:
@@ -131,11 +143,11 @@ def copy_non_weight_files(source: Path, destination: Path) -> None:
             shutil.copy2(path, destination / path.name)
 
 
-def _finish(partial: Path, shards: list[WrittenShard], config_text: str, files_from) -> None:
+def _finish(partial: Path, shards: list[WrittenShard], target: _Target) -> None:
     finalize_shards(partial, shards)
-    (partial / "config.json").write_text(config_text)
-    if files_from is not None:
-        copy_non_weight_files(Path(files_from), partial)
+    (partial / "config.json").write_text(target.config_text)
+    if target.files_from is not None:
+        copy_non_weight_files(target.files_from, partial)
 
 
 def export_hf_from_model(
@@ -156,11 +168,13 @@ def export_hf_from_model(
     Raises on every rank, leaving nothing at `out`, if any rank fails.
     """
     started = time.monotonic()
+    target = _Target(
+        Path(out), config_text, Path(files_from) if files_from else None, max_shard_bytes, dtype,
+        progress,
+    )  # fmt: skip
     directory = ExitStack()  # rank 0 holds the partial directory open in it
     try:
-        writer = _write_into(
-            directory, model, spec, out, config_text, files_from, max_shard_bytes, dtype, progress
-        )
+        writer = _write_into(directory, model, spec, target)
     except BaseException:
         directory.__exit__(*sys.exc_info())  # removes the partial directory
         raise
@@ -174,34 +188,25 @@ def export_hf_from_model(
 
 
 def _write_into(
-    directory: ExitStack,
-    model,
-    spec,
-    out,
-    config_text,
-    files_from,
-    max_shard_bytes,
-    dtype,
-    progress,
+    directory: ExitStack, model, spec: HFModelSpec, target: _Target
 ) -> ShardedSafetensorsWriter:
-    """Every step before the final rename, with the verdict agreed between ranks after each."""
+    """Every step before the final rename, the verdict agreed between ranks after each."""
     partial, fault = None, None
     if _rank() == 0:
         try:
-            partial = directory.enter_context(atomic_directory(out))
+            partial = directory.enter_context(atomic_directory(target.out))
         except OSError as error:
             fault = str(error)
     partial, fault = _exchange((partial, fault))[0]
     agree_on_errors(fault)
-    writer = ShardedSafetensorsWriter(partial, max_shard_bytes, prefix=f"rank{_rank():05d}")
-    shards, fault = _write_part(model, spec, writer, dtype, progress)
+    writer = ShardedSafetensorsWriter(partial, target.max_shard_bytes, prefix=f"rank{_rank():05d}")
+    shards, fault = _write_part(model, spec, writer, target)
     everyone = _exchange((shards, fault))
     agree_on_errors(next((f for _, f in everyone if f is not None), None))
     if _rank() == 0:
         try:
-            all_shards = [shard for rank_shards, _ in everyone for shard in rank_shards]
-            _finish(partial, all_shards, config_text, files_from)
+            _finish(partial, [shard for files, _ in everyone for shard in files], target)
         except OSError as error:
-            fault = f"rank 0: finishing {out} failed: {error!r}"
+            fault = f"rank 0: finishing {target.out} failed: {error!r}"
     agree_on_errors(_exchange(fault)[0])
     return writer

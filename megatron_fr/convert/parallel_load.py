@@ -28,7 +28,12 @@ from tqdm import tqdm
 import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.convert.hf_files import HFCheckpointReader
 from megatron_fr.convert.qwen import HFRows, MegatronNames, hf_row_sources, hf_tensor_names
-from megatron_fr.convert.shard import global_parameter_names, shard_group, shard_ranges
+from megatron_fr.convert.shard import (
+    global_parameter_names,
+    partition_stride,
+    shard_group,
+    shard_ranges,
+)
 from megatron_fr.models.hf_config import HFModelSpec
 
 
@@ -66,7 +71,7 @@ def _plan(name: str, param, global_name: str, spec: HFModelSpec, names: Megatron
     else:
         rank, size = group
         shape[dim] *= size
-        ranges = shard_ranges(shape[dim], size, param.partition_stride, rank)
+        ranges = shard_ranges(shape[dim], size, partition_stride(name, param), rank)
     sources = hf_row_sources(spec, global_name, names)
     if len(sources) == 1 and sources[0].count is None:
         sources = [HFRows(sources[0].name, 0, shape[0])]

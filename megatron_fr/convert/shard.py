@@ -19,6 +19,7 @@ import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron ne
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_GATED_FC1 = re.compile(r"\.linear_fc1\.(weight|bias)\d*$")
 
 
 def expert_global_name(name: str, ep_rank: int, num_local: int) -> str:
@@ -55,6 +56,18 @@ def shard_group(name: str, param: torch.nn.Parameter) -> tuple[int, int] | None:
     return rank, size
 
 
+def partition_stride(name: str, param: torch.nn.Parameter) -> int:
+    """How many interleaved parts a shard of `param` holds along its partition dim.
+
+    A gated linear_fc1 (SwiGLU, every supported model) is always [gate part; up part] on each
+    rank: megatron's checkpoint code assumes so for dense MLPs and experts alike
+    (apply_swiglu_sharded_factory), although transformer-engine's grouped experts mark their
+    weights stride 1; so for fc1 the name decides, elsewhere the parameter's own stride."""
+    if _GATED_FC1.search(name):
+        return 2
+    return getattr(param, "partition_stride", 1)
+
+
 def shard_ranges(length: int, size: int, stride: int, rank: int) -> list[tuple[int, int]]:
     """The [start, stop) ranges of the full partition dim that `rank`'s shard holds, in order:
     the dim cut into size * stride equal chunks, every size-th one from `rank` on."""
@@ -68,15 +81,19 @@ def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
     if group is None:
         return full
     dim, (rank, size) = param.partition_dim, group
-    ranges = shard_ranges(full.shape[dim], size, param.partition_stride, rank)
+    ranges = shard_ranges(full.shape[dim], size, partition_stride(name, param), rank)
     return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
 
 
-def unshard_tensor(shards: list[Tensor], param: torch.nn.Parameter) -> Tensor:
-    """The full tensor from every rank's shard (rank order): the inverse of shard_tensor."""
+def unshard_tensor(
+    shards: list[Tensor], param: torch.nn.Parameter, name: str | None = None
+) -> Tensor:
+    """The full tensor from every rank's shard (rank order): the inverse of shard_tensor.
+    Pass the parameter's `name` so that a gated fc1's layout is known (partition_stride)."""
     if len(shards) == 1 or not getattr(param, "tensor_model_parallel", False):
         return shards[0]
-    dim, stride = param.partition_dim, param.partition_stride
+    dim = param.partition_dim
+    stride = param.partition_stride if name is None else partition_stride(name, param)
     pieces = [shard.chunk(stride, dim=dim) for shard in shards]
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
 

@@ -28,6 +28,41 @@ LAYOUTS = {  # family -> layouts (DP fills the 4 ranks)
 }
 
 
+def fc1_layout_disagreements(model) -> list[str]:
+    """Split fc1 parameters whose shard rows (shard.partition_stride, with the stride-1 mark
+    transformer-engine's grouped experts carry) differ from where megatron's own checkpoint
+    factory (apply_swiglu_sharded_factory) puts them in the full tensor."""
+    from types import SimpleNamespace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from megatron_fr.convert.shard import partition_stride, shard_group, shard_ranges
+
+    params, wrong = dict(model.named_parameters()), []
+    for name, entry in model.sharded_state_dict().items():
+        group = shard_group(name, params.get(name))
+        if not isinstance(entry, ShardedTensorFactory) or group is None:
+            continue
+        rank, size = group
+        megatron = [
+            (part.global_offset[part.prepend_axis_num],
+             part.global_offset[part.prepend_axis_num] + part.local_shape[0])
+            for part in entry.build()
+        ]  # fmt: skip
+        full_rows = params[name].shape[0] * size
+        te_grouped = SimpleNamespace(partition_stride=1)  # what TE's grouped experts report
+        for variant in (
+            name,
+            name.replace(".local_experts.0.linear_fc1.weight", ".linear_fc1.weight0"),
+        ):
+            if (
+                shard_ranges(full_rows, size, partition_stride(variant, te_grouped), rank)
+                != megatron
+            ):
+                wrong.append(variant)
+    return wrong
+
+
 def load_both_ways_and_export(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     """Per job: parameters that differ between the direct load and the converted checkpoint,
     the logits (last stage, TP/DP rank 0), and the export written from the direct load."""
@@ -61,7 +96,10 @@ def load_both_ways_and_export(rank: int, world_size: int, jobs: list[dict]) -> l
             direct, spec, job["export"], config_text=config_text, files_from=job["hf_dir"],
             max_shard_bytes=40_000, progress=False,
         )  # fmt: skip
-        results.append({"differ": differ, "logits": logits, "bytes_read": report.bytes_read})
+        results.append({
+            "differ": differ, "logits": logits, "bytes_read": report.bytes_read,
+            "fc1_layout": fc1_layout_disagreements(direct),
+        })  # fmt: skip
     return results
 
 
@@ -111,6 +149,7 @@ def test_direct_load_matches_transformers_and_conversion_and_exports_bitwise(tmp
         where = f"{job['family']} at {job['layout']}"
         for rank_results in per_rank:
             assert rank_results[index]["differ"] == [], f"{where}: direct load differs"
+            assert rank_results[index]["fc1_layout"] == [], f"{where}: fc1 shard layout"
         (logits,) = [r[index]["logits"] for r in per_rank if r[index]["logits"] is not None]
         error = (logits - reference).abs().max().item()
         assert error <= 1e-4, f"{where}: max |dlogit| {error}"
