@@ -160,8 +160,9 @@ def _run_direct(hf_dir: Path, layout_name: str, out: Path, report: Path) -> None
     report.write_text(json.dumps(per_rank, indent=2))
 
 
-def direct_rows(args: argparse.Namespace, hf: Path, config: dict, copy_rate: float) -> dict:
-    """Run every layout (each in its own process tree) and print its per-rank figures."""
+def direct_rows(args: argparse.Namespace, hf: Path, config: dict, size: int) -> dict:
+    """Run every layout (each in its own process tree) and print its per-rank figures; `cp -r`
+    of the same files is timed again just before each layout (this machine's load varies)."""
     layer = 2 * layer_parameters(config)  # bf16
     results = {}
     header = [
@@ -184,9 +185,14 @@ def direct_rows(args: argparse.Namespace, hf: Path, config: dict, copy_rate: flo
         command = [sys.executable, __file__, "--target-gb", str(args.target_gb), "--direct",
                    name, "--hf-dir", str(hf), "--export-to", str(args.work_dir / f"export{index}"),
                    "--report", str(report)]  # fmt: skip
+        subprocess.run(["sync"], check=True)  # no earlier write-back in this layout's time
+        copy_seconds, _ = timed(["cp", "-r", str(hf), str(args.work_dir / "hf_copy_again")])
+        shutil.rmtree(args.work_dir / "hf_copy_again")
+        copy_rate = size / copy_seconds / 10**9
+        subprocess.run(["sync"], check=True)
         seconds, _ = timed(command)
         per_rank = json.loads(report.read_text())
-        results[name] = {"wall_seconds": seconds, "ranks": per_rank}
+        results[name] = {"wall_seconds": seconds, "cp_seconds": copy_seconds, "ranks": per_rank}
         for rank, row in enumerate(per_rank):
             rate = row["bytes_read"] / row["load_seconds"] / 10**9
             write_rate = row["bytes_written"] / row["export_seconds"] / 10**9
@@ -199,7 +205,7 @@ def direct_rows(args: argparse.Namespace, hf: Path, config: dict, copy_rate: flo
         slowest = max(row["export_seconds"] for row in per_rank)
         print(
             f"{name:20s} export, all ranks: {written / slowest / 10**9:.3f} GB/s; "
-            f"process tree {seconds:.1f} s wall"
+            f"process tree {seconds:.1f} s wall; cp -r just before: {copy_rate:.3f} GB/s"
         )
     return results
 
@@ -262,8 +268,7 @@ def main() -> None:
         extra = rows[name][1] - rows["fixed cost (import megatron + group)"][1]
         results[f"{name}_extra_rss_over_size"] = extra / size
         print(f"{name}: peak RSS above the fixed cost = {extra / size:.2f} x checkpoint size")
-    copy_rate = size / rows["cp -r hf"][0] / 10**9
-    results["direct"] = direct_rows(args, hf, config, copy_rate)
+    results["direct"] = direct_rows(args, hf, config, size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     shutil.rmtree(args.work_dir, ignore_errors=True)

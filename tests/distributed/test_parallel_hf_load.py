@@ -182,3 +182,14 @@ def test_bad_input_is_refused_on_every_rank(tmp_path):
         )
         assert "already exists" in errors["exists"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "exists", "qwen3"]
+
+
+@pytest.mark.distributed
+def test_verify_command_checks_the_direct_load(tmp_path):
+    """`convert verify` without --megatron-dir: the ranks load the HF files directly."""
+    from test_convert_checkpoint import convert_cli
+
+    tiny_checkpoint("qwen3_moe", tmp_path, max_shard_size="60KB")
+    result = convert_cli("verify", "--hf-dir", tmp_path, "--ep", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "at tp1 ep2 etp1 pp1 (tolerance 0.0001): OK" in result.stdout
