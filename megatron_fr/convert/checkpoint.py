@@ -2,11 +2,14 @@
 
 The megatron side is the TP1/EP1/PP1 model in host memory: megatron's own ``sharded_state_dict``
 describes every tensor by its global shape, so ``dist_checkpointing.load`` reshards the result
-into any TP/EP/ETP/PP layout at load time. Memory: one copy of the model plus one decoder layer
-in flight (HF -> megatron) or one output shard (megatron -> HF); HF tensors are read and
-written layer by layer, never the whole checkpoint at once. Both directions check names and
-shapes before the first byte of weights is read, and write into a temporary directory that is
-renamed only when complete.
+into any TP/EP/ETP/PP layout at load time. Both directions use the code a job's ranks use to
+load from and export to HF directly (parallel_load, parallel_export), here on one rank:
+memory is one copy of the model plus one tensor in flight (HF -> megatron) or one output shard
+(megatron -> HF). Names and shapes are checked before the first byte of weights is read, and
+the output is written into a temporary directory renamed only when complete.
+
+One key layout serves megatron's local layer spec (CPU, conversion) and its transformer-engine
+spec (GPU): see models/gpt.layer_spec and ``load_megatron_checkpoint``.
 
 Besides megatron's files, the megatron directory holds ``hf_config.json`` (the source
 config.json, verbatim) so that converting back needs nothing else.
@@ -15,28 +18,17 @@ config.json, verbatim) so that converting back needs nothing else.
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.convert.hf_files import (
-    WEIGHT_SUFFIXES,
-    HFCheckpointReader,
-    ShardedSafetensorsWriter,
-)
-from megatron_fr.convert.qwen import (
-    hf_layer_names,
-    layer_hf_to_megatron,
-    layer_megatron_to_hf,
-    megatron_to_hf,
-    outer_pairs,
-)
+from megatron_fr.convert.hf_files import HFCheckpointReader
+from megatron_fr.convert.parallel_export import export_hf_from_model
+from megatron_fr.convert.parallel_load import load_hf_into_model
+from megatron_fr.convert.qwen import megatron_to_hf
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
 
@@ -67,33 +59,12 @@ def expected_hf_tensors(spec: HFModelSpec, dtype: torch.dtype) -> dict[str, torc
     return megatron_to_hf(spec, dict(model.named_parameters()))
 
 
-def check_hf_tensors(spec: HFModelSpec, reader: HFCheckpointReader) -> torch.dtype:
-    """Names, shapes and a single dtype, from the headers; ValueError naming what is wrong."""
-    dtypes = {info.dtype for info in reader.tensors.values()}
+def hf_dtype(reader: HFCheckpointReader) -> torch.dtype:
+    """The one dtype of every tensor (the megatron checkpoint keeps it); ValueError if mixed."""
+    dtypes = {entry.dtype for entry in reader.tensors.values()}
     if len(dtypes) != 1:
         raise ValueError(f"{reader.directory}: mixed tensor dtypes {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop()
-    expected = expected_hf_tensors(spec, dtype)
-    missing = sorted(expected.keys() - reader.tensors.keys())
-    extra = sorted(reader.tensors.keys() - expected.keys())
-    if missing or extra:
-        raise ValueError(
-            f"{reader.directory} does not match its config.json: missing tensors {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {extra[:8]}"
-            f"{' ...' if len(extra) > 8 else ''}"
-        )
-    for name, tensor in expected.items():
-        found = reader.tensors[name].shape
-        if found != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {list(found)} in the checkpoint, {list(tensor.shape)} from "
-                f"config.json"
-            )
-    return dtype
-
-
-def _progress(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="layer", file=sys.stderr, disable=not enabled)
+    return dtypes.pop()
 
 
 def hf_to_megatron_checkpoint(
@@ -105,33 +76,15 @@ def hf_to_megatron_checkpoint(
     hf_dir, out = Path(hf_dir), refuse_existing(out)
     config_text = (hf_dir / "config.json").read_text()
     spec = load_hf_config(json.loads(config_text))
-    reader = HFCheckpointReader(hf_dir)
-    dtype = check_hf_tensors(spec, reader)
+    with HFCheckpointReader(hf_dir) as reader:
+        dtype = hf_dtype(reader)
     model = _tp1_model(spec, dtype)
-    params = dict(model.named_parameters())
-    count = nbytes = 0
-
-    def copy(megatron: dict[str, torch.Tensor]) -> None:
-        nonlocal count, nbytes
-        for name, tensor in megatron.items():
-            params[name].data.copy_(tensor)
-            count, nbytes = count + 1, nbytes + tensor.numel() * tensor.element_size()
-
     with atomic_directory(out) as partial:
-        with _progress(spec.num_layers + 1, "hf -> megatron", progress) as bar:
-            outer = reader.read(list(outer_pairs(spec).values()))
-            copy({meg: outer[hf] for meg, hf in outer_pairs(spec).items()})
-            del outer
-            for index in range(spec.num_layers):
-                layer = reader.read(hf_layer_names(spec, index))
-                copy(layer_hf_to_megatron(spec, layer, index))
-                del layer
-                bar.update()
-            bar.set_postfix_str("saving")
-            dist_checkpointing.save(model.sharded_state_dict(), str(partial))
-            bar.update()
+        report = load_hf_into_model(model, hf_dir, spec, progress=progress)
+        dist_checkpointing.save(model.sharded_state_dict(), str(partial))
         (partial / HF_CONFIG_NAME).write_text(config_text)
-    return ConversionReport(count, nbytes, dtype)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return ConversionReport(report.tensors, nbytes, dtype)
 
 
 def megatron_dtype(megatron_dir: Path) -> torch.dtype:
@@ -144,23 +97,72 @@ def megatron_dtype(megatron_dir: Path) -> torch.dtype:
     return metadata[key].dtype
 
 
+OPTIONAL_KEY_SUFFIX = "_extra_state"
+"""Keys one layer spec has and the other may not: transformer-engine modules (norms included)
+carry an ``_extra_state`` (FP8 scaling metadata, empty without FP8) that local modules lack."""
+LEGACY_KEYS = {
+    "decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+}
+"""Key asked for -> the key older local-spec checkpoints of MoE models stored it under."""
+
+
+def use_legacy_keys(request: dict, megatron_dir: Path) -> None:
+    """Point requested keys the checkpoint lacks at their legacy names when it has those.
+
+    `request` is any sharded state dict about to be loaded from `megatron_dir` (a model's, or
+    a learner's model + optimizer state), changed in place."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = dist_checkpointing.load_tensors_metadata(str(megatron_dir))
+    for entry in nested_values(request):
+        if not isinstance(entry, ShardedTensor) or entry.key in stored:
+            continue
+        if LEGACY_KEYS.get(entry.key) in stored:
+            entry.key = LEGACY_KEYS[entry.key]
+
+
+def _mismatch(kind: str, keys) -> str:
+    keys = sorted(k for k in keys if not k.endswith(OPTIONAL_KEY_SUFFIX))
+    return f"{kind} {keys[:8]}{' ...' if len(keys) > 8 else ''}" if keys else ""
+
+
 def load_megatron_checkpoint(model: torch.nn.Module, megatron_dir: str | Path) -> None:
     """Load a torch_dist checkpoint into this rank's model (megatron reshards to its layout).
 
-    Every tensor the model asks for must be in the checkpoint and vice versa; a mismatch with
-    the config becomes a ValueError naming the tensors, shapes or keys involved.
+    Every tensor the model asks for must be in the checkpoint and vice versa, except the
+    ``_extra_state`` entries only one layer spec has, so a checkpoint written under the local
+    spec loads under the TE spec and the reverse. A mismatch with the config becomes a
+    ValueError naming the tensors, shapes or keys involved.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    request = model.sharded_state_dict()
+    use_legacy_keys(request, Path(megatron_dir))
     try:
-        loaded = dist_checkpointing.load(
-            model.sharded_state_dict(), str(megatron_dir), strict=StrictHandling.RAISE_ALL
+        loaded, unrequested, absent = dist_checkpointing.load(
+            request, str(megatron_dir), strict=StrictHandling.RETURN_ALL
         )
     except CheckpointingException as error:
         raise ValueError(f"{megatron_dir} does not match the model config: {error}") from error
-    model.load_state_dict(loaded, strict=True)
+    wrong = [
+        _mismatch("the model asks for keys the checkpoint lacks:", absent),
+        _mismatch("the checkpoint holds keys the model does not ask for:", unrequested),
+    ]
+    if any(wrong):
+        raise ValueError(
+            f"{megatron_dir} does not match the model config: {'; '.join(filter(None, wrong))}"
+        )
+    result = model.load_state_dict(loaded, strict=False)
+    wrong = [
+        _mismatch("parameters not loaded:", result.missing_keys),
+        _mismatch("unknown entries:", result.unexpected_keys),
+    ]
+    if any(wrong):
+        raise ValueError(f"{megatron_dir}: {'; '.join(filter(None, wrong))}")
 
 
 def _hf_config_text(megatron_dir: Path, hf_config_dir: Path | None) -> str:
@@ -187,36 +189,19 @@ def megatron_to_hf_checkpoint(
     copied too, so the output is a complete HF model directory.
     """
     megatron_dir = Path(megatron_dir)
-    hf_config_dir = Path(hf_config_dir) if hf_config_dir else None
     out = refuse_existing(out)
-    config_text = _hf_config_text(megatron_dir, hf_config_dir)
+    config_text = _hf_config_text(megatron_dir, Path(hf_config_dir) if hf_config_dir else None)
     spec = load_hf_config(json.loads(config_text))
     dtype = megatron_dtype(megatron_dir)
     model = _tp1_model(spec, dtype)
     load_megatron_checkpoint(model, megatron_dir)
-    params = {name: p.detach() for name, p in model.named_parameters()}
-    with atomic_directory(out) as partial:
-        writer = ShardedSafetensorsWriter(partial, max_shard_bytes)
-        # save_pretrained's order: embeddings, layers, final norm, lm_head.
-        first, *last = outer_pairs(spec).items()
-        with _progress(spec.num_layers, "megatron -> hf", progress) as bar:
-            writer.add(first[1], params[first[0]])
-            for index in range(spec.num_layers):
-                for name, tensor in layer_megatron_to_hf(spec, params, index).items():
-                    writer.add(name, tensor)
-                bar.update()
-            for megatron_name, hf_name in last:
-                writer.add(hf_name, params[megatron_name])
-            writer.finish()
-        (partial / "config.json").write_text(config_text)
-        if hf_config_dir:
-            _copy_non_weight_files(hf_config_dir, partial)
-    return ConversionReport(writer.tensor_count, writer.total_bytes, dtype)
-
-
-def _copy_non_weight_files(source: Path, destination: Path) -> None:
-    """Tokenizer, generation config and the like; weights, indexes and config.json excluded."""
-    for path in source.iterdir():
-        skip = path.name.endswith((*WEIGHT_SUFFIXES, ".index.json")) or path.name == "config.json"
-        if path.is_file() and not skip:
-            shutil.copy2(path, destination / path.name)
+    report = export_hf_from_model(
+        model,
+        spec,
+        out,
+        config_text=config_text,
+        files_from=hf_config_dir,
+        max_shard_bytes=max_shard_bytes,
+        progress=progress,
+    )
+    return ConversionReport(report.tensors, report.bytes, dtype)

@@ -2,8 +2,9 @@
 
 hf-to-megatron --hf-dir D --out O          HF safetensors -> megatron torch_dist (any layout)
 megatron-to-hf --megatron-dir O --out D2   -> sharded safetensors + index + config.json
-verify --hf-dir D --megatron-dir O [--tp N --ep N --etp N --pp N]
+verify --hf-dir D [--megatron-dir O] [--tp N --ep N --etp N --pp N]
                                            max |dlogit| vs transformers; exit 1 above --tolerance
+                                           (no --megatron-dir: each rank loads D's files directly)
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "verify", help="run both models on the same tokens, print max |dlogit|"
     )
     verify.add_argument("--hf-dir", required=True)
-    verify.add_argument("--megatron-dir", required=True)
+    verify.add_argument(
+        "--megatron-dir",
+        help="the converted checkpoint; omit it to check the direct load: every rank reads its "
+        "own slices of --hf-dir, as a run started from an HF directory does",
+    )
     for flag, what in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline")):
         verify.add_argument(f"--{flag}", type=int, default=1, help=f"{what} parallel size")
     verify.add_argument("--etp", type=int, default=None, help="expert tensor parallel (= tp)")

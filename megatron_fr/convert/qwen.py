@@ -13,6 +13,7 @@ either layer spec. Layout facts:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,11 @@ class MegatronNames:
     (TE fuses them into the following linear) and in expert naming (grouped GEMM)."""
 
     te_spec: bool = False
+
+    @classmethod
+    def of(cls, parameter_names: Iterable[str]) -> MegatronNames:
+        """The naming a built model uses (TE fuses the input norm into linear_qkv)."""
+        return cls(te_spec=any(".linear_qkv.layer_norm_weight" in n for n in parameter_names))
 
     def input_norm(self, layer: str) -> str:
         if self.te_spec:
@@ -102,6 +108,61 @@ def _fc1_pairs(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str,
         names.expert(layer, e, "linear_fc1"): f"{hf}.mlp.experts.{e}"
         for e in range(spec.num_experts)
     }
+
+
+@dataclass(frozen=True)
+class HFRows:
+    """Rows [start, start + count) of HF tensor `name` (elements, for a 1-D tensor); count
+    None means all of it."""
+
+    name: str
+    start: int = 0
+    count: int | None = None
+
+
+def _qkv_rows(spec: HFModelSpec, pattern: str) -> list[HFRows]:
+    """fuse_qkv as row ranges: per query group, its q heads, then its k head, then its v head."""
+    head_dim = spec.head_dim
+    q_rows = spec.num_attention_heads // spec.num_key_value_heads * head_dim
+    rows = []
+    for group in range(spec.num_key_value_heads):
+        rows.append(HFRows(pattern.format("q"), group * q_rows, q_rows))
+        rows += [HFRows(pattern.format(p), group * head_dim, head_dim) for p in "kv"]
+    return rows
+
+
+def hf_row_sources(
+    spec: HFModelSpec, name: str, names: MegatronNames = MegatronNames()
+) -> list[HFRows]:
+    """The full (TP1) megatron tensor `name` (global layer and expert indices) as the
+    concatenation, along dim 0, of these HF row ranges.
+
+    The same layout as layer_hf_to_megatron, stated as ranges, so a rank can read any shard
+    of a fused tensor (a few query groups of linear_qkv, the matching halves of gate and up
+    in linear_fc1) without building the whole tensor. A tied output layer (on the last
+    pipeline stage) reads the embedding.
+    """
+    if name == "output_layer.weight" and spec.tie_word_embeddings:
+        return [HFRows("model.embed_tokens.weight")]
+    match = _LAYER.match(name)
+    if match is None:
+        pairs = outer_pairs(spec)
+        if name not in pairs:
+            raise KeyError(f"{name}: not a tensor of this {spec.model_type} model")
+        return [HFRows(pairs[name])]
+    index = int(match.group(1))
+    one_to_one = _one_to_one(spec, names, index)
+    if name in one_to_one:
+        return [HFRows(one_to_one[name])]
+    attn, layer = f"model.layers.{index}.self_attn", f"decoder.layers.{index}.self_attention"
+    for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
+        if name == f"{layer}.linear_qkv.{kind}":
+            return _qkv_rows(spec, f"{attn}.{{}}_proj.{kind}")
+    prefix = _fc1_pairs(spec, names, index).get(name)
+    if prefix is None:
+        raise KeyError(f"{name}: not a tensor of this {spec.model_type} model")
+    rows = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
+    return [HFRows(f"{prefix}.{part}_proj.weight", 0, rows) for part in ("gate", "up")]
 
 
 def hf_layer_names(spec: HFModelSpec, index: int) -> list[str]:
@@ -195,13 +256,19 @@ def outer_pairs(spec: HFModelSpec) -> dict[str, str]:
     return pairs
 
 
+def hf_tensor_names(spec: HFModelSpec) -> set[str]:
+    """Every tensor name of the HF checkpoint `spec` describes."""
+    names = set(outer_pairs(spec).values())
+    for index in range(spec.num_layers):
+        names.update(hf_layer_names(spec, index))
+    return names
+
+
 def hf_to_megatron(
     spec: HFModelSpec, hf: Tensors, names: MegatronNames = MegatronNames()
 ) -> Tensors:
     """A whole (small) checkpoint; refuses missing or unexpected tensors by name."""
-    expected = set(outer_pairs(spec).values())
-    for index in range(spec.num_layers):
-        expected.update(hf_layer_names(spec, index))
+    expected = hf_tensor_names(spec)
     missing, extra = sorted(expected - hf.keys()), sorted(hf.keys() - expected)
     if missing or extra:
         raise ValueError(

@@ -18,6 +18,8 @@ import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron ne
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_GATED_FC1 = re.compile(r"\.linear_fc1\.(weight|bias)\d*$")
 
 
 def expert_global_name(name: str, ep_rank: int, num_local: int) -> str:
@@ -37,31 +39,78 @@ def global_name(name: str, num_experts: int) -> str:
     return expert_global_name(name, ps.get_expert_model_parallel_rank(), num_local)
 
 
-def _shard_rank_and_size(name: str) -> tuple[int, int]:
+def shard_group(name: str, param: torch.nn.Parameter) -> tuple[int, int] | None:
+    """(rank, size) in the group `param` is split over (expert TP for experts, TP otherwise),
+    or None when every rank of that group holds it whole."""
     from megatron.core import parallel_state as ps
 
     if ".experts." in name:
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        rank, size = (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
+    else:
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return None
+    return rank, size
+
+
+def partition_stride(name: str, param: torch.nn.Parameter) -> int:
+    """How many interleaved parts a shard of `param` holds along its partition dim.
+
+    A gated linear_fc1 (SwiGLU, every supported model) is always [gate part; up part] on each
+    rank: megatron's checkpoint code assumes so for dense MLPs and experts alike
+    (apply_swiglu_sharded_factory), although transformer-engine's grouped experts mark their
+    weights stride 1; so for fc1 the name decides, elsewhere the parameter's own stride."""
+    if _GATED_FC1.search(name):
+        return 2
+    return getattr(param, "partition_stride", 1)
+
+
+def shard_ranges(length: int, size: int, stride: int, rank: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the full partition dim that `rank`'s shard holds, in order:
+    the dim cut into size * stride equal chunks, every size-th one from `rank` on."""
+    chunk = length // (size * stride)
+    return [(k * chunk, (k + 1) * chunk) for k in range(rank, size * stride, size)]
 
 
 def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
     """This rank's slice of the full tensor for parameter `name`."""
-    rank, size = _shard_rank_and_size(name)
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+    group = shard_group(name, param)
+    if group is None:
         return full
-    dim, stride = param.partition_dim, param.partition_stride
-    chunks = full.split(full.shape[dim] // (size * stride), dim=dim)
-    return torch.cat(chunks[rank::size], dim=dim)
+    dim, (rank, size) = param.partition_dim, group
+    ranges = shard_ranges(full.shape[dim], size, partition_stride(name, param), rank)
+    return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
 
 
-def unshard_tensor(shards: list[Tensor], param: torch.nn.Parameter) -> Tensor:
-    """The full tensor from every rank's shard (rank order): the inverse of shard_tensor."""
+def unshard_tensor(
+    shards: list[Tensor], param: torch.nn.Parameter, name: str | None = None
+) -> Tensor:
+    """The full tensor from every rank's shard (rank order): the inverse of shard_tensor.
+    Pass the parameter's `name` so that a gated fc1's layout is known (partition_stride)."""
     if len(shards) == 1 or not getattr(param, "tensor_model_parallel", False):
         return shards[0]
-    dim, stride = param.partition_dim, param.partition_stride
+    dim = param.partition_dim
+    stride = param.partition_stride if name is None else partition_stride(name, param)
     pieces = [shard.chunk(stride, dim=dim) for shard in shards]
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def global_parameter_names(model: torch.nn.Module, num_experts: int) -> dict[str, str]:
+    """This rank's parameter names -> their TP1/EP1/PP1 names: the global layer index on any
+    pipeline stage (megatron numbers a stage's layers from 0 and records layer_number) and
+    the global expert index."""
+    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)}
+    names = {}
+    for name, _ in model.named_parameters():
+        full = global_name(name, num_experts)
+        match = _LAYER.match(full)
+        if match:
+            full = f"decoder.layers.{offsets[match.group(1)]}.{full[match.end() :]}"
+        names[name] = full
+    return names
 
 
 def load_full_state(model: torch.nn.Module, full: dict[str, Tensor], num_experts: int) -> None:

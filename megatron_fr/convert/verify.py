@@ -2,7 +2,9 @@
 
 The HF model runs in this process (fp32); the megatron model runs on spawned gloo ranks in
 the requested TP/EP/ETP/PP layout, loading the torch_dist checkpoint (megatron reshards it at
-load), then upcast to fp32. Pipeline stages hand their activations on with plain send/recv.
+load) or, without one, the HF files directly (each rank reading its own slices, as a run
+started from an HF directory does), then upcast to fp32. Pipeline stages hand their
+activations on with plain send/recv.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 
 @dataclass(frozen=True)
 class VerifyJob:
-    """One megatron checkpoint, evaluated in one layout on the given tokens."""
+    """One model, evaluated in one layout on the given tokens: loaded from the megatron
+    checkpoint `megatron_dir`, or straight from the HF directory `hf_dir` when that is None."""
 
-    megatron_dir: str
+    megatron_dir: str | None
     config: dict
     parallel: ParallelConfig
     tokens: torch.Tensor
+    hf_dir: str | None = None
 
 
 def verify_layout(
@@ -68,7 +72,7 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def _pipeline_forward(model, tokens: torch.Tensor, parallel: ParallelConfig):
+def pipeline_logits(model, tokens: torch.Tensor, parallel: ParallelConfig):
     """Logits on the last stage (full vocab, [b, s, V]); None on the other stages."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -88,11 +92,22 @@ def _pipeline_forward(model, tokens: torch.Tensor, parallel: ParallelConfig):
     return output
 
 
+def _source_dtype(job: VerifyJob) -> torch.dtype:
+    from megatron_fr.convert.checkpoint import hf_dtype, megatron_dtype
+    from megatron_fr.convert.hf_files import HFCheckpointReader
+
+    if job.megatron_dir is not None:
+        return megatron_dtype(Path(job.megatron_dir))
+    with HFCheckpointReader(job.hf_dir) as reader:
+        return hf_dtype(reader)
+
+
 def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -> list:
     """Run every job on this rank; the last stage's logits (TP rank 0, DP rank 0) or None."""
     from megatron.core import parallel_state as ps
 
-    from megatron_fr.convert.checkpoint import load_megatron_checkpoint, megatron_dtype
+    from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+    from megatron_fr.convert.parallel_load import load_hf_into_model
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.parallel import state
 
@@ -101,14 +116,14 @@ def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -
         state.initialize(job.parallel, seed=0)
         spec = load_hf_config(job.config)
         model = build_gpt_model(
-            spec,
-            job.parallel,
-            params_dtype=megatron_dtype(Path(job.megatron_dir)),
-            initialize=False,
+            spec, job.parallel, params_dtype=_source_dtype(job), initialize=False
         )
-        load_megatron_checkpoint(model, job.megatron_dir)
+        if job.megatron_dir is None:
+            load_hf_into_model(model, job.hf_dir, spec, progress=False)
+        else:
+            load_megatron_checkpoint(model, job.megatron_dir)
         model = model.float().eval()
-        logits = _pipeline_forward(model, job.tokens, job.parallel)
+        logits = pipeline_logits(model, job.tokens, job.parallel)
         keep = (
             logits is not None
             and ps.get_tensor_model_parallel_rank() == 0
@@ -131,13 +146,14 @@ def random_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0)
 
 def verify_checkpoint(
     hf_dir: str | Path,
-    megatron_dir: str | Path,
+    megatron_dir: str | Path | None,
     parallel: ParallelConfig,
     *,
     seq: int = 16,
     timeout_s: float = 1800.0,
 ) -> float:
-    """max |megatron logit - HF logit| over a batch of random tokens, in the given layout."""
+    """max |megatron logit - HF logit| over a batch of random tokens, in the given layout;
+    without `megatron_dir`, of the model loaded from the HF files directly."""
     from megatron_fr.parallel.spawn import run_on_ranks
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -145,7 +161,8 @@ def verify_checkpoint(
     if seq % parallel.tensor:
         seq += parallel.tensor - seq % parallel.tensor
     tokens = random_tokens(spec.vocab_size, seq=seq)
-    job = VerifyJob(str(megatron_dir), config, parallel, tokens)
+    source = None if megatron_dir is None else str(megatron_dir)
+    job = VerifyJob(source, config, parallel, tokens, hf_dir=str(hf_dir))
     per_rank = run_on_ranks(
         megatron_logits_on_rank, world_size_for(parallel), [job], timeout_s=timeout_s
     )

@@ -7,6 +7,7 @@ so the same code builds the model on an H100 node and in CPU CI.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from contextlib import nullcontext
 
@@ -90,9 +91,28 @@ def layer_spec(spec: HFModelSpec, *, on_cpu: bool = False):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    local = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm
     )
+    return _with_te_checkpoint_keys(local, spec.is_moe)
+
+
+def _with_te_checkpoint_keys(local_spec, moe: bool):
+    """The local spec, saving and loading under the key names the TE spec uses.
+
+    megatron's local spec maps its separate norms onto the keys of TE's fused
+    layernorm-linears (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``,
+    ``pre_mlp_layernorm.`` -> ``mlp.linear_fc1.layer_norm_``), which is right for dense
+    layers. A TE-spec MoE layer has no fused linear_fc1: it keeps a real pre_mlp_layernorm
+    (``pre_mlp_layernorm.weight``), so for MoE that second mapping is dropped; otherwise a
+    checkpoint converted on CPU would not load into the TE model (strict loading).
+    """
+    if not moe:
+        return local_spec
+    keys_map = dict(local_spec.submodules.sharded_state_dict_keys_map)
+    keys_map.pop("pre_mlp_layernorm.")
+    submodules = dataclasses.replace(local_spec.submodules, sharded_state_dict_keys_map=keys_map)
+    return dataclasses.replace(local_spec, submodules=submodules)
 
 
 def build_gpt_model(

@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
 LATEST = "latest"
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -41,14 +43,40 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
+def _step_number(path: Path) -> int | None:
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def checkpoints_to_prune(run_dir: Path, latest: Path, keep: int) -> list[Path]:
+    """The step directories to delete once `latest` is marked: all but `latest` itself and the
+    `keep` - 1 newest COMPLETE checkpoints of earlier steps.
+
+    Ordered by completeness first, then by step: a directory without controller.json is a
+    save a kill interrupted, and one numbered after `latest` belongs to the run that was
+    killed before this one resumed from an earlier checkpoint (it will be written again);
+    neither may push a complete checkpoint, least of all `latest`, out of the kept set.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the latest checkpoint is always kept), got {keep}")
+    root = checkpoint_root(run_dir)
+    steps = {path.name: _step_number(path) for path in root.iterdir()}
+    steps = {name: step for name, step in steps.items() if step is not None}
+    latest_step = steps[latest.name]
+    older = [
+        n for n, s in steps.items() if s < latest_step and (root / n / "controller.json").exists()
+    ]
+    kept = {latest.name, *sorted(older, key=steps.get, reverse=True)[: keep - 1]}
+    return sorted(root / name for name in steps if name not in kept)
+
+
 def mark_latest(run_dir: Path, checkpoint: Path, keep: int) -> None:
-    """Point `latest` at checkpoint (atomically) and delete all but the `keep` newest."""
+    """Point `latest` at checkpoint (atomically), then delete what checkpoints_to_prune names."""
     pointer = checkpoint_root(run_dir) / LATEST
     partial = pointer.with_suffix(".partial")
     partial.write_text(checkpoint.name + "\n")
     os.replace(partial, pointer)
-    steps = sorted(p for p in checkpoint_root(run_dir).glob("step_*") if p.is_dir())
-    for old in steps[:-keep]:
+    for old in checkpoints_to_prune(run_dir, checkpoint, keep):
         shutil.rmtree(old, ignore_errors=True)
 
 

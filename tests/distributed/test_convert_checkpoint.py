@@ -108,6 +108,7 @@ def convert_on_one_rank(rank: int, world_size: int, root: str) -> dict:
         "extra": ("hf-extra", "hf_to_megatron"),
         "shape": ("hf-shape", "hf_to_megatron"),
         "model_type": ("hf-llama", "hf_to_megatron"),
+        "truncated": ("hf-truncated", "hf_to_megatron"),
         "exists": ("qwen3", "hf_to_megatron"),
         "config_mismatch": ("qwen2.megatron", "megatron_to_hf"),
     }
@@ -123,7 +124,7 @@ def convert_on_one_rank(rank: int, world_size: int, root: str) -> dict:
         except (ValueError, FileExistsError) as error:
             errors[case] = str(error)
     with mock.patch.object(
-        checkpoint, "layer_hf_to_megatron", side_effect=RuntimeError("interrupted")
+        checkpoint, "load_hf_into_model", side_effect=RuntimeError("interrupted")
     ):
         try:
             checkpoint.hf_to_megatron_checkpoint(root_path / "qwen3", root_path / "out-crash")
@@ -163,6 +164,9 @@ def test_dense_round_trips_and_bad_input_is_refused_with_nothing_left(tmp_path):
         copy_checkpoint(tmp_path / "qwen3", tmp_path / "hf-shape"),
         lambda t: t.update({"model.layers.0.mlp.down_proj.weight": torch.zeros(64, 95)}),
     )
+    truncated = copy_checkpoint(tmp_path / "qwen3", tmp_path / "hf-truncated")
+    with open(truncated / "model.safetensors", "r+b") as handle:
+        handle.truncate(handle.seek(0, 2) - 4096)  # a copy cut short
     llama = copy_checkpoint(tmp_path / "qwen3", tmp_path / "hf-llama")
     config = json.loads((llama / "config.json").read_text()) | {"model_type": "llama"}
     (llama / "config.json").write_text(json.dumps(config))
@@ -178,10 +182,19 @@ def test_dense_round_trips_and_bad_input_is_refused_with_nothing_left(tmp_path):
         in (errors["shape"])
     )
     assert "llama" in errors["model_type"]
+    assert f"{truncated / 'model.safetensors'}: the header declares" in errors["truncated"]
     assert "already exists" in errors["exists"]
     assert "q_layernorm" in errors["config_mismatch"]
     assert errors["crash"] == "interrupted"
-    for case in ("missing", "extra", "shape", "model_type", "config_mismatch", "crash"):
+    for case in (
+        "missing",
+        "extra",
+        "shape",
+        "model_type",
+        "truncated",
+        "config_mismatch",
+        "crash",
+    ):
         assert no_output_left(tmp_path / f"out-{case}"), case
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_qwen import TINY, tiny_checkpoint
 
-from megatron_fr.convert.qwen import hf_to_megatron, megatron_to_hf
+from megatron_fr.convert.qwen import hf_row_sources, hf_to_megatron, megatron_to_hf
 from megatron_fr.models.hf_config import load_hf_config
 from megatron_fr.parallel.spawn import run_on_ranks
 
@@ -70,3 +70,23 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path):
     hf["model.layers.9.mlp.extra.weight"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.k_proj.weight'\]"):
         hf_to_megatron(spec, hf)
+
+
+def test_row_sources_concatenate_to_the_fused_tensors(tmp_path):
+    """hf_row_sources (what each rank reads) states the same layout as layer_hf_to_megatron
+    (what conversion builds): every megatron tensor, rebuilt from its HF row ranges, is equal."""
+    for model_type in TINY:
+        config, hf, _, _ = tiny_checkpoint(model_type, tmp_path / model_type)
+        spec = load_hf_config(config)
+        megatron = hf_to_megatron(spec, hf)
+        for name, tensor in megatron.items():
+            pieces = [
+                hf[piece.name][
+                    piece.start : None if piece.count is None else piece.start + piece.count
+                ]
+                for piece in hf_row_sources(spec, name)
+            ]
+            assert torch.equal(torch.cat(pieces), tensor), f"{model_type}: {name}"
+        if spec.tie_word_embeddings:
+            (tied,) = hf_row_sources(spec, "output_layer.weight")
+            assert tied.name == "model.embed_tokens.weight"
