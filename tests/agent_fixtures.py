@@ -138,6 +138,7 @@ class ScriptedEngine:
     inputs: list[list[int]] = field(default_factory=list)
     """The input_ids of every request, in the same order."""
     active_requests: int = 0
+    running_requests: int = 0
 
     def generate(self, input_ids: list[int], sampling: Sampling, rid: str) -> Output:
         conversation = self.tokenizer.decode(input_ids, skip_special_tokens=False)

@@ -19,6 +19,10 @@ class EngineSettings(_Strict):
     """Port of the engine started here (0: a free one)."""
     threads: PositiveInt = 1
     """torch threads of the CPU engine."""
+    tp_size: PositiveInt = 1
+    """Tensor-parallel size of the SGLang server started here."""
+    gpu_ids: tuple[int, ...] = ()
+    """GPUs of the server started here (empty: the ones after the learner's on this node)."""
     start_timeout_s: PositiveFloat = 300.0
     """How long a started engine may take to answer /health."""
     watch_interval_s: PositiveFloat = 1.0

@@ -237,6 +237,16 @@ class CpuEngine:
         with self._state:
             return len(self._active)
 
+    @property
+    def running_requests(self) -> int:
+        """Requests that hold decoding state, what SGLang's /flush_cache waits for: not those
+        that arrived during a pause (SGLang holds them before its scheduler), nor any under
+        a retract pause (retracted requests give their cache back)."""
+        with self._state:
+            if self._paused == "retract":
+                return 0
+            return len(self._active - self._admitting)
+
     # --- weights ------------------------------------------------------------------------
 
     @property

@@ -64,7 +64,8 @@ class CpuServer:
     """HTTP handlers around one CpuEngine; blocking work runs in a thread pool.
 
     What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
-    weight_version, active_requests, generate(input_ids, sampling, rid) -> Output,
+    weight_version, active_requests, running_requests, generate(input_ids, sampling, rid) ->
+    Output,
     abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
     weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
 
@@ -177,7 +178,7 @@ class CpuServer:
 
     async def flush_cache(self, _request: web.Request) -> web.Response:
         # No prefix cache is kept across requests; SGLang refuses while requests are pending.
-        if self.engine.active_requests:
+        if self.engine.running_requests:
             return web.Response(status=400, text="requests are pending; retry")
         return web.Response(text="Cache flushed.")
 

@@ -110,6 +110,7 @@ class Learner:
         *,
         total_steps: int,
         init_checkpoint: str | None = None,
+        init_hf_dir: str | None = None,
         temperature: float = 1.0,
     ):
         from megatron.core.distributed import (
@@ -121,6 +122,7 @@ class Learner:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+        from megatron_fr.convert.parallel_load import load_hf_into_model
         from megatron_fr.models.gpt import build_gpt_model
 
         if parallel.context > 1:
@@ -136,11 +138,12 @@ class Learner:
         report log-probs of (SGLang's sampler and the CPU engine alike)."""
         dtype = DTYPES[config.params_dtype]
         with cpu_device_mode():
-            self.module = build_gpt_model(
-                spec, parallel, params_dtype=dtype, initialize=init_checkpoint is None
-            )
+            start = init_checkpoint or init_hf_dir
+            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start)
             if init_checkpoint is not None:
                 load_megatron_checkpoint(self.module, init_checkpoint)
+            elif init_hf_dir is not None:  # every rank reads only its own shards
+                load_hf_into_model(self.module, init_hf_dir, spec, progress=False)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
             )
@@ -309,6 +312,8 @@ class Learner:
     def load(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
 
+        from megatron_fr.convert.checkpoint import use_legacy_keys
+
         with cpu_device_mode(), torch.no_grad():
             # A fresh torch Adam has no per-parameter state (no "step") for the checkpoint to
             # be loaded into; one step on zero gradients creates it (as megatron does for FSDP
@@ -316,7 +321,9 @@ class Learner:
             # overwritten by the load below.
             self.model.zero_grad_buffer()
             self.optimizer.step()
-            loaded = dist_checkpointing.load(self._sharded_state(loading=True), directory)
+            request = self._sharded_state(loading=True)
+            use_legacy_keys(request, Path(directory))  # run checkpoints of older MoE layouts
+            loaded = dist_checkpointing.load(request, directory)
             self.module.load_state_dict(loaded["model"], strict=True)
             self.optimizer.load_state_dict(loaded["optimizer"])
             restore_adam_steps(self.optimizer)

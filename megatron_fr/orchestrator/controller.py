@@ -29,10 +29,11 @@ from megatron_fr.orchestrator.setup import (
     build_rollout_service,
     connect_weight_sync,
     eval_sets,
-    prepare_model,
+    prepare_hf_model,
 )
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.service import RolloutService
+from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
 STOP_FILE = "STOP"
 """Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
@@ -46,16 +47,17 @@ def train(config: RunConfig, run_dir: Path) -> None:
 
     state.initialize(config.parallel, seed=config.seed)
     first = dist.get_rank() == 0
-    hf_dir, megatron_dir = broadcast_from_rank0(prepare_model(config, run_dir) if first else None)
+    hf_dir = broadcast_from_rank0(prepare_hf_model(config, run_dir) if first else None)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
-                      init_checkpoint=str(megatron_dir),
-                      temperature=config.rollout.temperature)  # fmt: skip
     resume_from = ckpt.latest_checkpoint(run_dir)
+    # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.
+    learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
+                      init_hf_dir=None if resume_from else str(hf_dir),
+                      temperature=config.rollout.temperature)  # fmt: skip
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())
-    service = report = None
+    service = report = weight_sync = None
     try:
         if first:
             for path in ckpt.discard_after_latest(run_dir):
@@ -78,6 +80,8 @@ def train(config: RunConfig, run_dir: Path) -> None:
             service.explain(error)  # a dead engine is named, not the socket it broke
         raise
     finally:
+        if weight_sync is not None:
+            weight_sync.close()  # the senders leave the weight-update groups
         if service is not None:
             service.close()
         if report is not None:
@@ -87,6 +91,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
 def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> None:
     step = learner.steps_done
     stop_file = run_dir / STOP_FILE
+    telemetry = GpuTelemetry()
     if service is not None:
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
         if step == 0:
@@ -97,11 +102,12 @@ def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> Non
         metrics = learner.train_step(batch, pad_id=pad_id)
         step += 1
         sync = weight_sync.sync(learner.module, step)
+        gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if service is not None:
             service.set_version(step)
             seconds = time.monotonic() - started
-            report.step(step, batch, metrics, sync.seconds, service.stats(), seconds)
+            report.step(step, batch, metrics | gpus, sync.seconds, service.stats(), seconds)
             if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
                 evaluate(config, service, report, step)
         stop = broadcast_from_rank0(stop_file.exists() if service else None)
@@ -112,6 +118,17 @@ def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> Non
                 stop_file.unlink(missing_ok=True)
                 print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
             return
+
+
+def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
+    """Every rank's GPU figures of this step, keyed gpu<rank>_<metric> (empty without NVML)."""
+    sample = telemetry.sample()
+    if not sample:
+        return {}
+    everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, sample)
+    return {f"gpu{rank}_{key[4:]}": value for rank, part in enumerate(everyone)
+            for key, value in part.items()}  # fmt: skip
 
 
 def evaluate(config: RunConfig, service: RolloutService, report: RunReport, step: int) -> None:

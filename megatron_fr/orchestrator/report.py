@@ -68,6 +68,7 @@ class RunReport:
                 dropped_total=rollout["dropped_total"],
                 discarded_total=rollout["discarded_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
+                **{key: value for key, value in learner.items() if key.startswith("gpu")},
             )
         )
         _append_line(

@@ -6,8 +6,6 @@ Kept apart from the training loop (controller.py) so the loop reads like the dat
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -16,16 +14,13 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
-from megatron_fr.parallel.spawn import free_port, standalone_env
+from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.episodes import EpisodeProducer, TokenTaskEpisodes
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
-from megatron_fr.utils.processes import run_child
 from megatron_fr.weights.sync import WeightSync
 from megatron_fr.weights.transports import Engine
-
-REPO_TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
@@ -47,20 +42,6 @@ def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
     report = warm_start(hf_dir, task, tiny_model_config(), seed=config.seed, **settings)
     print(f"warm start: {report}", flush=True)
     return hf_dir
-
-
-def prepare_model(config: RunConfig, run_dir: Path) -> tuple[Path, Path]:
-    """(HF dir the engine serves first, megatron dir the learner starts from), made on rank 0.
-    The converter is a child that dies with this process (a kill of the run leaves none)."""
-    hf_dir = prepare_hf_model(config, run_dir)
-    megatron_dir = run_dir / "init_megatron"
-    if not megatron_dir.exists():
-        run_child(
-            [sys.executable, str(REPO_TOOLS / "convert_checkpoint.py"), "hf-to-megatron",
-             "--hf-dir", str(hf_dir), "--out", str(megatron_dir)],
-            stdout=subprocess.DEVNULL, env=standalone_env(),
-        )  # fmt: skip
-    return hf_dir, megatron_dir
 
 
 def build_producer(config: RunConfig) -> EpisodeProducer:

@@ -40,8 +40,9 @@ class EngineSupervisor:
         if settings.urls:
             return cls(settings, [])
         launch = ServerLaunchConfig(
-            model_path=str(model_path), port=port, log_dir=log_dir, cpu_threads=settings.threads
-        )
+            model_path=str(model_path), port=port, log_dir=log_dir, cpu_threads=settings.threads,
+            tp_size=settings.tp_size, gpu_ids=settings.gpu_ids,
+        )  # fmt: skip
         process = launch_server(launch)
         supervisor = cls(settings, [process])
         try:

@@ -41,11 +41,6 @@ def _global_layer_names(model) -> dict[int, int]:
     return {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
 
 
-def _megatron_names(model) -> MegatronNames:
-    te = any(".linear_qkv.layer_norm_weight" in name for name, _ in model.named_parameters())
-    return MegatronNames(te_spec=te)
-
-
 def iter_megatron_full_tensors(model, spec: HFModelSpec) -> Iterator[tuple[str, Tensor]]:
     """(global megatron name, full tensor) for this stage, parameter by parameter."""
     from megatron.core import parallel_state as ps
@@ -64,7 +59,7 @@ def iter_megatron_full_tensors(model, spec: HFModelSpec) -> Iterator[tuple[str, 
             continue  # the last stage's copy of tied embeddings: sent by the first stage
         expert = ".experts." in name
         group, size = (etp_group, etp) if expert else (tp_group, tp)
-        full = unshard_tensor(_all_gather(param.detach(), group, size), param)
+        full = unshard_tensor(_all_gather(param.detach(), group, size), param, name)
         if not expert:
             yield name, full
             continue
@@ -74,7 +69,7 @@ def iter_megatron_full_tensors(model, spec: HFModelSpec) -> Iterator[tuple[str, 
 
 
 def iter_hf_tensors(model, spec: HFModelSpec) -> Iterator[tuple[str, Tensor]]:
-    names = _megatron_names(model)
+    names = MegatronNames.of(name for name, _ in model.named_parameters())
     for name, tensor in iter_megatron_full_tensors(model, spec):
         yield from megatron_tensor_to_hf(spec, name, tensor, names).items()
 

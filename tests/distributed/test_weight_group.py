@@ -33,6 +33,17 @@ def bucket() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def portable(pairs: list) -> list:
+    """Plain values: a tensor put on a multiprocessing queue travels as a file descriptor that
+    is gone once the sending process has exited."""
+    return [(name, str(t.dtype), t.float().tolist()) for name, t in pairs]
+
+
+def restored(pairs: list) -> list:
+    return [(name, torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))))
+            for name, dtype, values in pairs]  # fmt: skip
+
+
 def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
     """One TP rank of an SGLang server: joins with SGLang's function, receives one bucket
     tensor by tensor and one flattened, with SGLang's receive code."""
@@ -46,9 +57,7 @@ def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) ->
         shapes = [list(t.shape) for _, t in bucket()]
         per_tensor = receiver.receive(names, dtypes, shapes, GROUP, None)
         flat = receiver.receive(names, dtypes, shapes, GROUP, "flattened_bucket")
-        results.put(
-            (rank, [(n, t.clone()) for n, t in per_tensor], [(n, t.clone()) for n, t in flat])
-        )
+        results.put((rank, portable(per_tensor), portable(flat)))
         receiver.destroy(GROUP)
     except Exception as error:  # reported, so the test fails with the cause
         results.put((f"offset {offset} tp {tp_rank}", repr(error), None))
@@ -99,7 +108,7 @@ def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monke
                 proc.kill()
     assert [rank for rank, _, _ in received] == [1, 2, 3, 4], received
     for _, per_tensor, flat in received:
-        for got in (per_tensor, flat):
+        for got in (restored(per_tensor), restored(flat)):
             assert [name for name, _ in got] == [name for name, _ in bucket()]
             for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
                 assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)

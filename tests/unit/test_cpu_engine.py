@@ -178,6 +178,34 @@ def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(c
     assert resumed["meta_info"]["weight_version"] == "5" and len(resumed["output_ids"]) == 2
 
 
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_flush_cache_waits_for_running_requests_not_for_those_held_by_a_pause(checkpoints, mode):
+    """As SGLang's scheduler: /flush_cache is refused while a request decodes, but a request
+    that arrived during the pause (or, under retract, one retracted) is not running, so the
+    weight sync's flush after an update succeeds while it waits."""
+
+    async def scenario(client, engine):
+        running = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=400)))
+        while engine.running_requests == 0:
+            await asyncio.sleep(0.01)
+        busy = (await client.post("/flush_cache")).status
+        await client.post("/pause_generation", json={"mode": mode})
+        waiting = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=2)))
+        if mode == "abort":
+            await running
+        while engine.active_requests < (1 if mode == "abort" else 2):
+            await asyncio.sleep(0.01)
+        paused = (await client.post("/flush_cache")).status
+        await client.post("/continue_generation", json={})
+        await waiting
+        if mode == "retract":
+            await running
+        return busy, paused
+
+    busy, paused = serve(checkpoints / "a", scenario)
+    assert (busy, paused) == (400, 200)
+
+
 def test_concurrent_requests_are_served_together_and_abort_by_rid(checkpoints):
     async def scenario(client, engine):
         first = asyncio.create_task(client.post("/generate", json=body(400) | {"rid": "slow"}))
