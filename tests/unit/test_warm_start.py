@@ -10,10 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from megatron_fr.learner import warm_start as warm_start_module
 from megatron_fr.learner.warm_start import (
     MARKER,
+    WarmStartConfig,
     generate,
     mean_reward,
     warm_start,
@@ -28,14 +30,14 @@ from megatron_fr.tasks.arithmetic import (
     tiny_model_config,
 )
 
-SHORT = dict(steps=40, batch_size=16, lr=5e-3)
+SHORT = WarmStartConfig(steps=40, batch_size=16, lr=5e-3)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One short warm start shared by the tests that only read it."""
     out = tmp_path_factory.mktemp("warm") / "policy"
-    report = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    report = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     return out, report
 
 
@@ -60,14 +62,14 @@ def test_loss_goes_down(trained):
     _, report = trained
     assert report.initial_loss == pytest.approx(math.log(VOCAB_SIZE), abs=0.4)  # random init
     assert report.final_loss < 0.8 * report.initial_loss
-    assert report.steps_run == SHORT["steps"] and report.eval_problems == 200
+    assert report.steps_run == SHORT.steps and report.eval_problems == 200
     assert 0.0 <= report.greedy_accuracy <= 1.0 and 0.0 <= report.sampled_reward <= 1.0
 
 
 def test_same_arguments_reuse_the_directory(trained):
     out, report = trained
     weights = (out / "model.safetensors").stat().st_mtime_ns
-    again = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    again = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     assert again.reused and not report.reused
     assert again.greedy_accuracy == report.greedy_accuracy and again.seconds == report.seconds
     assert (out / "model.safetensors").stat().st_mtime_ns == weights
@@ -75,20 +77,21 @@ def test_same_arguments_reuse_the_directory(trained):
 
 def test_different_arguments_retrain_and_replace(tmp_path):
     out = tmp_path / "policy"
-    first = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    first = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     weights = (out / "model.safetensors").read_bytes()
-    other = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=1, progress=False, **SHORT)
+    reseeded = SHORT.model_copy(update={"seed": 1})
+    other = warm_start(out, ArithmeticTask(), tiny_model_config(), reseeded, progress=False)
     assert not other.reused and other.initial_loss != first.initial_loss
     assert (out / "model.safetensors").read_bytes() != weights
     assert json.loads((out / MARKER).read_text())["identity"]["seed"] == 1
     task = ArithmeticTask(ArithmeticConfig(seed=5))  # a task change also retrains
-    assert not warm_start(out, task, tiny_model_config(), seed=1, progress=False, **SHORT).reused
+    assert not warm_start(out, task, tiny_model_config(), reseeded, progress=False).reused
 
 
 def test_refuses_a_directory_it_did_not_write(tmp_path):
     (tmp_path / "weights.bin").write_text("someone else's")
     with pytest.raises(FileExistsError, match=MARKER):
-        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), seed=0, **SHORT)
+        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), SHORT)
     assert (tmp_path / "weights.bin").read_text() == "someone else's"
 
 
@@ -119,22 +122,20 @@ def test_label_noise_is_the_share_of_slipped_targets(monkeypatch, label_noise):
         return 0.0
 
     monkeypatch.setattr(warm_start_module, "_step", counting_step)
-    warm_start_module.train(
-        torch.nn.Linear(1, 1), task, steps=25, batch_size=40, lr=1e-3, seed=0,
-        label_noise=label_noise, progress=False,
-    )  # fmt: skip
+    config = WarmStartConfig(steps=25, batch_size=40, lr=1e-3, label_noise=label_noise)
+    warm_start_module.train(torch.nn.Linear(1, 1), task, config, progress=False)
     assert len(wrong) == 1000
     # Binomial(1000, p): within 4.5 standard deviations (exact at p = 0 and 1).
     sigma = math.sqrt(label_noise * (1 - label_noise) / 1000)
     assert abs(sum(wrong) / 1000 - label_noise) <= 4.5 * sigma
 
 
-def test_label_noise_outside_0_1_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="label_noise"):
-        warm_start(
-            tmp_path / "p", ArithmeticTask(), tiny_model_config(), seed=0, label_noise=1.5, **SHORT
-        )
-    assert not (tmp_path / "p").exists()
+def test_settings_are_validated_by_the_config():
+    for bad in (dict(label_noise=1.5), dict(steps=0), dict(lr=0.0), dict(batch_size=-1)):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            WarmStartConfig(**bad)
+    with pytest.raises(ValidationError, match="stepz"):
+        WarmStartConfig(stepz=3)
 
 
 class Oracle(torch.nn.Module):
