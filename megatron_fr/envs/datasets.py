@@ -102,14 +102,14 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
 
 def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
     """(where, row) pairs: "line N" for JSON lines, "row N" (from 0) otherwise."""
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{path}: expected a .jsonl or .parquet (or .json) prompt file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompt file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: expected a .jsonl or .parquet (or .json) prompt file")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json" or records_key is not None:
         try:
@@ -225,9 +225,13 @@ def write_jsonl(path: str | Path, samples: list[Sample]) -> Path:
     """`samples` as a JSONL prompt file, one object per line, written whole or not at all."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
-    with open(partial, "w", encoding="utf-8") as f:
-        for sample in samples:
-            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            for sample in samples:
+                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
     return path
 
