@@ -61,10 +61,9 @@ MARKER = "warm_start.json"
 
 class WarmStartConfig(BaseModel):
     """How the supervised warm start trains and how it is scored. The defaults are the CPU
-    text demo's (TextMathTask() with tiny_chat_model_config(), see the measured figures in
-    docs/algorithm.md's companion, examples/README.md)."""
+    text demo's (see DEFAULT_FIGURES)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     steps: PositiveInt = 600
     """Optimizer steps (AdamW, linear warmup then cosine decay to lr / 10)."""
@@ -101,6 +100,9 @@ class WarmStartReport:
     eval_problems: int
     seconds: float
     """Wall time of training and evaluation (when reused: that of the run that wrote it)."""
+    cpu_seconds: float | None = None
+    """CPU time of this process over the same span (all its threads): on a shared machine
+    it moves less with the other processes' load than the wall time does."""
     reused: bool = False
     """True when an existing directory with the same arguments was returned untouched."""
 
@@ -134,7 +136,7 @@ def warm_start(
     if stored is not None and stored["identity"] == identity:
         return dataclasses.replace(WarmStartReport(**stored["report"]), reused=True)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.random.fork_rng():  # a seeded init that leaves the caller's generator alone
         torch.manual_seed(config.seed)
         model = build_model(model_config, task.stop_token_ids)
@@ -149,6 +151,7 @@ def warm_start(
         sampled_reward=mean_reward(model, task, held_out, temperature=1.0, seed=config.seed),
         eval_problems=len(held_out),
         seconds=time.perf_counter() - start,
+        cpu_seconds=time.process_time() - cpu_start,
     )
     if stored is not None:  # a warm start for other arguments: replaced only now it is stale
         shutil.rmtree(out_dir)
@@ -325,3 +328,57 @@ def _stored(out_dir: Path) -> dict | None:
 def _normalised(value: dict) -> dict:
     """As it reads back from JSON (tuples become lists), so a stored identity compares equal."""
     return json.loads(json.dumps(value, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m megatron_fr.learner.warm_start OUT_DIR [options]`: warm-start the CPU text
+    demo's policy (or the arithmetic demo's) and print its report as JSON."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_fr.learner.warm_start", description=main.__doc__
+    )
+    parser.add_argument("out_dir", type=Path, help="the HF model directory to write (or reuse)")
+    parser.add_argument("--task", choices=["text_math", "arithmetic"], default="text_math")
+    parser.add_argument("--digits", type=int, default=2, help="operand digits (1-3)")
+    parser.add_argument("--operations", default="+", help='operations drawn from: "+", "-", "+-"')
+    parser.add_argument("--vocab-size", type=int, default=384, help="text_math: BPE vocabulary")
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="KEY=VALUE",
+        help="model config override, JSON value (e.g. hidden_size=96); repeatable",
+    )  # fmt: skip
+    for name, field in WarmStartConfig.model_fields.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=field.annotation, default=field.default,
+            help=field.description,
+        )  # fmt: skip
+    args = parser.parse_args(argv)
+    config = WarmStartConfig(**{name: getattr(args, name) for name in WarmStartConfig.model_fields})
+    overrides = {key: json.loads(value) for key, value in (o.split("=", 1) for o in args.model)}
+    load_before = os.getloadavg()
+    task, model_config, tokenizer = _demo(args, overrides)
+    try:
+        report = warm_start(args.out_dir, task, model_config, config, tokenizer=tokenizer)
+    finally:
+        getattr(task, "close", lambda: None)()
+    facts = dict(load_average_before=load_before, load_average_after=os.getloadavg())
+    print(json.dumps(dataclasses.asdict(report) | facts | dict(config=config.model_dump())))
+
+
+def _demo(args, overrides: dict) -> tuple[Task, dict, PreTrainedTokenizerBase | None]:
+    """The task, model config and tokenizer the command line asks for."""
+    from megatron_fr.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, tiny_model_config
+
+    problems = ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
+    if args.task == "arithmetic":
+        return ArithmeticTask(problems), tiny_model_config() | overrides, None
+    from megatron_fr.tasks.text_math import TextMathConfig, build_text_math_task
+    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+
+    task = build_text_math_task(TextMathConfig(problems=problems), args.vocab_size)
+    return task, tiny_chat_model_config(task.tokenizer, **overrides), task.tokenizer
+
+
+if __name__ == "__main__":
+    main()

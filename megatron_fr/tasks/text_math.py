@@ -96,16 +96,18 @@ def tokenizer_chats(config: TextMathConfig, count: int = 2000) -> list[list[Mess
 
 
 class TextMathTask:
-    """TextMath problems as token ids for `tokenizer` (which must carry a chat template)."""
+    """TextMath problems as token ids for `tokenizer` (which must carry a chat template).
+    Generation stops at <|im_end|> or <|endoftext|>, as Qwen instruct models' do."""
 
     name = "text_math"
 
     def __init__(self, config: TextMathConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        from megatron_fr.tasks.chat import ChatFormat
+        from megatron_fr.tasks.chat import chat_format
+        from megatron_fr.tasks.tiny_models import chat_stop_token_ids
 
         self.config = config
         self.tokenizer = tokenizer
-        self.chat = ChatFormat(tokenizer)
+        self.chat = chat_format(tokenizer, chat_stop_token_ids(tokenizer))
         self.stop_token_ids = self.chat.stop_token_ids
         self.pad_id = tokenizer.pad_token_id
         self.environment = MathEnvironment(config.environment)
@@ -134,6 +136,9 @@ class TextMathTask:
         """ArithmeticTask's draw of `count` problems, with chat-rendered prompts."""
         drawn = self._arithmetic.problems(split, count, seed)
         return [Problem(p.id, self._prompt_ids(p.id), p.answer) for p in drawn]
+
+    def split_size(self, split: Split) -> int:
+        return self._arithmetic.split_size(split)
 
     def sample(self, problem: Problem) -> Sample:
         """The dataset row of `problem`."""

@@ -1,5 +1,7 @@
 """The supervised warm start: a loadable Qwen3-MoE directory, a falling loss, reuse for the
-same arguments, retraining for others, and generation/reward checked against an oracle."""
+same arguments, retraining for others, and generation/reward checked against an oracle; for
+the text task, chat-rendered prompts checked against transformers' apply_chat_template, the
+tokenizer saved with the model, and greedy decoding checked against transformers' generate."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from megatron_fr.tasks.arithmetic import (
     encode,
     tiny_model_config,
 )
+from megatron_fr.tasks.chat import load_chat
+from megatron_fr.tasks.text_math import TextMathConfig, TextMathTask, build_text_math_task
+from megatron_fr.tasks.tiny_models import tiny_chat_model_config
 
 SHORT = WarmStartConfig(steps=40, batch_size=16, lr=5e-3)
 
@@ -160,3 +165,91 @@ def test_generation_stops_after_eos_and_an_oracle_scores_one():
     assert greedy == [task.target_ids(problem) for problem in problems]
     assert mean_reward(Oracle(), task, problems, temperature=0.0) == 1.0
     assert mean_reward(Oracle(), task, problems, temperature=1.0, seed=3) == 1.0
+
+
+# ---- the text task: chat-rendered prompts, a tokenizer saved with the model ---------------
+
+TEXT = TextMathConfig(problems=ArithmeticConfig(digits=1, operations=("+", "-")))
+TEXT_SHORT = WarmStartConfig(steps=30, batch_size=16, lr=5e-3, eval_problems=20)
+
+
+@pytest.fixture(scope="module")
+def text_task():
+    with build_text_math_task(TEXT, vocab_size=300) as task:
+        yield task
+
+
+@pytest.fixture(scope="module")
+def text_trained(tmp_path_factory, text_task):
+    out = tmp_path_factory.mktemp("text-warm") / "policy"
+    config = tiny_chat_model_config(text_task.tokenizer)
+    report = warm_start(
+        out, text_task, config, TEXT_SHORT, tokenizer=text_task.tokenizer, progress=False
+    )
+    return out, report
+
+
+def test_text_warm_start_writes_a_chat_model_the_loaders_read(text_trained, text_task):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, report = text_trained
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    stops = text_task.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert list(text_task.stop_token_ids) == stops
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert list(load_chat(out).stop_token_ids) == stops
+    assert report.initial_loss > 2 * report.final_loss and report.cpu_seconds > 0
+    # The saved model and tokenizer, loaded back, score what the report says.
+    with TextMathTask(TEXT, AutoTokenizer.from_pretrained(out)) as reloaded:
+        held_out = reloaded.problems("eval", report.eval_problems)
+        assert [p.prompt_ids for p in held_out] == [
+            p.prompt_ids for p in text_task.problems("eval", report.eval_problems)
+        ]
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert mean_reward(model, reloaded, held_out, temperature=0.0) == report.greedy_accuracy
+
+
+def test_text_batches_train_on_the_demonstration_only(text_task):
+    problems = text_task.problems("train", 6)
+    rng = random.Random(0)
+    targets = [text_task.slip_target_ids(p, rng) for p in problems[:3]]
+    targets += [text_task.target_ids(p) for p in problems[3:]]
+    tokens, loss_mask = warm_start_module._batch(text_task, problems, targets)
+    for row, mask, problem, target in zip(tokens, loss_mask, problems, targets, strict=True):
+        messages = text_task.environment.start(text_task.sample(problem)).messages
+        prompt = text_task.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        assert row[: len(prompt)].tolist() == prompt
+        assert row[1:][mask.bool()].tolist() == target  # the loss sees the target, all of it
+        assert set(row[len(prompt) + len(target) :].tolist()) <= {text_task.pad_id}
+
+
+def test_greedy_generation_equals_transformers_generate(text_trained, text_task):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(text_trained[0])
+    problems = text_task.problems("eval", 8)
+    ours = generate(model, text_task, problems, temperature=0.0)
+    for problem, output in zip(problems, ours, strict=True):
+        theirs = model.generate(
+            torch.tensor([problem.prompt_ids]),
+            do_sample=False,
+            max_new_tokens=text_task.max_new_tokens,
+            eos_token_id=list(text_task.stop_token_ids),
+        )[0, len(problem.prompt_ids) :].tolist()
+        assert output == theirs[: len(output)] and len(theirs) == len(output)
+
+
+def test_a_different_tokenizer_retrains(tmp_path, text_task):
+    quick = WarmStartConfig(steps=2, batch_size=4, eval_problems=4)
+    out = tmp_path / "policy"
+    config = tiny_chat_model_config(text_task.tokenizer)
+    warm_start(out, text_task, config, quick, tokenizer=text_task.tokenizer, progress=False)
+    with build_text_math_task(TEXT, vocab_size=290) as other:
+        assert len(other.tokenizer) != len(text_task.tokenizer)
+        assert tiny_chat_model_config(other.tokenizer) == config  # same padded vocabulary
+        again = warm_start(out, other, config, quick, tokenizer=other.tokenizer, progress=False)
+    assert not again.reused
