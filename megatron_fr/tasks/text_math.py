@@ -10,8 +10,9 @@
 
 The problems, their ids and the train/eval partition are ArithmeticTask's (a hash of the
 operands decides the split, so the two are disjoint by construction and stable whatever is
-drawn); difficulty is its `digits` and `operations`. Rows are plain dataset rows, so the RL loop
-reads them like any prompt file (envs/datasets.py), and write_jsonl() saves them as one.
+drawn); difficulty is its `digits` and `operations` (the demo: 2 digits, "+"). Rows are plain
+dataset rows, so the RL loop reads them like any prompt file (envs/datasets.py), and
+write_rows() saves them as one.
 
 The task works in token ids (the Task protocol of megatron_fr.tasks), which is what the
 supervised warm start (learner/warm_start.py) trains on; it owns a MathEnvironment (grader
