@@ -1,10 +1,10 @@
 """Offline fixtures for the agent tests: a Qwen-style chat tokenizer, a tiny random model that
 the CPU engine serves with it, and a scripted engine behind the CPU engine's own HTTP server.
 
-- `chat_model_dir(dir)`: a byte-level BPE tokenizer trained here on the bundled datasets (so
-  it needs no download) with Qwen's special tokens and a Qwen2.5-style chat template (tools
-  in the system turn, consecutive tool messages grouped into one user turn of
-  <tool_response> blocks), saved next to a random Qwen3 model whose vocabulary matches it.
+- `build_tokenizer()` / `chat_model_dir(dir)`: the package's chat tokenizer
+  (tasks/chat_tokenizer.py: byte-level BPE, Qwen's special tokens and chat template) trained
+  on the bundled datasets, and the package's tiny chat model (tasks/tiny_models.py: a random
+  Qwen3-MoE of matching vocabulary) saved with it.
 - `ScriptedEngine`: stands in for CpuEngine inside cpu_server.CpuServer. Its "model" is a
   policy function from the conversation text (the prompt ids decoded) to the next turn's
   text; the reply is that text's ids plus <|im_end|>, cut at max_new_tokens, with made-up
@@ -25,100 +25,33 @@ from aiohttp import web
 from megatron_fr.engine.cpu_engine import Output, Sampling
 from megatron_fr.engine.cpu_server import CpuServer
 from megatron_fr.envs.datasets import DATA_DIR
+from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+from megatron_fr.tasks.tiny_models import build_tiny_chat_model
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-"""Added tokens like in Qwen2.5 (not "special": decoding keeps them)."""
-
-CHAT_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\n' }}"
-    "{%- if messages[0].role == 'system' %}{{- messages[0].content }}"
-    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n\' }}'
-    "{%- elif messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
-    "{{- '<|im_end|>\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
-"""Qwen2.5's chat template in structure (its exact text is not needed offline)."""
+VOCAB_SIZE = 600
 
 
-def _corpus() -> list[str]:
-    lines = [CHAT_TEMPLATE]
-    for path in sorted(DATA_DIR.glob("*.jsonl")):
-        lines += path.read_text().splitlines()
-    lines += ["print(sum(range(10)))", "Action: go east", "The answer is \\boxed{42}."]
-    return lines
+def _chats() -> list[list[dict[str, str]]]:
+    """Every bundled sample line as a user turn, and a few typical assistant turns."""
+    lines = [
+        line for path in sorted(DATA_DIR.glob("*.jsonl")) for line in path.read_text().splitlines()
+    ]
+    replies = ["print(sum(range(10)))", "Action: go east", "The answer is \\boxed{42}."]
+    return [[{"role": "user", "content": line}] for line in lines] + [
+        [{"role": "assistant", "content": reply}] for reply in replies
+    ]
 
 
-def build_tokenizer(vocab_size: int = 600):
-    """A PreTrainedTokenizerFast with the chat template, trained offline in ~0.1 s."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(_corpus(), trainer)
-    backend.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+def build_tokenizer():
+    """The chat tokenizer trained on the bundled datasets (offline, deterministic)."""
+    return build_chat_tokenizer(_chats(), VOCAB_SIZE)
 
 
 def chat_model_dir(directory: str | Path, seed: int = 0) -> Path:
-    """Save the tokenizer and a random Qwen3 of matching vocabulary into `directory`."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    directory = Path(directory)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=16384,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
+    """Save that tokenizer and a random tiny Qwen3-MoE of matching vocabulary into `directory`."""
+    return build_tiny_chat_model(
+        directory, _chats(), vocab_size=VOCAB_SIZE, seed=seed, max_position_embeddings=16384
     )
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    return directory
 
 
 Policy = Callable[[str], str]

@@ -1,16 +1,37 @@
-"""Prompt files: JSONL or parquet rows -> samples, and the small datasets bundled in data/.
+"""Prompt files: JSONL / JSON / Parquet rows -> samples, field mapping, prompt-length filtering,
+and the small datasets bundled in data/.
 
 A sample is a dict (one row) with at least "id"; a row without one gets "<file stem>-<row>",
-so ids are stable for a given file. Which other fields an environment needs is its own
-business (math: "problem", "answer"; alfworld: a game spec or "game_file").
+so ids are stable for a given file. Which other fields an environment reads is its own
+business (math, python_tool: "problem", "answer"; alfworld: a game spec or "game_file").
+
+Files laid out for other frameworks load by naming their fields (DatasetConfig), as slime's
+--input-key / --label-key and verl's parquet files do:
+
+    verl / the reference recipes:  {"prompt": [{"role": "user", "content": ...}],
+                                    "reward_model": {"ground_truth": "34", "style": "rule"}}
+    DatasetConfig(path=..., prompt_key="prompt", label_key="reward_model.ground_truth")
+      -> {"id", "problem": <last user message>, "messages": <the prompt>, "answer": "34", ...}
+
+A dotted key walks into nested objects. The row's own fields stay in the sample; the mapped
+ones are added under the names the environments read. Bad input is refused whole, with the
+file, the row and the field named.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from megatron_fr.envs.base import Sample
+
+if TYPE_CHECKING:
+    from megatron_fr.envs.base import Environment
+    from megatron_fr.rollout.agent import ChatFormat
 
 DATA_DIR = Path(__file__).with_name("data")
 BUNDLED: dict[str, tuple[str, ...]] = {
@@ -20,39 +41,199 @@ BUNDLED: dict[str, tuple[str, ...]] = {
 }
 """Sample files shipped with the package, so recipes and tests run offline ("alfworld": the
 hand-written real ALFWorld problems, then the TextWorld game specs)."""
+ROLES = ("system", "user", "assistant", "tool")
+MISSING = object()
 
 
-def load_samples(path: str | Path, limit: int | None = None) -> list[Sample]:
-    """The rows of a .jsonl or .parquet file (parquet needs pyarrow), each with an "id"."""
-    path = Path(path)
+class DatasetConfig(BaseModel):
+    """Where the prompts are and which fields of a row hold what."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str
+    """A .jsonl, .json or .parquet file (parquet needs pyarrow)."""
+    prompt_key: str | None = "problem"
+    """The prompt: a string (-> "problem"), or a list of chat messages (-> "messages", and
+    its last user message -> "problem"). None: the rows carry no prompt (game specs)."""
+    label_key: str | None = "answer"
+    """The reference answer (a string or a number) -> "answer". None: no label."""
+    id_key: str = "id"
+    """The row's id (a string or an integer) -> "id"; rows without one are numbered."""
+    metadata_keys: dict[str, str] = Field(default_factory=dict)
+    """More fields to lift into the sample: {sample field: dotted key in the row}."""
+    records_key: str | None = None
+    """.json only: the key holding the rows (a list of objects, or an object of objects)."""
+    limit: PositiveInt | None = None
+    """Keep the first `limit` rows."""
+
+
+def load_samples(
+    path: str | Path, limit: int | None = None, records_key: str | None = None
+) -> list[Sample]:
+    """The rows of a prompt file as they are, each with an "id" (see DatasetConfig.path)."""
+    return load_dataset(
+        DatasetConfig(
+            path=str(path), prompt_key=None, label_key=None, records_key=records_key, limit=limit
+        )
+    )
+
+
+def load_dataset(config: DatasetConfig) -> list[Sample]:
+    """The samples of `config.path` with the configured fields mapped (see the module doc)."""
+    path = Path(config.path)
+    rows = _read_rows(path, config.records_key)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    samples, seen = [], {}
+    for where, row in rows[: config.limit]:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: {where} is not an object")
+        sample = _map_row(row, config, f"{path}: {where}")
+        if sample["id"] is None:  # absent, or a null in a parquet column
+            sample["id"] = f"{path.stem}-{len(samples)}"
+        if sample["id"] in seen:
+            raise ValueError(
+                f"{path}: {where}: duplicate id {sample['id']!r} (first at {seen[sample['id']]})"
+            )
+        seen[sample["id"]] = where
+        samples.append(sample)
+    return samples
+
+
+def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
+    """(where, row) pairs: "line N" for JSON lines, "row N" (from 0) otherwise."""
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{path}: expected a .jsonl or .parquet (or .json) prompt file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prompt file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as error:
-                    raise ValueError(f"{path}:{number}: not JSON ({error})") from error
-    else:
-        raise ValueError(f"{path}: expected a .jsonl or .parquet prompt file")
-    samples = []
-    for index, row in enumerate(rows[:limit]):
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {index} is not an object")
-        sample = dict(row)
-        if sample.get("id") is None:  # absent, or a null in a parquet column
-            sample["id"] = f"{path.stem}-{index}"
-        samples.append(sample)
-    ids = [sample["id"] for sample in samples]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: duplicate ids")
-    return samples
+        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" or records_key is not None:
+        try:
+            whole = json.loads(text)
+        except ValueError:
+            whole = MISSING  # JSON lines under a .json name (as `datasets` writes them)
+        if whole is not MISSING:
+            return _records(path, whole, records_key)
+    if records_key is not None:
+        raise ValueError(f"{path}: records_key needs one JSON document, not JSON lines")
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error})") from error
+    return rows
+
+
+def _records(path: Path, document: Any, records_key: str | None) -> list[tuple[str, Any]]:
+    if records_key is not None:
+        document = _lookup(document, records_key)
+        if document is MISSING:
+            raise ValueError(f"{path}: no records under {records_key!r}")
+    if isinstance(document, dict):  # an object of rows, keyed by name
+        document = list(document.values())
+    if not isinstance(document, list):
+        raise ValueError(f"{path}: expected a list of rows (set records_key to where they are)")
+    return [(f"row {i}", row) for i, row in enumerate(document)]
+
+
+def _lookup(row: Any, dotted: str) -> Any:
+    """row["a"]["b"] for "a.b"; MISSING where a step is absent."""
+    value = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
+def _field(row: dict, key: str, role: str, where: str) -> Any:
+    value = _lookup(row, key)
+    if value is MISSING:
+        raise ValueError(f"{where}: no field {key!r} ({role})")
+    return value
+
+
+def _map_row(row: dict, config: DatasetConfig, where: str) -> Sample:
+    sample = dict(row)
+    raw_id = _lookup(row, config.id_key)
+    if raw_id is not MISSING and raw_id is not None and not _is_id(raw_id):
+        raise ValueError(f"{where}: field {config.id_key!r} (id) must be a string or an integer")
+    sample["id"] = None if raw_id is MISSING else raw_id
+    if config.prompt_key is not None:
+        sample.update(_prompt(_field(row, config.prompt_key, "prompt_key", where), where))
+    if config.label_key is not None:
+        label = _field(row, config.label_key, "label_key", where)
+        if isinstance(label, bool) or not isinstance(label, str | int | float):
+            raise ValueError(
+                f"{where}: field {config.label_key!r} (label_key) must be a string or a "
+                f"number, got {type(label).__name__}"
+            )
+        sample["answer"] = label
+    for name, key in config.metadata_keys.items():
+        sample[name] = _field(row, key, f"metadata_keys[{name!r}]", where)
+    return sample
+
+
+def _is_id(value: Any) -> bool:
+    return (isinstance(value, str) and bool(value)) or type(value) is int
+
+
+def _prompt(value: Any, where: str) -> dict[str, Any]:
+    """{"problem"} for a string prompt; {"messages", "problem"} for chat messages."""
+    if isinstance(value, str) and value.strip():
+        return {"problem": value}
+    valid = isinstance(value, list) and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+        for m in value
+    )
+    users = [m["content"] for m in value if m["role"] == "user"] if valid else []
+    if not users:
+        raise ValueError(
+            f"{where}: the prompt must be a non-empty string or a list of chat messages "
+            f"({{'role': one of {ROLES}, 'content': str}}) with a user message"
+        )
+    messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    return {"messages": messages, "problem": users[-1]}
+
+
+def filter_by_prompt_length(
+    samples: list[Sample], environment: Environment, chat: ChatFormat, max_prompt_tokens: int
+) -> tuple[list[Sample], int]:
+    """The samples whose opening prompt (the episode's messages and tools, rendered by the
+    chat template with the generation prompt, as the agent loop sends it) has at most
+    `max_prompt_tokens` ids, and how many were dropped. Starts each sample's episode, so an
+    environment whose start is costly (a game) pays it once per sample here."""
+    kept = []
+    for sample in samples:
+        episode = environment.start(sample)
+        try:
+            length = len(chat.prompt_ids(episode.messages, episode.tools))
+        finally:
+            episode.close()
+        if length <= max_prompt_tokens:
+            kept.append(sample)
+    return kept, len(samples) - len(kept)
+
+
+def write_jsonl(path: str | Path, samples: list[Sample]) -> Path:
+    """`samples` as a JSONL prompt file, one object per line, written whole or not at all."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            for sample in samples:
+                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return path
 
 
 def bundled_samples(env_name: str) -> list[Sample]:

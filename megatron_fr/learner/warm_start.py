@@ -1,31 +1,40 @@
 """Supervised warm start: a tiny HF policy that knows a task but samples some wrong answers.
 
 RL from a random policy on an exact-match task gets reward 0 on nearly every trajectory, and
-a zero advantage teaches nothing; so the CPU demo first fits demonstrations of train-split
+a zero advantage teaches nothing; so the CPU demos first fit demonstrations of train-split
 problems. The demonstrations are noisy on purpose: a share `label_noise` of the targets are
-the task's slips (for arithmetic, the answer off by 1 or 10), so a model trained on them to
-convergence learns the skill (its greedy answer is mostly right) and also learns to sample the
-slips at temperature 1. That is the position RL fine-tuning of a supervised LLM starts from, and
-the one where single-sample RL has a clear, stable signal: turn the sampled slips into the
-answer the policy already ranks first. (A warm start stopped early on clean data instead, at
-~25% greedy accuracy, sits where the skill itself is half-learnt, and the demo's held-out
-accuracy did not rise from it at any learning rate tried.) Only the answer and its EOS carry
-loss: the prompts are uniform random digits, nothing to imitate.
+the task's slips (the answer off by 1 or 10), so a model trained on them learns the skill (its
+greedy answer is mostly right) and also learns to sample the slips at temperature 1. That is
+the position RL fine-tuning of a supervised LLM starts from, and the one where single-sample RL
+has a clear, stable signal: turn the sampled slips into the answer the policy already ranks
+first. (A warm start stopped early on clean data instead, at ~25% greedy accuracy, sits where
+the skill itself is half-learnt, and the arithmetic demo's held-out accuracy did not rise from
+it at any learning rate tried.) Only the targets carry loss: the prompts are not imitated.
 
-    from megatron_fr.learner.warm_start import DEFAULT_WARM_START, warm_start
-    from megatron_fr.tasks.arithmetic import ArithmeticTask, tiny_model_config
-    report = warm_start("runs/warm", ArithmeticTask(), tiny_model_config(), seed=0,
-                        **DEFAULT_WARM_START)
+Any task of the Task protocol (megatron_fr.tasks) trains here: ArithmeticTask in its own
+16-id vocabulary, or TextMathTask, whose prompts are chat-rendered by the model's tokenizer
+(pass it as `tokenizer=`, and it is saved with the model):
 
-The result is a save_pretrained directory (safetensors, config.json, generation_config.json)
-that the CPU inference engine and the HF -> megatron converter load as they would a Qwen3-MoE
-checkpoint. It is written whole or not at all, with warm_start.json naming the arguments that
-produced it: the same arguments again reuse it; different ones retrain and replace it.
+    from megatron_fr.learner.warm_start import WarmStartConfig, warm_start
+    from megatron_fr.tasks.text_math import build_text_math_task
+    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+    with build_text_math_task() as task:
+        report = warm_start("runs/warm", task, tiny_chat_model_config(task.tokenizer),
+                            WarmStartConfig(), tokenizer=task.tokenizer)
+
+    python -m megatron_fr.learner.warm_start --help        (the same from the command line)
+
+The result is a save_pretrained directory (safetensors, config.json, generation_config.json,
+and the tokenizer files when there is a tokenizer) that the CPU inference engine and the HF ->
+megatron converter load as they would a Qwen3-MoE checkpoint. It is written whole or not at
+all, with warm_start.json naming the arguments that produced it: the same arguments again reuse
+it; different ones retrain and replace it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -34,36 +43,75 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 from tqdm import tqdm
 
 from megatron_fr.tasks import Problem, Task
+from megatron_fr.tasks.tiny_models import build_model
 from megatron_fr.utils.atomic_dir import atomic_directory
 
-DEFAULT_WARM_START = dict(steps=1500, batch_size=128, lr=5e-3, label_noise=0.5)
-"""Tuned for ArithmeticTask(operations=("+", "-")) and tiny_model_config() on two CPU cores,
-as examples/cpu_demo.yaml uses it. Measured there (seed 0, `megatron-fr train
-examples/cpu_demo.yaml`): 113 s, held-out greedy accuracy 0.900, temperature-1 reward 0.395."""
-EVAL_PROBLEMS = 200
-"""Held-out problems scored after training (always the same 200: drawn at the task's seed)."""
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 MARKER = "warm_start.json"
+
+
+class WarmStartConfig(BaseModel):
+    """How the supervised warm start trains and how it is scored.
+
+    The defaults are the CPU text demo's: TextMathTask(TextMathConfig()) (2-digit addition,
+    build_text_math_task) and tiny_chat_model_config(). Measured with
+    `OMP_NUM_THREADS=1 python -m megatron_fr.learner.warm_start DIR` (seed 0) on a 2-core
+    machine shared with other jobs (load average ~9): held-out greedy accuracy 1.000,
+    temperature-1 accuracy 0.480 (200 problems), 119 s of CPU time, 434 s wall; the
+    arithmetic demo's warm start (ARITHMETIC_DEMO) run alongside took 78 s CPU, 323 s wall.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    steps: PositiveInt = 1000
+    """Optimizer steps (AdamW, linear warmup then cosine decay to lr / 10)."""
+    batch_size: PositiveInt = 64
+    """Demonstrations per step, drawn from the train split."""
+    lr: PositiveFloat = 5e-3
+    """Peak learning rate."""
+    label_noise: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Share of demonstrations whose answer is one of the task's slips instead of the answer."""
+    seed: int = 0
+    """Seeds the initialisation, the problem stream, the label noise and the sampled eval."""
+    eval_problems: PositiveInt = 200
+    """Held-out problems scored after training (always the same: drawn at the task's seed)."""
+
+
+ARITHMETIC_DEMO = WarmStartConfig(steps=1500, batch_size=128, lr=5e-3, label_noise=0.5)
+"""The arithmetic demo's settings, for ArithmeticTask(operations=("+", "-")) and
+tiny_model_config() (examples/cpu_demo.yaml). Measured with `megatron-fr train
+examples/cpu_demo.yaml` (seed 0) on two CPU cores: 113 s, held-out greedy accuracy 0.900,
+temperature-1 reward 0.395; with `OMP_NUM_THREADS=1 python -m megatron_fr.learner.warm_start
+DIR --task arithmetic --operations +- --steps 1500 --batch-size 128` on the shared machine
+(load average ~9, one torch thread): 78 s CPU, 323 s wall, greedy 0.985, temperature-1 0.425."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class WarmStartReport:
     initial_loss: float
-    """Mean answer-token cross-entropy of the first step's batch."""
+    """Mean target-token cross-entropy of the first step's batch."""
     final_loss: float
     """Mean over the last tenth of the steps run (one batch is too noisy to compare)."""
     steps_run: int
     greedy_accuracy: float
-    """Exact-match reward of greedy decoding on the held-out problems."""
+    """Mean reward of greedy decoding on the held-out problems."""
     sampled_reward: float
     """Mean reward of one temperature-1 sample per held-out problem: where RL starts."""
     eval_problems: int
     seconds: float
     """Wall time of training and evaluation (when reused: that of the run that wrote it)."""
+    cpu_seconds: float | None = None
+    """CPU time of this process over the same span (all its threads): on a shared machine
+    it moves less with the other processes' load than the wall time does."""
     reused: bool = False
     """True when an existing directory with the same arguments was returned untouched."""
 
@@ -72,113 +120,84 @@ def warm_start(
     out_dir: str | Path,
     task: Task,
     model_config: dict,
+    config: WarmStartConfig | None = None,
     *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    label_noise: float = 0.0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     progress: bool = True,
 ) -> WarmStartReport:
     """Train (or reuse) the warm-start policy in `out_dir` and say how good it is.
 
-    `label_noise` is the share of training targets replaced by a slip of the task (see train()).
+    `tokenizer`: the one the task's ids come from, saved with the model (and part of what
+    decides reuse); None for a task that needs none (arithmetic).
     """
-    if steps < 1 or batch_size < 1 or not lr > 0:
-        raise ValueError(
-            f"need steps >= 1, batch_size >= 1, lr > 0; got {steps}, {batch_size}, {lr}"
-        )
-    if not 0.0 <= label_noise <= 1.0:
-        raise ValueError(f"label_noise must be in [0, 1], got {label_noise}")
+    config = config or WarmStartConfig()
     out_dir = Path(out_dir)
     identity = _normalised(
         dict(
             task=task.name,
             task_config=task.config.model_dump(mode="json"),
             model_config=model_config,
-            steps=steps,
-            batch_size=batch_size,
-            lr=lr,
-            seed=seed,
-            label_noise=label_noise,
+            tokenizer=_fingerprint(tokenizer),
+            **config.model_dump(mode="json"),
         )
     )
     stored = _stored(out_dir)
     if stored is not None and stored["identity"] == identity:
         return dataclasses.replace(WarmStartReport(**stored["report"]), reused=True)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with torch.random.fork_rng():  # a seeded init that leaves the caller's generator alone
-        torch.manual_seed(seed)
-        model = build_model(model_config)
-    losses = train(
-        model,
-        task,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        label_noise=label_noise,
-        progress=progress,
-    )
+        torch.manual_seed(config.seed)
+        model = build_model(model_config, task.stop_token_ids)
+    losses = train(model, task, config, progress=progress)
     tail = losses[-max(1, len(losses) // 10) :]
-    held_out = task.problems("eval", EVAL_PROBLEMS)
+    held_out = task.problems("eval", config.eval_problems)
     report = WarmStartReport(
         initial_loss=losses[0],
         final_loss=sum(tail) / len(tail),
         steps_run=len(losses),
         greedy_accuracy=mean_reward(model, task, held_out, temperature=0.0),
-        sampled_reward=mean_reward(model, task, held_out, temperature=1.0, seed=seed),
+        sampled_reward=mean_reward(model, task, held_out, temperature=1.0, seed=config.seed),
         eval_problems=len(held_out),
         seconds=time.perf_counter() - start,
+        cpu_seconds=time.process_time() - cpu_start,
     )
     if stored is not None:  # a warm start for other arguments: replaced only now it is stale
         shutil.rmtree(out_dir)
     with atomic_directory(out_dir) as partial:
         model.save_pretrained(partial)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(partial)
         record = dict(identity=identity, report=dataclasses.asdict(report))
         (partial / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     return report
 
 
-def build_model(model_config: dict) -> torch.nn.Module:
-    """A freshly initialised fp32 HF model of `model_config` (a config.json dict)."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
-
-    fields = {key: value for key, value in model_config.items() if key != "model_type"}
-    config = CONFIG_MAPPING[model_config["model_type"]](**fields)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Saved as generation_config.json: whoever generates from the checkpoint stops at EOS.
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
-    )
-    return model
+def _fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str | None:
+    """A digest of the tokenizer's vocabulary, merges and chat template."""
+    if tokenizer is None:
+        return None
+    text = tokenizer.backend_tokenizer.to_str() + (tokenizer.chat_template or "")
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def train(
-    model: torch.nn.Module,
-    task: Task,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    label_noise: float = 0.0,
-    progress: bool = True,
+    model: torch.nn.Module, task: Task, config: WarmStartConfig, *, progress: bool = True
 ) -> list[float]:
-    """AdamW on answer-token cross-entropy, linear warmup then cosine decay to lr/10 over
-    `steps`; returns each step's mean loss.
+    """AdamW on target-token cross-entropy, linear warmup then cosine decay to lr/10 over
+    `config.steps`; returns each step's mean loss.
 
     Batches are consecutive slices of one seeded stream of train-split problems (the held-out
     split is never looked at), and each target is independently, with probability
     `label_noise`, the task's slip instead of the answer, from a generator seeded by `seed`:
     the run is a function of its arguments.
     """
+    steps, batch_size, seed = config.steps, config.batch_size, config.seed
     problems = task.problems("train", steps * batch_size, seed=seed)
     noise = random.Random(f"label noise/{seed}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
     schedule = _warmup_cosine(optimizer, steps)
     losses = []
     bar = tqdm(range(steps), desc="warm start", file=sys.stderr, disable=not progress)
@@ -186,7 +205,7 @@ def train(
         batch = problems[step * batch_size : (step + 1) * batch_size]
         targets = [
             task.slip_target_ids(problem, noise)
-            if noise.random() < label_noise
+            if noise.random() < config.label_noise
             else task.target_ids(problem)
             for problem in batch
         ]
@@ -318,3 +337,57 @@ def _stored(out_dir: Path) -> dict | None:
 def _normalised(value: dict) -> dict:
     """As it reads back from JSON (tuples become lists), so a stored identity compares equal."""
     return json.loads(json.dumps(value, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m megatron_fr.learner.warm_start OUT_DIR [options]`: warm-start the CPU text
+    demo's policy (or the arithmetic demo's) and print its report as JSON."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_fr.learner.warm_start", description=main.__doc__
+    )
+    parser.add_argument("out_dir", type=Path, help="the HF model directory to write (or reuse)")
+    parser.add_argument("--task", choices=["text_math", "arithmetic"], default="text_math")
+    parser.add_argument("--digits", type=int, default=2, help="operand digits (1-3)")
+    parser.add_argument("--operations", default="+", help='operations drawn from: "+", "-", "+-"')
+    parser.add_argument("--vocab-size", type=int, default=384, help="text_math: BPE vocabulary")
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="KEY=VALUE",
+        help="model config override, JSON value (e.g. hidden_size=96); repeatable",
+    )  # fmt: skip
+    for name, field in WarmStartConfig.model_fields.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=field.annotation, default=field.default,
+            help=field.description,
+        )  # fmt: skip
+    args = parser.parse_args(argv)
+    config = WarmStartConfig(**{name: getattr(args, name) for name in WarmStartConfig.model_fields})
+    overrides = {key: json.loads(value) for key, value in (o.split("=", 1) for o in args.model)}
+    load_before = os.getloadavg()
+    task, model_config, tokenizer = _demo(args, overrides)
+    try:
+        report = warm_start(args.out_dir, task, model_config, config, tokenizer=tokenizer)
+    finally:
+        getattr(task, "close", lambda: None)()
+    facts = dict(load_average_before=load_before, load_average_after=os.getloadavg())
+    print(json.dumps(dataclasses.asdict(report) | facts | dict(config=config.model_dump())))
+
+
+def _demo(args, overrides: dict) -> tuple[Task, dict, PreTrainedTokenizerBase | None]:
+    """The task, model config and tokenizer the command line asks for."""
+    from megatron_fr.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, tiny_model_config
+
+    problems = ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
+    if args.task == "arithmetic":
+        return ArithmeticTask(problems), tiny_model_config() | overrides, None
+    from megatron_fr.tasks.text_math import TextMathConfig, build_text_math_task
+    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+
+    task = build_text_math_task(TextMathConfig(problems=problems), args.vocab_size)
+    return task, tiny_chat_model_config(task.tokenizer, **overrides), task.tokenizer
+
+
+if __name__ == "__main__":
+    main()

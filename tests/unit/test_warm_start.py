@@ -1,5 +1,7 @@
 """The supervised warm start: a loadable Qwen3-MoE directory, a falling loss, reuse for the
-same arguments, retraining for others, and generation/reward checked against an oracle."""
+same arguments, retraining for others, and generation/reward checked against an oracle; for
+the text task, chat-rendered prompts checked against transformers' apply_chat_template, the
+tokenizer saved with the model, and greedy decoding checked against transformers' generate."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from megatron_fr.learner import warm_start as warm_start_module
 from megatron_fr.learner.warm_start import (
     MARKER,
+    WarmStartConfig,
     generate,
     mean_reward,
     warm_start,
@@ -27,15 +31,18 @@ from megatron_fr.tasks.arithmetic import (
     encode,
     tiny_model_config,
 )
+from megatron_fr.tasks.chat import load_chat
+from megatron_fr.tasks.text_math import TextMathConfig, TextMathTask, build_text_math_task
+from megatron_fr.tasks.tiny_models import tiny_chat_model_config
 
-SHORT = dict(steps=40, batch_size=16, lr=5e-3)
+SHORT = WarmStartConfig(steps=40, batch_size=16, lr=5e-3)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One short warm start shared by the tests that only read it."""
     out = tmp_path_factory.mktemp("warm") / "policy"
-    report = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    report = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     return out, report
 
 
@@ -60,14 +67,14 @@ def test_loss_goes_down(trained):
     _, report = trained
     assert report.initial_loss == pytest.approx(math.log(VOCAB_SIZE), abs=0.4)  # random init
     assert report.final_loss < 0.8 * report.initial_loss
-    assert report.steps_run == SHORT["steps"] and report.eval_problems == 200
+    assert report.steps_run == SHORT.steps and report.eval_problems == 200
     assert 0.0 <= report.greedy_accuracy <= 1.0 and 0.0 <= report.sampled_reward <= 1.0
 
 
 def test_same_arguments_reuse_the_directory(trained):
     out, report = trained
     weights = (out / "model.safetensors").stat().st_mtime_ns
-    again = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    again = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     assert again.reused and not report.reused
     assert again.greedy_accuracy == report.greedy_accuracy and again.seconds == report.seconds
     assert (out / "model.safetensors").stat().st_mtime_ns == weights
@@ -75,20 +82,21 @@ def test_same_arguments_reuse_the_directory(trained):
 
 def test_different_arguments_retrain_and_replace(tmp_path):
     out = tmp_path / "policy"
-    first = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=0, progress=False, **SHORT)
+    first = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
     weights = (out / "model.safetensors").read_bytes()
-    other = warm_start(out, ArithmeticTask(), tiny_model_config(), seed=1, progress=False, **SHORT)
+    reseeded = SHORT.model_copy(update={"seed": 1})
+    other = warm_start(out, ArithmeticTask(), tiny_model_config(), reseeded, progress=False)
     assert not other.reused and other.initial_loss != first.initial_loss
     assert (out / "model.safetensors").read_bytes() != weights
     assert json.loads((out / MARKER).read_text())["identity"]["seed"] == 1
     task = ArithmeticTask(ArithmeticConfig(seed=5))  # a task change also retrains
-    assert not warm_start(out, task, tiny_model_config(), seed=1, progress=False, **SHORT).reused
+    assert not warm_start(out, task, tiny_model_config(), reseeded, progress=False).reused
 
 
 def test_refuses_a_directory_it_did_not_write(tmp_path):
     (tmp_path / "weights.bin").write_text("someone else's")
     with pytest.raises(FileExistsError, match=MARKER):
-        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), seed=0, **SHORT)
+        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), SHORT)
     assert (tmp_path / "weights.bin").read_text() == "someone else's"
 
 
@@ -119,22 +127,20 @@ def test_label_noise_is_the_share_of_slipped_targets(monkeypatch, label_noise):
         return 0.0
 
     monkeypatch.setattr(warm_start_module, "_step", counting_step)
-    warm_start_module.train(
-        torch.nn.Linear(1, 1), task, steps=25, batch_size=40, lr=1e-3, seed=0,
-        label_noise=label_noise, progress=False,
-    )  # fmt: skip
+    config = WarmStartConfig(steps=25, batch_size=40, lr=1e-3, label_noise=label_noise)
+    warm_start_module.train(torch.nn.Linear(1, 1), task, config, progress=False)
     assert len(wrong) == 1000
     # Binomial(1000, p): within 4.5 standard deviations (exact at p = 0 and 1).
     sigma = math.sqrt(label_noise * (1 - label_noise) / 1000)
     assert abs(sum(wrong) / 1000 - label_noise) <= 4.5 * sigma
 
 
-def test_label_noise_outside_0_1_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="label_noise"):
-        warm_start(
-            tmp_path / "p", ArithmeticTask(), tiny_model_config(), seed=0, label_noise=1.5, **SHORT
-        )
-    assert not (tmp_path / "p").exists()
+def test_settings_are_validated_by_the_config():
+    for bad in (dict(label_noise=1.5), dict(steps=0), dict(lr=0.0), dict(batch_size=-1)):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            WarmStartConfig(**bad)
+    with pytest.raises(ValidationError, match="stepz"):
+        WarmStartConfig(stepz=3)
 
 
 class Oracle(torch.nn.Module):
@@ -159,3 +165,91 @@ def test_generation_stops_after_eos_and_an_oracle_scores_one():
     assert greedy == [task.target_ids(problem) for problem in problems]
     assert mean_reward(Oracle(), task, problems, temperature=0.0) == 1.0
     assert mean_reward(Oracle(), task, problems, temperature=1.0, seed=3) == 1.0
+
+
+# ---- the text task: chat-rendered prompts, a tokenizer saved with the model ---------------
+
+TEXT = TextMathConfig(problems=ArithmeticConfig(digits=1, operations=("+", "-")))
+TEXT_SHORT = WarmStartConfig(steps=30, batch_size=16, lr=5e-3, eval_problems=20)
+
+
+@pytest.fixture(scope="module")
+def text_task():
+    with build_text_math_task(TEXT, vocab_size=300) as task:
+        yield task
+
+
+@pytest.fixture(scope="module")
+def text_trained(tmp_path_factory, text_task):
+    out = tmp_path_factory.mktemp("text-warm") / "policy"
+    config = tiny_chat_model_config(text_task.tokenizer)
+    report = warm_start(
+        out, text_task, config, TEXT_SHORT, tokenizer=text_task.tokenizer, progress=False
+    )
+    return out, report
+
+
+def test_text_warm_start_writes_a_chat_model_the_loaders_read(text_trained, text_task):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, report = text_trained
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    stops = text_task.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert list(text_task.stop_token_ids) == stops
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert list(load_chat(out).stop_token_ids) == stops
+    assert report.initial_loss > 2 * report.final_loss and report.cpu_seconds > 0
+    # The saved model and tokenizer, loaded back, score what the report says.
+    with TextMathTask(TEXT, AutoTokenizer.from_pretrained(out)) as reloaded:
+        held_out = reloaded.problems("eval", report.eval_problems)
+        assert [p.prompt_ids for p in held_out] == [
+            p.prompt_ids for p in text_task.problems("eval", report.eval_problems)
+        ]
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert mean_reward(model, reloaded, held_out, temperature=0.0) == report.greedy_accuracy
+
+
+def test_text_batches_train_on_the_demonstration_only(text_task):
+    problems = text_task.problems("train", 6)
+    rng = random.Random(0)
+    targets = [text_task.slip_target_ids(p, rng) for p in problems[:3]]
+    targets += [text_task.target_ids(p) for p in problems[3:]]
+    tokens, loss_mask = warm_start_module._batch(text_task, problems, targets)
+    for row, mask, problem, target in zip(tokens, loss_mask, problems, targets, strict=True):
+        messages = text_task.environment.start(text_task.sample(problem)).messages
+        prompt = text_task.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        assert row[: len(prompt)].tolist() == prompt
+        assert row[1:][mask.bool()].tolist() == target  # the loss sees the target, all of it
+        assert set(row[len(prompt) + len(target) :].tolist()) <= {text_task.pad_id}
+
+
+def test_greedy_generation_equals_transformers_generate(text_trained, text_task):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(text_trained[0])
+    problems = text_task.problems("eval", 8)
+    ours = generate(model, text_task, problems, temperature=0.0)
+    for problem, output in zip(problems, ours, strict=True):
+        theirs = model.generate(
+            torch.tensor([problem.prompt_ids]),
+            do_sample=False,
+            max_new_tokens=text_task.max_new_tokens,
+            eos_token_id=list(text_task.stop_token_ids),
+        )[0, len(problem.prompt_ids) :].tolist()
+        assert output == theirs[: len(output)] and len(theirs) == len(output)
+
+
+def test_a_different_tokenizer_retrains(tmp_path, text_task):
+    quick = WarmStartConfig(steps=2, batch_size=4, eval_problems=4)
+    out = tmp_path / "policy"
+    config = tiny_chat_model_config(text_task.tokenizer)
+    warm_start(out, text_task, config, quick, tokenizer=text_task.tokenizer, progress=False)
+    with build_text_math_task(TEXT, vocab_size=290) as other:
+        assert len(other.tokenizer) != len(text_task.tokenizer)
+        assert tiny_chat_model_config(other.tokenizer) == config  # same padded vocabulary
+        again = warm_start(out, other, config, quick, tokenizer=other.tokenizer, progress=False)
+    assert not again.reused
