@@ -10,7 +10,6 @@ into the run directory (config.yaml); a restart with the same command resumes th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,6 +19,7 @@ from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.config.rollout import EvalSettings, RolloutSettings
 from megatron_fr.config.tasks import ArithmeticTask, TaskSettings
+from megatron_fr.config.warm_start import WarmStartConfig
 from megatron_fr.config.weights import WeightSyncConfig
 
 
@@ -29,9 +29,12 @@ class _Strict(BaseModel):
 
 class ModelSettings(_Strict):
     hf_dir: str | None = None
-    """The starting HF checkpoint; None: warm-start the task's tiny model (CPU demo)."""
-    warm_start: dict[str, Any] = Field(default_factory=dict)
-    """steps / batch_size / lr of the supervised warm start (learner/warm_start.py defaults)."""
+    """The starting HF checkpoint (config.json, safetensors and, for text tasks, the
+    tokenizer); None: a tiny model made for the task in RUN_DIR/warm_start (the CPU demos:
+    warm-started on demonstrations for arithmetic and math, randomly initialised for the
+    agent tasks)."""
+    warm_start: WarmStartConfig = WarmStartConfig()
+    """The supervised warm start used when hf_dir is None."""
 
 
 class CheckpointSettings(_Strict):
@@ -115,4 +118,20 @@ def read_recipe(recipe: str | Path) -> dict:
 
 
 def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
-    return RunConfig.model_validate(apply_overrides(read_recipe(recipe), list(overrides)))
+    """The recipe with the overrides applied. Prompt-file paths written in a recipe are
+    relative to the recipe file (so a recipe and its data travel together); paths given as
+    overrides are relative to the working directory, as on any command line."""
+    data = _resolve_data_paths(read_recipe(recipe), Path(recipe).resolve().parent)
+    return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+
+
+def _resolve_data_paths(data: dict, base: Path) -> dict:
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return data
+    files = [task.get("train"), *(task.get("eval_sets") or {}).values()]
+    for spec in files:
+        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
+            path = Path(spec["path"]).expanduser()
+            spec["path"] = str(path if path.is_absolute() else base / path)
+    return data

@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from megatron_fr.envs.alfworld import AlfWorldConfig
+from megatron_fr.envs.datasets import DatasetConfig
 from megatron_fr.envs.math_env import MathEnvConfig
 from megatron_fr.envs.python_tool import PythonToolConfig
 from megatron_fr.tasks.arithmetic import ArithmeticConfig
@@ -44,24 +45,9 @@ class AgentConfig(_Strict):
     """Each observation message is cut to this many characters before it is tokenised."""
 
 
-class DatasetFile(_Strict):
-    """A JSONL or Parquet file of samples, read locally (no hub access at run time)."""
+class EvalSetConfig(DatasetConfig):
+    """A held-out set: a prompt file, and k of its avg@k."""
 
-    path: str
-    prompt_key: str | None = "problem"
-    """Field holding the prompt: a string, or a list of chat messages (verl's `prompt`).
-    Dotted for nested fields. None: the environment reads its own fields (game specs)."""
-    answer_key: str | None = "answer"
-    """Field holding the reference answer, e.g. "reward_model.ground_truth" (verl)."""
-    id_key: str = "id"
-    """Field holding a stable sample id (absent: "<file stem>-<row>")."""
-    metadata_keys: tuple[str, ...] = ()
-    """Further fields kept with each sample (into the trajectory's info)."""
-    limit: PositiveInt | None = None
-    """Use only the first `limit` rows."""
-
-
-class EvalSetFile(DatasetFile):
     samples: PositiveInt | None = None
     """k of avg@k for this set (None: eval.samples)."""
 
@@ -69,11 +55,10 @@ class EvalSetFile(DatasetFile):
 class _TextTask(_Strict):
     """Settings every text task shares."""
 
-    train: DatasetFile
-    eval_sets: dict[str, EvalSetFile] = Field(default_factory=dict)
+    train: DatasetConfig
+    """The training prompts (a file and which of its fields hold what)."""
+    eval_sets: dict[str, EvalSetConfig] = Field(default_factory=dict)
     """Named held-out sets, each evaluated as avg@k (metrics eval_<name>_accuracy)."""
-    system_prompt: str | None = None
-    """A system message before every prompt (None: the environment's default, if any)."""
     max_prompt_tokens: PositiveInt = 1024
     """Samples whose rendered prompt is longer are dropped when the data is loaded (counted)."""
     max_new_tokens: PositiveInt = 1024

@@ -19,6 +19,7 @@ serialises game calls with one lock, so concurrent episodes are safe (a step tak
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -45,6 +46,9 @@ class AlfWorldConfig(BaseModel):
     """Cache of generated TextWorld games (None: <tmp>/megatron-fr-textworld)."""
     alfworld_dir: str | None = None
     """Cache of ALFWorld games built from bundled problems (None: <tmp>/megatron-fr-alfworld)."""
+    data_root: str | None = None
+    """Where a sample's relative `game_file` lives (ALFWorld's download; None: $ALFWORLD_DATA,
+    else the working directory)."""
     system_prompt: str = DEFAULT_SYSTEM
     list_admissible: bool = True
     """Append the admissible actions to every observation (as ALFWorld agents are prompted)."""
@@ -142,7 +146,8 @@ class AlfWorldEnvironment(Environment):
     def game_file(self, sample: Sample) -> Path:
         """The sample's game, generated into the cache first if it is a spec."""
         if "game_file" in sample:
-            return Path(sample["game_file"])
+            root = self.config.data_root or os.environ.get("ALFWORLD_DATA", ".")
+            return Path(root).expanduser() / sample["game_file"]  # absolute paths stay
         if "alfworld_problem" in sample:
             return ensure_alfworld_game(sample["alfworld_problem"], self.config.alfworld_dir)
         return ensure_game(GameSpec(**sample), self.config.games_dir)

@@ -27,12 +27,20 @@ class MathEnvConfig(BaseModel):
 
 
 def math_messages(sample: Sample, system_prompt: str | None, instruction: str) -> list[dict]:
-    """The opening conversation for a problem sample (shared with python_tool)."""
+    """The opening conversation for a problem sample (shared with python_tool). A sample that
+    carries its own chat messages (a verl-style `prompt`, with its own instruction on how to
+    state the answer) opens with them as they are; otherwise the problem and `instruction`
+    make the user turn. `system_prompt` comes first when the messages have none."""
     for key in ("problem", "answer"):
         if not isinstance(sample.get(key), str | int | float):
             raise ValueError(f"sample {sample.get('id')!r} needs a {key!r} field")
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return [*messages, {"role": "user", "content": f"{sample['problem']}\n\n{instruction}"}]
+    if sample.get("messages"):
+        messages = list(sample["messages"])
+    else:
+        messages = [{"role": "user", "content": f"{sample['problem']}\n\n{instruction}"}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
 
 
 class MathEpisode(Episode):

@@ -189,6 +189,10 @@ class Learner:
             advantages = compute_advantages("flash_reinforce", rewards)
         else:
             advantages = compute_advantages(self.config.estimator, rewards, whole_groups(batch))
+        # A trajectory left out of the loss (a truncated response under `truncated: mask`)
+        # keeps its place in B and in the baseline, with advantage 0: no gradient.
+        masked = torch.tensor([bool(t.info.get("loss_masked")) for t in batch])
+        advantages = advantages.masked_fill(masked, 0.0)
         return GlobalBatch(advantages=advantages.float(), failures=failures, token_counts=counts)
 
     def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):

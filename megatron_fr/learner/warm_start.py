@@ -15,14 +15,15 @@ Any task of the Task protocol (megatron_fr.tasks) trains here: ArithmeticTask in
 16-id vocabulary, or TextMathTask, whose prompts are chat-rendered by the model's tokenizer
 (pass it as `tokenizer=`, and it is saved with the model):
 
-    from megatron_fr.learner.warm_start import WarmStartConfig, warm_start
+    from megatron_fr.config.warm_start import WarmStartConfig
+    from megatron_fr.learner.warm_start import warm_start
     from megatron_fr.tasks.text_math import build_text_math_task
     from megatron_fr.tasks.tiny_models import tiny_chat_model_config
     with build_text_math_task() as task:
         report = warm_start("runs/warm", task, tiny_chat_model_config(task.tokenizer),
                             WarmStartConfig(), tokenizer=task.tokenizer)
 
-    python -m megatron_fr.learner.warm_start --help        (the same from the command line)
+    megatron-fr prepare examples/cpu_demo.yaml --run-dir runs/demo   (what a recipe does)
 
 The result is a save_pretrained directory (safetensors, config.json, generation_config.json,
 and the tokenizer files when there is a tokenizer) that the CPU inference engine and the HF ->
@@ -46,9 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 from tqdm import tqdm
 
+from megatron_fr.config.warm_start import WarmStartConfig
 from megatron_fr.tasks import Problem, Task
 from megatron_fr.tasks.tiny_models import build_model
 from megatron_fr.utils.atomic_dir import atomic_directory
@@ -57,42 +58,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MARKER = "warm_start.json"
-
-
-class WarmStartConfig(BaseModel):
-    """How the supervised warm start trains and how it is scored.
-
-    The defaults are the CPU text demo's: TextMathTask(TextMathConfig()) (2-digit addition,
-    build_text_math_task) and tiny_chat_model_config(). Measured with
-    `OMP_NUM_THREADS=1 python -m megatron_fr.learner.warm_start DIR` (seed 0) on a 2-core
-    machine shared with other jobs (load average ~9): held-out greedy accuracy 1.000,
-    temperature-1 accuracy 0.480 (200 problems), 119 s of CPU time, 434 s wall; the
-    arithmetic demo's warm start (ARITHMETIC_DEMO) run alongside took 78 s CPU, 323 s wall.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    steps: PositiveInt = 1000
-    """Optimizer steps (AdamW, linear warmup then cosine decay to lr / 10)."""
-    batch_size: PositiveInt = 64
-    """Demonstrations per step, drawn from the train split."""
-    lr: PositiveFloat = 5e-3
-    """Peak learning rate."""
-    label_noise: float = Field(default=0.5, ge=0.0, le=1.0)
-    """Share of demonstrations whose answer is one of the task's slips instead of the answer."""
-    seed: int = 0
-    """Seeds the initialisation, the problem stream, the label noise and the sampled eval."""
-    eval_problems: PositiveInt = 200
-    """Held-out problems scored after training (always the same: drawn at the task's seed)."""
-
-
-ARITHMETIC_DEMO = WarmStartConfig(steps=1500, batch_size=128, lr=5e-3, label_noise=0.5)
-"""The arithmetic demo's settings, for ArithmeticTask(operations=("+", "-")) and
-tiny_model_config() (examples/cpu_demo.yaml). Measured with `megatron-fr train
-examples/cpu_demo.yaml` (seed 0) on two CPU cores: 113 s, held-out greedy accuracy 0.900,
-temperature-1 reward 0.395; with `OMP_NUM_THREADS=1 python -m megatron_fr.learner.warm_start
-DIR --task arithmetic --operations +- --steps 1500 --batch-size 128` on the shared machine
-(load average ~9, one torch thread): 78 s CPU, 323 s wall, greedy 0.985, temperature-1 0.425."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,57 +302,3 @@ def _stored(out_dir: Path) -> dict | None:
 def _normalised(value: dict) -> dict:
     """As it reads back from JSON (tuples become lists), so a stored identity compares equal."""
     return json.loads(json.dumps(value, sort_keys=True))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m megatron_fr.learner.warm_start OUT_DIR [options]`: warm-start the CPU text
-    demo's policy (or the arithmetic demo's) and print its report as JSON."""
-    import argparse
-    import os
-
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_fr.learner.warm_start", description=main.__doc__
-    )
-    parser.add_argument("out_dir", type=Path, help="the HF model directory to write (or reuse)")
-    parser.add_argument("--task", choices=["text_math", "arithmetic"], default="text_math")
-    parser.add_argument("--digits", type=int, default=2, help="operand digits (1-3)")
-    parser.add_argument("--operations", default="+", help='operations drawn from: "+", "-", "+-"')
-    parser.add_argument("--vocab-size", type=int, default=384, help="text_math: BPE vocabulary")
-    parser.add_argument(
-        "--model", action="append", default=[], metavar="KEY=VALUE",
-        help="model config override, JSON value (e.g. hidden_size=96); repeatable",
-    )  # fmt: skip
-    for name, field in WarmStartConfig.model_fields.items():
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=field.annotation, default=field.default,
-            help=field.description,
-        )  # fmt: skip
-    args = parser.parse_args(argv)
-    config = WarmStartConfig(**{name: getattr(args, name) for name in WarmStartConfig.model_fields})
-    overrides = {key: json.loads(value) for key, value in (o.split("=", 1) for o in args.model)}
-    load_before = os.getloadavg()
-    task, model_config, tokenizer = _demo(args, overrides)
-    try:
-        report = warm_start(args.out_dir, task, model_config, config, tokenizer=tokenizer)
-    finally:
-        getattr(task, "close", lambda: None)()
-    facts = dict(load_average_before=load_before, load_average_after=os.getloadavg())
-    print(json.dumps(dataclasses.asdict(report) | facts | dict(config=config.model_dump())))
-
-
-def _demo(args, overrides: dict) -> tuple[Task, dict, PreTrainedTokenizerBase | None]:
-    """The task, model config and tokenizer the command line asks for."""
-    from megatron_fr.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, tiny_model_config
-
-    problems = ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
-    if args.task == "arithmetic":
-        return ArithmeticTask(problems), tiny_model_config() | overrides, None
-    from megatron_fr.tasks.text_math import TextMathConfig, build_text_math_task
-    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
-
-    task = build_text_math_task(TextMathConfig(problems=problems), args.vocab_size)
-    return task, tiny_chat_model_config(task.tokenizer, **overrides), task.tokenizer
-
-
-if __name__ == "__main__":
-    main()

@@ -29,8 +29,8 @@ from megatron_fr.orchestrator.setup import (
     build_rollout_service,
     connect_weight_sync,
     eval_sets,
-    prepare_hf_model,
 )
+from megatron_fr.orchestrator.workload import prepare_hf_model
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.service import RolloutService
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry

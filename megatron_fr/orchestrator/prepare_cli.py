@@ -16,7 +16,7 @@ from megatron_fr.orchestrator.train_cli import add_arguments
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
-    from megatron_fr.orchestrator.setup import prepare_hf_model
+    from megatron_fr.orchestrator.workload import prepare_hf_model
 
     try:
         config = load_run_config(args.recipe, args.overrides)

@@ -22,6 +22,7 @@ from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
+from megatron_fr.rollout.episodes import episode_metrics
 
 BATCHES_FILE = "batches.jsonl"
 
@@ -69,6 +70,7 @@ class RunReport:
                 discarded_total=rollout["discarded_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
+                **episode_metrics(batch),
             )
         )
         _append_line(

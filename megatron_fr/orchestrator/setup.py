@@ -1,5 +1,5 @@
-"""Building a run's parts from its config: the starting model, the rollout service and the
-weight sync.
+"""Building a run's parts from its config: the rollout service and the weight sync (the
+starting model and the episodes: orchestrator/workload.py).
 
 Kept apart from the training loop (controller.py) so the loop reads like the data flow.
 """
@@ -14,49 +14,19 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
+from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
-from megatron_fr.rollout.episodes import EpisodeProducer, TokenTaskEpisodes
+from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
 from megatron_fr.weights.sync import WeightSync
 from megatron_fr.weights.transports import Engine
 
 
-def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
-    """The HF directory the engines serve first: model.hf_dir when the recipe names one,
-    otherwise the task's tiny model warm-started into run_dir/warm_start (reused when made
-    with the same settings). Runs in one process, before or without the learner ranks."""
-    from megatron_fr.learner.warm_start import DEFAULT_WARM_START, warm_start
-    from megatron_fr.tasks import build_task
-    from megatron_fr.tasks.arithmetic import tiny_model_config
-
-    if config.model.hf_dir:
-        hf_dir = Path(config.model.hf_dir)
-        if not (hf_dir / "config.json").is_file():
-            raise FileNotFoundError(f"model.hf_dir {hf_dir}: no config.json there")
-        return hf_dir
-    hf_dir = run_dir / "warm_start"
-    task = build_task(config.task)
-    settings = DEFAULT_WARM_START | config.model.warm_start
-    report = warm_start(hf_dir, task, tiny_model_config(), seed=config.seed, **settings)
-    print(f"warm start: {report}", flush=True)
-    return hf_dir
-
-
-def build_producer(config: RunConfig) -> EpisodeProducer:
-    """What the run's problems are and how an episode is played (the task)."""
-    from megatron_fr.tasks import build_task
-
-    task = build_task(config.task)
-    return TokenTaskEpisodes(
-        task, train_size=task.split_size("train"), eval_size=config.eval.problems, seed=config.seed
-    )
-
-
 def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> RolloutService:
     """The rollout service with its engines started and healthy (not generating yet)."""
-    producer = build_producer(config)
+    producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     engines = EngineSupervisor.start(
         settings, hf_dir, run_dir / "logs", port=settings.port or free_port()
@@ -72,8 +42,14 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
 
 
 def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet]:
+    """Every held-out set, at most eval.problems problems each, with its k (the set's own
+    `samples`, else eval.samples)."""
+    files = getattr(config.task, "eval_sets", {})
     return {
-        name: EvalSet(problems[: config.eval.problems], config.eval.samples)
+        name: EvalSet(
+            problems[: config.eval.problems],
+            (files[name].samples if name in files else None) or config.eval.samples,
+        )
         for name, problems in producer.eval_sets.items()
     }
 

@@ -16,16 +16,41 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
-    parser.add_argument("--run-dir", required=True, type=Path, help="outputs; resumed if present")
+    parser.add_argument("--run-dir", type=Path, help="outputs; resumed if present (required "
+                        "unless --check)")  # fmt: skip
+    parser.add_argument("--check", action="store_true",
+                        help="validate the recipe, model, data, chat template, lengths and "
+                             "layout without GPUs, print a summary; start nothing")  # fmt: skip
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=0,
+        help="--check: learner ranks of the layout (default: learner_ranks)",
+    )
+    parser.add_argument(
+        "--gpu-mem-gb",
+        type=float,
+        default=None,
+        help="--check: judge the per-GPU memory against this size",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value (value read as YAML)")
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
+    from megatron_fr.orchestrator.check import check_recipe
 
     try:
         config = load_run_config(args.recipe, args.overrides)
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", config.learner_ranks))
+        if args.check:
+            print(check_recipe(config, world, args.gpu_mem_gb))
+            print("recipe OK (nothing was started)")
+            return 0
+        if args.run_dir is None:
+            raise ValueError("--run-dir is required (or --check)")
         check_run_dir(args.run_dir)
+        check_recipe(config, world, gpu_mem_gb=None, render=False)  # before any process
     except (ValueError, FileNotFoundError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)
         return 2

@@ -176,3 +176,30 @@ def build_text_math_task(
     config = config or TextMathConfig()
     tokenizer = build_chat_tokenizer(tokenizer_chats(config), vocab_size)
     return TextMathTask(config, tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m megatron_fr.tasks.text_math OUT_DIR [--train N --eval N ...]`: write the
+    prompt files of a text-math recipe (OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl), drawn
+    from the same problems a warm start of the same settings uses (config/warm_start.py's
+    `problems`), the held-out ones from the eval split."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_fr.tasks.text_math",
+                                     description=main.__doc__)  # fmt: skip
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--train", type=int, default=4096, help="training prompts")
+    parser.add_argument("--eval", type=int, default=200, help="held-out prompts")
+    parser.add_argument("--digits", type=int, default=2, help="operand digits (1-3)")
+    parser.add_argument("--operations", default="+", help='drawn from: "+", "-" or "+-"')
+    args = parser.parse_args(argv)
+    config = TextMathConfig(
+        problems=ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", args.train), ("eval", args.eval)):
+        print(write_rows(args.out_dir / f"{split}.jsonl", config, split, count, seed=0))
+
+
+if __name__ == "__main__":
+    main()

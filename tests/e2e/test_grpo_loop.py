@@ -22,7 +22,7 @@ from aiohttp import web
 from megatron_fr.parallel.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "cpu_demo.yaml"
+RECIPE = REPO / "examples" / "cpu_arithmetic.yaml"
 G = 4
 
 

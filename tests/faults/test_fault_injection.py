@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "cpu_demo.yaml"
+RECIPE = REPO / "examples" / "cpu_arithmetic.yaml"
 STEPS = 14
 SETTINGS = [
     f"steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=1", "eval.problems=24",

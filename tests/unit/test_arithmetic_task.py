@@ -24,7 +24,7 @@ from megatron_fr.tasks.arithmetic import (
     tiny_model_config,
 )
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_arithmetic.yaml"
 
 
 def all_ids(task: ArithmeticTask, split: str) -> set[str]:

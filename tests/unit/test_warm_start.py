@@ -14,10 +14,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from megatron_fr.config.warm_start import WarmStartConfig
 from megatron_fr.learner import warm_start as warm_start_module
 from megatron_fr.learner.warm_start import (
     MARKER,
-    WarmStartConfig,
     generate,
     mean_reward,
     warm_start,

@@ -1,0 +1,140 @@
+"""`megatron-fr train RECIPE --check [overrides]`: everything that can be checked without GPUs,
+before a cluster job is spent on it; nothing is started.
+
+    config       the recipe and overrides against the typed schema (already done by loading)
+    model        model.hf_dir: config.json -> the model spec; for text tasks its tokenizer and
+                 chat template; lengths against the model's context
+    data         every prompt file: readable, its fields where the recipe says; each prompt
+                 rendered with the chat template (generation prompt on) and counted against
+                 max_prompt_tokens (games, whose prompt the game prints, are not rendered)
+    layout       the parallel layout through the planner: valid for the world size, and the
+                 per-GPU memory against --gpu-mem-gb when given
+
+Prints a one-screen summary; raises CheckFailed naming the first problem found.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_fr.config.run import RunConfig
+from megatron_fr.config.tasks import ArithmeticTask
+
+
+class CheckFailed(ValueError):
+    """The recipe cannot run; the message names the setting or file and the reason."""
+
+
+def check_recipe(
+    config: RunConfig, world_size: int, gpu_mem_gb: float | None, render: bool = True
+) -> str:
+    """The summary; CheckFailed on the first problem. render=False skips rendering every
+    prompt with the chat template (the quick preflight `train` runs before starting)."""
+    lines = [f"task        {config.task.name}"]
+    spec = _model(config, lines)
+    if not isinstance(config.task, ArithmeticTask):
+        _data(config, lines, render)
+    if spec is not None:
+        _layout(config, spec, world_size, gpu_mem_gb, lines)
+    b = config.buffer
+    learner = config.learner
+    lines.append(f"rollouts    B={b.batch_size}, G={b.group_size}, max_lag={b.max_lag}, "
+                 f"T={config.rollout.temperature}; {config.steps} steps; estimator "
+                 f"{learner.estimator} with the {learner.policy_loss} loss")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _model(config: RunConfig, lines: list[str]):
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.orchestrator.workload import check_hf_dir
+
+    if not config.model.hf_dir:
+        lines.append("model       a tiny model made for the task at the start (no model.hf_dir)")
+        return None
+    try:
+        hf_dir = check_hf_dir(config)
+    except FileNotFoundError as error:
+        raise CheckFailed(str(error)) from None
+    spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    context = json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings")
+    lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
+                 f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
+    task = config.task
+    if not isinstance(task, ArithmeticTask):
+        budget = getattr(getattr(task, "agent", None), "max_episode_tokens", None) or (
+            task.max_prompt_tokens + task.max_new_tokens
+        )
+        if context is not None and budget > context:
+            raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
+                              f"context {context} (max_position_embeddings)")  # fmt: skip
+    return spec
+
+
+def _data(config: RunConfig, lines: list[str], render: bool) -> None:
+    from megatron_fr.envs.datasets import load_dataset
+
+    task = config.task
+    files = {"train": task.train, **{f"eval {n}": s for n, s in task.eval_sets.items()}}
+    for what, spec in files.items():
+        if not Path(spec.path).is_file():
+            raise CheckFailed(f"task.{_key(what)}.path: {spec.path} does not exist")
+        try:
+            samples = load_dataset(spec)
+        except (ValueError, KeyError, OSError) as error:
+            raise CheckFailed(f"task.{_key(what)}: {error}") from None
+        rendered = _rendered(config, samples) if render else ""
+        lines.append(f"data        {what}: {len(samples)} rows in {spec.path}{rendered}")
+
+
+def _rendered(config: RunConfig, samples: list) -> str:
+    """How the prompts render with the model's chat template, when there is a model and the
+    rows carry prompts."""
+    task = config.task
+    if not config.model.hf_dir or task.train.prompt_key is None:
+        return ""
+    from megatron_fr.envs.datasets import filter_by_prompt_length
+    from megatron_fr.envs.registry import build_environment
+    from megatron_fr.orchestrator.workload import ENVIRONMENT_OF
+    from megatron_fr.tasks.chat import load_chat
+
+    chat = load_chat(config.model.hf_dir)
+    with build_environment(ENVIRONMENT_OF[task.name], task.env.model_dump()) as environment:
+        _, dropped = filter_by_prompt_length(samples, environment, chat, task.max_prompt_tokens)
+        episode = environment.start(samples[0])
+        length = len(chat.prompt_ids(episode.messages, episode.tools))
+        episode.close()
+    return (f"; first prompt {length} tokens; {dropped} over max_prompt_tokens="
+            f"{task.max_prompt_tokens} would be dropped")  # fmt: skip
+
+
+def _key(what: str) -> str:
+    return "train" if what == "train" else "eval_sets." + what.split(" ", 1)[1]
+
+
+def _layout(config, spec, world_size: int, gpu_mem_gb: float | None, lines) -> None:
+    from megatron_fr.launch.plan import LayoutError, plan_layout
+
+    learner = config.learner
+    try:
+        plan = plan_layout(
+            spec, config.parallel, world_size, micro_batch_tokens=learner.micro_batch_tokens,
+            params_dtype=learner.params_dtype, gpu_mem_gib=gpu_mem_gb,
+            entropies=learner.flash_reinforce.negative_token_fraction < 1,
+        )  # fmt: skip
+    except (LayoutError, ValueError) as error:
+        raise CheckFailed(f"parallel (world size {world_size}): {error}") from None
+    p = config.parallel
+    peak = plan.peak_bytes(recompute=False) / 2**30
+    verdict = "" if gpu_mem_gb is None else (
+        f" of {gpu_mem_gb:g} GiB: " + ("fits" if plan.fits(recompute=False) else
+                                      "fits with full recompute" if plan.fits(recompute=True)
+                                      else "does NOT fit")
+    )  # fmt: skip
+    params = plan.params_per_gpu / 1e9
+    lines.append(f"layout      {world_size} ranks: TP{p.tensor} PP{p.pipeline} CP{p.context} "
+                 f"EP{p.expert} ETP{p.effective_expert_tensor} DP{plan.data_parallel}; "
+                 f"{params:.2f} B params and {peak:.1f} GiB per GPU{verdict}")  # fmt: skip
+    if gpu_mem_gb is not None and not plan.fits(recompute=True):
+        raise CheckFailed(f"parallel: the layout needs {peak:.1f} GiB per GPU, more than "
+                          f"{gpu_mem_gb:g} GiB even with full recompute")  # fmt: skip

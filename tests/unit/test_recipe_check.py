@@ -1,0 +1,117 @@
+"""`megatron-fr train RECIPE --check`: each of the five paper recipes passes on CPU with a model
+directory holding the model's public config.json and the project's tiny tokenizer, and its
+prompt files replaced by the repo's sample files of the same schema; bad recipes are refused
+before any process starts, naming the key or file and the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.config.run import load_run_config
+from megatron_fr.orchestrator.check import CheckFailed, check_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES, DATA = REPO / "examples", REPO / "examples" / "data"
+PRESETS = REPO / "megatron_fr" / "models" / "presets"
+RECIPES = {  # recipe: (public config, learner ranks, sample file for every prompt file)
+    "qwen3_30b_a3b_lag8": ("qwen3-30b-a3b", 16, "python_tool.jsonl"),
+    "r1_distill_qwen_1p5b_lag4": ("deepseek-r1-distill-qwen-1.5b", 8, "r1_distill_math.parquet"),
+    "qwen2p5_math_1p5b": ("qwen2.5-math-1.5b", 8, "dapo_math.jsonl"),
+    "qwen2p5_7b_python_tool": ("qwen2.5-7b-instruct", 8, "python_tool.jsonl"),
+    "qwen2p5_7b_alfworld": ("qwen2.5-7b-instruct", 8, "alfworld_games.jsonl"),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory) -> Path:
+    from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    chats = [[{"role": "user", "content": "What is 2 + 2? Use python if it helps."}]]
+    build_chat_tokenizer(chats, vocab_size=300).save_pretrained(directory)
+    return directory
+
+
+def model_dir(tmp_path: Path, preset: str, tokenizer_files: Path) -> Path:
+    directory = tmp_path / preset
+    shutil.copytree(tokenizer_files, directory)
+    shutil.copy(PRESETS / f"{preset}.json", directory / "config.json")
+    return directory
+
+
+def data_overrides(recipe: str, sample: str) -> list[str]:
+    config = load_run_config(EXAMPLES / f"{recipe}.yaml")
+    sets = [f"task.eval_sets.{name}.path={DATA / sample}" for name in config.task.eval_sets]
+    return [f"task.train.path={DATA / sample}", *sets]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_each_paper_recipe_passes_the_check(tmp_path, tokenizer_files, recipe):
+    preset, world, sample = RECIPES[recipe]
+    overrides = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+                 *data_overrides(recipe, sample)]  # fmt: skip
+    config = load_run_config(EXAMPLES / f"{recipe}.yaml", overrides)
+    summary = check_recipe(config, world, gpu_mem_gb=80)
+    assert f"task        {config.task.name}" in summary
+    assert f"layout      {world} ranks" in summary and "fits" in summary
+    assert "NOT" not in summary
+    if config.task.name != "alfworld":  # ALFWorld rows carry no prompt: the game prints it
+        assert "first prompt" in summary and "would be dropped" in summary
+
+
+def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, tokenizer_files):
+    preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
+    run_dir = tmp_path / "never"
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "qwen3_30b_a3b_lag8.yaml"),
+         "--check", "--world-size", str(world), "--gpu-mem-gb", "80", "--run-dir", str(run_dir),
+         f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+         *data_overrides("qwen3_30b_a3b_lag8", sample)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "recipe OK (nothing was started)" in result.stdout
+    assert "TP4 PP1 CP1 EP8 ETP1 DP4" in result.stdout
+    assert not run_dir.exists()
+
+
+def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text(json.dumps({"id": "a", "question": "2+2?", "answer": "4"}) + "\n")
+    return [
+        ("unknown key", ["task.max_prompt_tokenz=10"], "max_prompt_tokenz"),
+        ("missing data file", [f"task.train.path={tmp_path / 'nope.jsonl'}"], "does not exist"),
+        ("no prompt field", [f"task.train.path={no_prompt}"], "'problem'"),
+        ("no tokenizer", [f"model.hf_dir={PRESETS}"], "no config.json"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_a_bad_recipe_is_refused_by_train_before_any_process_starts(tmp_path, index):
+    name, overrides, message = bad_cases(tmp_path)[index]
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"),
+         "--run-dir", str(run_dir), *overrides],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, (name, result.stderr[-2000:])
+    assert message in result.stderr and "Traceback" not in result.stderr, (name, result.stderr)
+    assert not run_dir.exists(), name
+
+
+def test_a_model_directory_without_a_tokenizer_fails_the_check(tmp_path):
+    directory = tmp_path / "bare"
+    directory.mkdir()
+    shutil.copy(PRESETS / "qwen3-8b.json", directory / "config.json")
+    config = load_run_config(EXAMPLES / "qwen2p5_math_1p5b.yaml",
+                             [f"model.hf_dir={directory}", *data_overrides(
+                                 "qwen2p5_math_1p5b", "dapo_math.jsonl")])  # fmt: skip
+    with pytest.raises(CheckFailed, match="no usable tokenizer with a chat template"):
+        check_recipe(config, 8, None)
