@@ -6,9 +6,10 @@
     task alfworld/textworld game specs -> the ALFWorld/TextWorld engine, multi-turn /
 
 Without model.hf_dir the run makes a tiny model for its task in RUN_DIR/warm_start: the
-arithmetic and math tasks warm-start it on noisy demonstrations (config/warm_start.py); the
-agent tasks get a randomly initialised one whose tokenizer is trained on the task's text
-(the CPU twins check the plumbing, not the skill).
+arithmetic and math tasks warm-start it on noisy demonstrations (config/warm_start.py);
+python_tool on two-turn tool demonstrations when its samples carry a reference program; the
+game tasks get a randomly initialised one whose tokenizer is trained on the task's text (the
+CPU twins check the plumbing, not the skill).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def prepare_hf_model(config: RunConfig, run_dir: Path) -> Path:
     elif isinstance(task, MathTask):
         report = _warm_start_text_math(config, hf_dir)
     else:
-        report = _random_chat_model(config, hf_dir)
+        report = _agent_model(config, hf_dir)
     print(f"warm start: {report}", flush=True)
     return hf_dir
 
@@ -84,19 +85,55 @@ def _warm_start_text_math(config: RunConfig, hf_dir: Path):
                           tokenizer=task.tokenizer)  # fmt: skip
 
 
-def _random_chat_model(config: RunConfig, hf_dir: Path) -> str:
+def _agent_model(config: RunConfig, hf_dir: Path):
+    """The agent tasks' tiny chat model: a tokenizer trained on the task's text; for
+    python_tool samples with a reference program, warm-started on two-turn demonstrations
+    (tasks/tool_demos.py), so that its episodes call the tool and get graded; otherwise
+    randomly initialised."""
     from megatron_fr.envs.datasets import load_dataset
-    from megatron_fr.tasks.tiny_models import build_tiny_chat_model
+    from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+    from megatron_fr.tasks.tool_demos import answer_text, tool_call_text
 
-    if (hf_dir / "config.json").is_file():
-        return f"reused {hf_dir}"
     samples = load_dataset(config.task.train)
     system = getattr(config.task.env, "system_prompt", None) or ""
     chats = [[{"role": "system", "content": system},
-              {"role": "user", "content": str(sample.get("problem", sample))}]
+              {"role": "user", "content": str(sample.get("problem", sample))},
+              *([{"role": "assistant", "content": tool_call_text(sample["code"])},
+                 {"role": "assistant", "content": answer_text(str(sample["answer"]))}]
+                if "code" in sample else [])]
              for sample in samples]  # fmt: skip
-    build_tiny_chat_model(hf_dir, chats, seed=config.model.warm_start.seed)
+    tokenizer = build_chat_tokenizer(chats, vocab_size=512)
+    if config.task.name == "python_tool" and all("code" in s for s in samples):
+        return _warm_start_tool_demos(config, hf_dir, samples, tokenizer)
+    if (hf_dir / "config.json").is_file():
+        return f"reused {hf_dir}"
+    import torch
+
+    from megatron_fr.tasks.tiny_models import (
+        build_model,
+        chat_stop_token_ids,
+        save_chat_model,
+        tiny_chat_model_config,
+    )
+
+    with torch.random.fork_rng():
+        torch.manual_seed(config.model.warm_start.seed)
+        model = build_model(tiny_chat_model_config(tokenizer), chat_stop_token_ids(tokenizer))
+    save_chat_model(hf_dir, model, tokenizer)
     return f"a randomly initialised tiny chat model in {hf_dir}"
+
+
+def _warm_start_tool_demos(config: RunConfig, hf_dir: Path, samples, tokenizer):
+    from megatron_fr.learner.warm_start import warm_start
+    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+    from megatron_fr.tasks.tool_demos import ToolDemonstrations
+
+    task = ToolDemonstrations(samples, config.task.env, tokenizer)
+    try:
+        return warm_start(hf_dir, task, tiny_chat_model_config(tokenizer),
+                          config.model.warm_start, tokenizer=tokenizer)  # fmt: skip
+    finally:
+        task.close()
 
 
 def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:
