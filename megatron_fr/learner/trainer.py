@@ -7,9 +7,10 @@
 
 Loss scaling: every micro-batch's loss is already its share of the batch loss L (divided by
 the global B), so the sum over micro-batches and DP ranks IS L. megatron instead averages: its
-schedule divides each micro-batch's loss by the number of micro-batches and DDP scales
-gradients by 1 / DP. The loss handed to megatron is therefore share * M * DP, which makes the
-gradient that of L exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
+schedule divides each micro-batch's loss by the number of micro-batches (and multiplies it by
+CP, each CP rank's loss being its share of the row's) and DDP scales gradients by 1 / (DP x CP).
+The loss handed to megatron is therefore share * M * DP, which makes the gradient that of L
+exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
 scaling (their mean over micro-batches and DP); they are off by default during RL
 (LearnerConfig.moe_aux_loss_coeff).
@@ -274,7 +275,8 @@ class Learner:
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         plan, micros = self._micro_batches(batch, pad_id)
         global_batch = self._global_batch(batch)
-        score = partial(self._loss, len(micros) * dist.get_world_size(dp_group), global_batch)
+        # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
+        score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
         with cpu_device_mode():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()

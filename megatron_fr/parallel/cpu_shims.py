@@ -366,7 +366,9 @@ def _shim_uneven_gather() -> None:
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` in torch calls to the CPU; ``tensor.cuda()`` stays put."""
+    """Rewrites ``device="cuda"`` in torch calls to the CPU; ``tensor.cuda()`` stays put, and
+    host tensors are not pinned (``pin_memory=True``, as RoPE's context-parallel slicing,
+    rope_utils.get_pos_emb_on_this_cp_rank, asks, needs an accelerator)."""
 
     def __torch_function__(self, func, _types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -378,6 +380,8 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 
