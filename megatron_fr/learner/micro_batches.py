@@ -8,7 +8,9 @@ coordination is needed:
   - packed (the default): a micro-batch is ONE row of `width` tokens holding several
     trajectories back to back. Each DP rank packs its share by first-fit decreasing: longest
     first, each trajectory into the first micro-batch it fits in (micro-batches in the order
-    they were opened), a new one when none has room; room is the token budget. A trajectory
+    they were opened), a new one when none has room. Room is first the token budget, which
+    fixes the number of micro-batches (the most any rank needs); it is then narrowed to the
+    least that keeps that number, so that the rows carry little padding. A trajectory
     stays whole and attends only to itself: on GPU megatron's THD format (PackedSeqParams,
     cu_seqlens = the span boundaries), on CPU the same boundaries as a block-diagonal causal
     mask (parallel/cpu_shims.py); RoPE positions restart at 0 in each span (megatron's THD
@@ -174,9 +176,7 @@ def plan_micro_batches(
     shares = deal_to_ranks(lengths, dp_size)
     if pack:
         spans = [math.ceil(n / span_multiple) * span_multiple for n in model_tokens]
-        capacity = token_budget // width_multiple * width_multiple
-        _check_fits(max(spans), capacity, token_budget)
-        bins = [first_fit_decreasing(share, spans, capacity) for share in shares]
+        bins = _pack_shares(shares, spans, token_budget, width_multiple)
         fill = max(sum(spans[i] for i in row) for rank in bins for row in rank)
         width = math.ceil(fill / width_multiple) * width_multiple
         count = max(len(rank) for rank in bins)
@@ -196,6 +196,30 @@ def plan_micro_batches(
             for share in shares
         ]
     return MicroBatchPlan(assignment, rows, width, span_multiple, pack, sum(model_tokens))
+
+
+def _pack_shares(
+    shares: list[list[int]], spans: list[int], token_budget: int, width_multiple: int
+) -> list[list[list[int]]]:
+    """Each DP rank's share packed by first-fit decreasing into as few micro-batches as the
+    budget allows, then into rows as narrow as keeps that count: the smallest room (in steps
+    of width_multiple, found by bisection; checked, so FFD's rare non-monotonicity can only
+    leave a row wider, never a count higher) with which no rank needs more micro-batches."""
+    capacity = token_budget // width_multiple * width_multiple
+    _check_fits(max(spans), capacity, token_budget)
+
+    def pack(room: int) -> list[list[list[int]]]:
+        return [first_fit_decreasing(share, spans, room) for share in shares]
+
+    count = max(len(rank) for rank in pack(capacity))
+    low, high = math.ceil(max(spans) / width_multiple), capacity // width_multiple
+    while low < high:
+        middle = (low + high) // 2
+        if max(len(rank) for rank in pack(middle * width_multiple)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    return pack(high * width_multiple)
 
 
 def _check_fits(needed: int, capacity: int, token_budget: int) -> None:

@@ -98,6 +98,27 @@ def test_every_token_lands_once_in_equal_shapes_within_the_budget(pack, dp, cp, 
     assert max(loads) - min(loads) <= max(t.length for t in batch), "DP ranks are balanced"
 
 
+@pytest.mark.parametrize(("dp", "cp"), [(1, 1), (4, 1), (3, 2)])
+def test_packed_rows_are_as_narrow_as_the_micro_batch_count_allows(dp, cp):
+    """The count is what the full budget needs; one step narrower, some rank needs more (or
+    the longest trajectory no longer fits)."""
+    lengths = [t.length for t in long_tailed_batch(64, seed=dp + cp)]
+    plan = plan_micro_batches(lengths, dp_size=dp, token_budget=512, cp_size=cp)
+    step = 2 * cp if cp > 1 else 1
+    spans = [math.ceil((n - 1) / step) * step for n in lengths]
+    shares = [[i for micro in rank for row in micro for i in row] for rank in plan.assignment]
+    assert sorted(itertools.chain(*shares)) == list(range(len(lengths)))
+
+    def micro_batches_needed(room: int) -> int:
+        return max(len(first_fit_decreasing(share, spans, room)) for share in shares)
+
+    assert plan.count == micro_batches_needed(512 // step * step)
+    if plan.width - step >= max(spans):
+        assert micro_batches_needed(plan.width - step) > plan.count
+    else:
+        assert plan.width == max(spans)
+
+
 def test_packing_cuts_the_padding_of_a_long_tailed_batch():
     lengths = [t.length for t in long_tailed_batch(128, seed=7)]
     padded = plan_micro_batches(lengths, dp_size=4, token_budget=512, pack=False)
