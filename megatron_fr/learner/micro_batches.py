@@ -113,6 +113,8 @@ class MicroBatchPlan:
     """Tokens per row before the CP split."""
     span_multiple: int
     """A packed trajectory's span is its model tokens rounded up to this (2 x CP, or 1)."""
+    cp_size: int
+    """Context-parallel ranks each row is split over."""
     packed: bool
     model_tokens: int
     """Tokens the model must see: each trajectory's length - 1, summed."""
@@ -195,7 +197,7 @@ def plan_micro_batches(
             ]
             for share in shares
         ]
-    return MicroBatchPlan(assignment, rows, width, span_multiple, pack, sum(model_tokens))
+    return MicroBatchPlan(assignment, rows, width, span_multiple, cp_size, pack, sum(model_tokens))
 
 
 def _pack_shares(
@@ -237,16 +239,12 @@ def micro_batches_for_rank(
     *,
     dp_rank: int,
     cp_rank: int = 0,
-    cp_size: int = 1,
     pad_id: int = 0,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens."""
     for trajectory in batch:
         validate_trajectory(trajectory)
-    return [
-        _micro_batch(batch, plan, rows, cp_rank, cp_size, pad_id)
-        for rows in plan.assignment[dp_rank]
-    ]
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id) for rows in plan.assignment[dp_rank]]
 
 
 def _micro_batch(
@@ -254,12 +252,11 @@ def _micro_batch(
     plan: MicroBatchPlan,
     rows: list[list[int]],
     cp_rank: int,
-    cp_size: int,
     pad_id: int,
 ) -> MicroBatch:
     built = [_row(batch, plan, indices, pad_id) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
-    local = zigzag_indices(boundaries, cp_size, cp_rank)
+    local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
     fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
     loss_batch = LossBatch(
         target_ids=fields["targets"],

@@ -7,8 +7,8 @@
 
 Loss scaling: every micro-batch's loss is already its share of the batch loss L (divided by
 the global B), so the sum over micro-batches and DP ranks IS L. megatron instead averages: its
-schedule divides each micro-batch's loss by the number of micro-batches (and multiplies it by
-CP, each CP rank's loss being its share of the row's) and DDP scales gradients by 1 / (DP x CP).
+schedule divides each micro-batch's loss by the number of micro-batches and multiplies it by CP
+(its own losses are means over a CP rank's tokens), and DDP scales gradients by 1 / (DP x CP).
 The loss handed to megatron is therefore share * M * DP, which makes the gradient that of L
 exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
@@ -238,7 +238,7 @@ class Learner:
         )
         micros = micro_batches_for_rank(
             batch, plan, dp_rank=ps.get_data_parallel_rank(),
-            cp_rank=ps.get_context_parallel_rank(), cp_size=self.parallel.context, pad_id=pad_id,
+            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id,
         )  # fmt: skip
         return plan, micros
 

@@ -12,8 +12,9 @@ module that calls it) and marks the replacement, so applying them twice is a no-
 replace fails on a CPU-only torch build, or feeds a gloo collective that then fails, so no
 shim changes anything that already worked. Checked (tests/distributed/test_megatron_cpu.py):
 model build, forward and backward of a MoE GPT on the local spec at TP1, TP2+SP, EP2 and
-TP2xEP2, and get_forward_backward_func() at PP=1. Not yet covered: activation recompute,
-PP>1 schedules, DDP/finalize_model_grads and the optimizers.
+TP2xEP2, and get_forward_backward_func() at PP=1; packed rows and context parallelism through
+the learner (tests/distributed/test_packing_cp.py: equal to the padded CP1 step). Not yet
+covered: activation recompute, PP>1 schedules, DDP/finalize_model_grads and the optimizers.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_every_token_lands_once_in_equal_shapes_within_the_budget(pack, dp, cp, 
     seen: dict[tuple[int, int], int] = {}
     shapes, real, slots = set(), 0, 0
     for dp_rank, cp_rank in itertools.product(range(dp), range(cp)):
-        micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank, cp_size=cp)
+        micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank)
         assert len(micros) == plan.count
         for micro in micros:
             loss = micro.loss_batch
@@ -137,8 +137,8 @@ def test_packed_row_boundaries_are_the_thd_cu_seqlens():
     ]
     plan = plan_micro_batches([12, 3], dp_size=2, token_budget=64, cp_size=2)
     assert plan.width == 12 and plan.count == 1
-    long_row = micro_batches_for_rank(batch, plan, dp_rank=0, cp_size=2)[0]
-    short_row = micro_batches_for_rank(batch, plan, dp_rank=1, cp_size=2)[0]
+    long_row = micro_batches_for_rank(batch, plan, dp_rank=0)[0]
+    short_row = micro_batches_for_rank(batch, plan, dp_rank=1)[0]
     assert long_row.cu_seqlens.tolist() == [0, 12] and long_row.max_seqlen == 12
     assert short_row.cu_seqlens.tolist() == [0, 4, 12] and short_row.max_seqlen == 8
     assert short_row.cu_seqlens.dtype == torch.int32
@@ -210,7 +210,7 @@ def test_megatron_thd_rope_restarts_at_each_packed_trajectory(monkeypatch):
         assert plan.count > 1
         for rank in range(cp):
             group = CPGroup(cp, rank)
-            for micro in micro_batches_for_rank(batch, plan, dp_rank=0, cp_rank=rank, cp_size=cp):
+            for micro in micro_batches_for_rank(batch, plan, dp_rank=0, cp_rank=rank):
                 params = micro.packed_seq_params()
                 segments = micro.loss_batch.segment_ids[0].tolist()
                 positions = micro.positions[0].tolist()
