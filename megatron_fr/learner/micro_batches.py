@@ -38,6 +38,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -46,9 +47,14 @@ from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
 from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
 
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
 
 @dataclass(frozen=True)
 class MicroBatch:
+    """One micro-batch as this rank feeds it: model inputs, loss inputs, THD boundaries."""
+
     input_ids: Tensor
     """[rows, width / CP] tokens fed to the model (each trajectory's tokens but its last)."""
     positions: Tensor
@@ -65,7 +71,7 @@ class MicroBatch:
     def policy_tokens(self) -> int:
         return int(self.loss_batch.action_mask.sum())
 
-    def packed_seq_params(self):
+    def packed_seq_params(self) -> PackedSeqParams | None:
         """megatron's PackedSeqParams for this row (None for padded rows).
 
         The padded boundaries serve as cu_seqlens too, as a span's padding follows its tokens
@@ -143,7 +149,9 @@ def deal_to_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def first_fit_decreasing(items: Sequence[int], sizes: Sequence[int], capacity: int):
+def first_fit_decreasing(
+    items: Sequence[int], sizes: Sequence[int], capacity: int
+) -> list[list[int]]:
     """Bins (lists of items) of total size <= capacity: items longest first (ties: smaller
     item first), each into the first bin, in opening order, that has room."""
     bins: list[list[int]] = []
