@@ -1,41 +1,143 @@
-"""A batch of B trajectories -> this data-parallel rank's micro-batches for one optimizer step.
+"""A batch of B trajectories -> this rank's micro-batches for one optimizer step.
 
 Every rank sees the whole batch (the controller broadcasts it) and takes its share by a
-deterministic rule, so no coordination is needed:
-  - trajectories are dealt to DP ranks longest first, each to the rank with the fewest
-    tokens so far (balanced work);
-  - a micro-batch is `rows` right-padded rows of the same width, rows * width <= the per-rank
-    token budget; every rank runs the SAME number of micro-batches of the SAME shape (MoE
-    expert-parallel all-to-alls and pipeline stages need their peers in step), padding with
-    empty rows (segment -1, no policy token, so they add nothing to the loss).
+deterministic rule computed from the trajectory lengths alone (plan_micro_batches), so no
+coordination is needed:
+  - trajectories are dealt to data-parallel (DP) ranks longest first, each to the rank with
+    the fewest tokens so far (balanced work);
+  - packed (the default): a micro-batch is ONE row of `width` tokens holding several
+    trajectories back to back. Each DP rank packs its share by first-fit decreasing: longest
+    first, each trajectory into the first micro-batch it fits in (micro-batches in the order
+    they were opened), a new one when none has room. Room is first the token budget, which
+    fixes the number of micro-batches (the most any rank needs); it is then narrowed to the
+    least that keeps that number, so that the rows carry little padding. A trajectory
+    stays whole and attends only to itself: on GPU megatron's THD format (PackedSeqParams,
+    cu_seqlens = the span boundaries), on CPU the same boundaries as a block-diagonal causal
+    mask (parallel/cpu_shims.py); RoPE positions restart at 0 in each span (megatron's THD
+    RoPE reads cu_seqlens);
+  - padded: a micro-batch is `rows` rows of one right-padded trajectory each;
+  - every rank runs the SAME number of micro-batches of the SAME shape (MoE expert-parallel
+    all-to-alls and pipeline stages need their peers in step), the missing ones being empty
+    (segment -1, no policy token: they add nothing to the loss).
+The token budget bounds a micro-batch's tokens (rows x width) before the context-parallel
+split, so each of the CP ranks holds budget / CP of them.
+
+Context parallelism: each row is split over the CP ranks by megatron's zigzag rule
+(parallel/context_parallel.py), which needs every span's length to divide by 2 x CP: a packed
+trajectory's span is its tokens padded up to that multiple (a padded row is one span). Widths
+also divide by TP under sequence parallelism, which splits the sequence again.
+
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
-parallel loss sums by, so the split needs no other bookkeeping.
+parallel loss sums by, so packing and splitting need no other bookkeeping.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
+from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass(frozen=True)
 class MicroBatch:
-    input_ids: torch.Tensor
-    """[rows, width] tokens fed to the model (a trajectory's tokens but its last)."""
-    positions: torch.Tensor
+    """One micro-batch as this rank feeds it: model inputs, loss inputs, THD boundaries."""
+
+    input_ids: Tensor
+    """[rows, width / CP] tokens fed to the model (each trajectory's tokens but its last)."""
+    positions: Tensor
+    """[rows, width / CP] position of each token in its own trajectory (0 at its start)."""
     loss_batch: LossBatch
+    cu_seqlens: Tensor | None = None
+    """Packed rows: int32 span boundaries of the whole row before the CP split (THD
+    cu_seqlens; a trajectory's span includes its CP padding, the row's tail is a span of its
+    own). None for padded rows."""
+    max_seqlen: int = 0
+    """Packed rows: the longest span."""
 
     @property
     def policy_tokens(self) -> int:
         return int(self.loss_batch.action_mask.sum())
 
+    def packed_seq_params(self) -> PackedSeqParams | None:
+        """megatron's PackedSeqParams for this row (None for padded rows).
 
-def deal_to_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
+        The padded boundaries serve as cu_seqlens too, as a span's padding follows its tokens
+        and causal attention keeps it out of their outputs; TE then needs no pad_between_seqs.
+        """
+        if self.cu_seqlens is None:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        def move(tensor):
+            return None if tensor is None else tensor.to(device)
+
+        loss = LossBatch(**{f.name: move(getattr(self.loss_batch, f.name))
+                            for f in dataclasses.fields(LossBatch)})  # fmt: skip
+        return dataclasses.replace(
+            self,
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            loss_batch=loss,
+            cu_seqlens=move(self.cu_seqlens),
+        )
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Where every trajectory of one step goes; the same on every rank."""
+
+    assignment: list[list[list[list[int]]]]
+    """[DP rank][micro-batch][row] -> the trajectories of that row, in row order (an empty
+    list is a padding row)."""
+    rows: int
+    width: int
+    """Tokens per row before the CP split."""
+    span_multiple: int
+    """A packed trajectory's span is its model tokens rounded up to this (2 x CP, or 1)."""
+    cp_size: int
+    """Context-parallel ranks each row is split over."""
+    packed: bool
+    model_tokens: int
+    """Tokens the model must see: each trajectory's length - 1, summed."""
+
+    @property
+    def count(self) -> int:
+        """Micro-batches per DP rank."""
+        return len(self.assignment[0])
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the step's token slots (all DP ranks) that hold no trajectory token."""
+        slots = len(self.assignment) * self.count * self.rows * self.width
+        return 1.0 - self.model_tokens / slots
+
+
+def deal_to_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     """Trajectory indices per DP rank: longest first, each to the least-loaded rank."""
     if len(lengths) < ranks:
         raise ValueError(f"a batch of {len(lengths)} trajectories cannot feed {ranks} DP ranks")
@@ -47,61 +149,170 @@ def deal_to_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def micro_batches_for_rank(
-    batch: list[Trajectory],
+def first_fit_decreasing(
+    items: Sequence[int], sizes: Sequence[int], capacity: int
+) -> list[list[int]]:
+    """Bins (lists of items) of total size <= capacity: items longest first (ties: smaller
+    item first), each into the first bin, in opening order, that has room."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item in sorted(items, key=lambda i: (-sizes[i], i)):
+        target = next((b for b, free in enumerate(room) if free >= sizes[item]), None)
+        if target is None:
+            bins.append([])
+            room.append(capacity)
+            target = len(bins) - 1
+        bins[target].append(item)
+        room[target] -= sizes[item]
+    return bins
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
     *,
-    dp_rank: int,
     dp_size: int,
     token_budget: int,
-    pad_id: int = 0,
-    width_multiple: int = 1,
-) -> list[MicroBatch]:
-    """This rank's micro-batches; the same count and shape on every rank (see module doc).
+    pack: bool = True,
+    cp_size: int = 1,
+    sequence_parallel_size: int = 1,
+) -> MicroBatchPlan:
+    """The step's layout from the trajectory lengths (see the module doc).
 
-    width_multiple: the model's sequence length must divide by it (TP with sequence
-    parallelism splits the sequence), so widths are rounded up to it.
+    sequence_parallel_size: TP when sequence parallelism is on, else 1 (widths divide by it).
     """
+    model_tokens = [length - 1 for length in lengths]
+    span_multiple = 2 * cp_size if cp_size > 1 else 1
+    width_multiple = span_multiple * sequence_parallel_size
+    shares = deal_to_ranks(lengths, dp_size)
+    if pack:
+        spans = [math.ceil(n / span_multiple) * span_multiple for n in model_tokens]
+        bins = _pack_shares(shares, spans, token_budget, width_multiple)
+        fill = max(sum(spans[i] for i in row) for rank in bins for row in rank)
+        width = math.ceil(fill / width_multiple) * width_multiple
+        count = max(len(rank) for rank in bins)
+        assignment = [[[row] for row in rank] + [[[]]] * (count - len(rank)) for rank in bins]
+        rows = 1
+    else:
+        width = math.ceil(max(model_tokens) / width_multiple) * width_multiple
+        _check_fits(width, token_budget, token_budget)
+        rows = token_budget // width
+        count = max(math.ceil(len(share) / rows) for share in shares)
+        assignment = [
+            [
+                [[i] for i in share[k * rows : (k + 1) * rows]]
+                + [[]] * (rows - len(share[k * rows : (k + 1) * rows]))
+                for k in range(count)
+            ]
+            for share in shares
+        ]
+    return MicroBatchPlan(assignment, rows, width, span_multiple, cp_size, pack, sum(model_tokens))
+
+
+def _pack_shares(
+    shares: list[list[int]], spans: list[int], token_budget: int, width_multiple: int
+) -> list[list[list[int]]]:
+    """Each DP rank's share packed by first-fit decreasing into as few micro-batches as the
+    budget allows, then into rows as narrow as keeps that count: the smallest room (in steps
+    of width_multiple, found by bisection; checked, so FFD's rare non-monotonicity can only
+    leave a row wider, never a count higher) with which no rank needs more micro-batches."""
+    capacity = token_budget // width_multiple * width_multiple
+    _check_fits(max(spans), capacity, token_budget)
+
+    def pack(room: int) -> list[list[list[int]]]:
+        return [first_fit_decreasing(share, spans, room) for share in shares]
+
+    count = max(len(rank) for rank in pack(capacity))
+    low, high = math.ceil(max(spans) / width_multiple), capacity // width_multiple
+    while low < high:
+        middle = (low + high) // 2
+        if max(len(rank) for rank in pack(middle * width_multiple)) <= count:
+            high = middle
+        else:
+            low = middle + 1
+    return pack(high * width_multiple)
+
+
+def _check_fits(needed: int, capacity: int, token_budget: int) -> None:
+    if needed > capacity:
+        raise ValueError(
+            f"the longest trajectory needs {needed} tokens, over the micro-batch token budget "
+            f"{token_budget} (micro_batch_tokens; with context parallelism a trajectory is "
+            f"padded to a multiple of 2 x CP, and widths to a multiple of the SP size)"
+        )
+
+
+def micro_batches_for_rank(
+    batch: list[Trajectory],
+    plan: MicroBatchPlan,
+    *,
+    dp_rank: int,
+    cp_rank: int = 0,
+    pad_id: int = 0,
+) -> list[MicroBatch]:
+    """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens."""
     for trajectory in batch:
         validate_trajectory(trajectory)
-    width = max(t.length for t in batch) - 1
-    width = math.ceil(width / width_multiple) * width_multiple
-    if width > token_budget:
-        raise ValueError(
-            f"the longest trajectory needs {width} tokens, over the per-rank token budget "
-            f"{token_budget}"
-        )
-    rows = token_budget // width
-    shares = deal_to_ranks([t.length for t in batch], dp_size)
-    count = max(math.ceil(len(share) / rows) for share in shares)
-    mine = shares[dp_rank]
-    return [
-        _micro_batch(batch, mine[i * rows : (i + 1) * rows], rows, width, pad_id)
-        for i in range(count)
-    ]
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id) for rows in plan.assignment[dp_rank]]
 
 
 def _micro_batch(
-    batch: list[Trajectory], indices: list[int], rows: int, width: int, pad_id: int
+    batch: list[Trajectory],
+    plan: MicroBatchPlan,
+    rows: list[list[int]],
+    cp_rank: int,
+    pad_id: int,
 ) -> MicroBatch:
-    tokens = torch.full((rows, width + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width + 1), dtype=torch.bool)
-    behavior = torch.zeros((rows, width + 1), dtype=torch.float32)
-    segments = torch.full((rows, width + 1), -1, dtype=torch.long)
-    for row, index in enumerate(indices):
-        t = batch[index]
-        tokens[row, : t.length] = torch.tensor(t.token_ids)
-        mask[row, : t.length] = torch.tensor(t.action_mask)
-        behavior[row, : t.length] = torch.tensor(t.behavior_log_probs).masked_fill(
-            ~mask[row, : t.length], 0.0
-        )
-        segments[row, : t.length] = index
-    # position t of the model's input predicts token t + 1: score targets 1..width
-    positions = torch.arange(width).expand(rows, width)
+    built = [_row(batch, plan, indices, pad_id) for indices in rows]
+    boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
+    local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
+    fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
     loss_batch = LossBatch(
-        target_ids=tokens[:, 1:],
-        behavior_log_probs=behavior[:, 1:],
-        action_mask=mask[:, 1:],
-        segment_ids=segments[:, 1:],
-        positions=positions,
+        target_ids=fields["targets"],
+        behavior_log_probs=fields["behavior"],
+        action_mask=fields["mask"],
+        segment_ids=fields["segments"],
+        positions=fields["positions"],
     )
-    return MicroBatch(tokens[:, :-1], positions, loss_batch)
+    packed = {}
+    if plan.packed:
+        spans = [end - start for start, end in itertools.pairwise(boundaries)]
+        packed = dict(cu_seqlens=torch.tensor(boundaries, dtype=torch.int32), max_seqlen=max(spans))
+    return MicroBatch(fields["input_ids"], fields["positions"], loss_batch, **packed)
+
+
+def _row(
+    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int
+) -> tuple[dict[str, Tensor], list[int]]:
+    """One row before the CP split, and its span boundaries. Position t of the model's input
+    predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
+    last as inputs and its tokens but the first as targets (with their mask and mu)."""
+    width = plan.width
+    row = dict(
+        input_ids=torch.full((width,), pad_id, dtype=torch.long),
+        targets=torch.full((width,), pad_id, dtype=torch.long),
+        mask=torch.zeros(width, dtype=torch.bool),
+        behavior=torch.zeros(width, dtype=torch.float32),
+        segments=torch.full((width,), -1, dtype=torch.long),
+        positions=torch.zeros(width, dtype=torch.long),
+    )
+    boundaries, start = [0], 0
+    for index in indices:
+        t = batch[index]
+        n = t.length - 1
+        span = slice(start, start + n)
+        tokens = torch.tensor(t.token_ids)
+        mask = torch.tensor(t.action_mask[1:])
+        row["input_ids"][span], row["targets"][span] = tokens[:-1], tokens[1:]
+        row["mask"][span] = mask
+        row["behavior"][span] = torch.tensor(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
+        row["segments"][span] = index
+        start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
+        row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
+        boundaries.append(start)
+    if not plan.packed:
+        boundaries = [0, width]  # one sequence: the trajectory and its right padding
+        row["positions"] = torch.arange(width)
+    elif start < width:
+        row["positions"][start:] = torch.arange(width - start)
+        boundaries.append(width)
+    return row, boundaries

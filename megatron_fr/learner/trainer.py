@@ -7,9 +7,10 @@
 
 Loss scaling: every micro-batch's loss is already its share of the batch loss L (divided by
 the global B), so the sum over micro-batches and DP ranks IS L. megatron instead averages: its
-schedule divides each micro-batch's loss by the number of micro-batches and DDP scales
-gradients by 1 / DP. The loss handed to megatron is therefore share * M * DP, which makes the
-gradient that of L exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
+schedule divides each micro-batch's loss by the number of micro-batches and multiplies it by CP
+(its own losses are means over a CP rank's tokens), and DDP scales gradients by 1 / (DP x CP).
+The loss handed to megatron is therefore share * M * DP, which makes the gradient that of L
+exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
 scaling (their mean over micro-batches and DP); they are off by default during RL
 (LearnerConfig.moe_aux_loss_coeff).
@@ -29,7 +30,12 @@ from megatron_fr.algo.advantages import compute_advantages
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.learner.micro_batches import MicroBatch, micro_batches_for_rank
+from megatron_fr.learner.micro_batches import (
+    MicroBatch,
+    MicroBatchPlan,
+    micro_batches_for_rank,
+    plan_micro_batches,
+)
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
@@ -125,13 +131,13 @@ class Learner:
         from megatron_fr.convert.parallel_load import load_hf_into_model
         from megatron_fr.models.gpt import build_gpt_model
 
-        if parallel.context > 1:
-            raise ValueError("context parallelism is not supported by the learner yet (CP=1)")
         if config.moe_aux_loss_coeff is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=config.moe_aux_loss_coeff)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
+        self.pack_sequences = bool(getattr(config, "pack_sequences", True))
+        """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
         self.temperature = temperature
         """The rollouts' sampling temperature: the loss's log-probs are those of
         log softmax(logits / temperature), the distribution the engines sampled from and
@@ -205,11 +211,13 @@ class Learner:
             loss, metrics = ppo_clip_parallel_loss(
                 logits, micro.loss_batch, global_batch, self.config.ppo_clip,
                 tp_group=ps.get_tensor_model_parallel_group(),
+                cp_group=ps.get_context_parallel_group(),
             )  # fmt: skip
         else:
             loss, metrics = flash_reinforce_parallel_loss(
                 logits, micro.loss_batch, global_batch, self.config.flash_reinforce,
                 tp_group=ps.get_tensor_model_parallel_group(),
+                cp_group=ps.get_context_parallel_group(),
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
@@ -220,27 +228,40 @@ class Learner:
         )  # fmt: skip
         return loss * scale, reported
 
-    def _micro_batches(self, batch: list[Trajectory], pad_id: int) -> list[MicroBatch]:
+    def _micro_batches(
+        self, batch: list[Trajectory], pad_id: int
+    ) -> tuple[MicroBatchPlan, list[MicroBatch]]:
+        """The step's plan and this rank's micro-batches: trajectories are dealt over the DP
+        ranks, and every row is split over the CP ranks."""
         from megatron.core import parallel_state as ps
 
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        return micro_batches_for_rank(
-            batch,
-            dp_rank=dist.get_rank(dp_group),
-            dp_size=dist.get_world_size(dp_group),
+        plan = plan_micro_batches(
+            [t.length for t in batch],
+            dp_size=ps.get_data_parallel_world_size(),
             token_budget=self.config.micro_batch_tokens,
-            pad_id=pad_id,
-            width_multiple=self.parallel.tensor if self.parallel.sequence_parallel else 1,
+            pack=self.pack_sequences,
+            cp_size=self.parallel.context,
+            sequence_parallel_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
         )
+        micros = micro_batches_for_rank(
+            batch, plan, dp_rank=ps.get_data_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id,
+        )  # fmt: skip
+        return plan, micros
 
     def _schedule(self, micros: list[MicroBatch], score, forward_only: bool) -> list:
         """megatron's forward(-backward) schedule over this rank's micro-batches, each
         micro-batch's output passed to score(micro, logits) -> (loss, reported)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        device = next(self.module.parameters()).device
+
         def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            output = model(micro.input_ids, micro.positions, attention_mask=None)
+            micro = next(data_iterator).to(device)
+            output = model(
+                micro.input_ids, micro.positions, attention_mask=None,
+                packed_seq_params=micro.packed_seq_params(),
+            )  # fmt: skip
             return output, partial(score, micro)
 
         rows, width = micros[0].input_ids.shape
@@ -249,7 +270,7 @@ class Learner:
             data_iterator=iter(micros),
             model=[self.model],
             num_microbatches=len(micros),
-            seq_length=width,
+            seq_length=width * self.parallel.context,  # megatron divides it by CP
             micro_batch_size=rows,
             forward_only=forward_only,
         )
@@ -259,9 +280,10 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        micros = self._micro_batches(batch, pad_id)
+        plan, micros = self._micro_batches(batch, pad_id)
         global_batch = self._global_batch(batch)
-        score = partial(self._loss, len(micros) * dist.get_world_size(dp_group), global_batch)
+        # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
+        score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
         with cpu_device_mode():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -271,6 +293,7 @@ class Learner:
         self.steps_done += 1
         metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
         metrics["advantages"] = global_batch.advantages.tolist()
+        metrics["padding_fraction"] = plan.padding_fraction
         return metrics
 
     def policy_log_probs(
@@ -282,7 +305,7 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
-        scored: dict[int, list[float]] = {}
+        scored: dict[int, dict[int, float]] = {}  # trajectory -> position -> log-prob
 
         def score(micro: MicroBatch, logits):
             log_probs, _ = vocab_parallel_log_probs(
@@ -291,17 +314,23 @@ class Learner:
             )  # fmt: skip
             segments = micro.loss_batch.segment_ids
             policy = micro.loss_batch.action_mask & (segments >= 0)
-            for segment, value in zip(segments[policy].tolist(), log_probs[policy].tolist(),
-                                      strict=True):  # fmt: skip
-                scored.setdefault(segment, []).append(value)
+            for segment, position, value in zip(
+                segments[policy].tolist(), micro.loss_batch.positions[policy].tolist(),
+                log_probs[policy].tolist(), strict=True,
+            ):  # fmt: skip
+                scored.setdefault(segment, {})[position] = value
             return logits.sum() * 0, {}
 
         with cpu_device_mode(), torch.no_grad():
-            self._schedule(self._micro_batches(batch, pad_id), score, forward_only=True)
-        everyone: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, scored)  # each trajectory lives on one DP rank
-        merged = {k: v for part in everyone for k, v in part.items()}
-        return [merged[index] for index in range(len(batch))]
+            self._schedule(self._micro_batches(batch, pad_id)[1], score, forward_only=True)
+        everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
+        # each trajectory lives on one DP rank, its tokens spread over that rank's CP group
+        dist.all_gather_object(everyone, scored)
+        merged: dict[int, dict[int, float]] = {}
+        for part in everyone:
+            for index, values in part.items():
+                merged.setdefault(index, {}).update(values)
+        return [[v for _, v in sorted(merged[index].items())] for index in range(len(batch))]
 
     def save(self, directory: str) -> None:
         """Model, distributed-optimizer state and LR schedule as one torch_dist checkpoint
@@ -364,9 +393,10 @@ class Learner:
             dist.all_reduce(sums, group=dp_group)
             tokens = max(sum(t.num_policy_tokens for t in batch), 1)
             acceptance = admitted.double().sum() / max(int(present.sum()), 1)
-            # each trajectory lives in one micro-batch of one DP rank: the sum is the batch's
+            # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
+            # group has the whole value): the sum over DP ranks is the batch's
             kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
-            dist.all_reduce(kl, group=dp_group)
+            dist.all_reduce(kl, group=ps.get_data_parallel_group())
             values = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
         if self.parallel.pipeline > 1:
             group = ps.get_pipeline_model_parallel_group()

@@ -12,8 +12,9 @@ module that calls it) and marks the replacement, so applying them twice is a no-
 replace fails on a CPU-only torch build, or feeds a gloo collective that then fails, so no
 shim changes anything that already worked. Checked (tests/distributed/test_megatron_cpu.py):
 model build, forward and backward of a MoE GPT on the local spec at TP1, TP2+SP, EP2 and
-TP2xEP2, and get_forward_backward_func() at PP=1. Not yet covered: activation recompute,
-PP>1 schedules, DDP/finalize_model_grads and the optimizers.
+TP2xEP2, and get_forward_backward_func() at PP=1; packed rows and context parallelism through
+the learner (tests/distributed/test_packing_cp.py: equal to the padded CP1 step). Not yet
+covered: activation recompute, PP>1 schedules, DDP/finalize_model_grads and the optimizers.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def apply_cpu_shims() -> None:
     _shim_current_device()  # allocations "on the current device"
     _shim_torch_norm_sequence_parallel()  # norms under sequence parallelism
     _shim_default_causal_mask()  # attention without an explicit mask
+    _shim_local_attention()  # packed rows (THD) and context parallelism
     _shim_cuda_streams()  # MoE alltoall dispatcher's side stream
     _shim_numpy_split_sizes()  # MoE alltoall split sizes
     _shim_uneven_gather()  # MoE alltoall under TP + SP
@@ -231,6 +233,89 @@ def _shim_default_causal_mask() -> None:
     _replace(fused_softmax, "get_default_causal_mask", make)
 
 
+def _shim_local_attention() -> None:
+    """Covers DotProductAttention (the local spec's core attention), which refuses context
+    parallelism in __init__ and PackedSeqParams in forward: megatron runs both through
+    TEDotProductAttention only, and TE needs CUDA. The replacement computes what TE computes:
+
+    * a packed row (qkv_format "thd", [tokens, heads, dim]) is attended as one row
+      [tokens, 1, heads, dim] under the block-diagonal causal mask of cu_seqlens (TE's
+      padding_causal: a token sees the earlier tokens of its own sequence);
+    * with CP > 1, keys and values are all-gathered over the CP group (backward: their
+      gradients reduce-scattered, megatron's gather_from_sequence_parallel_region) and each
+      local query attends to the gathered keys under the causal mask of their row positions,
+      known from megatron's zigzag split (parallel/context_parallel.py): the algorithm of TE's
+      cp_comm_type "all_gather". A padded row (no PackedSeqParams) is one sequence.
+
+    Everything around the attention product is megatron's own: THD RoPE restarting at each
+    sequence, RoPE's CP slicing, the CP split of the rotary tables, the gradient reductions.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    def make_init(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+            if config.context_parallel_size > 1:  # the product itself is CP-agnostic
+                config = copy.copy(config)
+                config.context_parallel_size = 1
+            original(self, config, *args, **kwargs)
+
+        return init
+
+    def make_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def forward(self: Any, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):  # fmt: skip
+            group = _context_parallel_group(self)
+            if packed_seq_params is None and group.size() == 1:
+                return original(self, query, key, value, attention_mask, attn_mask_type,
+                                attention_bias)  # fmt: skip
+            if attention_mask is not None:
+                raise ValueError("packed rows and CP take their mask from the row layout")
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                padded = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if padded is None else padded
+                boundaries = cu.tolist()
+                query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+            else:
+                boundaries = [0, query.size(0) * group.size()]
+            mask = _row_causal_mask(boundaries, group)
+            if group.size() > 1:
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                key, value = (
+                    gather_from_sequence_parallel_region(x.contiguous(), True, group=group)
+                    for x in (key, value)
+                )
+            return original(self, query, key, value, mask, attn_mask_type, attention_bias)
+
+        return forward
+
+    _replace(DotProductAttention, "__init__", make_init)
+    _replace(DotProductAttention, "forward", make_forward)
+
+
+def _context_parallel_group(attention: Any) -> Any:
+    group = getattr(attention.pg_collection, "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
+
+
+def _row_causal_mask(boundaries: list[int], group: Any) -> torch.Tensor:
+    """[1, 1, local queries, gathered keys] bool, True where attention is masked (megatron's
+    convention): a key of another sequence, or one later in the row than the query."""
+    from megatron_fr.parallel.context_parallel import segment_of, zigzag_indices
+
+    size, rank = group.size(), group.rank()
+    queries = zigzag_indices(boundaries, size, rank)
+    keys = torch.cat([zigzag_indices(boundaries, size, r) for r in range(size)])
+    other = segment_of(boundaries, queries)[:, None] != segment_of(boundaries, keys)[None, :]
+    return (other | (keys[None, :] > queries[:, None]))[None, None]
+
+
 # --- MoE token dispatcher and its collectives -------------------------------------------------
 
 
@@ -282,7 +367,9 @@ def _shim_uneven_gather() -> None:
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` in torch calls to the CPU; ``tensor.cuda()`` stays put."""
+    """Rewrites ``device="cuda"`` in torch calls to the CPU; ``tensor.cuda()`` stays put, and
+    host tensors are not pinned (``pin_memory=True``, as RoPE's context-parallel slicing,
+    rope_utils.get_pos_emb_on_this_cp_rank, asks, needs an accelerator)."""
 
     def __torch_function__(self, func, _types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -294,6 +381,8 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """One learner step through megatron's schedule, DDP and distributed optimizer computes the loss
-and gradient of FlashREINFORCE on the whole batch, in every layout, with several micro-batches:
-checked against transformers' model and the single-process loss of algo/."""
+and gradient of FlashREINFORCE on the whole batch, in every layout, with several micro-batches
+of packed rows (context parallelism included): checked against transformers' model and the
+single-process loss of algo/."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ LAYOUTS = [  # (ParallelConfig kwargs, per-rank token budget)
     (dict(), 10_000),  # DP2, one micro-batch each
     (dict(expert=2), 40),  # EP2 (DP2 for the dense part), several micro-batches
     (dict(tensor=2, sequence_parallel=True), 30),  # TP2+SP, one trajectory per micro-batch
+    (dict(context=2), 24),  # CP2: each packed row split over both ranks, several micro-batches
 ]
 DELTA = 1e-3
 
