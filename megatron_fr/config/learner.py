@@ -40,7 +40,11 @@ class LearnerConfig(BaseModel):
     Off by default: RL fine-tunes a balanced pretrained router, and the extra loss is not part
     of the policy-gradient objective."""
     micro_batch_tokens: int = Field(default=4096, ge=1)
-    """Per-rank token budget of one micro-batch (rows x padded width)."""
+    """Token budget of one micro-batch per data-parallel replica (rows x width) before the
+    context-parallel split: each CP rank holds 1/CP of it."""
+    pack_sequences: bool = True
+    """Pack several trajectories per micro-batch row (THD / cu_seqlens on GPU, a
+    block-diagonal causal mask on CPU); False: one right-padded trajectory per row."""
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     lr: float = Field(default=1e-6, gt=0)
     min_lr: float = Field(default=0.0, ge=0)

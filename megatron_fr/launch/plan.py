@@ -178,14 +178,12 @@ class Plan:
 
 def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
     """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs: the
-    world-size rules of ParallelConfig, the learner's own limits, then the model's rules
+    world-size rules of ParallelConfig, then the model's rules
     (models/layout.py, the ones model build enforces)."""
     try:
         parallel.validate_world(world)
     except ValueError as error:
         raise LayoutError(str(error)) from None
-    if parallel.context > 1:
-        raise LayoutError("CP > 1: the learner does not support context parallelism yet")
     check_model_layout(spec, parallel)
 
 

@@ -105,6 +105,22 @@ def adam_step_counts(optimizer) -> list[float]:
     return sorted(state_steps or group_steps)
 
 
+def forward_step_on(device: torch.device, score):
+    """megatron's forward_step_func for micro-batches built on the CPU: each micro-batch (its
+    model inputs and its loss batch) moves to the model's device before the forward, and its
+    logits go to score(micro, logits) -> (loss, reported)."""
+
+    def forward_step(data_iterator, model):
+        micro = next(data_iterator).to(device)
+        output = model(
+            micro.input_ids, micro.positions, attention_mask=None,
+            packed_seq_params=micro.packed_seq_params(),
+        )  # fmt: skip
+        return output, partial(score, micro)
+
+    return forward_step
+
+
 class Learner:
     """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule."""
 
@@ -136,7 +152,7 @@ class Learner:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
-        self.pack_sequences = bool(getattr(config, "pack_sequences", True))
+        self.pack_sequences = config.pack_sequences
         """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
         self.temperature = temperature
         """The rollouts' sampling temperature: the loss's log-probs are those of
@@ -207,6 +223,7 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         logits = logits.float() / self.temperature
+        global_batch = global_batch.to(logits.device)
         if self.config.policy_loss == "ppo_clip":
             loss, metrics = ppo_clip_parallel_loss(
                 logits, micro.loss_batch, global_batch, self.config.ppo_clip,
@@ -254,16 +271,7 @@ class Learner:
         micro-batch's output passed to score(micro, logits) -> (loss, reported)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = next(self.module.parameters()).device
-
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator).to(device)
-            output = model(
-                micro.input_ids, micro.positions, attention_mask=None,
-                packed_seq_params=micro.packed_seq_params(),
-            )  # fmt: skip
-            return output, partial(score, micro)
-
+        forward_step = forward_step_on(next(self.module.parameters()).device, score)
         rows, width = micros[0].input_ids.shape
         return get_forward_backward_func()(
             forward_step_func=forward_step,

@@ -52,6 +52,7 @@ class RunReport:
                 reward_mean=statistics.fmean(t.reward for t in batch),
                 acceptance_rate=learner["acceptance_rate"],
                 clip_fraction=learner["clip_fraction"],
+                padding_fraction=learner["padding_fraction"],
                 sequence_kl_mean=learner["sequence_kl_mean"],
                 lag_mean=statistics.fmean(lags),
                 lag_max=max(lags),

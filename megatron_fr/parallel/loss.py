@@ -48,7 +48,8 @@ class LossBatch:
     segment_ids: Tensor
     """Global index (0..B-1) of the trajectory each token belongs to; -1 for padding."""
     positions: Tensor
-    """Position of each token in its un-split row: orders tokens for the entropy tie-break."""
+    """Position of each token within its own trajectory (packed rows restart at 0): orders
+    tokens for the entropy tie-break."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,14 @@ class GlobalBatch:
     @property
     def num_trajectories(self) -> int:
         return self.advantages.numel()
+
+    def to(self, device: torch.device | str) -> GlobalBatch:
+        """The same batch on `device` (the learner builds it on the CPU; the loss runs where
+        the logits are)."""
+        return GlobalBatch(
+            *(None if t is None else t.to(device)
+              for t in (self.advantages, self.failures, self.token_counts))
+        )  # fmt: skip
 
 
 def sum_over(group: dist.ProcessGroup | None):

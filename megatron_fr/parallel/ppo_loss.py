@@ -117,7 +117,7 @@ def ppo_clip_parallel_loss(
     kept = _correction(log_ratio, batch, policy, config, cp_group)
     weight = token_weights(global_batch, config).to(log_probs.dtype)[segment]
     loss = -(torch.where(kept, torch.minimum(unclipped, clipped) * weight, 0)).sum()
-    present = torch.zeros(global_batch.num_trajectories, dtype=torch.bool)
+    present = torch.zeros(global_batch.num_trajectories, dtype=torch.bool, device=logits.device)
     present[batch.segment_ids[policy].unique()] = True
     admitted = torch.zeros_like(present)
     admitted[batch.segment_ids[kept].unique()] = True

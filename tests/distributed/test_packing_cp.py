@@ -40,11 +40,6 @@ LAYOUTS = [  # (name, ParallelConfig kwargs, pack sequences)
 BUDGET, DELTA, TOLERANCE = 48, 2e-3, 1e-5
 
 
-class PackingConfig(LearnerConfig):
-    pack_sequences: bool = True
-    """The learner's switch (read with getattr until LearnerConfig has the field)."""
-
-
 def long_tailed_batch(size: int = 10, seed: int = 0) -> list[Trajectory]:
     """Mostly short trajectories and a few long ones, rewards 0 / 1, near-on-policy mu."""
     generator = torch.Generator().manual_seed(seed)
@@ -106,7 +101,7 @@ def learner_runs(rank: int, world_size: int, checkpoints: dict[str, str], batch)
             state.initialize(parallel, seed=0)
             if parallel.context == 2 and not pack:
                 check_cp_split_is_megatrons(batch)
-            config = PackingConfig(
+            config = LearnerConfig(
                 params_dtype="float32", micro_batch_tokens=BUDGET, lr=1.0, adam_eps=1.0,
                 clip_grad=0.0, pack_sequences=pack,
                 flash_reinforce=FlashReinforceConfig(delta=DELTA, negative_token_fraction=fraction),

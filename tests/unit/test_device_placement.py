@@ -1,0 +1,86 @@
+"""The learner builds micro-batches and the batch's advantages on the CPU; on a GPU the model
+and its logits live on the device. These tests run the placement code path with the model on
+PyTorch's "meta" device and stubs that record where every tensor they are given lives: a
+learner that fed CPU tensors to a CUDA model would fail exactly where these find a CPU tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import torch
+
+from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.config.learner import LearnerConfig
+from megatron_fr.learner import trainer
+from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
+from megatron_fr.parallel.loss import GlobalBatch
+
+META = torch.device("meta")
+
+
+def batch() -> list[Trajectory]:
+    return [
+        Trajectory(f"p{k}", [1, 2, 3, 4, 5][: 3 + k], [False, True, True, True, True][: 3 + k],
+                   [0.0, -0.5, -0.25, -1.0, -0.1][: 3 + k], [-1, 0, 0, 0, 0][: 3 + k], 1.0)
+        for k in range(3)
+    ]  # fmt: skip
+
+
+def tensors_of(value) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        return [("", value)]
+    if dataclasses.is_dataclass(value):
+        return [(f.name, t) for f in dataclasses.fields(value)
+                for _, t in tensors_of(getattr(value, f.name))]  # fmt: skip
+    if isinstance(value, list | tuple):
+        return [pair for item in value for pair in tensors_of(item)]
+    return []
+
+
+class RecordingModel:
+    """Stands in for megatron's model: records the devices of what it is called with."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, torch.device]] = []
+
+    def __call__(self, input_ids, positions, attention_mask=None, packed_seq_params=None):
+        for name, value in [("input_ids", input_ids), ("positions", positions),
+                            *tensors_of(packed_seq_params)]:  # fmt: skip
+            self.seen.append((name, value.device))
+        return torch.empty(*input_ids.shape, 8, device=input_ids.device)
+
+
+def test_forward_step_moves_model_inputs_and_loss_batch_to_the_models_device():
+    trajectories = batch()
+    plan = plan_micro_batches([t.length for t in trajectories], dp_size=1, token_budget=64)
+    micros = micro_batches_for_rank(trajectories, plan, dp_rank=0)
+    assert all(t.device.type == "cpu" for m in micros for _, t in tensors_of(m.loss_batch))
+    scored = []
+    forward_step = trainer.forward_step_on(META, lambda micro, logits: scored.append(micro))
+    model = RecordingModel()
+    output, score = forward_step(iter(micros), model)
+    score(output)
+    assert model.seen and all(device == META for _, device in model.seen), model.seen
+    loss_tensors = tensors_of(scored[0].loss_batch)
+    assert loss_tensors and all(t.device == META for _, t in loss_tensors)
+
+
+def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
+    seen = {}
+
+    def recording_loss(logits, loss_batch, global_batch, config, **groups):
+        seen.update({name: t.device for name, t in tensors_of(global_batch)})
+        present = torch.zeros(3, dtype=torch.bool, device=logits.device)
+        return logits.sum(), {"admitted": present, "present": present}
+
+    monkeypatch.setattr(trainer, "flash_reinforce_parallel_loss", recording_loss)
+    monkeypatch.setattr("megatron.core.parallel_state.get_tensor_model_parallel_group",
+                        lambda: None)  # fmt: skip
+    monkeypatch.setattr("megatron.core.parallel_state.get_context_parallel_group", lambda: None)
+    cpu_batch = GlobalBatch(advantages=torch.zeros(3), failures=torch.zeros(3, dtype=torch.bool),
+                            token_counts=torch.ones(3, dtype=torch.int64))  # fmt: skip
+    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig())
+    micro = SimpleNamespace(loss_batch=None)
+    trainer.Learner._loss(learner, 1.0, cpu_batch, micro, torch.zeros(2, 4, 8, device=META))
+    assert seen == {"advantages": META, "failures": META, "token_counts": META}
