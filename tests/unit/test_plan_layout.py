@@ -112,7 +112,7 @@ def test_entropies_and_expert_tensor_parallelism_add_what_the_formula_says():
         (["--tp", "4", "--gpus-per-node", "6"], "world_size 6 is not divisible by tensor (4)"),
         (["--ep", "3", "--gpus-per-node", "6"], "EP 3 does not divide the 128 experts"),
         (["--pp", "5", "--gpus-per-node", "5"], "PP 5 does not divide the 48 layers"),
-        (["--cp", "2"], "CP > 1: the learner does not support context parallelism"),
+        (["--cp", "3"], "x context (3) = 3"),
     ],
 )  # fmt: skip
 def test_invalid_layouts_are_refused_with_the_reason(args, reason):
@@ -120,6 +120,16 @@ def test_invalid_layouts_are_refused_with_the_reason(args, reason):
     result = plan_cli(*base, *args)
     assert result.returncode == 2, result.stdout
     assert reason in result.stderr, result.stderr
+
+
+def test_context_parallelism_splits_each_gpus_activations():
+    """CP holds 1/CP of every micro-batch's tokens on each GPU: the per-token activations
+    and loss path halve at CP2 (the weights do not)."""
+    spec = load_hf_config("qwen3-30b-a3b")
+    base = dict(micro_batch_tokens=16384, params_dtype="bfloat16")
+    one = plan_layout(spec, ParallelConfig(expert=8), 8, **base).stages[0]
+    two = plan_layout(spec, ParallelConfig(expert=4, context=2), 8, **base).stages[0]
+    assert two.activation_bytes * 2 == pytest.approx(one.activation_bytes, rel=1e-6)
 
 
 def test_dense_model_refuses_expert_parallelism_and_counts_published_sizes():
