@@ -118,7 +118,8 @@ def _checkpoint_histogram(run_dir: Path) -> tuple[dict[int, int] | None, int | N
     if checkpoint is None:
         return None, None
     state = load_controller_state(checkpoint)
-    return {int(lag): n for lag, n in state["buffer"]["lag_histogram"]}, state["step"]
+    histogram = state["rollout"]["buffer"]["lag_histogram"]
+    return {int(lag): n for lag, n in histogram}, state["step"]
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -59,7 +59,7 @@ def write_run(run_dir, result: SimResult, drop_total: int, rollouts_total: int) 
     checkpoint = run_dir / "checkpoints" / "step_00000050"
     checkpoint.mkdir(parents=True)
     histogram = sorted(result.lag_histogram.items())
-    state = {"step": 50, "buffer": {"lag_histogram": histogram}}
+    state = {"step": 50, "rollout": {"buffer": {"lag_histogram": histogram}}}
     (checkpoint / "controller.json").write_text(json.dumps(state))
     (run_dir / "checkpoints" / "latest").write_text("step_00000050\n")
 
