@@ -154,6 +154,7 @@ def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:
         max_turns=1, max_new_tokens_per_turn=task.max_new_tokens,
         max_episode_tokens=task.max_prompt_tokens + task.max_new_tokens,
     )  # fmt: skip
+    _fits_context(hf_dir, agent.max_episode_tokens)
     train = _samples(task.train, environment, chat, task.max_prompt_tokens, "train")
     evals = {name: _samples(spec, environment, chat, task.max_prompt_tokens, f"eval {name}")
              for name, spec in task.eval_sets.items()}  # fmt: skip
@@ -163,6 +164,16 @@ def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:
     return AgentEpisodes(chat=chat, environment=environment, agent=agent, train=train,
                          eval_sets=evals, max_new_tokens=task.max_new_tokens,
                          handling=handling)  # fmt: skip
+
+
+def _fits_context(hf_dir: Path, row_tokens: int) -> None:
+    """An episode's row must fit the model's context: the engines refuse longer requests."""
+    import json
+
+    context = json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings")
+    if context is not None and row_tokens > context:
+        raise ValueError(f"task: episodes may reach {row_tokens} tokens, over the model's "
+                         f"context {context} (max_position_embeddings of {hf_dir})")  # fmt: skip
 
 
 def _samples(spec, environment, chat, max_prompt_tokens: int, what: str) -> list[Sample]:

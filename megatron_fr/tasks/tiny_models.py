@@ -67,7 +67,7 @@ def tiny_chat_model_config(tokenizer: PreTrainedTokenizerBase, **overrides: Any)
         bos_token_id=None,  # Qwen chat models prepend no BOS
         eos_token_id=end_of_turn,
         pad_token_id=pad,
-        max_position_embeddings=1024,
+        max_position_embeddings=16384,  # the agent twins' rows (RoPE has no table to size)
     )
     unknown = set(overrides) - set(config)
     if unknown:
