@@ -24,6 +24,7 @@ from aiohttp import web
 
 from megatron_fr.engine.cpu_engine import Output, Sampling
 from megatron_fr.engine.cpu_server import CpuServer
+from megatron_fr.engine.cpu_weights import RequestError
 from megatron_fr.envs.datasets import DATA_DIR
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -140,7 +141,15 @@ class ScriptedEngine:
     active_requests: int = 0
     running_requests: int = 0
 
-    def generate(self, input_ids: list[int], sampling: Sampling, rid: str) -> Output:
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling: Sampling,
+        rid: str,
+        routed_experts_start: int | None = None,
+    ) -> Output:
+        if routed_experts_start is not None:
+            raise RequestError("return_routed_experts: a scripted policy has no MoE router")
         conversation = self.tokenizer.decode(input_ids, skip_special_tokens=False)
         text = self.policy(conversation)
         ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
