@@ -9,7 +9,9 @@ deterministic rule, so no coordination is needed:
     expert-parallel all-to-alls and pipeline stages need their peers in step), padding with
     empty rows (segment -1, no policy token, so they add nothing to the loss).
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
-parallel loss sums by, so the split needs no other bookkeeping.
+parallel loss sums by, so the split needs no other bookkeeping. With routing replay, each
+micro-batch also carries the routed experts of its input positions, padded the same way
+(learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
+from megatron_fr.learner.routing_replay import micro_batch_routing
 from megatron_fr.parallel.loss import LossBatch
 
 
@@ -29,6 +32,9 @@ class MicroBatch:
     """[rows, width] tokens fed to the model (a trajectory's tokens but its last)."""
     positions: torch.Tensor
     loss_batch: LossBatch
+    routing: torch.Tensor | None = None
+    """[rows, width, layers, top_k] expert ids of every input position (routing replay);
+    None unless asked for."""
 
     @property
     def policy_tokens(self) -> int:
@@ -55,11 +61,13 @@ def micro_batches_for_rank(
     token_budget: int,
     pad_id: int = 0,
     width_multiple: int = 1,
+    routing: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches; the same count and shape on every rank (see module doc).
 
     width_multiple: the model's sequence length must divide by it (TP with sequence
-    parallelism splits the sequence), so widths are rounded up to it.
+    parallelism splits the sequence), so widths are rounded up to it. routing: carry the
+    trajectories' routed experts (every trajectory has them: RoutingReplay.check).
     """
     for trajectory in batch:
         validate_trajectory(trajectory)
@@ -75,13 +83,13 @@ def micro_batches_for_rank(
     count = max(math.ceil(len(share) / rows) for share in shares)
     mine = shares[dp_rank]
     return [
-        _micro_batch(batch, mine[i * rows : (i + 1) * rows], rows, width, pad_id)
+        _micro_batch(batch, mine[i * rows : (i + 1) * rows], rows, width, pad_id, routing)
         for i in range(count)
     ]
 
 
 def _micro_batch(
-    batch: list[Trajectory], indices: list[int], rows: int, width: int, pad_id: int
+    batch: list[Trajectory], indices: list[int], rows: int, width: int, pad_id: int, routing: bool
 ) -> MicroBatch:
     tokens = torch.full((rows, width + 1), pad_id, dtype=torch.long)
     mask = torch.zeros((rows, width + 1), dtype=torch.bool)
@@ -104,4 +112,5 @@ def _micro_batch(
         segment_ids=segments[:, 1:],
         positions=positions,
     )
-    return MicroBatch(tokens[:, :-1], positions, loss_batch)
+    routed = micro_batch_routing(batch, indices, rows, width) if routing else None
+    return MicroBatch(tokens[:, :-1], positions, loss_batch, routed)

@@ -13,6 +13,9 @@ gradient that of L exactly, for any layout (tests/distributed/test_learner.py ch
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
 scaling (their mean over micro-batches and DP); they are off by default during RL
 (LearnerConfig.moe_aux_loss_coeff).
+
+With LearnerConfig.routing_replay, every micro-batch's forward (and its recomputation in the
+backward pass) routes tokens to the experts the engine used (learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.learner.micro_batches import MicroBatch, micro_batches_for_rank
+from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
@@ -139,7 +143,8 @@ class Learner:
         dtype = DTYPES[config.params_dtype]
         with cpu_device_mode():
             start = init_checkpoint or init_hf_dir
-            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start)
+            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
+                                          routing_replay=config.routing_replay)  # fmt: skip
             if init_checkpoint is not None:
                 load_megatron_checkpoint(self.module, init_checkpoint)
             elif init_hf_dir is not None:  # every rank reads only its own shards
@@ -179,6 +184,7 @@ class Learner:
         )
         self.module.config.finalize_model_grads_func = finalize_model_grads
         self.module.config.no_sync_func = self.model.no_sync
+        self.routing_replay = RoutingReplay(self.module, spec) if config.routing_replay else None
         self.steps_done = 0
 
     def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
@@ -216,9 +222,13 @@ class Learner:
         )  # fmt: skip
         return loss * scale, reported
 
-    def _micro_batches(self, batch: list[Trajectory], pad_id: int) -> list[MicroBatch]:
+    def _micro_batches(
+        self, batch: list[Trajectory], pad_id: int, replay: RoutingReplay | None
+    ) -> list[MicroBatch]:
         from megatron.core import parallel_state as ps
 
+        if replay is not None:
+            replay.check(batch)
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         return micro_batches_for_rank(
             batch,
@@ -227,41 +237,53 @@ class Learner:
             token_budget=self.config.micro_batch_tokens,
             pad_id=pad_id,
             width_multiple=self.parallel.tensor if self.parallel.sequence_parallel else 1,
+            routing=replay is not None,
         )
 
-    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool) -> list:
+    def _schedule(
+        self, micros: list[MicroBatch], score, forward_only: bool, replay: RoutingReplay | None
+    ) -> list:
         """megatron's forward(-backward) schedule over this rank's micro-batches, each
-        micro-batch's output passed to score(micro, logits) -> (loss, reported)."""
+        micro-batch's output passed to score(micro, logits) -> (loss, reported); with
+        `replay`, each micro-batch routed as its trajectories were by the engine."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
             micro = next(data_iterator)
+            if replay is not None:
+                replay.load(micro.routing)
             output = model(micro.input_ids, micro.positions, attention_mask=None)
+            if replay is not None and not forward_only:
+                replay.replay_in_backward(output)
             return output, partial(score, micro)
 
         rows, width = micros[0].input_ids.shape
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micros),
-            model=[self.model],
-            num_microbatches=len(micros),
-            seq_length=width,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micros),
+                model=[self.model],
+                num_microbatches=len(micros),
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        finally:
+            if replay is not None:
+                replay.clear()
 
     def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
         """One optimizer step on the whole batch (every rank passes the same batch)."""
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        micros = self._micro_batches(batch, pad_id)
+        micros = self._micro_batches(batch, pad_id, self.routing_replay)
         global_batch = self._global_batch(batch)
         score = partial(self._loss, len(micros) * dist.get_world_size(dp_group), global_batch)
         with cpu_device_mode():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            per_micro = self._schedule(micros, score, forward_only=False)
+            per_micro = self._schedule(micros, score, False, self.routing_replay)
             updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
@@ -270,14 +292,21 @@ class Learner:
         return metrics
 
     def policy_log_probs(
-        self, batch: list[Trajectory], pad_id: int = 0, temperature: float | None = None
+        self,
+        batch: list[Trajectory],
+        pad_id: int = 0,
+        temperature: float | None = None,
+        routing_replay: bool | None = None,
     ) -> list[list[float]]:
         """Every trajectory's policy-token log-probs under the current weights (forward only),
         at the rollout temperature unless given: the learner's side of a learner-vs-engine
-        comparison. Every rank passes the same batch and gets the whole result."""
+        comparison. routing_replay=False scores with the learner's own routing even when
+        replay is configured (what replay changes); None: as configured. Every rank passes the
+        same batch and gets the whole result."""
         from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
+        replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, list[float]] = {}
 
         def score(micro: MicroBatch, logits):
@@ -293,7 +322,7 @@ class Learner:
             return logits.sum() * 0, {}
 
         with cpu_device_mode(), torch.no_grad():
-            self._schedule(self._micro_batches(batch, pad_id), score, forward_only=True)
+            self._schedule(self._micro_batches(batch, pad_id, replay), score, True, replay)
         everyone: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, scored)  # each trajectory lives on one DP rank
         merged = {k: v for part in everyone for k, v in part.items()}
