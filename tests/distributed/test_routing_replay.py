@@ -1,11 +1,11 @@
 """Routing replay through the real ranks. The CPU engine serves a tiny Qwen3-MoE in bfloat16
 over HTTP and the real rollout client asks it for the routed experts; in each router, expert
 2's row is expert 1's scaled by 1 + 2**-12, below bf16's resolution, so the bf16 engine sees a
-tie the float32 learner does not, and top-k choices flip (the case replay is for; 20 of 128
-position-layers in one run). With learner.routing_replay, on 2 gloo ranks at EP2 (several
-micro-batches, padded rows), TP2xEP2 (sequence parallel, ETP1) and PP2 with activation
-recomputation (a later micro-batch's forward runs before an earlier one's recomputation, which
-must still replay its own experts: megatron's REPLAY_BACKWARD):
+tie the float32 learner does not, and top-k choices flip (the case replay is for). With
+learner.routing_replay, on 2 gloo ranks at EP2 (several micro-batches, padded rows), TP2xEP2
+(sequence parallel, ETP1) and PP2 with activation recomputation (a later micro-batch's forward
+runs before an earlier one's recomputation, which must still replay its own experts:
+megatron's REPLAY_BACKWARD):
   - the experts megatron's routers choose for every token (forward hooks on them) are the
     engine's, each rank checking the tokens and layers it holds, together covering all;
   - the learner's log-probs, loss, acceptance and gradient norm equal those of transformers'
