@@ -58,6 +58,26 @@ def micro_batch_routing(
     return routing
 
 
+def check_routed_batch(batch: list[Trajectory], spec: HFModelSpec) -> None:
+    """Every trajectory carries routed experts of the model's layout (layers, top-k, experts);
+    ValueError naming the first that does not."""
+    expected = (spec.num_layers, spec.num_experts_per_tok, spec.num_experts)
+    for t in batch:
+        if t.routed_experts is None:
+            raise ValueError(
+                f"learner.routing_replay is on but trajectory {t.prompt_id!r} carries no routed "
+                "experts: the rollout client must ask for them (RolloutClientConfig."
+                "routed_experts) and SGLang must run with --enable-return-routed-experts"
+            )
+        _, layers, top_k = t.routed_experts.experts.shape
+        if (layers, top_k, t.routed_experts.num_experts) != expected:
+            raise ValueError(
+                f"trajectory {t.prompt_id!r}: routed experts of {layers} layers x top-{top_k} of "
+                f"{t.routed_experts.num_experts} experts; the model has {expected[0]} layers x "
+                f"top-{expected[1]} of {expected[2]}"
+            )
+
+
 class RoutingReplay:
     """Drives the RouterReplay of this rank's MoE layers through one forward(-backward)."""
 
@@ -77,23 +97,7 @@ class RoutingReplay:
         self.sequence_parallel = module.config.sequence_parallel
 
     def check(self, batch: list[Trajectory]) -> None:
-        """Every trajectory carries routed experts of this model's layout."""
-        expected = (self.spec.num_layers, self.spec.num_experts_per_tok, self.spec.num_experts)
-        for t in batch:
-            if t.routed_experts is None:
-                raise ValueError(
-                    f"learner.routing_replay is on but trajectory {t.prompt_id!r} carries no "
-                    "routed experts: the rollout client must ask for them "
-                    "(RolloutClientConfig.routed_experts) and SGLang must run with "
-                    "--enable-return-routed-experts"
-                )
-            _, layers, top_k = t.routed_experts.experts.shape
-            if (layers, top_k, t.routed_experts.num_experts) != expected:
-                raise ValueError(
-                    f"trajectory {t.prompt_id!r}: routed experts of {layers} layers x top-{top_k} "
-                    f"of {t.routed_experts.num_experts} experts; the model has "
-                    f"{expected[0]} x top-{expected[1]} of {expected[2]}"
-                )
+        check_routed_batch(batch, self.spec)
 
     def load(self, routing: torch.Tensor) -> None:
         """Before a micro-batch's forward: its routing [rows, width, layers, top_k]."""

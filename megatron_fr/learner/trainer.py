@@ -306,6 +306,8 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
+        if routing_replay and self.routing_replay is None:
+            raise ValueError("routing_replay=True needs a learner built with routing_replay")
         replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, list[float]] = {}
 

@@ -37,13 +37,13 @@ def transformer_config(
     on_cpu keeps the parameters in host memory even where CUDA is present (conversion tools);
     routing_replay gives every router megatron's RouterReplay (learner/routing_replay.py).
     """
-    from megatron.core.transformer import TransformerConfig
-
-    check_model_layout(spec, parallel)
     if routing_replay and not spec.is_moe:
         raise ValueError(
             "learner.routing_replay needs a MoE model; this one is dense (no routed experts)"
         )
+    from megatron.core.transformer import TransformerConfig
+
+    check_model_layout(spec, parallel)
     moe = {}
     if spec.is_moe:
         moe = dict(
