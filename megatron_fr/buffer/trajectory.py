@@ -195,8 +195,11 @@ def _check_routing(t: Trajectory) -> None:
             "expert id out of range",
             f"[position, layer, k] {bad}: {experts[tuple(bad)]} not in [0, {routing.num_experts})",
         )
-    ordered = np.sort(experts, axis=-1)
-    repeated = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(-1))
+    twice = np.zeros(experts.shape[:2], dtype=bool)  # pairwise: faster than sorting each top-k
+    for i in range(experts.shape[2]):
+        for j in range(i + 1, experts.shape[2]):
+            twice |= experts[..., i] == experts[..., j]
+    repeated = np.argwhere(twice)
     if repeated.size:
         raise InvalidTrajectory(
             "routed_experts",

@@ -206,9 +206,12 @@ def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajecto
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.parallel import state
+    from megatron_fr.parallel.state import broadcast_from_rank0
 
     spec = load_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
     build_config = gpt.transformer_config
+    state.initialize(ParallelConfig(), seed=0)
+    batch = broadcast_from_rank0(batch if rank == 0 else None)  # as the controller hands it out
     cpu_pipeline_and_recompute()
     results = {}
     for name, kwargs, budget in LAYOUTS:
