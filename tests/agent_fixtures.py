@@ -20,10 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from aiohttp import web
 
 from megatron_fr.engine.cpu_engine import Output, Sampling
 from megatron_fr.engine.cpu_server import CpuServer
+from megatron_fr.engine.cpu_weights import RequestError
 from megatron_fr.envs.datasets import DATA_DIR
 from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
 from megatron_fr.tasks.tiny_models import build_tiny_chat_model
@@ -72,8 +74,19 @@ class ScriptedEngine:
     """The input_ids of every request, in the same order."""
     active_requests: int = 0
     running_requests: int = 0
+    routed: bool = False
+    """Act as a MoE with 2 layers, top-2 of 4 experts: routed_experts reports position p of a
+    request, holding token t, in layer l as experts (t + l) % 4 and (t + l + 1) % 4."""
 
-    def generate(self, input_ids: list[int], sampling: Sampling, rid: str) -> Output:
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling: Sampling,
+        rid: str,
+        routed_experts_start: int | None = None,
+    ) -> Output:
+        if routed_experts_start is not None and not self.routed:
+            raise RequestError("return_routed_experts: a scripted policy has no MoE router")
         conversation = self.tokenizer.decode(input_ids, skip_special_tokens=False)
         text = self.policy(conversation)
         ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
@@ -84,11 +97,20 @@ class ScriptedEngine:
         self.inputs.append(list(input_ids))
         self.outputs.append(ids)
         logprobs = [-0.05 * (1 + i % 7) for i in range(len(ids))]
-        return Output(ids, logprobs, finish, self.weight_version, len(input_ids))
+        output = Output(ids, logprobs, finish, self.weight_version, len(input_ids))
+        if routed_experts_start is not None:
+            fed = (list(input_ids) + ids[:-1])[routed_experts_start:]
+            output.routed_experts = torch.tensor(scripted_routing(fed), dtype=torch.int32)
+        return output
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Nothing runs between the scripted answers, so there is nothing to abort."""
         return 0
+
+
+def scripted_routing(tokens: list[int]) -> list[list[list[int]]]:
+    """ScriptedEngine's routed experts of positions holding `tokens`: [position][layer][k]."""
+    return [[[(t + layer) % 4, (t + layer + 1) % 4] for layer in range(2)] for t in tokens]
 
 
 @contextlib.asynccontextmanager

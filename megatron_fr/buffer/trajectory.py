@@ -7,6 +7,9 @@ next-token shift; `to_tensors` documents where that shift happens.
 
 Validation runs where trajectories enter the buffer, so a bad rollout is counted and reported
 with the field at fault instead of surfacing later as a NaN or a shape error in the loss.
+That includes the MoE routing a trajectory may carry for routing replay (buffer/routing.py):
+one record per position the learner feeds, every id a valid expert, no expert twice in a
+token's top-k.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from megatron_fr.buffer.routing import STORAGE_DTYPES, RoutedExperts
 
 NON_POLICY_VERSION = -1
 """token_versions entry of a token the policy did not generate (prompt, observation)."""
@@ -54,6 +60,9 @@ class Trajectory:
     reward: float
     info: dict[str, Any] = field(default_factory=dict)
     """Free-form, JSON-serialisable facts about the episode (turns, env, finish reason...)."""
+    routed_experts: RoutedExperts | None = None
+    """The experts the engine routed positions 0 .. length - 2 to, for MoE routing replay
+    (learner.routing_replay); None when the engines were not asked for them."""
 
     @property
     def length(self) -> int:
@@ -74,10 +83,16 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints)."""
-        return asdict(self)
+        data = asdict(replace(self, routed_experts=None))
+        if self.routed_experts is not None:
+            data["routed_experts"] = self.routed_experts.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        routing = data.get("routed_experts")
+        if routing is not None:
+            data = {**data, "routed_experts": RoutedExperts.from_dict(routing)}
         return cls(**data)
 
 
@@ -146,12 +161,60 @@ def _check_episode(t: Trajectory) -> None:
         raise InvalidTrajectory("info", "is not JSON-serialisable", str(error)) from None
 
 
+def _check_routing(t: Trajectory) -> None:
+    """The routed experts, when present: [length - 1, layers, top_k] in a compact dtype, ids in
+    [0, num_experts), no expert twice in one token's top-k of one layer."""
+    routing = t.routed_experts
+    if routing is None:
+        return
+    if not isinstance(routing, RoutedExperts) or not isinstance(routing.experts, np.ndarray):
+        raise InvalidTrajectory("routed_experts", "is not a RoutedExperts array", repr(routing))
+    experts = routing.experts
+    if experts.ndim != 3 or experts.shape[1] < 1 or experts.shape[2] < 1:
+        raise InvalidTrajectory(
+            "routed_experts", "is not [positions, layers, top_k]", f"shape {experts.shape}"
+        )
+    if experts.shape[0] != t.length - 1:
+        raise InvalidTrajectory(
+            "routed_experts",
+            "positions differ from the tokens fed (length - 1)",
+            f"{experts.shape[0]} positions, {t.length} tokens",
+        )
+    if experts.dtype not in STORAGE_DTYPES:
+        raise InvalidTrajectory("routed_experts", "dtype is not uint8 or int16", str(experts.dtype))
+    if not 1 <= experts.shape[2] <= routing.num_experts:
+        raise InvalidTrajectory(
+            "routed_experts",
+            "top_k is not in [1, num_experts]",
+            f"top_k {experts.shape[2]}, {routing.num_experts} experts",
+        )
+    if experts.size and (experts.min() < 0 or experts.max() >= routing.num_experts):
+        bad = np.argwhere((experts < 0) | (experts >= routing.num_experts))[0].tolist()
+        raise InvalidTrajectory(
+            "routed_experts",
+            "expert id out of range",
+            f"[position, layer, k] {bad}: {experts[tuple(bad)]} not in [0, {routing.num_experts})",
+        )
+    twice = np.zeros(experts.shape[:2], dtype=bool)  # pairwise: faster than sorting each top-k
+    for i in range(experts.shape[2]):
+        for j in range(i + 1, experts.shape[2]):
+            twice |= experts[..., i] == experts[..., j]
+    repeated = np.argwhere(twice)
+    if repeated.size:
+        raise InvalidTrajectory(
+            "routed_experts",
+            "repeats an expert within a top-k",
+            f"[position, layer] {repeated[0].tolist()}",
+        )
+
+
 def validate_trajectory(t: Trajectory) -> Trajectory:
     """Return `t` unchanged if the learner can train on it; raise InvalidTrajectory otherwise."""
     _check_episode(t)
     _check_lengths(t)
     _check_tokens(t)
     _check_policy_values(t)
+    _check_routing(t)
     return t
 
 

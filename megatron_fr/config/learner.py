@@ -39,6 +39,12 @@ class LearnerConfig(BaseModel):
     """Router load-balancing loss during RL; None keeps the checkpoint's router_aux_loss_coef.
     Off by default: RL fine-tunes a balanced pretrained router, and the extra loss is not part
     of the policy-gradient objective."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the learner's routers use the experts the engine routed each
+    position to (carried by the trajectories) instead of their own top-k, so expert choices
+    flipped by bf16 kernels, expert-parallel layouts or weights a few versions apart do not
+    inflate the train-inference mismatch the gate measures. Needs a MoE model and engines that
+    return routed experts (SGLang: --enable-return-routed-experts); refused otherwise."""
     micro_batch_tokens: int = Field(default=4096, ge=1)
     """Token budget of one micro-batch per data-parallel replica (rows x width) before the
     context-parallel split: each CP rank holds 1/CP of it."""

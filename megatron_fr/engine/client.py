@@ -11,6 +11,13 @@ Every token keeps the weight version the server reports for it (SGLang's per-tok
 meta_info.weight_versions spans), so a segment that straddles an in-place update, and a
 continuation after an abort, both carry the version of the weights that sampled each token.
 
+Routed experts (MoE routing replay, config.routed_experts): each segment asks for the positions
+not reported yet (routed_experts_start_len = the first of them), so the segments of a call, and
+the calls of a multi-turn row (generate's routed_experts_from), tile the row's positions once,
+each with the routing the engine used when it first fed that position. A server that sends
+none although asked ends the run (RoutedExpertsUnavailable): it is misconfigured, and a retry
+would not help.
+
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
 Use: `async with RolloutClient(RolloutClientConfig(urls=[...])) as c: await c.generate(ids, sp)`
@@ -37,13 +44,16 @@ from pydantic import (
     field_validator,
 )
 
+from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
     FinishReason,
     GenerateOutput,
     MalformedResponse,
+    RoutedExpertsLayout,
     SamplingParams,
+    decode_routed_experts,
     generate_request,
     parse_generate_response,
 )
@@ -68,8 +78,10 @@ class RolloutClientConfig(BaseModel):
     max_continuations: NonNegativeInt = 8
     """Re-submissions after finish_reason "abort"; past it the partial Rollout is returned as
     "abort"."""
-    return_routed_experts: bool = False
-    """Ask SGLang for the routed experts of every token (MoE routing replay in the learner)."""
+    routed_experts: RoutedExpertsLayout | None = None
+    """Ask the servers for the routed experts of every position (MoE routing replay in the
+    learner), checked against this layout of the model; None: not asked. SGLang sends them
+    only when launched with --enable-return-routed-experts."""
 
     @field_validator("urls")
     @classmethod
@@ -96,9 +108,10 @@ class Rollout:
     token_versions: list[str]
     """The version of the weights that sampled each output token, as the server reported it."""
     finish_reason: FinishReason
-    routed_experts: list[object] | None
-    """One routed-experts payload per segment, in order (segment k covers its own prompt,
-    which includes the tokens of segments < k); None unless the config asks for them."""
+    routed_experts: RoutedExperts | None
+    """The experts each position of prompt_ids + output_ids was routed to, from position
+    `routed_experts_from` (generate's argument) on: to the last but one token, or fewer when no
+    token was generated; None unless the config asks for them."""
     server: str
     """The server that produced the last segment."""
     attempts: int
@@ -128,6 +141,11 @@ class RequestRejected(RolloutError):
 
 class ServersUnavailable(RolloutError):
     """Every attempt failed on connection error, timeout or 5xx."""
+
+
+class RoutedExpertsUnavailable(RuntimeError):
+    """Routed experts were asked for and the server sent none: not a failed rollout but a
+    misconfigured run (SGLang without --enable-return-routed-experts, or a dense model)."""
 
 
 class _Retryable(Exception):
@@ -184,8 +202,13 @@ class RolloutClient:
         session_id: str | None = None,
         behavior_correction: bool = False,
         rid: str | None = None,
+        routed_experts_from: int = 0,
     ) -> Rollout:
         """Generate up to `sampling.max_new_tokens` tokens after `input_ids`.
+
+        `routed_experts_from`: the first position whose routed experts the Rollout carries
+        (when the config asks for them); a multi-turn row passes the positions its earlier
+        turns reported, so its turns tile the row.
 
         `behavior_correction=True` means the learner will weight tokens by the returned
         log-probs, which SGLang computes before top-p/top-k truncation: such sampling is refused
@@ -194,24 +217,31 @@ class RolloutClient:
         when `max_continuations` ran out."""
         if behavior_correction and (mismatch := sampling.logprob_mismatch()):
             raise ValueError(f"behavior_correction needs untruncated sampling: {mismatch}")
+        if not 0 <= routed_experts_from <= len(input_ids):
+            raise ValueError(
+                f"routed_experts_from {routed_experts_from} must be in [0, {len(input_ids)}]"
+            )
         rid = rid or uuid.uuid4().hex
         prompt = list(input_ids)
         output_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[str] = []
-        experts: list[object] = []
+        routed: list[RoutedExperts] = []
         attempts = continuations = 0
         while True:
             budget = sampling.max_new_tokens - len(output_ids)
             segment = sampling.model_copy(update={"max_new_tokens": budget})
+            start = routed_experts_from + sum(part.positions for part in routed)
+            fed = prompt + output_ids
             out, server, tries = await self._generate_segment(
-                prompt + output_ids, segment, session_id, f"{rid}.{continuations}"
+                fed, segment, session_id, f"{rid}.{continuations}", start
             )
             attempts += tries
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
-            experts.append(out.routed_experts)
+            if self.config.routed_experts is not None:
+                routed.append(self._segment_routing(out, len(fed), start, server))
             finish = self._overall_finish(out.finish_reason, output_ids, sampling)
             if finish != "abort" or continuations == self.config.max_continuations:
                 break
@@ -224,7 +254,7 @@ class RolloutClient:
             output_logprobs=logprobs,
             token_versions=versions,
             finish_reason=finish,
-            routed_experts=experts if self.config.return_routed_experts else None,
+            routed_experts=RoutedExperts.concatenate(routed) if routed else None,
             server=server,
             attempts=attempts,
             continuations=continuations,
@@ -244,8 +274,34 @@ class RolloutClient:
             return "length"
         return "abort"
 
+    def _segment_routing(
+        self, out: GenerateOutput, fed: int, start: int, server: str
+    ) -> RoutedExperts:
+        """A segment's routed experts: positions [start, fed + output - 1), as SGLang returns
+        them; none when the segment generated nothing (it may have fed nothing)."""
+        layout = self.config.routed_experts
+        if out.routed_experts is None:
+            raise RoutedExpertsUnavailable(
+                f"{server} sent no meta_info.routed_experts although asked: SGLang must run "
+                "with --enable-return-routed-experts (and the model must be a MoE)"
+            )
+        rows = max(0, fed + len(out.output_ids) - 1 - start)
+        if not out.output_ids and not out.routed_experts:
+            rows = 0
+        try:
+            experts = decode_routed_experts(out.routed_experts, rows, layout)
+        except MalformedResponse as error:
+            self.metrics.failures[server] += 1
+            raise error.from_server(server) from error
+        return RoutedExperts.compact(experts, layout.num_experts)
+
     async def _generate_segment(
-        self, prompt: list[int], sampling: SamplingParams, session_id: str | None, rid: str
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        session_id: str | None,
+        rid: str,
+        routing_start: int,
     ) -> tuple[GenerateOutput, str, int]:
         """One segment on one server, retried on another server when the server fails.
         Returns (output, server url, attempts)."""
@@ -260,7 +316,7 @@ class RolloutClient:
                 prompt,
                 sampling,
                 rid=f"{rid}.{attempt}",
-                return_routed_experts=self.config.return_routed_experts,
+                routed_experts_start_len=routing_start if self.config.routed_experts else None,
             )
             try:
                 out = await self._post_generate(server, body)

@@ -17,12 +17,19 @@ the pause mode and however an update races with the request. What else the engin
   the new weights. Requests arriving while paused wait for /continue_generation (abort_all
   and a later "abort" pause leave them waiting, as in SGLang); an aborted request (by rid,
   abort_all, or its client disconnecting) ends at its next step.
+- Routed experts (SGLang's return_routed_experts, MoE models): forward hooks on every layer's
+  router record the top-k expert ids of each position as it is fed; a request gets those of
+  positions [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k]
+  int32 like SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A
+  retracted request re-encodes its prefix, so its record restarts with the new routing.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +69,9 @@ class Output:
     token_versions: list[str] | None = None
     """The version of the weights that produced each output token; None means all of them were
     produced by `weight_version` (an engine whose weights never change mid-request)."""
+    routed_experts: torch.Tensor | None = None
+    """int32 [positions, layers, top_k]: the experts of the positions asked for (module doc);
+    None when not asked."""
 
 
 class Aborted(Exception):
@@ -85,6 +95,51 @@ def sampling_log_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor
         drop = order[probs.cumsum(-1) - probs >= sampling.top_p]
         logits = logits.index_fill(0, drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+class RouterCapture:
+    """The top-k expert ids a transformers MoE model's routers pick, per layer, during the
+    forward calls the current thread runs inside `recording` (requests decode on their own
+    threads). transformers' MoE routers (e.g. Qwen3MoeTopKRouter) return
+    (router_logits, routing_weights, expert_indices [tokens, top_k])."""
+
+    def __init__(self, model: torch.nn.Module):
+        config = model.config
+        self.num_layers = config.num_hidden_layers
+        self.top_k = getattr(config, "num_experts_per_tok", 0)
+        self._local = threading.local()
+        self.layers = []
+        for index, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if self.top_k and isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):
+                gate.register_forward_hook(self._hook(index))
+                self.layers.append(index)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.layers)
+
+    def _hook(self, layer: int):
+        def record(_module, _args, output) -> None:
+            picks = getattr(self._local, "picks", None)
+            if picks is not None:
+                picks.append((layer, output[2]))
+
+        return record
+
+    @contextmanager
+    def recording(self, positions: int) -> Iterator[list[torch.Tensor]]:
+        """Record one forward over `positions` positions; the list receives their
+        [positions, layers, top_k] int32 routing when the block ends."""
+        self._local.picks, result = [], []
+        try:
+            yield result
+            routing = torch.zeros((positions, self.num_layers, self.top_k), dtype=torch.int32)
+            for layer, picks in self._local.picks:
+                routing[:, layer] = picks.reshape(positions, self.top_k).to(torch.int32)
+            result.append(routing)
+        finally:
+            self._local.picks = None
 
 
 class CpuEngine:
@@ -116,18 +171,29 @@ class CpuEngine:
         self._aborted: set[str] = set()
         self._eos = set(_as_list(self.model.generation_config.eos_token_id))
         self._cache_arg = _cache_argument(self.model)
+        self.routers = RouterCapture(self.model)
 
     # --- generation ---------------------------------------------------------------------
 
-    def generate(self, input_ids: list[int], sampling: Sampling, rid: str) -> Output:
-        """Decode one request to a stop token, its token budget, or an abort."""
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling: Sampling,
+        rid: str,
+        routed_experts_start: int | None = None,
+    ) -> Output:
+        """Decode one request to a stop token, its token budget, or an abort; with
+        routed_experts_start, report the routed experts from that position on (module doc)."""
         budget = self._token_budget(input_ids, sampling)
+        self._check_routing_request(input_ids, routed_experts_start)
+        asked = routed_experts_start is not None
         generator = torch.Generator()
         seed = sampling.sampling_seed
         generator.manual_seed(seed if seed is not None else _fresh_seed())
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[str] = []
+        routed: list[torch.Tensor] = []
         finish: dict = {"type": "length", "length": budget}
         self._enter(rid)
         try:
@@ -136,10 +202,13 @@ class CpuEngine:
                 seen = self._wait_while_paused(rid)
                 if seen != retractions:  # retracted while paused: re-encode with new weights
                     cache, feed, retractions = None, list(input_ids) + ids, seen
-                with self.weights.step() as version:
+                    routed.clear()
+                record = self.routers.recording(len(feed)) if asked else nullcontext([])
+                with self.weights.step() as version, record as step:
                     result = self.model(
                         input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
                     )
+                routed += step
                 versions.append(version)
                 cache = getattr(result, self._cache_arg)
                 log_probs = sampling_log_probs(result.logits[0, -1], sampling)
@@ -156,7 +225,27 @@ class CpuEngine:
             finish = {"type": "abort", "message": "aborted"}
         finally:
             self._leave(rid)
-        return Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
+        output = Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
+        if asked:
+            fed = torch.cat(routed) if routed else self._no_routing()
+            output.routed_experts = fed[routed_experts_start:]
+        return output
+
+    def _check_routing_request(self, input_ids: list[int], start: int | None) -> None:
+        """Refused as SGLang refuses it (start in [0, prompt length]), and on a model without
+        MoE routers, which has no routed experts to report."""
+        if start is None:
+            return
+        if not self.routers.available:
+            raise RequestError("return_routed_experts: this model has no MoE router")
+        if not 0 <= start <= len(input_ids):
+            raise RequestError(
+                f"routed_experts_start_len={start} must be in [0, {len(input_ids)}] (the number "
+                "of input tokens)"
+            )
+
+    def _no_routing(self) -> torch.Tensor:
+        return torch.zeros((0, self.routers.num_layers, self.routers.top_k), dtype=torch.int32)
 
     def _token_budget(self, input_ids: list[int], sampling: Sampling) -> int:
         """Refuse what the model cannot take, as SGLang's tokenizer manager does, before any

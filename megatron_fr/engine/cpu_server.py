@@ -64,8 +64,8 @@ class CpuServer:
     """HTTP handlers around one CpuEngine; blocking work runs in a thread pool.
 
     What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
-    weight_version, active_requests, running_requests, generate(input_ids, sampling, rid) ->
-    Output,
+    weight_version, active_requests, running_requests,
+    generate(input_ids, sampling, rid, routed_experts_start=None) -> Output,
     abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
     weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
 
@@ -162,7 +162,9 @@ class CpuServer:
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
             prompt = self.engine.tokenizer.encode(prompt)
-        return self.engine.generate(prompt, job.sampling, job.rid)
+        return self.engine.generate(
+            prompt, job.sampling, job.rid, routed_experts_start=job.routed_experts_start
+        )
 
     # --- control ------------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ srt/sampling/sampling_params.py). A null value means "absent", as in SGLang. Fie
 engine does not implement are accepted only at SGLang's default value, so a request never
 means one thing on SGLang and another here; any other name is refused.
 
+Routed experts (return_routed_experts, routed_experts_start_len) are answered as SGLang answers
+them: meta_info.routed_experts = base64 of the C-order int32 array [positions, layers, top_k]
+(srt/managers/detokenizer_manager.py: _b64_encode_per_request), one flag and start for every
+prompt of a batch (GenerateReqInput.__getitem__ copies them to each item).
+
 The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
 add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
 tiling the output tokens, and meta_info.weight_version = the last span's version.
@@ -14,6 +19,7 @@ tiling the output tokens, and meta_info.weight_version = the last span's version
 
 from __future__ import annotations
 
+import base64
 import math
 import uuid
 from dataclasses import dataclass
@@ -28,7 +34,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 """SGLang's SamplingParams.verify bounds."""
 
-GENERATE_FIELDS = ("text", "input_ids", "sampling_params", "rid")
+GENERATE_FIELDS = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "rid",
+    "return_routed_experts",
+    "routed_experts_start_len",
+)
 """/generate fields the engine implements."""
 GENERATE_IGNORED = {
     "return_logprob": (bool, list),  # output log-probs are always returned (a list: per item)
@@ -42,7 +55,6 @@ GENERATE_DEFAULT_ONLY = {
     "top_logprobs_num": 0,
     "stream": False,
     "return_hidden_states": False,
-    "return_routed_experts": False,
 }
 """/generate fields the engine does not implement: accepted at SGLang's default only."""
 
@@ -75,6 +87,8 @@ class GenerateJob:
     prompt: list[int] | str
     sampling: Sampling
     rid: str
+    routed_experts_start: int | None = None
+    """The first position whose routed experts the answer carries; None: not asked."""
 
 
 def is_int(value: object) -> bool:
@@ -202,7 +216,18 @@ def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
     else:
         samplings = [parse_sampling(params)] * count
     rids = _rids(body.get("rid"), count, batched)
-    return [GenerateJob(*job) for job in zip(prompts, samplings, rids, strict=True)], batched
+    routing = _routed_experts_start(body)
+    jobs = [GenerateJob(*job, routing) for job in zip(prompts, samplings, rids, strict=True)]
+    return jobs, batched
+
+
+def _routed_experts_start(body: dict) -> int | None:
+    """routed_experts_start_len when return_routed_experts is set (SGLang ignores the start
+    otherwise); its upper bound, the prompt's length, is the engine's to check."""
+    start = field(body, "routed_experts_start_len", int, 0)
+    if start < 0:
+        raise BadRequest(f"routed_experts_start_len must be >= 0, got {start}")
+    return start if field(body, "return_routed_experts", bool, False) else None
 
 
 def _prompts(body: dict) -> tuple[list[list[int] | str], bool]:
@@ -281,19 +306,19 @@ def generate_response(output: Output, rid: str, tokenizer) -> dict:
     """SGLang's /generate answer for one finished request."""
     text = tokenizer.decode(output.output_ids) if tokenizer else ""
     spans = version_spans(output)
-    return {
-        "text": text,
-        "output_ids": output.output_ids,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": output.finish_reason,
-            "prompt_tokens": output.prompt_tokens,
-            "completion_tokens": len(output.output_ids),
-            "output_token_logprobs": [
-                [logprob, token, None]
-                for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
-            ],
-            "weight_version": spans[-1]["version"],
-            "weight_versions": spans,
-        },
+    meta = {
+        "id": rid,
+        "finish_reason": output.finish_reason,
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": len(output.output_ids),
+        "output_token_logprobs": [
+            [logprob, token, None]
+            for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
+        ],
+        "weight_version": spans[-1]["version"],
+        "weight_versions": spans,
     }
+    if output.routed_experts is not None:
+        experts = output.routed_experts.numpy().astype("<i4", copy=False)
+        meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("ascii")
+    return {"text": text, "output_ids": output.output_ids, "meta_info": meta}

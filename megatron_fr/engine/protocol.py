@@ -11,10 +11,13 @@ ratio, so a response that breaks the contract is refused with the offending fiel
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
 
 GENERATE_PATH = "/generate"
@@ -87,6 +90,25 @@ class SamplingParams(BaseModel):
         return None
 
 
+class RoutedExpertsLayout(BaseModel):
+    """What each position of SGLang's `meta_info.routed_experts` holds: the ids of the top_k
+    experts of each of num_layers layers. SGLang sends them as base64 of a C-order int32 array
+    [positions, num_layers, top_k] (srt/managers/detokenizer_manager.py:
+    _b64_encode_per_request; srt/state_capturer/routed_experts.py reads it back with
+    np.frombuffer(..., dtype=np.int32)), with num_layers = the config's num_hidden_layers and
+    top_k = num_experts_per_tok; the ids are logical experts, captured before any expert-
+    parallel remapping (srt/layers/moe/topk.py: capture_routed_experts_if_allowed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: PositiveInt
+    """The model's num_hidden_layers (SGLang reports every layer)."""
+    top_k: PositiveInt
+    """num_experts_per_tok."""
+    num_experts: PositiveInt
+    """Routed experts per layer: every id must be below it."""
+
+
 def _version_str(value: str | int, name: str) -> str:
     """SGLang carries weight versions as strings; the project counts them as ints."""
     if isinstance(value, bool) or not isinstance(value, str | int):
@@ -111,13 +133,16 @@ def generate_request(
     sampling: SamplingParams,
     *,
     rid: str | list[str] | None = None,
-    return_routed_experts: bool = False,
+    routed_experts_start_len: int | None = None,
 ) -> dict[str, object]:
     """Body of POST /generate for one prompt or a batch (a list of prompts), token in, token out.
 
     `logprob_start_len: -1` asks for the log-probs of the OUTPUT tokens only: the behavior
     log-probs the learner needs. A batch shares one `sampling_params` (SGLang broadcasts it); a
-    str `rid` for a batch is a prefix SGLang expands per item, a list must give one per prompt."""
+    str `rid` for a batch is a prefix SGLang expands per item, a list must give one per prompt.
+    `routed_experts_start_len` (None: not asked) asks for the routed experts of positions
+    [start, prompt + output - 1): SGLang's return_routed_experts with its start position, which
+    must not exceed the prompt's length."""
     batched = bool(input_ids) and isinstance(input_ids[0], list)
     if batched:
         for b, ids in enumerate(input_ids):
@@ -133,8 +158,16 @@ def generate_request(
         "sampling_params": sampling.to_json(),
         "return_logprob": True,
         "logprob_start_len": -1,
-        "return_routed_experts": return_routed_experts,
+        "return_routed_experts": routed_experts_start_len is not None,
     }
+    if routed_experts_start_len is not None:
+        shortest = min(map(len, input_ids)) if batched else len(input_ids)
+        if not 0 <= routed_experts_start_len <= shortest:
+            raise ValueError(
+                f"routed_experts_start_len {routed_experts_start_len} must be in [0, {shortest}] "
+                "(the prompt's length)"
+            )
+        body["routed_experts_start_len"] = routed_experts_start_len
     if rid is not None:
         body["rid"] = rid
     return body
@@ -170,7 +203,8 @@ class GenerateOutput:
     """The version of the weights that produced each output token, from SGLang's
     `meta_info.weight_versions` spans."""
     routed_experts: object | None
-    """SGLang's routed-experts payload (base64), kept opaque; None unless requested."""
+    """SGLang's routed-experts payload as received (base64 text; decode_routed_experts reads
+    it, knowing the rows asked for); None when the server sent none."""
     prompt_tokens: int | None
 
 
@@ -315,6 +349,34 @@ def _parse_one(body: object, prefix: str) -> GenerateOutput:
         routed_experts=meta.get("routed_experts"),
         prompt_tokens=prompt_tokens,
     )
+
+
+def decode_routed_experts(
+    payload: object, rows: int, layout: RoutedExpertsLayout, path: str = "meta_info.routed_experts"
+) -> np.ndarray:
+    """SGLang's base64 int32 payload as an int32 array [rows, num_layers, top_k], checked:
+    the byte count must be exactly that shape's and every id below num_experts."""
+    if not isinstance(payload, str):
+        raise MalformedResponse(path, f"expected base64 text, got {type(payload).__name__}")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise MalformedResponse(path, f"not base64 ({error})") from error
+    width = layout.num_layers * layout.top_k
+    if len(raw) != rows * width * 4:
+        raise MalformedResponse(
+            path,
+            f"{len(raw)} bytes, expected {rows} positions x {layout.num_layers} layers x "
+            f"top-{layout.top_k} x 4 (int32) = {rows * width * 4}",
+        )
+    experts = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    experts = experts.reshape(rows, layout.num_layers, layout.top_k)
+    if experts.size and (experts.min() < 0 or experts.max() >= layout.num_experts):
+        position = int(np.argwhere((experts < 0) | (experts >= layout.num_experts))[0][0])
+        raise MalformedResponse(
+            path, f"position {position}: expert ids outside [0, {layout.num_experts})"
+        )
+    return experts
 
 
 def parse_generate_response(body: object) -> GenerateOutput:

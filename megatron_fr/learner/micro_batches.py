@@ -28,7 +28,9 @@ trajectory's span is its tokens padded up to that multiple (a padded row is one 
 also divide by TP under sequence parallelism, which splits the sequence again.
 
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
-parallel loss sums by, so packing and splitting need no other bookkeeping.
+parallel loss sums by, so packing and splitting need no other bookkeeping. With routing
+replay, each micro-batch also carries the routed experts of its input positions, packed and
+split exactly like the tokens (learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 from torch import Tensor
 
 from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
+from megatron_fr.learner.routing_replay import padding_routing
 from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
 
@@ -66,6 +69,9 @@ class MicroBatch:
     own). None for padded rows."""
     max_seqlen: int = 0
     """Packed rows: the longest span."""
+    routing: Tensor | None = None
+    """[rows, width / CP, layers, top_k] expert ids of every input position (routing replay),
+    laid out like input_ids; None unless asked for."""
 
     @property
     def policy_tokens(self) -> int:
@@ -104,6 +110,7 @@ class MicroBatch:
             positions=move(self.positions),
             loss_batch=loss,
             cu_seqlens=move(self.cu_seqlens),
+            routing=move(self.routing),
         )
 
 
@@ -248,11 +255,15 @@ def micro_batches_for_rank(
     dp_rank: int,
     cp_rank: int = 0,
     pad_id: int = 0,
+    routing: bool = False,
 ) -> list[MicroBatch]:
-    """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens."""
+    """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens.
+    routing: carry the trajectories' routed experts (every trajectory has them:
+    routing_replay.check_routed_batch)."""
     for trajectory in batch:
         validate_trajectory(trajectory)
-    return [_micro_batch(batch, plan, rows, cp_rank, pad_id) for rows in plan.assignment[dp_rank]]
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing)
+            for rows in plan.assignment[dp_rank]]  # fmt: skip
 
 
 def _micro_batch(
@@ -261,8 +272,9 @@ def _micro_batch(
     rows: list[list[int]],
     cp_rank: int,
     pad_id: int,
+    routing: bool,
 ) -> MicroBatch:
-    built = [_row(batch, plan, indices, pad_id) for indices in rows]
+    built = [_row(batch, plan, indices, pad_id, routing) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
     local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
     fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
@@ -277,11 +289,12 @@ def _micro_batch(
     if plan.packed:
         spans = [end - start for start, end in itertools.pairwise(boundaries)]
         packed = dict(cu_seqlens=torch.tensor(boundaries, dtype=torch.int32), max_seqlen=max(spans))
-    return MicroBatch(fields["input_ids"], fields["positions"], loss_batch, **packed)
+    return MicroBatch(fields["input_ids"], fields["positions"], loss_batch, **packed,
+                      routing=fields.get("routing"))  # fmt: skip
 
 
 def _row(
-    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int
+    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int, routing: bool
 ) -> tuple[dict[str, Tensor], list[int]]:
     """One row before the CP split, and its span boundaries. Position t of the model's input
     predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
@@ -295,6 +308,11 @@ def _row(
         segments=torch.full((width,), -1, dtype=torch.long),
         positions=torch.zeros(width, dtype=torch.long),
     )
+    if routing:  # positions no trajectory fills get experts spread evenly (outside the loss)
+        record = batch[0].routed_experts
+        _, layers, top_k = record.experts.shape
+        filler = padding_routing((1, width), top_k, record.num_experts)[0]
+        row["routing"] = filler.repeat(1, layers, 1)
     boundaries, start = [0], 0
     for index in indices:
         t = batch[index]
@@ -306,6 +324,9 @@ def _row(
         row["mask"][span] = mask
         row["behavior"][span] = torch.tensor(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
         row["segments"][span] = index
+        if routing:  # the engine's experts of each input position (n of them: validated)
+            experts = torch.from_numpy(t.routed_experts.experts)
+            row["routing"][span] = experts.to(row["routing"].dtype)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
         row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
         boundaries.append(start)

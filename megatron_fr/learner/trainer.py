@@ -14,6 +14,9 @@ exactly, for any layout (tests/distributed/test_learner.py checks EP2 with
 several micro-batches against one rank with one). MoE auxiliary losses keep megatron's own
 scaling (their mean over micro-batches and DP); they are off by default during RL
 (LearnerConfig.moe_aux_loss_coeff).
+
+With LearnerConfig.routing_replay, every micro-batch's forward (and its recomputation in the
+backward pass) routes tokens to the experts the engine used (learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from megatron_fr.learner.micro_batches import (
     micro_batches_for_rank,
     plan_micro_batches,
 )
+from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
@@ -105,17 +109,23 @@ def adam_step_counts(optimizer) -> list[float]:
     return sorted(state_steps or group_steps)
 
 
-def forward_step_on(device: torch.device, score):
+def forward_step_on(device: torch.device, score, replay=None, train: bool = True):
     """megatron's forward_step_func for micro-batches built on the CPU: each micro-batch (its
-    model inputs and its loss batch) moves to the model's device before the forward, and its
-    logits go to score(micro, logits) -> (loss, reported)."""
+    model inputs, its loss batch, its routing) moves to the model's device before the
+    forward, and its logits go to score(micro, logits) -> (loss, reported). With `replay`
+    (RoutingReplay), the micro-batch's experts are loaded for the forward and, when
+    training, replayed again in the recomputation of its backward."""
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator).to(device)
+        if replay is not None:
+            replay.load(micro.routing)
         output = model(
             micro.input_ids, micro.positions, attention_mask=None,
             packed_seq_params=micro.packed_seq_params(),
         )  # fmt: skip
+        if replay is not None and train:
+            replay.replay_in_backward(output)
         return output, partial(score, micro)
 
     return forward_step
@@ -161,7 +171,8 @@ class Learner:
         dtype = DTYPES[config.params_dtype]
         with cpu_device_mode():
             start = init_checkpoint or init_hf_dir
-            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start)
+            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
+                                          routing_replay=config.routing_replay)  # fmt: skip
             if init_checkpoint is not None:
                 load_megatron_checkpoint(self.module, init_checkpoint)
             elif init_hf_dir is not None:  # every rank reads only its own shards
@@ -201,6 +212,7 @@ class Learner:
         )
         self.module.config.finalize_model_grads_func = finalize_model_grads
         self.module.config.no_sync_func = self.model.no_sync
+        self.routing_replay = RoutingReplay(self.module, spec) if config.routing_replay else None
         self.steps_done = 0
 
     def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
@@ -246,12 +258,14 @@ class Learner:
         return loss * scale, reported
 
     def _micro_batches(
-        self, batch: list[Trajectory], pad_id: int
+        self, batch: list[Trajectory], pad_id: int, replay: RoutingReplay | None
     ) -> tuple[MicroBatchPlan, list[MicroBatch]]:
         """The step's plan and this rank's micro-batches: trajectories are dealt over the DP
-        ranks, and every row is split over the CP ranks."""
+        ranks, and every row is split over the CP ranks (routing with them, for replay)."""
         from megatron.core import parallel_state as ps
 
+        if replay is not None:
+            replay.check(batch)
         plan = plan_micro_batches(
             [t.length for t in batch],
             dp_size=ps.get_data_parallel_world_size(),
@@ -262,40 +276,48 @@ class Learner:
         )
         micros = micro_batches_for_rank(
             batch, plan, dp_rank=ps.get_data_parallel_rank(),
-            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id,
+            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id, routing=replay is not None,
         )  # fmt: skip
         return plan, micros
 
-    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool) -> list:
+    def _schedule(
+        self, micros: list[MicroBatch], score, forward_only: bool, replay: RoutingReplay | None
+    ) -> list:
         """megatron's forward(-backward) schedule over this rank's micro-batches, each
-        micro-batch's output passed to score(micro, logits) -> (loss, reported)."""
+        micro-batch's output passed to score(micro, logits) -> (loss, reported); with
+        `replay`, each micro-batch routed as its trajectories were by the engine."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        forward_step = forward_step_on(next(self.module.parameters()).device, score)
+        device = next(self.module.parameters()).device
+        forward_step = forward_step_on(device, score, replay, train=not forward_only)
         rows, width = micros[0].input_ids.shape
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micros),
-            model=[self.model],
-            num_microbatches=len(micros),
-            seq_length=width * self.parallel.context,  # megatron divides it by CP
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micros),
+                model=[self.model],
+                num_microbatches=len(micros),
+                seq_length=width * self.parallel.context,  # megatron divides it by CP
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        finally:
+            if replay is not None:
+                replay.clear()
 
     def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
         """One optimizer step on the whole batch (every rank passes the same batch)."""
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        plan, micros = self._micro_batches(batch, pad_id)
+        plan, micros = self._micro_batches(batch, pad_id, self.routing_replay)
         global_batch = self._global_batch(batch)
         # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
         score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
         with cpu_device_mode():
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            per_micro = self._schedule(micros, score, forward_only=False)
+            per_micro = self._schedule(micros, score, False, self.routing_replay)
             updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
@@ -305,14 +327,23 @@ class Learner:
         return metrics
 
     def policy_log_probs(
-        self, batch: list[Trajectory], pad_id: int = 0, temperature: float | None = None
+        self,
+        batch: list[Trajectory],
+        pad_id: int = 0,
+        temperature: float | None = None,
+        routing_replay: bool | None = None,
     ) -> list[list[float]]:
         """Every trajectory's policy-token log-probs under the current weights (forward only),
         at the rollout temperature unless given: the learner's side of a learner-vs-engine
-        comparison. Every rank passes the same batch and gets the whole result."""
+        comparison. routing_replay=False scores with the learner's own routing even when
+        replay is configured (what replay changes); None: as configured. Every rank passes the
+        same batch and gets the whole result."""
         from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
+        if routing_replay and self.routing_replay is None:
+            raise ValueError("routing_replay=True needs a learner built with routing_replay")
+        replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, dict[int, float]] = {}  # trajectory -> position -> log-prob
 
         def score(micro: MicroBatch, logits):
@@ -330,7 +361,8 @@ class Learner:
             return logits.sum() * 0, {}
 
         with cpu_device_mode(), torch.no_grad():
-            self._schedule(self._micro_batches(batch, pad_id)[1], score, forward_only=True)
+            micros = self._micro_batches(batch, pad_id, replay)[1]
+            self._schedule(micros, score, True, replay)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         # each trajectory lives on one DP rank, its tokens spread over that rank's CP group
         dist.all_gather_object(everyone, scored)

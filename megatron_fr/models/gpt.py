@@ -30,11 +30,17 @@ def transformer_config(
     params_dtype: torch.dtype = torch.bfloat16,
     initialize: bool = True,
     on_cpu: bool = False,
+    routing_replay: bool = False,
 ):
     """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning).
 
-    on_cpu keeps the parameters in host memory even where CUDA is present (conversion tools).
+    on_cpu keeps the parameters in host memory even where CUDA is present (conversion tools);
+    routing_replay gives every router megatron's RouterReplay (learner/routing_replay.py).
     """
+    if routing_replay and not spec.is_moe:
+        raise ValueError(
+            "learner.routing_replay needs a MoE model; this one is dense (no routed experts)"
+        )
     from megatron.core.transformer import TransformerConfig
 
     check_model_layout(spec, parallel)
@@ -51,6 +57,9 @@ def transformer_config(
             moe_aux_loss_coeff=spec.router_aux_loss_coef,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=use_transformer_engine() and not on_cpu,
+            # megatron's fused (TE) top-k ignores replay: it stays off (its default) here
+            moe_router_fusion=False,
+            moe_enable_routing_replay=routing_replay,
         )
     return TransformerConfig(
         num_layers=spec.num_layers,
@@ -123,19 +132,22 @@ def build_gpt_model(
     meta: bool = False,
     initialize: bool = True,
     on_cpu: bool = False,
+    routing_replay: bool = False,
 ):
     """This rank's GPTModel stage.
 
     meta=True allocates nothing (parameter counts, planning); initialize=False allocates
     without random init (the weights are about to be loaded); on_cpu=True builds the local-spec
-    model in host memory even on a GPU node (checkpoint conversion).
+    model in host memory even on a GPU node (checkpoint conversion); routing_replay as in
+    transformer_config.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     config = transformer_config(
-        spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta, on_cpu=on_cpu
-    )
+        spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta,
+        on_cpu=on_cpu, routing_replay=routing_replay,
+    )  # fmt: skip
     with torch.device("meta") if meta else nullcontext():
         return GPTModel(
             config=config,

@@ -13,6 +13,9 @@
 Invariant (what the learner relies on): action_mask is 1 exactly on the tokens the engine
 returned, in the order and with the log-probs and versions it returned them; generated tokens
 are never re-tokenised. Everything else (prompt, template scaffolding, observations) is 0.
+Routed experts (when the client asks for them): each turn asks from the first position not
+reported yet, so an observation is reported by the next turn, which feeds it as prompt; the
+turns tile the row, every position with the routing the engine used when it first fed it.
 The scaffolding comes from the tokenizer's own chat template: rendering the conversation with
 a placeholder assistant turn and taking what follows the placeholder gives exactly the text
 the template puts between an assistant turn's content and the next generation prompt, for
@@ -34,6 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     NON_POLICY_VERSION,
     InvalidTrajectory,
@@ -137,6 +141,12 @@ class _Row:
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routing: list[RoutedExperts] = field(default_factory=list)
+    """Routed experts of positions 0 .. routed_positions - 1, one part per turn."""
+
+    @property
+    def routed_positions(self) -> int:
+        return sum(part.positions for part in self.routing)
 
     def add_context(self, ids: list[int]) -> None:
         self.ids += ids
@@ -149,11 +159,16 @@ class _Row:
         self.mask += [True] * len(rollout.output_ids)
         self.logprobs += rollout.output_logprobs
         self.versions += [policy_version(v) for v in rollout.token_versions]
+        if rollout.routed_experts is not None:
+            self.routing.append(rollout.routed_experts)
 
     def trimmed(self) -> _Row:
         """The row up to its last policy token."""
         end = max((i + 1 for i, m in enumerate(self.mask) if m), default=0)
-        return _Row(self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end])
+        routing = [RoutedExperts.concatenate(self.routing).head(end - 1)] if self.routing else []
+        return _Row(
+            self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end], routing
+        )
 
 
 def policy_version(text: str) -> int:
@@ -265,7 +280,11 @@ class _Loop:
             update={"max_new_tokens": budget, "stop_token_ids": self.stops}
         )
         generation = self.client.generate(
-            self.row.ids, request, session_id=self.session, rid=f"{self.session}.{number}"
+            self.row.ids,
+            request,
+            session_id=self.session,
+            rid=f"{self.session}.{number}",
+            routed_experts_from=self.row.routed_positions,
         )
         limit = min(self.config.max_turn_time_s, remaining)
         try:
@@ -299,6 +318,7 @@ class _Loop:
                         token_versions=kept.versions,
                         reward=self.reward,
                         info=info,
+                        routed_experts=kept.routing[0] if kept.routing else None,
                     )
                 )
             except InvalidTrajectory as invalid:

@@ -60,8 +60,9 @@ class EpisodeProducer(Protocol):
 def single_turn_trajectory(
     prompt_id: str, rollout: Rollout, reward: float, info: dict
 ) -> Trajectory:
-    """Prompt tokens (no policy) then the generated tokens with the engine's log-probs and
-    per-token weight versions."""
+    """Prompt tokens (no policy) then the generated tokens with the engine's log-probs,
+    per-token weight versions and, when the client asked for them, routed experts (a call
+    from position 0 covers every position the learner feeds)."""
     prompt, output = list(rollout.prompt_ids), list(rollout.output_ids)
     return Trajectory(
         prompt_id=prompt_id,
@@ -72,6 +73,7 @@ def single_turn_trajectory(
         + [policy_version(v) for v in rollout.token_versions],
         reward=reward,
         info={**info, "finish_reason": rollout.finish_reason, "server": rollout.server},
+        routed_experts=rollout.routed_experts,
     )
 
 

@@ -9,6 +9,8 @@ serves it), a gate on the model's forward calls, and transformers references.
 - `full_sequence_log_probs` / `carried_cache_log_probs`: what transformers' own model gives for
   each output token, by one forward over the whole sequence, or step by step with the KV cache
   carried across a switch of weights (what an in-place update does to a running request).
+- `router_top_k`: the experts transformers' own MoE routers pick for each position of a
+  sequence, from one forward over it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from aiohttp import web
 
@@ -110,6 +113,15 @@ def full_sequence_log_probs(
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0]
     return _row_log_probs(logits[len(prompt) - 1 : -1], tokens, temperature)
+
+
+def router_top_k(model: torch.nn.Module, tokens: list[int], top_k: int) -> np.ndarray:
+    """[positions, layers, top_k] expert ids, sorted: the top-k of the router logits
+    transformers returns for one forward over `tokens` (output_router_logits)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits
+    top = torch.stack([layer.topk(top_k, dim=-1).indices for layer in logits], dim=1)
+    return np.sort(top.numpy(), axis=-1)
 
 
 def carried_cache_log_probs(

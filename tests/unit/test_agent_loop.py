@@ -8,11 +8,11 @@ import asyncio
 import time
 
 import pytest
-from agent_fixtures import ScriptedEngine, build_tokenizer, serving, turn_count
+from agent_fixtures import ScriptedEngine, build_tokenizer, scripted_routing, serving, turn_count
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.envs.base import Episode, StepResult
 from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
 
@@ -55,12 +55,15 @@ def play(engine, chat, episode, config=None, max_new_tokens=64) -> EpisodeResult
 
 
 def timed_play(engine, chat, episode, config=None, max_new_tokens=64):
-    """(result, seconds run_episode took)."""
+    """(result, seconds run_episode took); routed experts asked for if the engine has them."""
     config = config or AgentConfig()
+    layout = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4) if engine.routed else None
 
     async def main() -> tuple[EpisodeResult, float]:
         async with serving(engine) as url:
-            client_config = RolloutClientConfig(urls=[url], request_timeout_s=30)
+            client_config = RolloutClientConfig(
+                urls=[url], request_timeout_s=30, routed_experts=layout
+            )
             async with RolloutClient(client_config) as client:
                 sampling = SamplingParams(max_new_tokens=max_new_tokens)
                 start = time.monotonic()
@@ -103,6 +106,20 @@ def test_agent_row_is_the_chat_template_and_the_mask_the_engine_output(tokenizer
     assert result.trajectory.info == {
         "turns": 3, "finish": "done", "steps": [{"n": 1}, {"n": 2}, {"n": 3}]
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("max_episode_tokens", [10_000, 90])
+def test_agent_turns_tile_the_routed_experts_of_the_row(tokenizer, chat, max_episode_tokens):
+    """Each turn asks for the positions not reported yet, so the row's routed experts are one
+    record per fed position, each the engine's for the token there (observations included:
+    the next turn feeds them); a row cut back to its last policy token keeps its positions'."""
+    engine = ScriptedEngine(tokenizer, counting_policy, routed=True)
+    config = AgentConfig(max_episode_tokens=max_episode_tokens)
+    result = play(engine, chat, CountingEpisode(done_after=3), config)
+    t = result.trajectory
+    assert t is not None, result.error
+    assert t.routed_experts.experts.tolist() == scripted_routing(t.token_ids[:-1])
+    assert len(engine.inputs) == len(result.turns) > 1
 
 
 def test_agent_between_turns_closes_a_turn_cut_by_the_token_limit(tokenizer, chat) -> None:
@@ -149,13 +166,16 @@ def test_agent_turn_time_limit_keeps_the_completed_turns(tokenizer, chat) -> Non
             time.sleep(1.5)
         return counting_policy(conversation)
 
-    engine = ScriptedEngine(tokenizer, slow_third_turn)
+    engine = ScriptedEngine(tokenizer, slow_third_turn, routed=True)
     config = AgentConfig(max_turn_time_s=0.5)
     result, seconds = timed_play(engine, chat, CountingEpisode(None), config)
     assert seconds < 1.2, "the loop did not wait for the slow turn"
     assert (result.finish, len(result.turns)) == ("turn_time_limit", 2)
     assert_mask_is_the_engine_output(result, engine)
-    assert result.trajectory.action_mask[-1]
+    t = result.trajectory
+    assert t.action_mask[-1]
+    # the observation after turn 2 was cut off with the dropped turn, and its routing with it
+    assert t.routed_experts.experts.tolist() == scripted_routing(t.token_ids[:-1])
 
 
 def test_agent_episode_time_limit(tokenizer, chat) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 from engine_harness import (
@@ -19,6 +20,7 @@ from engine_harness import (
     carried_cache_log_probs,
     full_sequence_log_probs,
     hf_model,
+    router_top_k,
     serving,
 )
 from tiny_qwen import saved_tensors, tiny_checkpoint
@@ -26,7 +28,11 @@ from tiny_qwen import saved_tensors, tiny_checkpoint
 from megatron_fr.engine import cpu_weights
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.cpu_engine import CpuEngine
-from megatron_fr.engine.protocol import SamplingParams, parse_generate_response
+from megatron_fr.engine.protocol import (
+    RoutedExpertsLayout,
+    SamplingParams,
+    parse_generate_response,
+)
 
 LABEL = {"a": "default", "b": "2"}
 """Checkpoint -> the version it is served as."""
@@ -146,6 +152,43 @@ def test_each_token_carries_the_version_of_the_weights_that_produced_it(ckpt, mo
     assert (engine_lp - reference).abs().max() <= 1e-5
     wrong = full_sequence_log_probs(a, PROMPT, ids)[SPLIT:]  # as if tagged "default"
     assert (engine_lp[SPLIT:] - wrong).abs().max() > 1e-2, "the versions must be tellable apart"
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_routed_experts_are_those_of_the_weights_that_fed_each_position(ckpt, mode):
+    """Weights updated after token SPLIT, routed experts asked for. Aborted and continued: the
+    positions fed before the update were routed by "a", the continuation reports only the
+    positions after them, routed by "b". Retracted: "b" re-encodes the whole prefix, so every
+    position is routed by "b" (as SGLang re-prefills a retracted request)."""
+    engine = CpuEngine(ckpt["a"], context_length=256)
+    gate = StepGate(engine, ckpt)
+    layout = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
+
+    async def main():
+        async with (
+            serving(engine) as (url, _),
+            RolloutClient(RolloutClientConfig(urls=[url], routed_experts=layout)) as client,
+            aiohttp.ClientSession() as http,
+        ):
+            gate.hold_at(SPLIT)
+            sampling = SamplingParams(max_new_tokens=LENGTH, temperature=1.0)
+            rollout = asyncio.create_task(client.generate(PROMPT, sampling))
+            await gate.held()
+            await post_ok(http, url, "/pause_generation", {"mode": mode})
+            gate.go()
+            body = {"model_path": str(ckpt["b"]), "weight_version": "2"}
+            await post_ok(http, url, "/update_weights_from_disk", body)
+            await post_ok(http, url, "/continue_generation", {})
+            return await rollout
+
+    rollout = asyncio.run(main())
+    fed = PROMPT + rollout.output_ids[:-1]
+    on_a = router_top_k(hf_model(ckpt["a"]), fed, top_k=2)
+    on_b = router_top_k(hf_model(ckpt["b"]), fed, top_k=2)
+    cut = len(PROMPT) + SPLIT - 1  # the prompt and tokens 0 .. SPLIT - 2 were fed by "a"
+    expected = np.concatenate([on_a[:cut], on_b[cut:]]) if mode == "abort" else on_b
+    np.testing.assert_array_equal(np.sort(rollout.routed_experts.experts, axis=-1), expected)
+    assert (on_a[:cut] != on_b[:cut]).any(), "the two checkpoints must route differently"
 
 
 async def _wait_for(condition, what: str) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pydantic
 import pytest
 from hypothesis import HealthCheck, settings
@@ -27,6 +28,7 @@ from megatron_fr.buffer.lag_buffer import (
     NotAdmittedError,
 )
 from megatron_fr.buffer.prompts import PromptSource
+from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import Trajectory
 
 PROBLEMS = [f"q{i}" for i in range(7)]
@@ -34,7 +36,8 @@ PROBLEMS = [f"q{i}" for i in range(7)]
 
 def make_trajectory(prompt_id: str, oldest: int, span: int = 0, reward: float = 1.0) -> Trajectory:
     """Prompt (2 tokens), a policy turn at `oldest`, a tool observation, a policy turn at
-    oldest + span (a partial rollout that crossed `span` weight updates)."""
+    oldest + span (a partial rollout that crossed `span` weight updates); the routed experts
+    of its 5 fed positions (2 layers, top-2 of 4 experts)."""
     return Trajectory(
         prompt_id=prompt_id,
         token_ids=[1, 2, 3, 4, 5, 6],
@@ -42,7 +45,12 @@ def make_trajectory(prompt_id: str, oldest: int, span: int = 0, reward: float = 
         behavior_log_probs=[0.0, 0.0, -0.5, -0.25, 0.0, -1.0],
         token_versions=[-1, -1, oldest, oldest, -1, oldest + span],
         reward=reward,
+        routed_experts=RoutedExperts.compact([[[p % 4, (p + 1) % 4]] * 2 for p in range(5)], 4),
     )
+
+
+def _routing(experts, num_experts: int = 4):
+    return lambda t: dataclasses.replace(t, routed_experts=RoutedExperts(experts, num_experts))
 
 
 # Each defect with the reason the buffer must count it under.
@@ -60,6 +68,19 @@ DEFECTS = [
         lambda t: dataclasses.replace(t, token_versions=[-1, -1, -1, 0, -1, 0]),
         "token_versions: negative on a policy token",
     ),
+    (
+        _routing(np.array([[[0, 1]] * 2] * 6, np.uint8)),  # 6 positions for 6 tokens
+        "routed_experts: positions differ from the tokens fed (length - 1)",
+    ),
+    (
+        _routing(np.array([[0, 1]] * 5, np.uint8)),
+        "routed_experts: is not [positions, layers, top_k]",
+    ),
+    (
+        _routing(np.array([[[0, 1]] * 2] * 5, np.uint8), 1),
+        "routed_experts: top_k is not in [1, num_experts]",
+    ),
+    (_routing(np.array([[[0, 4]] * 2] * 5, np.uint8)), "routed_experts: expert id out of range"),
 ]
 
 
@@ -399,6 +420,24 @@ def test_a_failed_member_discards_its_group_and_hands_the_problem_out_again():
     rejected = dataclasses.replace(make_trajectory(again.prompt_ids[0], 0), reward=math.inf)
     assert buffer.put(rejected) == "rejected"
     assert buffer.stats()["rejected_reasons"] == {"reward: not finite": 1}
+
+
+def test_bad_routing_is_rejected_on_entry_counted_by_reason_and_good_routing_kept():
+    buffer = new_buffer(config(batch_size=1, max_lag=3))
+    a, b, c = admit_all(buffer)[:3]
+    for admission, (spoil, _) in zip((a, b), DEFECTS[-2:], strict=True):
+        assert buffer.put(spoil(make_trajectory(admission.prompt_ids[0], 0))) == "rejected"
+    assert buffer.stats()["rejected_total"] == 2
+    assert buffer.stats()["rejected_reasons"] == {
+        "routed_experts: top_k is not in [1, num_experts]": 1,
+        "routed_experts: expert id out of range": 1,
+    }
+    good = make_trajectory(c.prompt_ids[0], 0)
+    assert buffer.put(good) == "queued"
+    state = json.loads(json.dumps(buffer.state_dict()))  # a checkpoint keeps the routing
+    resumed = new_buffer(config(batch_size=1, max_lag=3))
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(0) == [good]
 
 
 def test_lag_statistics_of_consumed_trajectories():

@@ -5,6 +5,9 @@ every log-prob is -0.5, the weight version comes from its script (reported as SG
 per-token spans), and it finishes "length" at max_new_tokens (or "stop" on a stop token).
 Switches make it slow, broken (malformed body, 5xx, 4xx), abort after k tokens (a pause for a
 weight update, after which its version goes up) or update its weights in place mid-request.
+Asked for routed experts, it answers with those of positions [routed_experts_start_len,
+prompt + output - 1) (position p, layer l: experts (p + l) % 4 and (p + l + 1) % 4), encoded
+by SGLang's own detokenizer function read from the installed package.
 Run as a script (`python test_rollout_client.py --port 0 --delay S`) it serves in its own process,
 printing "PORT <n>", so a test can kill it by PID mid-request.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import select
 import socket
@@ -23,7 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 import pytest
+import torch
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -32,9 +38,13 @@ from megatron_fr.engine.client import (
     Rollout,
     RolloutClient,
     RolloutClientConfig,
+    RoutedExpertsUnavailable,
     ServersUnavailable,
 )
-from megatron_fr.engine.protocol import MalformedResponse, SamplingParams
+from megatron_fr.engine.protocol import MalformedResponse, RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.sglang_source import exec_function, function_source
+
+LAYOUT = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
 
 
 @dataclass
@@ -55,8 +65,28 @@ class Script:
     switch_after: int | None = None
     """Once: tokens from this index on come from `version` + 1 (an in-place weight update in
     the middle of the request), and the version stays there."""
+    routing: str = "sglang"
+    """Asked for routed experts: "sglang" answers as SGLang; "missing" sends none (a server
+    without --enable-return-routed-experts); "short" one position too few."""
     log: list[dict] = field(default_factory=list)
-    """Every /generate received: rid, input_ids, max_new_tokens, return_routed_experts."""
+    """Every /generate received: rid, input_ids, max_new_tokens, return_routed_experts and
+    routed_experts_start_len."""
+
+
+def routing_of(position: int) -> list[list[int]]:
+    """The scripted router: [layer][k] experts of a position."""
+    return [[(position + layer) % 4, (position + layer + 1) % 4] for layer in range(2)]
+
+
+def sglang_b64(rows: list) -> str:
+    """SGLang's encoding of one request's routed experts (int32 tensor -> base64 text), by
+    DetokenizerManager._b64_encode_per_request from the installed sglang."""
+    source = function_source(
+        "srt/managers/detokenizer_manager.py", "_b64_encode_per_request", "DetokenizerManager"
+    )
+    encode = exec_function(source, "_b64_encode_per_request", {"pybase64": base64})
+    tensor = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), 2, 2)
+    return encode([tensor])[0]
 
 
 def _generate_body(script: Script, body: dict) -> dict:
@@ -84,8 +114,10 @@ def _generate_body(script: Script, body: dict) -> dict:
         "weight_versions": spans,
         "output_token_logprobs": [[-0.5, token, None] for token in ids],
     }
-    if body["return_routed_experts"]:
-        meta["routed_experts"] = f"experts-of-{len(prompt)}"
+    if body["return_routed_experts"] and script.routing != "missing":
+        start = body["routed_experts_start_len"]
+        rows = max(0, len(prompt) + len(ids) - 1 - start) - (script.routing == "short")
+        meta["routed_experts"] = sglang_b64([routing_of(p) for p in range(start, start + rows)])
     if script.malformed == "token_id":
         meta["output_token_logprobs"][1][1] += 1000
     if aborting:
@@ -116,6 +148,7 @@ def scripted_app(script: Script) -> web.Application:
                 "input_ids": body["input_ids"],
                 "max_new_tokens": body["sampling_params"]["max_new_tokens"],
                 "return_routed_experts": body["return_routed_experts"],
+                "routed_experts_start_len": body.get("routed_experts_start_len"),
             }
         )
         await asyncio.sleep(script.delay_s)
@@ -447,21 +480,65 @@ def test_truncated_sampling_with_behavior_correction_is_refused(kwargs, match: s
     assert len(script.log) == 1
 
 
-def test_routed_experts_passthrough() -> None:
+def test_routed_experts_of_segments_and_turns_tile_the_row_once() -> None:
+    """A continuation after an abort asks from the first position not reported; a second turn
+    (prompt = the first turn's row + an observation) asks from where the first turn ended; the
+    records together hold every fed position of the row once, each as the server reported it."""
     script = Script(abort_after=1, aborts=1)
 
-    async def body() -> tuple[Rollout, Rollout]:
+    async def body() -> tuple[Rollout, Rollout, Rollout]:
         async with serving(script) as urls:
-            async with RolloutClient(config(urls, return_routed_experts=True)) as client:
-                on = await client.generate([5, 6], sampling(3))
+            async with RolloutClient(config(urls, routed_experts=LAYOUT)) as client:
+                first = await client.generate([5, 6], sampling(3))
+                row = [5, 6, *first.output_ids, 40, 41]  # + an observation
+                start = first.routed_experts.positions
+                second = await client.generate(row, sampling(2), routed_experts_from=start)
             async with RolloutClient(config(urls)) as client:
                 off = await client.generate([5, 6], sampling(3))
-        return on, off
+        return first, second, off
 
-    on, off = asyncio.run(body())
-    assert on.routed_experts == ["experts-of-2", "experts-of-3"]  # one per segment
-    assert off.routed_experts is None
-    assert [e["return_routed_experts"] for e in script.log] == [True, True, False]
+    first, second, off = asyncio.run(body())
+    assert first.continuations == 1 and off.routed_experts is None
+    # segment 1 fed [5, 6] and sampled 7 (aborted); segment 2 fed [5, 6, 7], sampled 8, 9
+    assert [e["routed_experts_start_len"] for e in script.log] == [0, 2, 4, None]
+    assert [e["return_routed_experts"] for e in script.log] == [True, True, True, False]
+    row = [5, 6, *first.output_ids, 40, 41, *second.output_ids]
+    routed = np.concatenate([first.routed_experts.experts, second.routed_experts.experts])
+    assert routed.tolist() == [routing_of(p) for p in range(len(row) - 1)]
+    assert routed.dtype == np.uint8 and first.routed_experts.num_experts == 4
+
+
+@pytest.mark.parametrize(
+    ("routing", "error", "match"),
+    [
+        ("missing", RoutedExpertsUnavailable, "--enable-return-routed-experts"),
+        (
+            "short",
+            MalformedResponse,
+            r"meta_info.routed_experts: 64 bytes, expected 5 positions x 2 layers x top-2 x 4 "
+            r"\(int32\) = 80",
+        ),
+    ],
+)
+def test_routed_experts_missing_or_malformed_are_refused(routing, error, match) -> None:
+    script = Script(routing=routing)
+
+    async def body() -> None:
+        async with serving(script) as urls, RolloutClient(config(urls, routed_experts=LAYOUT)) as c:
+            await c.generate([5, 6], sampling(4))
+
+    with pytest.raises(error, match=match):
+        asyncio.run(body())
+    assert len(script.log) == 1, "not retried: the server's answer would not change"
+
+
+def test_routed_experts_from_must_be_within_the_prompt() -> None:
+    async def body() -> None:
+        async with RolloutClient(config(["http://127.0.0.1:9"], routed_experts=LAYOUT)) as c:
+            await c.generate([5, 6], sampling(4), routed_experts_from=3)
+
+    with pytest.raises(ValueError, match=r"routed_experts_from 3 must be in \[0, 2\]"):
+        asyncio.run(body())
 
 
 def _free_port() -> int:

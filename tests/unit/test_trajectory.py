@@ -7,10 +7,12 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_close
 
+from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     InvalidTrajectory,
     Trajectory,
@@ -54,6 +56,65 @@ def test_values_off_the_mask_are_not_checked():
 def test_dict_round_trip_through_json():
     t = trajectory()
     assert Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
+def routing(positions: int = 5, layers: int = 3, top_k: int = 2, num_experts: int = 4):
+    """Distinct experts per token and layer: (p + l + j) mod E for j < top_k."""
+    p, layer, j = np.meshgrid(
+        np.arange(positions), np.arange(layers), np.arange(top_k), indexing="ij"
+    )
+    return RoutedExperts.compact((p + layer + j) % num_experts, num_experts)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "dtype"), [(4, np.uint8), (256, np.uint8), (257, np.int16)]
+)
+def test_routed_experts_take_one_byte_per_id_up_to_256_experts(num_experts, dtype):
+    experts = np.full((5, 3, 2), num_experts - 1)
+    experts[..., 0] = 0
+    record = RoutedExperts.compact(experts, num_experts)
+    assert record.experts.dtype == dtype and record.experts.nbytes == 5 * 3 * 2 * dtype().nbytes
+    t = validate_trajectory(trajectory(routed_experts=record))
+    back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t and back.routed_experts.experts.dtype == dtype
+    assert back != trajectory(routed_experts=routing(num_experts=num_experts))
+
+
+def test_compacting_refuses_ids_that_narrowing_would_wrap():
+    with pytest.raises(ValueError, match=r"in \[0, 4\)"):
+        RoutedExperts.compact(np.array([[[0, 260]]]), 4)
+
+
+def _spoiled(experts: np.ndarray, num_experts: int = 4) -> RoutedExperts:
+    return RoutedExperts(experts, num_experts)
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        (routing(positions=6), "positions differ from the tokens fed (length - 1)"),
+        (routing(positions=4), "positions differ from the tokens fed (length - 1)"),
+        (_spoiled(routing().experts[:, :, 0]), "is not [positions, layers, top_k]"),
+        (_spoiled(routing().experts[:, :0]), "is not [positions, layers, top_k]"),
+        (_spoiled(routing().experts.astype(np.int64)), "dtype is not uint8 or int16"),
+        (_spoiled(routing(top_k=4).experts, num_experts=3), "top_k is not in [1, num_experts]"),
+        (_spoiled(routing().experts, num_experts=3), "expert id out of range"),
+        (_spoiled(routing().experts.astype(np.int16) - 1), "expert id out of range"),
+        (_spoiled(np.zeros((5, 3, 2), np.uint8)), "repeats an expert within a top-k"),
+        ("not a record", "is not a RoutedExperts array"),
+    ],
+)
+def test_bad_routing_is_refused_with_its_reason(record, problem):
+    with pytest.raises(InvalidTrajectory) as caught:
+        validate_trajectory(trajectory(routed_experts=record))
+    assert caught.value.reason == f"routed_experts: {problem}"
+
+
+def test_out_of_range_detail_names_position_layer_and_slot():
+    experts = routing().experts.copy()
+    experts[3, 1, 1] = 9
+    with pytest.raises(InvalidTrajectory, match=r"\[3, 1, 1\]: 9 not in \[0, 4\)"):
+        validate_trajectory(trajectory(routed_experts=_spoiled(experts)))
 
 
 @pytest.mark.parametrize(
