@@ -75,6 +75,9 @@ class ServerLaunchConfig(BaseModel):
     """Further SGLang flags, appended verbatim."""
     log_dir: Path = Path("logs")
     """Where server-<port>.log goes."""
+    return_routed_experts: bool = False
+    """SGLang: capture each request's routed experts so that requests may ask for them (MoE
+    routing replay); the CPU engine always can."""
     engine: Literal["auto", "sglang", "cpu"] = "auto"
     """auto: SGLang when CUDA is available, else the CPU engine."""
     cpu_threads: PositiveInt = 1
@@ -130,6 +133,8 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     # Warmup sends a request before /health turns green; the client's own traffic warms it.
+    if cfg.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     cmd.append("--skip-server-warmup")
     return cmd + list(cfg.extra_args)
 

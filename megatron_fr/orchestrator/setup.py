@@ -6,6 +6,7 @@ Kept apart from the training loop (controller.py) so the loop reads like the dat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
+from megatron_fr.engine.protocol import RoutedExpertsLayout
 from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
@@ -28,17 +30,30 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     """The rollout service with its engines started and healthy (not generating yet)."""
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
-    engines = EngineSupervisor.start(
-        settings, hf_dir, run_dir / "logs", port=settings.port or free_port()
-    )
+    routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
+    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs",
+                                     port=settings.port or free_port(),
+                                     routed_experts=routed is not None)  # fmt: skip
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
         urls=engines.urls,
         request_timeout_s=config.rollout.request_timeout_s,
         max_attempts=config.rollout.max_attempts,
+        routed_experts=routed,
     )
     sampling = producer.sampling(config.rollout.temperature)
     return RolloutService(engines, buffer, producer, client, sampling)
+
+
+def routed_experts_layout(hf_dir: Path) -> RoutedExpertsLayout:
+    """What the engines report per position for routing replay: every layer's top-k."""
+    from megatron_fr.models.hf_config import load_hf_config
+
+    spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    if not spec.is_moe:
+        raise ValueError("learner.routing_replay needs a MoE model; this one is dense")
+    return RoutedExpertsLayout(num_layers=spec.num_layers, top_k=spec.num_experts_per_tok,
+                               num_experts=spec.num_experts)  # fmt: skip
 
 
 def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet]:

@@ -35,13 +35,16 @@ class EngineSupervisor:
         self.urls = [p.url for p in processes] or list(settings.urls)
 
     @classmethod
-    def start(cls, settings: EngineSettings, model_path: Path, log_dir: Path, port: int):
-        """Adopt settings.urls, or start one engine serving model_path on `port`."""
+    def start(cls, settings: EngineSettings, model_path: Path, log_dir: Path, port: int,
+              routed_experts: bool = False):  # fmt: skip
+        """Adopt settings.urls, or start one engine serving model_path on `port` (returning
+        routed experts when asked: MoE routing replay)."""
         if settings.urls:
             return cls(settings, [])
         launch = ServerLaunchConfig(
             model_path=str(model_path), port=port, log_dir=log_dir, cpu_threads=settings.threads,
             tp_size=settings.tp_size, gpu_ids=settings.gpu_ids,
+            return_routed_experts=routed_experts,
         )  # fmt: skip
         process = launch_server(launch)
         supervisor = cls(settings, [process])

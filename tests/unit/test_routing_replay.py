@@ -16,7 +16,7 @@ from tiny_qwen import TINY
 from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config import ParallelConfig
-from megatron_fr.learner.micro_batches import micro_batches_for_rank
+from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 from megatron_fr.learner.routing_replay import check_routed_batch, padding_routing
 from megatron_fr.models.gpt import transformer_config
 from megatron_fr.models.hf_config import load_hf_config
@@ -41,16 +41,15 @@ def trajectory(index: int, prompt: int, response: int) -> Trajectory:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("dp_rank", [0, 1])
-def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp_rank):
+def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp_rank, pack):
     shapes = [(2, 5), (4, 1), (3, 7), (2, 2), (5, 3)]
     batch = [trajectory(i, p, r) for i, (p, r) in enumerate(shapes)]
-    micros = micro_batches_for_rank(
-        batch, dp_rank=dp_rank, dp_size=2, token_budget=20, width_multiple=2, routing=True
-    )
-    # rows of width 10 (9 fed tokens, rounded to 2), 2 per micro-batch; ranks hold 3 and 2
-    # trajectories, so rank 1's second micro-batch is all padding
-    assert len(micros) == 2
+    plan = plan_micro_batches([t.length for t in batch], dp_size=2, token_budget=20,
+                              pack=pack, sequence_parallel_size=2)  # fmt: skip
+    micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, routing=True)
+    fed = 0
     for micro in micros:
         rows, width = micro.input_ids.shape
         assert micro.routing.shape == (rows, width, 2, 2) and micro.routing.dtype == torch.uint8
@@ -59,9 +58,12 @@ def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp
         for row, p in real.nonzero().tolist():
             token = int(micro.input_ids[row, p])
             assert chosen[row, p].tolist() == routing_of([token])[0]
+            fed += 1
         padding = chosen[~real]
-        assert padding.numel() and (padding[..., 0] != padding[..., 1]).all()
-        assert padding.max() < 4
+        if padding.numel():
+            assert (padding[..., 0] != padding[..., 1]).all() and padding.max() < 4
+    share = [i for group in plan.assignment[dp_rank] for row in group for i in row]
+    assert fed == sum(batch[i].length - 1 for i in share)  # every fed token, once
 
 
 def test_padding_routing_spreads_tokens_evenly_over_the_experts():

@@ -156,27 +156,19 @@ class RouterSpy:
                         index = int(segments[row, offset + s])
                         if index < 0:
                             continue  # padding
-                        ids = batch[index].routed_experts.experts[offset + s, layer]
+                        position = int(micro.positions[row, offset + s])  # in its trajectory
+                        ids = batch[index].routed_experts.experts[position, layer]
                         engine = torch.zeros(chosen.shape[-1], dtype=torch.bool)
                         engine[torch.from_numpy(ids.astype("int64"))] = True
                         differ += int(not torch.equal(engine, chosen[s, row]))
-                        checked.add((index, offset + s, layer))
+                        checked.add((index, position, layer))
             maps.clear()
         return differ, checked
 
 
 def rank_micro_batches(learner, batch, parallel):
-    from megatron.core import parallel_state as ps
-
-    from megatron_fr.learner.micro_batches import micro_batches_for_rank
-
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    return micro_batches_for_rank(
-        batch, dp_rank=torch.distributed.get_rank(group),
-        dp_size=torch.distributed.get_world_size(group),
-        token_budget=learner.config.micro_batch_tokens,
-        width_multiple=parallel.tensor if parallel.sequence_parallel else 1, routing=True,
-    )  # fmt: skip
+    """This rank's micro-batches, built by the learner's own code (routing included)."""
+    return learner._micro_batches(batch, 0, learner.routing_replay)[1]
 
 
 def cpu_pipeline_and_recompute() -> None:
