@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real Slurm cluster of 3 virtual nodes (n1, n2, n3) on this one machine, for the slurm test
-# tier and for trying the launchers by hand (notes/slurm-local.md has the measured recipe).
+# tier and for trying the launchers by hand.
 #   bash tools/slurm_local.sh start DIR     # installs slurm + munge if missing (apt, root)
 #   export SLURM_CONF=DIR/slurm.conf        # then sbatch / srun / scontrol / sinfo work
 #   bash tools/slurm_local.sh stop DIR

@@ -4,7 +4,7 @@ Sequence-level estimators map rewards R [N] (and, for the group ones, a group id
 to one advantage per trajectory; they share one signature and sit in ADVANTAGE_ESTIMATORS,
 keyed by the name a config selects (compute_advantages dispatches). With G rollouts of prompt g:
 
-    flash_reinforce      A = R - mean_batch(R)                     (no groups: ALGORITHM.md)
+    flash_reinforce      A = R - mean_batch(R)                     (no groups: docs/algorithm.md)
     grpo                 A = (R - mean_g) / (std_g + eps)           std_g: sample std (G - 1)
     dr_grpo              A = R - mean_g
     rloo                 A = R - (sum_g R - R) / (G - 1)            leave-one-out mean

@@ -1,4 +1,4 @@
-"""The FlashREINFORCE policy loss (ALGORITHM.md), in one segment-based core.
+"""The FlashREINFORCE policy loss (docs/algorithm.md), in one segment-based core.
 
     L = -(1/B) sum_i (m_i A_i / T_i) sum_t rho_{i,t} pi_{i,t},   rho = exp(pi - mu) detached,
     m_i = [ max(0, mean_t d_{i,t}) <= delta ],  d = Bernoulli KL(exp(mu) || exp(pi)) per token.
@@ -95,7 +95,7 @@ def negative_token_keep_mask(
     failures: Tensor,
     fraction: float,
 ) -> Tensor:
-    """Keep mask of the negative-token filter (ALGORITHM.md step 5), same shape as the mask.
+    """Keep mask of the negative-token filter (docs/algorithm.md step 5), same shape as the mask.
 
     A failed trajectory keeps its ceil(q * T_i) highest-entropy policy tokens; ties go to the
     earlier position, so the choice is the same however the tokens are laid out. All tokens of
@@ -162,7 +162,7 @@ def segment_policy_loss(
 
 
 def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict[str, Tensor]:
-    """Diagnostics of ALGORITHM.md for the trajectories in ``gate`` (NaN where there are none)."""
+    """Diagnostics of docs/algorithm.md for the trajectories in ``gate`` (NaN where there are none)."""
     present_kl = gate.sequence_kl[gate.present]
     admitted_ratios = ratios[contributing]
 

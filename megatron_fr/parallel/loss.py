@@ -5,7 +5,7 @@ a context-parallel slice of each row, rows that may pack several trajectories. E
 carries the global id of its trajectory (segment_ids, -1 for padding), so per-trajectory sums
 need no offsets bookkeeping after packing or CP slicing.
 
-Order of operations (ALGORITHM.md, "Under parallelism"):
+Order of operations (docs/algorithm.md, "Under parallelism"):
   1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group;
   2. per-trajectory KL sums and token counts, summed over the CP group, then the gate, so
      every CP rank (and every TP rank) reaches the same m_i;

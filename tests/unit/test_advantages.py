@@ -23,7 +23,7 @@ EPS = 1e-6
 
 
 def reference_advantages(estimator, rewards, group_index, eps=EPS):
-    """The formulas of ALGORITHM.md, one group at a time, in Python floats (float64)."""
+    """The formulas of docs/algorithm.md, one group at a time, in Python floats (float64)."""
     r = rewards.tolist()
     if estimator == "flash_reinforce":
         mean = statistics.fmean(r)

@@ -1,4 +1,4 @@
-"""flash_reinforce_loss against a written-out, loop-by-loop implementation of ALGORITHM.md."""
+"""flash_reinforce_loss against a written-out, loop-by-loop implementation of docs/algorithm.md."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ CLAMP = 1e-6
 
 
 def reference_loss(pi, mu, rewards, mask, delta, q=1.0, entropies=None, failures=None):
-    """ALGORITHM.md steps 1-5 with Python loops; rho enters as a constant (detached)."""
+    """docs/algorithm.md steps 1-5 with Python loops; rho enters as a constant (detached)."""
     batch = len(rewards)
     mean_reward = sum(rewards.tolist()) / batch
     total = pi.sum() * 0.0
