@@ -162,7 +162,7 @@ def segment_policy_loss(
 
 
 def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict[str, Tensor]:
-    """Diagnostics of docs/algorithm.md for the trajectories in ``gate`` (NaN where there are none)."""
+    """Diagnostics (docs/algorithm.md) for the trajectories in ``gate`` (NaN where none are)."""
     present_kl = gate.sequence_kl[gate.present]
     admitted_ratios = ratios[contributing]
 

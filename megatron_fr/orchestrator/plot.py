@@ -37,8 +37,22 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 # (x key, axis label): one row each
 X_AXES = (("step", "optimizer step"), ("rollouts_total", "rollouts"))
-# metric -> the key holding its spread, drawn as a band when present
-SPREAD = {"eval_accuracy": "eval_accuracy_std"}
+EPISODE_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_rate")
+"""Text tasks' per-step figures, drawn in an "episodes" panel when the run logged them."""
+
+
+def _spread_key(key: str) -> str | None:
+    """The key holding a metric's spread, drawn as a band: eval accuracies have one."""
+    return f"{key}_std" if key.startswith("eval_") and key.endswith("_accuracy") else None
+
+
+def panels_of(records: Sequence[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
+    """PANELS, with one accuracy line per named eval set and the episodes panel when the run
+    has those figures."""
+    sets = sorted({key for r in records for key in r if _spread_key(key)} - {"eval_accuracy"})
+    panels = [*PANELS[:-1], ("eval accuracy", tuple(sets) or PANELS[-1][1])]
+    logged = tuple(key for key in EPISODE_KEYS if any(key in r for r in records))
+    return panels + ([("episodes", logged)] if logged else [])
 
 
 def _series(
@@ -49,7 +63,7 @@ def _series(
     A resumed run may log the same x again (from its last checkpoint on); the later record
     wins, so the curve shows the run that actually continued."""
     points: dict[float, tuple[float, float]] = {}
-    spread_key = SPREAD.get(y_key)
+    spread_key = _spread_key(y_key)
     for record in records:
         x, y = record.get(x_key), record.get(y_key)
         if isinstance(x, int | float) and isinstance(y, int | float):
@@ -102,11 +116,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     out = Path(out) if out is not None else run_dir / PLOT_FILE
-    fig = Figure(figsize=(4 * len(PANELS), 7), layout="constrained")
+    panels = panels_of(records)
+    fig = Figure(figsize=(4 * len(panels), 7), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(X_AXES), len(PANELS), squeeze=False)
+    axes = fig.subplots(len(X_AXES), len(panels), squeeze=False)
     for row, (x_key, x_label) in enumerate(X_AXES):
-        for col, (title, keys) in enumerate(PANELS):
+        for col, (title, keys) in enumerate(panels):
             ax = axes[row][col]
             _draw_panel(ax, records, x_key, keys)
             ax.set_title(title)

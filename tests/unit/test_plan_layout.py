@@ -27,8 +27,8 @@ def plan_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
-    # Qwen3-30B-A3B (its public config.json, models/presets): 48 layers, hidden 2048, 32 query heads and
-    # 4 KV heads of 128, 128 experts of width 768, top-8, vocab 151936, untied embeddings.
+    # Qwen3-30B-A3B (its public config.json, models/presets): 48 layers, hidden 2048, 32 query
+    # heads and 4 KV heads of 128, 128 experts of width 768, top-8, vocab 151936, untied.
     h, layers, vocab, head = 2048, 48, 151936, 128
     q, kv, experts, top_k, width = 32 * head, 4 * head, 128, 8, 768
     qkv, proj = h * (q + 2 * kv), q * h  # no attention bias
