@@ -9,7 +9,9 @@ transport) --repeats times after building the plan once (a sync reuses it). Prin
 walk against the best of as many copies of the same number of bytes (one tensor copy), per
 bucket its seconds and the bytes the sender received from its peers, and the sender's peak
 extra resident memory (the kernel's high-water mark, reset before each walk) against bucket
-+ largest HF tensor.
++ largest HF tensor. Resident memory includes what glibc keeps of freed blocks; run with
+MALLOC_MMAP_THRESHOLD_=65536 (every block of 64 KiB or more mapped and unmapped on its own,
+slower) to see the live tensors' peak alone.
 
 --wire-gbps G: then the sync's bucket loop (weights/pipeline.py BucketSender) with a
 transport that holds each bucket for bytes / G (a network link whose DMA costs the host no

@@ -3,9 +3,9 @@
 Only the stage's sending rank needs the full tensors, so the shards it lacks are sent to it
 point to point (weights/plan.py says which rank holds which): for each bucket, every rank of
 the sender's groups posts, at once, one send per shard of the bucket's window and the sender
-one receive per shard, then they wait. Posting a bucket's messages together is what makes
-this fast: one all_gather per parameter, waited one after the other, moved ~0.2 GB/s on gloo
-(tools/bench_weight_sync.py); and no rank but the sender receives anything.
+one receive per shard, then they wait. No rank but the sender receives anything, and a
+bucket's messages are in flight together rather than one collective per parameter waited
+in turn (tools/bench_weight_sync.py prints the rate; on NCCL a batch is one group call).
 
 On the sender, each full megatron tensor becomes its HF tensor(s) by the mapping of
 ``convert/qwen.py``: the sender's own whole tensors and the experts it receives are not
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_fr.convert.qwen import megatron_tensor_to_hf
-from megatron_fr.convert.shard import unshard_tensor
+from megatron_fr.convert.shard import partition_stride, shard_ranges
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.plan import FullTensor, ReshardPlan, build_plan
 
@@ -41,39 +41,84 @@ def reshard_buckets(
     params = dict(model.named_parameters())  # the parameters: their sharding attributes
     if not plan.is_sender:
         for bucket in plan.buckets:
-            _exchange(plan, bucket.window, params)
+            _send_shards(plan, bucket.window, params)
         return
     waiting: dict[str, Tensor] = {}  # HF tensors of fetched megatron tensors, until their bucket
     for bucket in plan.buckets:
-        fetched = _exchange(plan, bucket.window, params)[::-1]
-        for full in bucket.window:  # each tensor's received shards are freed once it is whole
-            tensor = unshard_tensor(fetched.pop(), params[full.param], full.name)
+        for full, tensor in zip(bucket.window, _gather(plan, bucket.window, params), strict=True):
             waiting.update(megatron_tensor_to_hf(spec, full.name, tensor, plan.names))
-            del tensor
         yield [(name, waiting.pop(name)) for name in bucket.names]
 
 
-def _exchange(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> list:
-    """Post every send (or, on the sender, receive) of the window's shards, then wait for
-    all. On the sender: each tensor's shards (its own, received ones); elsewhere []."""
+def shard_messages(param: torch.nn.Parameter, name: str, holders: int) -> list[Tensor]:
+    """The views of this rank's shard of `param` that travel as messages, in order.
+
+    Split along dim 0, each of a shard's `stride` parts is one contiguous block of the full
+    tensor (convert/shard.py: shard_ranges), so it travels alone and is received in place;
+    split along another dim (a row-parallel weight), the shard travels whole."""
+    local = param.detach()
+    if holders > 1 and param.partition_dim == 0:
+        return list(local.chunk(partition_stride(name, param), dim=0))
+    return [local.contiguous()]
+
+
+def _send_shards(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> None:
+    """A peer of the sender: every message of its shards in the window, then wait."""
     ops: dict[bool, list[dist.P2POp]] = {False: [], True: []}  # by group: dense, expert
-    shards = []
     for full in window:
-        local, group = params[full.param].detach(), plan.group_of(full)
-        if plan.is_sender:
-            pieces = [
-                local if rank == plan.rank else torch.empty_like(local) for rank in full.holders
-            ]
-            for rank, piece in zip(full.holders, pieces, strict=True):
-                if rank != plan.rank:
-                    ops[full.expert].append(dist.P2POp(dist.irecv, piece, rank, group))
-            shards.append(pieces)
-        elif group is not None and plan.rank in full.holders:
-            ops[full.expert].append(dist.P2POp(dist.isend, local.contiguous(), plan.sender, group))
+        group = plan.group_of(full)
+        if group is not None and plan.rank in full.holders:
+            for message in shard_messages(params[full.param], full.name, len(full.holders)):
+                ops[full.expert].append(dist.P2POp(dist.isend, message, plan.sender, group))
+    _post_and_wait(ops)
+
+
+def _gather(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> list[Tensor]:
+    """The sender: the window's full tensors, all their messages posted at once."""
+    ops: dict[bool, list[dist.P2POp]] = {False: [], True: []}  # by group: dense, expert
+    copies: list[tuple[Tensor, Tensor]] = []
+    fulls = [_receive_into(plan, full, params[full.param], ops, copies) for full in window]
+    _post_and_wait(ops)
+    for region, part in copies:
+        region.copy_(part)
+    return fulls
+
+
+def _receive_into(plan: ReshardPlan, full: FullTensor, param, ops: dict, copies: list) -> Tensor:
+    """One full tensor: the sender's own whole tensor as it is; else a new tensor its shards'
+    messages are received into, in place where they land contiguously (else into a buffer,
+    copied in after the wait, as the sender's own shard is)."""
+    local = param.detach()
+    if full.holders == (plan.rank,):
+        return local
+    count = len(full.holders)
+    dim = param.partition_dim if count > 1 else 0
+    stride = partition_stride(full.name, param) if count > 1 else 1
+    shape = list(local.shape)
+    shape[dim] *= count
+    tensor = local.new_empty(shape)
+    for index, rank in enumerate(full.holders):
+        ranges = shard_ranges(shape[dim], count, stride, index)
+        regions = [tensor.narrow(dim, start, stop - start) for start, stop in ranges]
+        if rank == plan.rank:
+            copies += zip(regions, local.chunk(stride, dim), strict=True)
+            continue
+        if dim == 0:
+            messages = regions  # as shard_messages splits the peer's shard
+        else:
+            messages = [torch.empty_like(local)]
+            copies += zip(regions, messages[0].chunk(stride, dim), strict=True)
+        group = plan.group_of(full)
+        ops[full.expert] += [dist.P2POp(dist.irecv, m, rank, group) for m in messages]
+    return tensor
+
+
+def _post_and_wait(ops: dict[bool, list[dist.P2POp]]) -> None:
+    """Post every message of a window at once (one batch per group, dense before expert on
+    every rank), then wait for all."""
     works = [work for batch in ops.values() if batch for work in dist.batch_isend_irecv(batch)]
     for work in works:
         work.wait()
-    return shards
 
 
 def iter_hf_buckets(
