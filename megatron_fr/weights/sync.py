@@ -1,6 +1,6 @@
 """Push the learner's weights to the inference engines after an optimizer step.
 
-Protocol, run by every learner rank together (the resharding gathers are collectives):
+Protocol, run by every learner rank together (resharding exchanges shards between them):
   0. once (connect): rank 0 asks each engine its layout (GET /server_info: SGLang's TP size,
      the ranks it has in a weight-update group) and every rank gets the answer; then each
      stage's sending rank (TP 0, DP 0) connects its transport, one stage after the other;
@@ -155,14 +155,12 @@ class WeightSync:
         """The stage's reshard plan, built at the first sync of `model` (a collective over
         its stage), by every rank; a layout it refuses makes every rank raise."""
         if self._plan is None or self._plan[0] is not model:
-            built: list[ReshardPlan] = []
             try:
-                built.append(build_plan(model, self.spec, self.bucket_bytes))
-                failure = None
+                plan, failure = build_plan(model, self.spec, self.bucket_bytes), None
             except ValueError as error:
-                failure = f"rank {dist.get_rank()} at plan: {error}"
+                plan, failure = None, f"rank {dist.get_rank()} at plan: {error}"
             _raise_if_any(failure)
-            self._plan = (model, built[0])
+            self._plan = (model, plan)
         return self._plan[1]
 
     def _send_stage(
@@ -170,10 +168,9 @@ class WeightSync:
     ) -> str | None:
         """This stage's buckets: every rank of the stage takes part in building them, its
         sender gets them and sends each one while the next is built."""
+        buckets = reshard_buckets(model, plan, self.spec)  # only the sender gets any
         with BucketSender(self._send_bucket, overlap=self.config.overlap) as stream:
-            for bucket in reshard_buckets(
-                model, plan, self.spec
-            ):  # only the sender's are not empty
+            for bucket in buckets:
                 keep = self.config.spot_check - len(kept) if dist.get_rank() == 0 else 0
                 kept += [(n, t.flatten()[:8].clone()) for n, t in bucket[: max(keep, 0)]]
                 counts[0] += 1  # [buckets, tensors, bytes] of this stage
