@@ -285,8 +285,11 @@ def main() -> None:
         "--receivers", type=int, default=0,
         help="instead: broadcast the buckets to this many SGLang-code receivers (GB/s)",
     )  # fmt: skip
-    parser.add_argument("--project", action="store_true",
-                        help="instead: project Qwen3-30B-A3B's sync time from --out")  # fmt: skip
+    parser.add_argument(
+        "--project", action="store_true",
+        help="instead: project Qwen3-30B-A3B's sync time from --out (its own options, e.g. "
+        "--gather-gbps, --bucket-overhead-ms: tools/weight_sync_projection.py --help)",
+    )  # fmt: skip
     args, rest = parser.parse_known_args()
     if args.project:
         from weight_sync_projection import main as project
