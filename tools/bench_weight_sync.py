@@ -1,26 +1,41 @@
-"""Reshard + bucket throughput vs a memcpy of the same bytes, and peak extra memory; or
-(--receivers K) the broadcast itself into K processes receiving with SGLang's own code.
+"""Weight sync on CPU: the reshard's throughput vs a memcpy of the same bytes and its peak
+memory, the send pipelined against a model of the wire, the broadcast itself into SGLang's
+receiving code, and a projection of the flagship's sync time.
 
-In one run, on 2 gloo ranks holding a ~1 GB (bf16) Qwen3-MoE-shaped megatron model at EP2
-(or --tp 2): every rank walks ``iter_hf_buckets`` (the gathers, the HF mapping and the
-bucketing the weight sync does, without a transport), timed against copying the same number
-of bytes with one tensor copy. Peak extra resident memory during the walk (the kernel's
-high-water mark, reset before it) is compared with bucket size + largest HF tensor.
+Default: 2 gloo ranks hold a ~1 GB (bf16) Qwen3-MoE-shaped megatron model at EP2 (or --tp 2,
+or --tp 2 --ep 2 on 4 ranks); every rank walks ``reshard_buckets`` (the shards' messages to
+the stage's sender, the HF mapping and the bucketing the weight sync does, without a
+transport) --repeats times after building the plan once (a sync reuses it). Printed: the best
+walk against the best of as many copies of the same number of bytes (one tensor copy), per
+bucket its seconds and the bytes the sender received from its peers, and the sender's peak
+extra resident memory (the kernel's high-water mark, reset before each walk) against bucket
++ largest HF tensor. Resident memory includes what glibc keeps of freed blocks; run with
+MALLOC_MMAP_THRESHOLD_=65536 (every block of 64 KiB or more mapped and unmapped on its own,
+slower) to see the live tensors' peak alone.
 
-With --receivers K the same model's HF tensors, bucketed, are broadcast over gloo from the
-project's sender (engine/group.py) to K receiver processes that join and receive with
-SGLang's init_custom_process_group and WeightUpdater receive methods (engine/sglang_source.py),
-once as flattened buckets (one broadcast per bucket, load_format "flattened_bucket") and once
-tensor by tensor: GB/s of each and their ratio.
+--wire-gbps G: then the sync's bucket loop (weights/pipeline.py BucketSender) with a
+transport that holds each bucket for bytes / G (a network link whose DMA costs the host no
+CPU), one bucket after the other and overlapped; overlapped, peak memory is compared with
+2 x bucket + largest tensor.
+
+--receivers K: instead, the model's HF tensors, bucketed, broadcast over gloo from the
+project's sender (engine/group.py) to K processes receiving with SGLang's
+init_custom_process_group and WeightUpdater code (engine/sglang_source.py), as flattened
+buckets and tensor by tensor.
+
+--project: Qwen3-30B-A3B's sync time in its recipe's layout from the figures of the last
+default run (tools/weight_sync_projection.py has the formula).
 
     .venv/bin/python tools/bench_weight_sync.py                  # ~1 GB, 512 MiB buckets
-    .venv/bin/python tools/bench_weight_sync.py --target-gb 0.2 --bucket-mib 64
+    .venv/bin/python tools/bench_weight_sync.py --bucket-mib 128 --wire-gbps 8
     .venv/bin/python tools/bench_weight_sync.py --target-gb 0.2 --bucket-mib 64 --receivers 2
+    .venv/bin/python tools/bench_weight_sync.py --project
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import re
 import sys
@@ -40,44 +55,105 @@ def _status_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", text).group(1))
 
 
-def bench_on_rank(rank: int, world_size: int, config: dict, tp: int, bucket_bytes: int) -> dict:
+class PeakMemory:
+    """Extra resident memory at its high-water mark during a `with` block (freed memory the
+    allocator kept from earlier blocks is handed back first, or reuse would hide it)."""
+
+    def __enter__(self) -> PeakMemory:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        self.before = _status_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.extra = _status_kib("VmHWM") * 1024 - self.before
+
+
+def received_bytes(plan, model) -> list[int]:
+    """Per bucket: the bytes of the shards the sender receives from its peers."""
+    params = dict(model.named_parameters())
+    return [
+        sum(params[f.param].nbytes * sum(r != plan.sender for r in f.holders) for f in b.window)
+        for b in plan.buckets
+    ]
+
+
+def walk(model, plan, spec) -> tuple[float, list[float]]:
+    """reshard_buckets to the end: total seconds and seconds per bucket (on the sender)."""
+    from megatron_fr.weights.reshard import reshard_buckets
+
+    started = last = time.monotonic()
+    per_bucket = []
+    for bucket in reshard_buckets(model, plan, spec):
+        per_bucket.append(time.monotonic() - last)
+        del bucket  # as the sync does: each bucket is dropped before the next is built
+        last = time.monotonic()
+    return time.monotonic() - started, per_bucket
+
+
+def send_over_wire(model, plan, spec, wire_gbps: float, overlap: bool) -> float:
+    """The sync's bucket loop with a wire that takes bytes / wire_gbps per bucket."""
+    from megatron_fr.weights.pipeline import BucketSender
+    from megatron_fr.weights.reshard import reshard_buckets
+
+    def wire(bucket) -> None:
+        time.sleep(sum(t.nbytes for _, t in bucket) * 8 / (wire_gbps * 1e9))
+
+    started = time.monotonic()
+    with BucketSender(wire, overlap) as sender:
+        for bucket in reshard_buckets(model, plan, spec):
+            sender.submit(bucket)
+            del bucket
+        sender.finish()
+    return time.monotonic() - started
+
+
+def bench_on_rank(rank: int, world_size: int, config: dict, tp: int, ep: int,
+                  bucket_bytes: int, repeats: int, wire_gbps: float) -> dict:  # fmt: skip
     from megatron_fr.config import ParallelConfig
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.parallel import state
-    from megatron_fr.weights.reshard import iter_hf_buckets
+    from megatron_fr.weights.plan import build_plan
 
-    parallel = ParallelConfig(tensor=tp, expert=world_size // tp, sequence_parallel=tp > 1)
+    parallel = ParallelConfig(tensor=tp, expert=ep, sequence_parallel=tp > 1)
     state.initialize(parallel, seed=0)
     spec = load_hf_config(config)
     model = build_gpt_model(spec, parallel, params_dtype=torch.bfloat16, initialize=False)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0, 0.02)
-
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS") * 1024
     started = time.monotonic()
-    total = largest = buckets = 0
-    for bucket in iter_hf_buckets(model, spec, bucket_bytes):
-        buckets += 1
-        for _, tensor in bucket:
-            nbytes = tensor.numel() * tensor.element_size()
-            total, largest = total + nbytes, max(largest, nbytes)
-        del bucket  # as the sync does: the next bucket is built while this one is dropped
-    reshard_s = time.monotonic() - started
-    peak_extra = _status_kib("VmHWM") * 1024 - before
-    del model
-
-    source = torch.empty(total // 2, dtype=torch.bfloat16).normal_()
-    target = torch.zeros_like(source)  # touched: the copy measures bandwidth, not page faults
-    started = time.monotonic()
-    target.copy_(source)
-    memcpy_s = time.monotonic() - started
-    return dict(
-        hf_bytes=total, largest_tensor_bytes=largest, buckets=buckets, reshard_s=reshard_s,
-        memcpy_s=memcpy_s, peak_extra_bytes=peak_extra,
+    plan = build_plan(model, spec, bucket_bytes)
+    result = dict(
+        plan_s=time.monotonic() - started, received=received_bytes(plan, model),
+        bucket_bytes=[b.nbytes for b in plan.buckets],
+        largest_tensor_bytes=plan.largest_tensor_bytes, reshard_s=float("inf"), walks_s=[],
     )  # fmt: skip
+    for _ in range(repeats):
+        with PeakMemory() as peak:
+            seconds, per_bucket = walk(model, plan, spec)
+        result["walks_s"].append(seconds)
+        if seconds < result["reshard_s"]:
+            result.update(reshard_s=seconds, per_bucket_s=per_bucket, peak_extra_bytes=peak.extra)
+    for overlap in (False, True) if wire_gbps else ():
+        with PeakMemory() as peak:
+            seconds = send_over_wire(model, plan, spec, wire_gbps, overlap)
+        result[f"wire_overlap_{overlap}"] = dict(seconds=seconds, peak_extra_bytes=peak.extra)
+    result["memcpy_s"] = memcpy_seconds(sum(result["bucket_bytes"]), repeats)
+    return result
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
+    """The best of `repeats` copies of nbytes (bf16) into touched memory."""
+    source = torch.empty(nbytes // 2, dtype=torch.bfloat16).normal_()
+    target = torch.zeros_like(source)  # touched: the copy measures bandwidth, not page faults
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.monotonic()
+        target.copy_(source)
+        best = min(best, time.monotonic() - started)
+    return best
 
 
 def hf_buckets(config: dict, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -159,44 +235,91 @@ def report_broadcast(r: dict, out: Path) -> None:
     out.write_text(json.dumps(r, indent=2))
 
 
+def report(r: dict, title: str, bucket_bytes: int, wire_gbps: float) -> None:
+    total, buckets = sum(r["bucket_bytes"]), len(r["bucket_bytes"])
+    print(title)
+    print(f"HF bytes produced:     {total / 1e9:.3f} GB in {buckets} buckets; the sender "
+          f"received {sum(r['received']) / 1e9:.3f} GB of them from its peers")  # fmt: skip
+    print(f"plan (once per run):   {r['plan_s']:.2f} s")
+    for what, seconds in (("reshard + bucket", r["reshard_s"]), ("memcpy", r["memcpy_s"])):
+        print(f"{what + ':':22s} {seconds:.2f} s ({total / seconds / 1e9:.2f} GB/s)")
+    print(f"reshard / memcpy bandwidth: {r['memcpy_s'] / r['reshard_s']:.2f} (walks: "
+          f"{', '.join(f'{s:.2f}' for s in r['walks_s'])} s)")  # fmt: skip
+    for k, (seconds, size, got) in enumerate(
+        zip(r["per_bucket_s"], r["bucket_bytes"], r["received"], strict=True)
+    ):
+        print(f"  bucket {k}: {size / 1e6:7.1f} MB ({got / 1e6:6.1f} MB received) in "
+              f"{seconds:.3f} s")  # fmt: skip
+    bound, peak = bucket_bytes + r["largest_tensor_bytes"], r["peak_extra_bytes"]
+    print(f"peak extra memory:     {peak / 2**20:.0f} MiB vs bucket + largest tensor "
+          f"{bound / 2**20:.0f} MiB (ratio {peak / bound:.2f})")  # fmt: skip
+    if not wire_gbps:
+        return
+    wire_s = total * 8 / (wire_gbps * 1e9)
+    print(f"with a {wire_gbps:g} Gb/s wire ({wire_s:.2f} s for these bytes):")
+    bound = 2 * bucket_bytes + r["largest_tensor_bytes"]
+    for overlap, name in ((False, "one after the other"), (True, "overlapped")):
+        w = r[f"wire_overlap_{overlap}"]
+        print(f"  {name + ':':20s} {w['seconds']:.2f} s, peak extra "
+              f"{w['peak_extra_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+    peak = r["wire_overlap_True"]["peak_extra_bytes"]
+    print(f"  sum / max of reshard and wire: {r['reshard_s'] + wire_s:.2f} s / "
+          f"{max(r['reshard_s'], wire_s):.2f} s; overlapped peak vs 2 x bucket + largest "
+          f"{bound / 2**20:.0f} MiB: ratio {peak / bound:.2f}")  # fmt: skip
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )  # fmt: skip
     parser.add_argument("--target-gb", type=float, default=1.0)
     parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="1: EP2, 2: TP2")
+    parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel")
+    parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="expert parallel")
+    parser.add_argument("--repeats", type=int, default=3, help="walks (and copies); the best")
+    parser.add_argument("--wire-gbps", type=float, default=0.0,
+                        help="also the bucket loop with a wire of this many Gb/s")  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "bench_out" / "bench_weight_sync.json")
     parser.add_argument(
         "--receivers", type=int, default=0,
         help="instead: broadcast the buckets to this many SGLang-code receivers (GB/s)",
     )  # fmt: skip
-    args = parser.parse_args()
-    if args.receivers:
-        config = synthetic_config(int(args.target_gb * 10**9))
-        result = bench_broadcast(config, args.bucket_mib * 2**20, args.receivers)
-        report_broadcast(result, args.out.with_name("bench_weight_broadcast.json"))
+    parser.add_argument(
+        "--project", action="store_true",
+        help="instead: project Qwen3-30B-A3B's sync time from --out (its own options, e.g. "
+        "--gather-gbps, --bucket-overhead-ms: tools/weight_sync_projection.py --help)",
+    )  # fmt: skip
+    args, rest = parser.parse_known_args()
+    if args.project:
+        from weight_sync_projection import main as project
+
+        project([str(args.out), *rest])
         return
-
-    from megatron_fr.parallel.spawn import run_on_ranks
-
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     config = synthetic_config(int(args.target_gb * 10**9))
     bucket_bytes = args.bucket_mib * 2**20
+    if args.receivers:
+        result = bench_broadcast(config, bucket_bytes, args.receivers)
+        report_broadcast(result, args.out.with_name("bench_weight_broadcast.json"))
+        return
+    from megatron_fr.parallel.spawn import run_on_ranks
+
+    world = args.tp * args.ep
+    if world < 2:
+        parser.error("--tp x --ep must be at least 2 (one stage sender and a peer)")
     results = run_on_ranks(
-        bench_on_rank, 2, config, args.tp, bucket_bytes, timeout_s=1800, threads_per_rank=1
-    )
-    r = results[0]
-    layout = "TP2" if args.tp == 2 else "EP2"
-    bound = bucket_bytes + r["largest_tensor_bytes"]
-    print(f"{config['num_hidden_layers']}-layer qwen3_moe at {layout}, bf16, 2 ranks x 1 thread")
-    print(f"HF bytes produced:     {r['hf_bytes'] / 10**9:.3f} GB in {r['buckets']} buckets")
-    for what, seconds in (("reshard + bucket", r["reshard_s"]), ("memcpy", r["memcpy_s"])):
-        print(f"{what + ':':22s} {seconds:.2f} s ({r['hf_bytes'] / seconds / 1e9:.2f} GB/s)")
-    print(f"ratio reshard/memcpy:  {r['reshard_s'] / r['memcpy_s']:.1f}")
-    print(
-        f"peak extra memory:     {r['peak_extra_bytes'] / 2**20:.0f} MiB vs bucket + largest "
-        f"tensor {bound / 2**20:.0f} MiB (ratio {r['peak_extra_bytes'] / bound:.2f})"
-    )
+        bench_on_rank, world, config, args.tp, args.ep, bucket_bytes, args.repeats,
+        args.wire_gbps, timeout_s=1800, threads_per_rank=1,
+    )  # fmt: skip
+    r, layout = results[0], f"TP{args.tp}xEP{args.ep}"
+    title = (f"{config['num_hidden_layers']}-layer qwen3_moe at {layout}, bf16, {world} ranks "
+             f"x 1 thread, best of {args.repeats}")  # fmt: skip
+    report(r, title, bucket_bytes, args.wire_gbps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"layout": layout, "bucket_bytes": bucket_bytes, **r}, indent=2))
+    record = {"layout": layout, "tp": args.tp, "ep": args.ep, "bucket_mib": args.bucket_mib, **r}
+    args.out.write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

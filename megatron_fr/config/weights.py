@@ -21,6 +21,10 @@ class WeightSyncConfig(BaseModel):
     On gloo, tensor by tensor was 3.1x faster (tools/bench_weight_sync.py --target-gb 1
     --bucket-mib 128 --receivers 2: 0.45 vs 0.15 GB/s); tools/gpu_check.sh measures both on
     NCCL."""
+    overlap: bool = True
+    """Build the next bucket (the shards' messages, the HF mapping) while the previous one is
+    being sent, on a second thread: two buckets in memory instead of one. Off: one after the
+    other."""
     timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of every engine call and of each broadcast."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"

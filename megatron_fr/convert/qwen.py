@@ -12,9 +12,11 @@ either layer spec. Layout facts:
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -79,8 +81,12 @@ def split_qkv(spec: HFModelSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     )
 
 
-def _one_to_one(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str, str]:
-    """megatron name -> HF name for a layer's tensors that map without reshaping."""
+@functools.cache
+def _one_to_one(spec: HFModelSpec, names: MegatronNames, index: int) -> Mapping[str, str]:
+    """megatron name -> HF name for a layer's tensors that map without reshaping.
+
+    Cached, read-only: weight sync maps a MoE model tensor by tensor, and a MoE layer's table
+    names every expert (Qwen3-30B-A3B: 128 per layer, 12288 expert tensors per sync)."""
     layer, hf = f"decoder.layers.{index}", f"model.layers.{index}"
     pairs = {
         names.input_norm(layer): f"{hf}.input_layernorm.weight",
@@ -96,18 +102,22 @@ def _one_to_one(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str
             pairs[names.expert(layer, e, "linear_fc2")] = f"{hf}.mlp.experts.{e}.down_proj.weight"
     else:
         pairs[f"{layer}.mlp.linear_fc2.weight"] = f"{hf}.mlp.down_proj.weight"
-    return pairs
+    return MappingProxyType(pairs)
 
 
-def _fc1_pairs(spec: HFModelSpec, names: MegatronNames, index: int) -> dict[str, str]:
-    """megatron linear_fc1 name -> HF prefix whose gate_proj/up_proj it fuses."""
+@functools.cache
+def _fc1_pairs(spec: HFModelSpec, names: MegatronNames, index: int) -> Mapping[str, str]:
+    """megatron linear_fc1 name -> HF prefix whose gate_proj/up_proj it fuses (cached, as
+    _one_to_one)."""
     layer, hf = f"decoder.layers.{index}", f"model.layers.{index}"
     if not spec.is_moe:
-        return {f"{layer}.mlp.linear_fc1.weight": f"{hf}.mlp"}
-    return {
-        names.expert(layer, e, "linear_fc1"): f"{hf}.mlp.experts.{e}"
-        for e in range(spec.num_experts)
-    }
+        return MappingProxyType({f"{layer}.mlp.linear_fc1.weight": f"{hf}.mlp"})
+    return MappingProxyType(
+        {
+            names.expert(layer, e, "linear_fc1"): f"{hf}.mlp.experts.{e}"
+            for e in range(spec.num_experts)
+        }
+    )
 
 
 @dataclass(frozen=True)

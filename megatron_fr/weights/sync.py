@@ -1,6 +1,6 @@
 """Push the learner's weights to the inference engines after an optimizer step.
 
-Protocol, run by every learner rank together (the resharding gathers are collectives):
+Protocol, run by every learner rank together (resharding exchanges shards between them):
   0. once (connect): rank 0 asks each engine its layout (GET /server_info: SGLang's TP size,
      the ranks it has in a weight-update group) and every rank gets the answer; then each
      stage's sending rank (TP 0, DP 0) connects its transport, one stage after the other;
@@ -9,7 +9,9 @@ Protocol, run by every learner rank together (the resharding gathers are collect
      tensor transports, opens SGLang's weight-update session (/begin_weight_update);
   2. the stages stream their buckets ONE STAGE AFTER THE OTHER: an SGLang scheduler serves
      one update call at a time, so two stages broadcasting at once to several engines could
-     each hold one engine while waiting for the other (a deadlock);
+     each hold one engine while waiting for the other (a deadlock). Within a stage the
+     sender sends bucket k on a second thread while the stage builds bucket k + 1
+     (weights/pipeline.py; config.overlap);
   3. rank 0 commits (disk: reload), closes the session (/end_weight_update), empties the
      engines' prefix caches (/flush_cache, so no KV of the old weights is reused), sets the
      new weight version, optionally reads a few tensors back (CPU engine only) and resumes
@@ -31,7 +33,9 @@ from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.engine import protocol
 from megatron_fr.engine.http import EngineRequestError, flush_cache, post_all, post_json
 from megatron_fr.models.hf_config import HFModelSpec
-from megatron_fr.weights.reshard import iter_hf_buckets
+from megatron_fr.weights.pipeline import BucketSender
+from megatron_fr.weights.plan import ReshardPlan, build_plan
+from megatron_fr.weights.reshard import Bucket, reshard_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 from megatron_fr.weights.transports.base import resolve_engine
 
@@ -82,6 +86,7 @@ class WeightSync:
         self.bucket_bytes = config.bucket_mib * 2**20
         self.timeout_s = config.timeout_s
         self.transport: WeightTransport | None = None
+        self._plan: tuple[torch.nn.Module, ReshardPlan] | None = None
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
@@ -128,6 +133,7 @@ class WeightSync:
         if self.transport is None:
             self.connect()
         version, started = str(version), time.monotonic()
+        plan = self._plan_for(model)  # before the pause: the engines serve meanwhile
         rank0, sender = dist.get_rank() == 0, is_stage_sender()
         _raise_if_any(self._attempt(rank0, "pause", self._pause))
         stage, stages = _stages()
@@ -135,7 +141,7 @@ class WeightSync:
         for turn in range(stages):
             failure = None
             if stage == turn:
-                failure = self._send_stage(model, sender, counts, kept)
+                failure = self._send_stage(model, plan, sender, counts, kept)
             _raise_if_any(failure)
         failure = self._attempt(rank0, "commit", lambda: self._commit(version, kept))
         _raise_if_any(failure)
@@ -145,23 +151,40 @@ class WeightSync:
         seconds = time.monotonic() - started
         return SyncReport(version, buckets, tensors, nbytes, seconds, per_rank[0][1])
 
-    def _send_stage(self, model, sender: bool, counts: list[int], kept: list) -> str | None:
-        """This stage's buckets (every rank of the stage iterates; its sender sends)."""
-        failure = None
-        for bucket in iter_hf_buckets(model, self.spec, self.bucket_bytes):
-            # After a failure the sender stops sending but keeps iterating: the resharding
-            # gathers are collectives its peers are waiting in.
-            if sender and failure is None:
-                failure = self._attempt(True, "send", lambda b=bucket: self.transport.send(b))
+    def _plan_for(self, model: torch.nn.Module) -> ReshardPlan:
+        """The stage's reshard plan, built at the first sync of `model` (a collective over
+        its stage), by every rank; a layout it refuses makes every rank raise."""
+        if self._plan is None or self._plan[0] is not model:
+            try:
+                plan, failure = build_plan(model, self.spec, self.bucket_bytes), None
+            except ValueError as error:
+                plan, failure = None, f"rank {dist.get_rank()} at plan: {error}"
+            _raise_if_any(failure)
+            self._plan = (model, plan)
+        return self._plan[1]
+
+    def _send_stage(
+        self, model, plan: ReshardPlan, sender: bool, counts: list[int], kept: list
+    ) -> str | None:
+        """This stage's buckets: every rank of the stage takes part in building them, its
+        sender gets them and sends each one while the next is built."""
+        buckets = reshard_buckets(model, plan, self.spec)  # only the sender gets any
+        with BucketSender(self._send_bucket, overlap=self.config.overlap) as stream:
+            for bucket in buckets:
                 keep = self.config.spot_check - len(kept) if dist.get_rank() == 0 else 0
                 kept += [(n, t.flatten()[:8].clone()) for n, t in bucket[: max(keep, 0)]]
-            counts[0] += 1  # [buckets, tensors, bytes] of this stage
-            counts[1] += len(bucket)
-            counts[2] += sum(t.numel() * t.element_size() for _, t in bucket)
-            del bucket  # else it stays alive while the next one is built: two buckets' memory
+                counts[0] += 1  # [buckets, tensors, bytes] of this stage
+                counts[1] += len(bucket)
+                counts[2] += sum(t.numel() * t.element_size() for _, t in bucket)
+                stream.submit(bucket)
+                del bucket  # else it stays alive while the next one is built: three in memory
+            failure = stream.finish()
         if failure is None:
             failure = self._attempt(sender, "finish", self.transport.finish_stage)
         return failure
+
+    def _send_bucket(self, bucket: Bucket) -> str | None:
+        return self._attempt(True, "send", lambda: self.transport.send(bucket))
 
     def _pause(self) -> None:
         pause = protocol.pause_generation_request(self.config.pause_mode)

@@ -1,5 +1,7 @@
-"""Weight sync: resharding from any layout equals the converter's HF output bitwise, and the
-weights a learner broadcasts over gloo are the weights the CPU engine then samples with."""
+"""Weight sync: resharding from any layout equals the converter's HF output bitwise, sent
+overlapped or one bucket after the other alike; a send that fails mid-stream makes every rank
+raise together and leaves the ranks in step; and the weights a learner broadcasts over gloo
+are the weights the CPU engine then samples with."""
 
 from __future__ import annotations
 
@@ -7,26 +9,32 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from stub_server import StubServer
 from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
+from megatron_fr.engine import protocol
 from megatron_fr.parallel.spawn import free_port, run_on_ranks
 
 RESHARD_LAYOUTS = {
     "qwen3_moe": [
-        dict(tensor=2, expert=2, sequence_parallel=True),
+        dict(tensor=2, expert=2, sequence_parallel=True),  # experts over ETP2 x EP2
+        # as the flagship's recipe: ETP1; the second data-parallel replica takes no part
+        dict(tensor=2, expert=2, expert_tensor=1, sequence_parallel=True),
         dict(pipeline=2),
         dict(pipeline=2, expert=2),
     ],
     "qwen2": [dict(pipeline=2, tensor=2)],  # tied embeddings: only the first stage sends them
 }
 BUCKET_BYTES = 20_000
+SENT_BEFORE_FAILING = 2
 
 
 def load_learner(megatron_dir: str, config: dict, parallel: ParallelConfig):
@@ -42,21 +50,70 @@ def load_learner(megatron_dir: str, config: dict, parallel: ParallelConfig):
     return spec, model.eval()
 
 
-def reshard_on_rank(rank: int, world_size: int, jobs: list) -> list:
-    """Per job: this rank's bucketed HF tensors if it is a stage sender, else None."""
+def recording_transport(fail_at: int | None = None):
+    """A transport that keeps copies of what it is sent (a bucket may hold views of the
+    parameters); with fail_at, the send of that bucket raises while the next is built."""
+    from megatron_fr.weights.transports import Engine, WeightTransport
+
+    class Recording(WeightTransport):
+        def __init__(self):
+            super().__init__([Engine("http://unused", 1, "cpu")], timeout_s=60)
+            self.buckets, self.attempts = [], 0
+
+        def send(self, bucket):
+            self.attempts += 1
+            if self.attempts == fail_at:
+                time.sleep(0.2)  # still in flight while the next bucket is being built
+                raise RuntimeError(f"injected: bucket {fail_at} lost")
+            self.buckets.append([(name, tensor.clone()) for name, tensor in bucket])
+
+    return Recording()
+
+
+def sync_with(model, spec, url: str, overlap: bool, transport) -> tuple:
+    """One WeightSync.sync through `transport`: (error message or None, sent buckets)."""
+    from megatron_fr.config import WeightSyncConfig
+    from megatron_fr.weights.sync import WeightSync, WeightSyncError
+    from megatron_fr.weights.transports import Engine
+
+    config = WeightSyncConfig(overlap=overlap, flush_cache=False, timeout_s=60)
+    sync = WeightSync(config, [Engine(url, 1, "cpu")], spec)
+    sync.bucket_bytes, sync.transport = BUCKET_BYTES, transport
+    try:
+        sync.sync(model, version=1)
+        error = None
+    except WeightSyncError as raised:
+        error = str(raised)
+    return error, transport.buckets
+
+
+def reshard_on_rank(rank: int, world_size: int, jobs: list, url: str) -> list:
+    """Per job: this rank's buckets from iter_hf_buckets, sent by the sync overlapped and one
+    after the other, the outcome of a sync whose second send fails, then of the next sync."""
+    from megatron_fr.weights.pipeline import THREAD_NAME
     from megatron_fr.weights.reshard import iter_hf_buckets
     from megatron_fr.weights.sync import is_stage_sender
 
     results = []
     for megatron_dir, config, kwargs in jobs:
         spec, model = load_learner(megatron_dir, config, ParallelConfig(**kwargs))
-        buckets = list(iter_hf_buckets(model, spec, BUCKET_BYTES))
-        results.append(buckets if is_stage_sender() else None)
+        direct = list(iter_hf_buckets(model, spec, BUCKET_BYTES))
+        result = dict(direct=direct if is_stage_sender() else None)
+        for overlap in (True, False):
+            result[f"overlap_{overlap}"] = sync_with(
+                model, spec, url, overlap, recording_transport()
+            )
+        failing = recording_transport(fail_at=SENT_BEFORE_FAILING)
+        error, _ = sync_with(model, spec, url, True, failing)
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+        result["failed"] = (error, failing.attempts, threads)
+        result["after_failure"] = sync_with(model, spec, url, True, recording_transport())
+        results.append(result)
     return results
 
 
 @pytest.mark.distributed
-def test_reshard_from_any_layout_equals_the_converter_output(tmp_path):
+def test_reshard_and_sync_from_any_layout_send_the_converter_output(tmp_path):
     jobs, references = [], []
     for family, layouts in RESHARD_LAYOUTS.items():
         config, _, _, _ = tiny_checkpoint(family, tmp_path / family)
@@ -66,21 +123,48 @@ def test_reshard_from_any_layout_equals_the_converter_output(tmp_path):
         for kwargs in layouts:
             jobs.append((str(megatron_dir), config, kwargs))
             references.append((family, kwargs, reference))
-    per_rank = run_on_ranks(reshard_on_rank, 4, jobs, timeout_s=900)
+    paths = (protocol.PAUSE_GENERATION_PATH, protocol.UPDATE_WEIGHT_VERSION_PATH,
+             protocol.CONTINUE_GENERATION_PATH)  # fmt: skip
+    with StubServer({path: [(200, {"success": True})] for path in paths}) as engine:
+        per_rank = run_on_ranks(reshard_on_rank, 4, jobs, engine.url, timeout_s=900)
     for index, (family, layout, reference) in enumerate(references):
-        sent: dict[str, torch.Tensor] = {}
-        for rank_results in per_rank:
-            buckets = rank_results[index]
-            for bucket in buckets or []:
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                assert size <= BUCKET_BYTES or len(bucket) == 1, f"{family} {layout}: {size} B"
-                for name, tensor in bucket:
-                    if name in sent:  # DP replicas of a stage send nothing; stages are disjoint
-                        raise AssertionError(f"{family} {layout}: {name} sent twice")
-                    sent[name] = tensor
-        assert sent.keys() == reference.keys(), f"{family} {layout}"
+        results = [rank_results[index] for rank_results in per_rank]
+        direct = sent_by_senders([r["direct"] or [] for r in results], f"{family} {layout}")
+        assert direct.keys() == reference.keys(), f"{family} {layout}"
         for name, tensor in reference.items():
-            assert torch.equal(sent[name], tensor), f"{family} {layout}: {name} differs"
+            assert torch.equal(direct[name], tensor), f"{family} {layout}: {name} differs"
+        for r in results:  # bucket by bucket, the same tensors whichever way they are sent
+            for sent in ("overlap_True", "overlap_False", "after_failure"):
+                error, buckets = r[sent]
+                assert error is None, f"{family} {layout} {sent}: {error}"
+                assert_same_buckets(buckets, r["direct"] or [], f"{family} {layout} {sent}")
+        failed = [r["failed"] for r in results]
+        assert all(error and "injected: bucket 2 lost" in error for error, _, _ in failed), failed
+        assert all(threads == [] for _, _, threads in failed), failed
+        # The first stage's sender failed; the later stages never sent (stages go in turn).
+        attempts = [attempts for _, attempts, _ in failed if attempts]
+        assert attempts == [SENT_BEFORE_FAILING], f"{family} {layout}: {attempts}"
+
+
+def sent_by_senders(per_rank: list[list], what: str) -> dict[str, torch.Tensor]:
+    """Every rank's buckets as one dict, checking bucket sizes and that no name is sent twice."""
+    sent: dict[str, torch.Tensor] = {}
+    for buckets in per_rank:
+        for bucket in buckets:
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert size <= BUCKET_BYTES or len(bucket) == 1, f"{what}: {size} B"
+            for name, tensor in bucket:
+                if name in sent:  # DP replicas of a stage send nothing; stages are disjoint
+                    raise AssertionError(f"{what}: {name} sent twice")
+                sent[name] = tensor
+    return sent
+
+
+def assert_same_buckets(got: list, expected: list, what: str) -> None:
+    assert [[n for n, _ in b] for b in got] == [[n for n, _ in b] for b in expected], what
+    for bucket, reference in zip(got, expected, strict=True):
+        for (name, tensor), (_, wanted) in zip(bucket, reference, strict=True):
+            assert tensor.dtype == wanted.dtype and torch.equal(tensor, wanted), f"{what}: {name}"
 
 
 def _convert_both_ways(rank: int, world_size: int, hf_dir: str, megatron_dir: str, back: str):

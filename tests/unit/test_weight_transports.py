@@ -12,14 +12,13 @@ import fnmatch
 import glob
 import json
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from stub_server import StubServer
 from test_rollout_protocol import class_fields
 
 from megatron_fr.config.weights import WeightSyncConfig
@@ -248,42 +247,6 @@ def test_disk_layout_is_what_sglangs_loader_reads(tmp_path, monkeypatch, io_stru
 
 
 # --- engines, cache, spot check ---------------------------------------------------------------
-
-
-class StubServer:
-    """An HTTP server on a free port answering from `routes`: path -> list of (status, body),
-    used in order (the last one repeats)."""
-
-    def __init__(self, routes: dict[str, list[tuple[int, object]]]):
-        self.routes, self.calls = routes, []
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self):
-                path = self.path.split("?")[0]
-                stub.calls.append(path)
-                answers = stub.routes.get(path, [(404, {"detail": "Not Found"})])
-                status, body = answers.pop(0) if len(answers) > 1 else answers[0]
-                text = body if isinstance(body, str) else json.dumps(body)
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(text.encode())
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def test_engines_are_resolved_from_what_sglang_reports():

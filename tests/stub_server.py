@@ -1,0 +1,45 @@
+"""A stand-in HTTP server answering fixed JSON per path: for tests of the code that talks to
+engines (discovery, cache flushing, the weight sync's pause / version / continue calls)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class StubServer:
+    """An HTTP server on a free port answering from `routes`: path -> list of (status, body),
+    used in order (the last one repeats)."""
+
+    def __init__(self, routes: dict[str, list[tuple[int, object]]]):
+        self.routes, self.calls = routes, []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))  # else: a reset
+                path = self.path.split("?")[0]
+                stub.calls.append(path)
+                answers = stub.routes.get(path, [(404, {"detail": "Not Found"})])
+                status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+                text = body if isinstance(body, str) else json.dumps(body)
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
