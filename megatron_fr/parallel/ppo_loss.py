@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_fr.algo.flash_reinforce import RatioOverflowError
+from megatron_fr.algo.flash_reinforce import RatioOverflowError, trust_region_gate
 from megatron_fr.config.algo import PPOClipConfig
-from megatron_fr.parallel.loss import GlobalBatch, LossBatch, check_loss_inputs
+from megatron_fr.parallel.loss import GlobalBatch, LossBatch, check_loss_inputs, sum_over
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -122,7 +122,14 @@ def ppo_clip_parallel_loss(
     admitted = torch.zeros_like(present)
     admitted[batch.segment_ids[kept].unique()] = True
     ratios = ratio.detach()[policy]
+    # The gate's per-trajectory KL, as a diagnostic only (no gate here): the comparison of
+    # methods reports the same engine-learner mismatch for every loss.
+    mismatch = trust_region_gate(
+        log_probs, behavior, batch.action_mask, batch.segment_ids,
+        global_batch.num_trajectories, math.inf, reduce_segments=sum_over(cp_group),
+    )  # fmt: skip
     metrics = {
+        "sequence_kl": mismatch.sequence_kl,
         "admitted": admitted,
         "present": present,
         "clip_fraction_tokens": ((clipped < unclipped) & policy).sum().detach(),

@@ -233,3 +233,33 @@ def _empty_first_row(mask):
 def test_bad_inputs_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         _call(**overrides)
+
+
+def test_parallel_loss_reports_the_gates_sequence_kl_without_gating():
+    """GRPO and RLOO log the same engine-learner mismatch as FlashREINFORCE: per trajectory
+    the mean over its policy tokens of p log(p/q) + (1-p) log((1-p)/(1-q)), p = exp(mu),
+    q = exp(pi), written out here; it decides nothing (every trajectory stays admitted)."""
+    from megatron_fr.config.algo import PPOClipConfig
+    from megatron_fr.parallel.loss import GlobalBatch, LossBatch
+    from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 6, 5, generator=generator, dtype=torch.float64)
+    targets = torch.tensor([[1, 2, 3, 0, 4, 1]])
+    behavior = torch.log_softmax(logits + 0.5 * torch.randn(logits.shape, generator=generator,
+                                                            dtype=torch.float64), -1)  # fmt: skip
+    behavior = behavior.gather(-1, targets[..., None])[..., 0]
+    mask = torch.tensor([[False, True, True, False, True, True]])
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1]])  # two packed trajectories
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    batch = LossBatch(target_ids=targets, behavior_log_probs=behavior, action_mask=mask,
+                      segment_ids=segments, positions=positions)  # fmt: skip
+    global_batch = GlobalBatch(advantages=torch.tensor([0.5, -0.5]),
+                               token_counts=torch.tensor([2, 2]))  # fmt: skip
+    _, metrics = ppo_clip_parallel_loss(logits, batch, global_batch, PPOClipConfig())
+    pi = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[0, :, 0]
+    p, q = behavior[0].exp(), pi.exp()
+    d = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+    expected = torch.stack([d[1:3].mean(), d[4:6].mean()])
+    assert_close(metrics["sequence_kl"], expected, 1e-12)
+    assert metrics["admitted"].all() and expected.min() > 0
