@@ -21,7 +21,9 @@ Two limits act on a rollout. Before it starts, admission keeps the rollouts in f
 trajectories held small enough that all of them can be trained within max_lag versions (the
 staleness budget, `_admission_open`) and within `capacity` (backpressure). When a group
 completes, and whenever the version grows, every group older than max_lag is dropped
-(`_is_fresh`): the budget bounds lag on average, the drop bounds it for each trajectory.
+(`_is_fresh`): the budget bounds lag on average, the drop bounds it for each trajectory. With
+`fill_staleness_budget` the learner also waits until the whole budget is queued, which makes
+every trajectory exactly max_lag versions old (a fleet faster than the learner, reproduced).
 
 Groups are atomic (what group baselines need: GRPO's mean and std over a group of part of its
 rollouts is a different estimator): a batch holds B / G whole groups, never part of one. With
@@ -201,8 +203,7 @@ class LagAwareBuffer:
         max_in_flight = self.config.max_in_flight
         if max_in_flight is not None and in_flight + size > max_in_flight:
             return False
-        budget = (self.config.max_lag + 1) * self.config.batch_size
-        return pending + self._consumed_at_version + size <= budget
+        return pending + self._consumed_at_version + size <= self.config.staleness_budget
 
     # ---- finished or failed rollouts -------------------------------------------------------
 
@@ -319,7 +320,7 @@ class LagAwareBuffer:
             raise BufferClosed("the rollout buffer is closed") from self._close_error
         self._advance(current_version)
         groups = self.config.batch_size // self.config.group_size
-        if len(self._queue) < groups:
+        if len(self._queue) < groups or not self._budget_filled():
             return None
         # The queue holds only fresh groups (see _is_fresh), so FIFO order is kept.
         batch = [t for _ in range(groups) for t in self._queue.popleft()]
@@ -329,6 +330,15 @@ class LagAwareBuffer:
         self._consumed_at_version += len(batch)
         self._changed()
         return batch
+
+    def _budget_filled(self) -> bool:
+        """With fill_staleness_budget, whether all that admission allows at this version is
+        queued (then nothing is in flight, and the oldest queued batch is max_lag versions
+        old once the run is max_lag steps in); always True without it."""
+        if not self.config.fill_staleness_budget:
+            return True
+        queued = len(self._queue) * self.config.group_size
+        return queued + self._consumed_at_version >= self.config.staleness_budget
 
     def _advance(self, version: int) -> None:
         if version < self._version:

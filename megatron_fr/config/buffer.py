@@ -24,6 +24,19 @@ class BufferConfig(BaseModel):
     it; 0 is synchronous on-policy training."""
     max_in_flight: PositiveInt | None = None
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
+    fill_staleness_budget: bool = False
+    """The learner takes a batch only once the whole staleness budget, (max_lag + 1) * B
+    trajectories, is queued, so after the first max_lag steps every trajectory is exactly
+    max_lag versions old. That is the steady state of a rollout fleet faster than the learner
+    (its queue is always full); this flag reproduces it where generation is the bottleneck,
+    as on a CPU machine, to measure training at a given lag (`megatron-fr compare lag`). In
+    production it only adds waiting: leave it off."""
+
+    @property
+    def staleness_budget(self) -> int:
+        """(max_lag + 1) * B: the trajectories the learner trains on from one version before it
+        is max_lag + 1 versions newer; admission keeps pending + consumed within it."""
+        return (self.max_lag + 1) * self.batch_size
 
     @model_validator(mode="after")
     def _sizes_fit_together(self) -> BufferConfig:
@@ -41,5 +54,10 @@ class BufferConfig(BaseModel):
             raise ValueError(
                 f"capacity ({self.capacity}) must be >= batch_size ({self.batch_size}), "
                 "or no batch can ever form"
+            )
+        if self.fill_staleness_budget and self.capacity < self.staleness_budget:
+            raise ValueError(
+                f"fill_staleness_budget needs capacity >= (max_lag + 1) * batch_size = "
+                f"{self.staleness_budget} (it is {self.capacity}), or no batch can ever form"
             )
         return self

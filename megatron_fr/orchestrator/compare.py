@@ -14,7 +14,7 @@ delta, and at max_lag 8 without the gate (delta = inf).
 A run that already finished is read, not trained again, so an interrupted comparison is
 continued by the same command. Results: DIR/results.md (table: final held-out accuracy
 mean +- std over seeds, the rollouts each method needs to reach GRPO's final accuracy; for
-`lag`: final accuracy, mean acceptance, mean KL), DIR/accuracy.png (accuracy against
+`lag`: final accuracy, mean acceptance, mean KL, mean lag), DIR/accuracy.png (accuracy against
 trained rollouts, mean over seeds with the spread as a band) and DIR/results.json.
 """
 
@@ -48,10 +48,18 @@ def method_variants(group_size: int) -> list[Variant]:
     ]  # fmt: skip
 
 
-def lag_variants() -> list[Variant]:
+def lag_variants(batch_size: int) -> list[Variant]:
+    """Every run trains at exactly its max_lag (buffer.fill_staleness_budget, with the capacity
+    that needs): where generation is slower than the learner, as on a CPU machine, the lag
+    would otherwise stay near 1 whatever max_lag allows, and the sweep would compare nothing."""
+
+    def at_lag(lag: int) -> tuple[str, ...]:
+        return (f"buffer.max_lag={lag}", "buffer.fill_staleness_budget=true",
+                f"buffer.capacity={(lag + 1) * batch_size}")  # fmt: skip
+
     return [
-        *(Variant(f"lag{lag}", (f"buffer.max_lag={lag}",)) for lag in (0, 2, 8)),
-        Variant("lag8_no_gate", ("buffer.max_lag=8", "learner.flash_reinforce.delta=.inf")),
+        *(Variant(f"lag{lag}", at_lag(lag)) for lag in (0, 2, 8)),
+        Variant("lag8_no_gate", (*at_lag(8), "learner.flash_reinforce.delta=.inf")),
     ]
 
 
@@ -74,6 +82,9 @@ class RunSummary:
     """(trained rollouts, held-out accuracy) at each evaluation."""
     acceptance: float
     kl: float | None
+    lag: float | None
+    """Mean over steps of the batch's mean lag (versions between its oldest token and the
+    learner)."""
 
 
 def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSummary:
@@ -81,11 +92,13 @@ def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSum
     evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
     steps = [r for r in records if "reward_mean" in r]
     kls = [r["sequence_kl_mean"] for r in steps if r.get("sequence_kl_mean") is not None]
+    lags = [r["lag_mean"] for r in steps if r.get("lag_mean") is not None]
     return RunSummary(
         variant, seed,
         curve=[(step * batch_size, accuracy) for step, accuracy in sorted(evals.items())],
         acceptance=statistics.fmean(r["acceptance_rate"] for r in steps) if steps else 0.0,
         kl=statistics.fmean(kls) if kls else None,
+        lag=statistics.fmean(lags) if lags else None,
     )  # fmt: skip
 
 
@@ -107,21 +120,27 @@ def rollouts_to_reach(curve: list[tuple[int, float, float]], target: float) -> i
 def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None) -> str:
     curves = {name: mean_curve(runs) for name, runs in by_variant.items()}
     target = curves[reference][-1][1] if reference else None
-    header = "| run | seeds | final accuracy (mean +- std) | mean acceptance | mean KL |"
+    header = "| run | seeds | final accuracy (mean +- std) | mean acceptance | mean KL | mean lag |"
     lines = [header + (f" rollouts to reach {reference}'s final |" if reference else "")]
-    lines.append("|" + "---|" * (5 + bool(reference)))
+    lines.append("|" + "---|" * (6 + bool(reference)))
     for name, runs in by_variant.items():
         x, mean, std = curves[name][-1]
-        kls = [r.kl for r in runs if r.kl is not None]
-        kl = f"{statistics.fmean(kls):.2e}" if kls else "n/a"
-        row = (f"| {name} | {len(runs)} | {mean:.3f} +- {std:.3f} "
-               f"| {statistics.fmean(r.acceptance for r in runs):.3f} | {kl} |")  # fmt: skip
+        kl = _mean_or_na([r.kl for r in runs], "{:.2e}")
+        lag = _mean_or_na([r.lag for r in runs], "{:.2f}")
+        acceptance = statistics.fmean(r.acceptance for r in runs)
+        accuracy = f"{mean:.3f} +- {std:.3f}"
+        row = f"| {name} | {len(runs)} | {accuracy} | {acceptance:.3f} | {kl} | {lag} |"
         if reference:
             reach = rollouts_to_reach(curves[name], target)
             ratio = f" ({reach / x:.2f}x of {x})" if reach else ""
             row += f" {reach if reach is not None else 'not reached'}{ratio} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def _mean_or_na(values: list[float | None], form: str) -> str:
+    present = [v for v in values if v is not None]
+    return form.format(statistics.fmean(present)) if present else "n/a"
 
 
 def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None:
@@ -156,10 +175,14 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"steps={args.steps}")
     config = load_run_config(args.recipe, overrides)
     warm = prepare_once(args.recipe, out, overrides)
-    variants = method_variants(args.group_size) if args.mode == "methods" else lag_variants()
-    by_variant: dict[str, list[RunSummary]] = {}
-    for variant in variants:
-        for seed in range(args.seeds):
+    if args.mode == "methods":
+        variants = method_variants(args.group_size)
+    else:
+        variants = lag_variants(config.buffer.batch_size)
+    by_variant: dict[str, list[RunSummary]] = {variant.name: [] for variant in variants}
+    # Seed-major, so that an interrupted comparison already covers every configuration.
+    for seed in range(args.seeds):
+        for variant in variants:
             run_dir = out / f"{variant.name}-seed{seed}"
             settings = [*overrides, *variant.overrides, f"seed={seed}", f"model.hf_dir={warm}"]
             if not finished(run_dir, config.steps):
@@ -167,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 print("$ " + " ".join(command), flush=True)
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             summary = summarise(variant.name, seed, run_dir, config.buffer.batch_size)
-            by_variant.setdefault(variant.name, []).append(summary)
+            by_variant[variant.name].append(summary)
     reference = variants[1].name if args.mode == "methods" else None
     table = results_table(by_variant, reference)
     (out / "results.md").write_text(table)

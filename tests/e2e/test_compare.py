@@ -23,7 +23,8 @@ def write_run(run_dir: Path, evals: dict[int, float], acceptance: float, kl: flo
     run_dir.mkdir(parents=True)
     lines = [{"step": s, "rollouts_total": 0, "eval_accuracy": a} for s, a in evals.items()]
     lines += [{"step": s, "reward_mean": 0.5, "acceptance_rate": acceptance,
-               "sequence_kl_mean": kl} for s in range(1, max(evals) + 1)]  # fmt: skip
+               "sequence_kl_mean": kl, "lag_mean": s % 2}
+              for s in range(1, max(evals) + 1)]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -41,22 +42,23 @@ def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
     assert [v for _, m, s in curve for v in (m, s)] == pytest.approx([0.2, 0, 0.45, 0.05, 0.6, 0])
     # GRPO ends at 0.45; FlashREINFORCE's mean reaches it at 20 rollouts, half of GRPO's 40
     table = compare.results_table(runs, reference="grpo")
-    assert "| fr | 2 | 0.600 +- 0.000 | 0.900 | 1.00e-03 | 20 (0.50x of 40) |" in table
-    assert "| grpo | 2 | 0.450 +- 0.000 | 0.900 | 1.00e-03 | 40 (1.00x of 40) |" in table
+    # lags 1, 0, 1, 0 over the four steps: mean 0.5
+    assert "| fr | 2 | 0.600 +- 0.000 | 0.900 | 1.00e-03 | 0.50 | 20 (0.50x of 40) |" in table
+    assert "| grpo | 2 | 0.450 +- 0.000 | 0.900 | 1.00e-03 | 0.50 | 40 (1.00x of 40) |" in table
 
 
 @pytest.mark.distributed
 def test_short_modes_run_every_configuration_end_to_end(tmp_path):
     """Both modes into one directory, as a user comparing both would: the second reuses the
-    first one's warm start."""
+    first one's warm start. The lag runs take three steps, to see the lag grow to max_lag."""
     out = tmp_path / "compare"
-    modes = {"methods": ["flash_reinforce", "grpo_g4", "rloo_g4"],
-             "lag": ["lag0", "lag2", "lag8", "lag8_no_gate"]}  # fmt: skip
-    for mode, names in modes.items():
+    modes = {"methods": (1, ["flash_reinforce", "grpo_g4", "rloo_g4"]),
+             "lag": (3, ["lag0", "lag2", "lag8", "lag8_no_gate"])}  # fmt: skip
+    for mode, (steps, names) in modes.items():
         result = subprocess.run(
             [sys.executable, "-m", "megatron_fr", "compare", mode,
              str(REPO / "examples/cpu_demo.yaml"), "--out", str(out), "--seeds", "1",
-             "--steps", "1", *TINY],
+             "--steps", str(steps), *TINY],
             capture_output=True, text=True, timeout=1500,
             env=os.environ | {"PYTHONPATH": str(REPO)},
         )  # fmt: skip
@@ -68,4 +70,10 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path):
             assert "hf_dir:" in config and "warm_start" in config  # all from the one warm start
         assert (out / "accuracy.png").stat().st_size > 10_000
     assert "delta: .inf" in (out / "lag8_no_gate-seed0" / "config.yaml").read_text()
+    # Each lag run trains at its max_lag once it is that many steps in (the buffer waits for a
+    # full staleness budget): batch lags 0, 1, 2 at max_lag 2 and 8, 0 throughout at max_lag 0.
+    for name, lags in {"lag0": [0, 0, 0], "lag2": [0, 1, 2], "lag8": [0, 1, 2]}.items():
+        records = [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
+        assert [r["lag_max"] for r in records if "lag_max" in r] == lags, name
+        assert [r["lag_mean"] for r in records if "lag_mean" in r] == lags, name
     assert len(list(out.glob("warm_start*"))) == 1

@@ -98,7 +98,9 @@ def buffer_configs(draw) -> BufferConfig:
     batch_size = group_size * draw(st.integers(1, 3))
     max_lag = draw(st.integers(0, 3))
     # From "capacity binds before the staleness budget" to "it never does".
-    capacity = draw(st.integers(batch_size, (max_lag + 2) * batch_size + 2))
+    fill = draw(st.booleans())
+    smallest = (max_lag + 1) * batch_size if fill else batch_size
+    capacity = draw(st.integers(smallest, (max_lag + 2) * batch_size + 2))
     max_in_flight = draw(st.none() | st.integers(group_size, capacity))
     return BufferConfig(
         capacity=capacity,
@@ -106,6 +108,7 @@ def buffer_configs(draw) -> BufferConfig:
         group_size=group_size,
         max_lag=max_lag,
         max_in_flight=max_in_flight,
+        fill_staleness_budget=fill,
     )
 
 
@@ -281,7 +284,12 @@ class BufferMachine(RuleBasedStateMachine):
         batch = self.buffer.next_batch(version)
         self.model_advance(version)
         groups = self.config.batch_size // self.config.group_size
-        if len(self.queue) < groups:
+        c = self.config
+        unfilled = c.fill_staleness_budget and (
+            len(self.queue) * c.group_size + self.consumed_at_version
+            < (c.max_lag + 1) * c.batch_size
+        )
+        if len(self.queue) < groups or unfilled:
             assert batch is None
             return
         expected, self.queue = self.queue[:groups], self.queue[groups:]
@@ -377,6 +385,31 @@ def test_config_refuses_what_cannot_work():
         BufferConfig(capacity=4, batch_size=2, lag=1)
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         config().max_lag = 3
+    with pytest.raises(pydantic.ValidationError, match=r"fill_staleness_budget needs capacity"):
+        BufferConfig(capacity=6, batch_size=2, max_lag=3, fill_staleness_budget=True)
+
+
+def test_filled_budget_trains_every_trajectory_exactly_max_lag_versions_old():
+    """A generator slower than the learner: one rollout at a time, each finished with the
+    weights it started with, the learner asking for a batch after each. Without
+    fill_staleness_budget it trains on each batch as soon as it is ready (lag 0, whatever
+    max_lag allows); with it the learner waits for the whole budget, (max_lag + 1) * B, so
+    from step max_lag on every batch is exactly max_lag versions old."""
+    max_lag = 3
+    lags = {}
+    for fill in (True, False):
+        buffer = new_buffer(config(batch_size=2, max_lag=max_lag, capacity=8,
+                                   fill_staleness_budget=fill))  # fmt: skip
+        lags[fill] = []
+        for version in range(10):
+            buffer.set_version(version)
+            while (batch := buffer.next_batch(version)) is None:
+                admission = buffer.try_admit()
+                assert admission is not None, "the learner waits only while admission is open"
+                buffer.put(make_trajectory(admission.prompt_ids[0], version))
+            lags[fill].append({version - t.oldest_version for t in batch})
+    assert lags[True] == [{0}, {1}, {2}] + [{max_lag}] * 7
+    assert lags[False] == [{0}] * 10
 
 
 def test_admission_budget_worked_example():
