@@ -9,7 +9,8 @@ rollouts (B per step): FlashREINFORCE sees B problems a step, the group methods 
 (method, seed) is one `megatron-fr train` run in DIR/<method>-seed<s>; all start from the
 same warm-started model (made once, DIR/warm_start), so the methods differ only in how they
 use their rollouts. `lag` trains FlashREINFORCE at max_lag 0, 2 and 8 with the recipe's
-delta, and at max_lag 8 without the gate (delta = inf).
+delta, and at max_lag 8 without the gate (delta = inf), each at exactly its max_lag
+(see lag_variants).
 
 A run that already finished is read, not trained again, so an interrupted comparison is
 continued by the same command. Results: DIR/results.md (table: final held-out accuracy
