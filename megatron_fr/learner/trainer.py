@@ -305,8 +305,10 @@ class Learner:
             if replay is not None:
                 replay.clear()
 
-    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict[str, float]:
-        """One optimizer step on the whole batch (every rank passes the same batch)."""
+    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict:
+        """One optimizer step on the whole batch (every rank passes the same batch): scalar
+        metrics, plus per trajectory (lists in batch order) advantages, admitted and the
+        gate's sequence_kl."""
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -418,10 +420,12 @@ class Learner:
             "steps_done": self.steps_done,
         }
 
-    def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict[str, float]:
+    def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict:
         from megatron.core import parallel_state as ps
 
-        values = torch.zeros(4, dtype=torch.float64)
+        # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
+        size = len(batch)
+        values = torch.zeros(4 + 2 * size, dtype=torch.float64)
         if ps.is_pipeline_last_stage():
             admitted, present = agreed_admission(per_micro, dp_group)
             sums = torch.stack(
@@ -437,7 +441,8 @@ class Learner:
             # group has the whole value): the sum over DP ranks is the batch's
             kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
             dist.all_reduce(kl, group=ps.get_data_parallel_group())
-            values = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
+            scalars = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
+            values = torch.cat([scalars, admitted.double(), kl])
         if self.parallel.pipeline > 1:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
@@ -453,6 +458,8 @@ class Learner:
             "acceptance_rate": values[1].item(),
             "clip_fraction": values[2].item(),
             "sequence_kl_mean": values[3].item(),
+            "admitted": [bool(a) for a in values[4 : 4 + size]],
+            "sequence_kl": values[4 + size :].tolist(),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_successful": float(bool(updated)),
             "lr": self.optimizer.param_groups[0]["lr"],

@@ -2,8 +2,10 @@
 
     run_dir/metrics.jsonl   a line per optimizer step and per evaluation (run_log.RunLogger,
                             with TensorBoard and the progress bar)
-    run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards and the
-                            advantages the learner used
+    run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards, the
+                            advantages the learner used, and per trajectory the gate's KL
+                            D_i and whether it was admitted (which trajectories a gate holds
+                            out, and of which sign, is what explains a gated run's course)
     run_dir/config.yaml     the resolved config
 
 On resume both logs are cut back to the checkpoint's step first: the steps after it are
@@ -39,7 +41,7 @@ class RunReport:
         self,
         step: int,
         batch: list[Trajectory],
-        learner: dict[str, float],
+        learner: dict,
         sync_s: float,
         rollout: dict[str, Any],
         seconds: float,
@@ -82,6 +84,8 @@ class RunReport:
                 "response_lengths": [t.num_policy_tokens for t in batch],
                 "rewards": [t.reward for t in batch],
                 "advantages": learner["advantages"],
+                "admitted": learner["admitted"],
+                "sequence_kl": learner["sequence_kl"],
             },
         )
 

@@ -41,8 +41,9 @@ def random_batch(seed: int = 0, size: int = 6) -> list[Trajectory]:
     return batch
 
 
-def reference(hf_dir, batch: list[Trajectory]) -> tuple[float, float, float]:
-    """(loss, acceptance, grad norm) from transformers' model and algo.flash_reinforce_loss."""
+def reference(hf_dir, batch: list[Trajectory]) -> tuple[float, float, float, dict]:
+    """(loss, acceptance, grad norm, per-trajectory gate decisions and KL) from transformers'
+    model and algo.flash_reinforce_loss."""
     from transformers import AutoModelForCausalLM
 
     from megatron_fr.algo.flash_reinforce import flash_reinforce_loss
@@ -64,7 +65,11 @@ def reference(hf_dir, batch: list[Trajectory]) -> tuple[float, float, float]:
     loss, metrics = flash_reinforce_loss(log_probs, behavior, rewards, mask, delta=DELTA)
     loss.backward()
     norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
-    return loss.item(), metrics["acceptance_rate"].item(), norm.item()
+    gate = {
+        "admitted": metrics["admitted"].tolist(),
+        "sequence_kl": metrics["sequence_kl"].detach(),
+    }
+    return loss.item(), metrics["acceptance_rate"].item(), norm.item(), gate
 
 
 def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list[Trajectory]):
@@ -117,7 +122,7 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     batch = random_batch()
-    loss, acceptance, grad_norm = reference(tmp_path / "hf", batch)
+    loss, acceptance, grad_norm, gate = reference(tmp_path / "hf", batch)
     assert 0 < acceptance < 1, "the gate should split this batch"
 
     per_rank = run_on_ranks(learner_steps, 2, str(tmp_path / "m"), batch, timeout_s=600)
@@ -128,6 +133,10 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
         assert metrics == metrics_1, f"{where}: ranks disagree"
         assert abs(metrics["loss"] - loss) <= 1e-5, f"{where}: loss {metrics['loss']} vs {loss}"
         assert metrics["acceptance_rate"] == pytest.approx(acceptance, abs=1e-6), where
+        # per trajectory, in batch order, as batches.jsonl records them
+        assert metrics["admitted"] == gate["admitted"], where
+        kl = torch.tensor(metrics["sequence_kl"], dtype=torch.float64)
+        assert torch.allclose(kl, gate["sequence_kl"].double(), atol=1e-6), where
         assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), where
         assert metrics["update_successful"] == 1.0 and metrics["lr"] == pytest.approx(1e-3)
         assert second[0]["loss"] != metrics["loss"], f"{where}: the step changed nothing"

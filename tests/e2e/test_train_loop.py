@@ -60,6 +60,12 @@ def test_demo_runs_through_the_real_chain_and_keeps_lag_bounded(demo_run):
         assert 0 <= row["lag_mean"] <= row["lag_max"] <= 2, row  # max_lag of the recipe
         assert 0 <= row["acceptance_rate"] <= 1 and 0 <= row["reward_mean"] <= 1
     assert max(r["lag_max"] for r in steps) >= 1, "rollouts should run ahead of the learner"
+    # batches.jsonl: each trajectory's gate decision and KL, consistent with the step's means
+    for row, batch in zip(steps, records(demo_run, "batches.jsonl"), strict=True):
+        assert len(batch["admitted"]) == len(batch["sequence_kl"]) == 16  # buffer.batch_size
+        assert sum(batch["admitted"]) / 16 == pytest.approx(row["acceptance_rate"])
+        kl = sum(batch["sequence_kl"]) / 16
+        assert kl == pytest.approx(row["sequence_kl_mean"], rel=1e-6, abs=1e-12)
     assert [r["step"] for r in evals] == [0, 5] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     assert (demo_run / "config.yaml").exists() and any((demo_run / "tensorboard").iterdir())
     assert (demo_run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
