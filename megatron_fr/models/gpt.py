@@ -149,7 +149,7 @@ def build_gpt_model(
         on_cpu=on_cpu, routing_replay=routing_replay,
     )  # fmt: skip
     with torch.device("meta") if meta else nullcontext():
-        return GPTModel(
+        model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(spec, on_cpu=on_cpu),
             vocab_size=spec.vocab_size,
@@ -161,6 +161,12 @@ def build_gpt_model(
             rotary_base=int(spec.rope_theta),
             parallel_output=True,
         )
+    if not meta and not config.use_cpu_initialization:
+        # megatron allocates its own parallel layers on the GPU, but modules it takes from
+        # torch (the local spec's norms) on the default device: move the rest, as megatron's
+        # own training does after building a model.
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def parameter_counts(model: torch.nn.Module, num_experts: int, top_k: int) -> tuple[int, int]:

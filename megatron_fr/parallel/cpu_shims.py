@@ -7,6 +7,10 @@ CUDA is absent, and never changes behaviour on a GPU machine. Two kinds:
 * import shims (install_import_shims): needed before ``import megatron.core`` can succeed;
 * runtime shims (apply_cpu_shims): needed before megatron models, schedules or optimizers run.
 
+One extension is not about the CPU: apply_local_spec_attention gives the local spec's core
+attention the packed rows (THD) and context parallelism that megatron implements in TE only.
+It is installed wherever the local spec runs (no transformer-engine), on CPU and GPU alike.
+
 Each runtime shim replaces one attribute (a torch.cuda function, or a name inside the megatron
 module that calls it) and marks the replacement, so applying them twice is a no-op. What they
 replace fails on a CPU-only torch build, or feeds a gloo collective that then fails, so no
@@ -70,13 +74,21 @@ def apply_cpu_shims() -> None:
     _shim_current_device()  # allocations "on the current device"
     _shim_torch_norm_sequence_parallel()  # norms under sequence parallelism
     _shim_default_causal_mask()  # attention without an explicit mask
-    _shim_local_attention()  # packed rows (THD) and context parallelism
     _shim_cuda_streams()  # MoE alltoall dispatcher's side stream
     _shim_numpy_split_sizes()  # MoE alltoall split sizes
     _shim_uneven_gather()  # MoE alltoall under TP + SP
     _shim_schedule_cuda_device()  # get_forward_backward_func() at PP=1
     _shim_checkpoint_preload()  # dist_checkpointing.save (torch_dist)
     _shim_tied_embedding_sync()  # tied embeddings at PP > 1
+
+
+def apply_local_spec_attention() -> None:
+    """Packed rows and CP for the local spec's attention (idempotent; a no-op where the model
+    is built with transformer-engine's spec, whose attention has both)."""
+    from megatron_fr.models.gpt import use_transformer_engine
+
+    if not use_transformer_engine():
+        _shim_local_attention()
 
 
 def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -236,7 +248,8 @@ def _shim_default_causal_mask() -> None:
 def _shim_local_attention() -> None:
     """Covers DotProductAttention (the local spec's core attention), which refuses context
     parallelism in __init__ and PackedSeqParams in forward: megatron runs both through
-    TEDotProductAttention only, and TE needs CUDA. The replacement computes what TE computes:
+    TEDotProductAttention only (TE needs CUDA, and a GPU may lack it). The replacement computes
+    what TE computes:
 
     * a packed row (qkv_format "thd", [tokens, heads, dim]) is attended as one row
       [tokens, 1, heads, dim] under the block-diagonal causal mask of cu_seqlens (TE's
@@ -279,7 +292,7 @@ def _shim_local_attention() -> None:
                 query, key, value = (x.unsqueeze(1) for x in (query, key, value))
             else:
                 boundaries = [0, query.size(0) * group.size()]
-            mask = _row_causal_mask(boundaries, group)
+            mask = _row_causal_mask(boundaries, group).to(query.device)
             if group.size() > 1:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.parallel.cpu_shims import apply_cpu_shims
+from megatron_fr.parallel.cpu_shims import apply_cpu_shims, apply_local_spec_attention
 
 
 def resolve_backend(config: ParallelConfig) -> str:
@@ -36,6 +36,7 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         )
     config.validate_world(dist.get_world_size())
     apply_cpu_shims()
+    apply_local_spec_attention()
     if torch.cuda.is_available():
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     if parallel_state.model_parallel_is_initialized():
