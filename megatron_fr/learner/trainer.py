@@ -250,7 +250,9 @@ class Learner:
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
-        reported["clipped"] = metrics.get("clip_fraction_tokens", torch.zeros(()))
+        reported["clipped"] = metrics.get(
+            "clip_fraction_tokens", torch.zeros((), device=loss.device)
+        )
         kl = metrics.get("sequence_kl")
         reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
             metrics["present"], dtype=torch.float64
@@ -424,8 +426,10 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
+        # on the model's device: NCCL reduces device tensors only
+        device = next(self.module.parameters()).device
         size = len(batch)
-        values = torch.zeros(4 + 2 * size, dtype=torch.float64)
+        values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage():
             admitted, present = agreed_admission(per_micro, dp_group)
             sums = torch.stack(
@@ -447,8 +451,8 @@ class Learner:
             group = ps.get_pipeline_model_parallel_group()
             last = ps.get_pipeline_model_parallel_last_rank()
             dist.broadcast(values, src=last, group=group)
-        steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)])
-        top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)])
+        steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)], device=device)
+        top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)], device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return {

@@ -85,7 +85,7 @@ def _cp_segment_sums(totals: Tensor, cp_group) -> Tensor:
     its table to the largest id any rank holds first."""
     if cp_group is None or dist.get_world_size(cp_group) == 1:
         return totals
-    size = torch.tensor([totals.shape[1]])
+    size = torch.tensor([totals.shape[1]], device=totals.device)
     dist.all_reduce(size, op=dist.ReduceOp.MAX, group=cp_group)
     padded = torch.nn.functional.pad(totals, (0, int(size) - totals.shape[1]))
     dist.all_reduce(padded, group=cp_group)
