@@ -9,7 +9,8 @@
     run_dir/config.yaml     the resolved config
 
 On resume both logs are cut back to the checkpoint's step first: the steps after it are
-trained again and logged again, each step once.
+trained again and logged again, each step once. A run that starts from step 0 (no checkpoint
+yet, e.g. killed before its first one) starts both logs afresh, as it evaluates step 0 again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RunReport:
     def __init__(self, config: RunConfig, run_dir: Path, step: int) -> None:
         self.run_dir = run_dir
         for name in (METRICS_FILE, BATCHES_FILE):
-            ckpt.truncate_jsonl(run_dir / name, step)
+            ckpt.truncate_jsonl(run_dir / name, step if step > 0 else -1)
         save_resolved_config(run_dir, config.model_dump(mode="json"))
         self.logger = RunLogger(run_dir, progress_total=config.steps)
 
