@@ -215,6 +215,12 @@ class Learner:
         self.routing_replay = RoutingReplay(self.module, spec) if config.routing_replay else None
         self.steps_done = 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model lives: its inputs go there, and so do the tensors its
+        metrics reduce (NCCL reduces device tensors only)."""
+        return next(self.module.parameters()).device
+
     def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
         rewards = torch.tensor([t.reward for t in batch], dtype=torch.float64)
         failures = rewards <= 0 if self.config.flash_reinforce.negative_token_fraction < 1 else None
@@ -290,8 +296,7 @@ class Learner:
         `replay`, each micro-batch routed as its trajectories were by the engine."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = next(self.module.parameters()).device
-        forward_step = forward_step_on(device, score, replay, train=not forward_only)
+        forward_step = forward_step_on(self.device, score, replay, train=not forward_only)
         rows, width = micros[0].input_ids.shape
         try:
             return get_forward_backward_func()(
@@ -426,8 +431,7 @@ class Learner:
         from megatron.core import parallel_state as ps
 
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
-        # on the model's device: NCCL reduces device tensors only
-        device = next(self.module.parameters()).device
+        device = self.device
         size = len(batch)
         values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
         if ps.is_pipeline_last_stage():

@@ -13,12 +13,11 @@ done, e.g. on a run trained without a gate (delta = inf), whose D_i are still re
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_fr.orchestrator.report import BATCHES_FILE
+from megatron_fr.orchestrator.run_log import read_run_log
 
 
 @dataclass(frozen=True)
@@ -71,13 +70,6 @@ def gate_by_advantage_sign(
     )
 
 
-def read_batches(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / BATCHES_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (is {run_dir} a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def table(rows: list[tuple[str, GateBySign]]) -> str:
     lines = [
         "| run | steps | acceptance, A > 0 | acceptance, A < 0 | admitted per step "
@@ -104,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         rows = [
-            (str(d), gate_by_advantage_sign(read_batches(d), args.delta, args.from_step))
+            (
+                str(d),
+                gate_by_advantage_sign(read_run_log(d, BATCHES_FILE), args.delta, args.from_step),
+            )
             for d in args.run_dirs
         ]
     except (OSError, ValueError) as error:

@@ -91,7 +91,7 @@ def _check(metrics: Mapping[str, Any], required: tuple[str, ...], what: str) -> 
 
 
 def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a metrics file and the byte length of its intact part.
+    """The records of a JSON-lines run log and the byte length of its intact part.
 
     The last non-blank line is allowed to be unparseable (the remnant of a write cut short by a
     kill); it is left out and the intact length stops before it. Any other bad line raises.
@@ -108,7 +108,7 @@ def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
             except ValueError as err:
                 if index == last:
                     return records, offset
-                raise ValueError(f"{path}:{index + 1}: malformed metrics line ({err})") from err
+                raise ValueError(f"{path}:{index + 1}: malformed line ({err})") from err
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{index + 1}: expected a JSON object, got {line!r}")
             records.append(record)
@@ -116,20 +116,26 @@ def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, offset
 
 
-def _metrics_path(run_dir: str | Path) -> Path:
-    """run_dir/metrics.jsonl; FileNotFoundError naming the path when it is not there."""
+def _log_path(run_dir: str | Path, name: str) -> Path:
+    """run_dir/name; FileNotFoundError naming the path when it is not there."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist (or is not a directory)")
-    path = run_dir / METRICS_FILE
+    path = run_dir / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {run_dir} has no logged metrics")
+        raise FileNotFoundError(f"{path}: no such file ({run_dir} has not logged {name})")
     return path
+
+
+def read_run_log(run_dir: str | Path, name: str) -> list[dict[str, Any]]:
+    """Every record of the JSON-lines log run_dir/name, in file order (a last line cut short
+    by a kill is left out)."""
+    return _scan(_log_path(run_dir, name))[0]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl, in file order (step and eval lines interleaved)."""
-    return _scan(_metrics_path(run_dir))[0]
+    return read_run_log(run_dir, METRICS_FILE)
 
 
 def last_step(run_dir: str | Path) -> int | None:
