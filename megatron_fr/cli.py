@@ -1,9 +1,8 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
-megatron-fr prepare RECIPE --run-dir DIR [key=value ...] the model a run starts from
 megatron-fr serve --model-path D --port P [...]          one inference server (foreground)
-megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
+megatron-fr demo prepare RECIPE [key=value ...]          make a CPU demo recipe's tiny model
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
@@ -18,17 +17,15 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
+    from megatron_fr.demo import cli as demo
     from megatron_fr.engine import serve_cli
-    from megatron_fr.learner import smoke
-    from megatron_fr.orchestrator import compare, plot, prepare_cli, train_cli
+    from megatron_fr.orchestrator import compare, plot, train_cli
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     subcommands = (  # name, module with add_arguments and the function to run, help
         ("train", train_cli, train_cli.main,
          "train from a recipe (starts the learner ranks, engines and rollouts)"),
-        ("prepare", prepare_cli, prepare_cli.main,
-         "make the model a run starts from (warm start or check model.hf_dir); prints its dir"),
         ("serve", serve_cli, serve_cli.main,
          "run one inference server in the foreground (SGLang, or the CPU engine)"),
         ("plot", plot, plot.main,
@@ -37,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
          "HF <-> megatron checkpoint conversion and logit verification"),
         ("compare", compare, compare.run,
          "FlashREINFORCE vs GRPO vs RLOO at equal rollouts, or a max_lag sweep"),
-        ("smoke", smoke, smoke.main,
-         "CPU smoke run: a tiny megatron GPT learns a toy reward (gloo ranks)"),
+        ("demo", demo, demo.main,
+         "the CPU demos: `demo prepare RECIPE` makes a demo recipe's tiny model"),
     )  # fmt: skip
     for name, module, run, help_text in subcommands:
         sub = commands.add_parser(name, help=help_text)

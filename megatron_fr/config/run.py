@@ -9,6 +9,7 @@ into the run directory (config.yaml); a restart with the same command resumes th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -18,8 +19,7 @@ from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.config.rollout import EvalSettings, RolloutSettings
-from megatron_fr.config.tasks import ArithmeticTask, TaskSettings
-from megatron_fr.config.warm_start import WarmStartConfig
+from megatron_fr.config.tasks import TaskConfig
 from megatron_fr.config.weights import WeightSyncConfig
 
 
@@ -28,13 +28,11 @@ class _Strict(BaseModel):
 
 
 class ModelSettings(_Strict):
-    hf_dir: str | None = None
-    """The starting HF checkpoint (config.json, safetensors and, for text tasks, the
-    tokenizer); None: a tiny model made for the task in RUN_DIR/warm_start (the CPU demos:
-    warm-started on demonstrations for arithmetic and math, randomly initialised for the
-    agent tasks)."""
-    warm_start: WarmStartConfig = WarmStartConfig()
-    """The supervised warm start used when hf_dir is None."""
+    hf_dir: str = Field(min_length=1)
+    """The starting HF checkpoint: config.json, safetensors, the tokenizer with its chat
+    template (and generation_config.json, where the model says when to stop). Relative to
+    the recipe file when written in one. The CPU demos' tiny models are made by
+    `megatron-fr demo prepare RECIPE` (megatron_fr/demo/)."""
 
 
 class CheckpointSettings(_Strict):
@@ -49,8 +47,8 @@ class RunConfig(_Strict):
     learner_ranks: int = Field(default=1, ge=1)
     """Learner processes on this node when `megatron-fr train` starts them itself (torchrun
     --nproc-per-node); under an existing torchrun/srun launch the environment decides."""
-    model: ModelSettings = ModelSettings()
-    task: TaskSettings = ArithmeticTask()
+    model: ModelSettings
+    task: TaskConfig
     parallel: ParallelConfig = ParallelConfig()
     learner: LearnerConfig = LearnerConfig()
     buffer: BufferConfig
@@ -118,20 +116,23 @@ def read_recipe(recipe: str | Path) -> dict:
 
 
 def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """The recipe with the overrides applied. Prompt-file paths written in a recipe are
-    relative to the recipe file (so a recipe and its data travel together); paths given as
-    overrides are relative to the working directory, as on any command line."""
-    data = _resolve_data_paths(read_recipe(recipe), Path(recipe).resolve().parent)
+    """The recipe with the overrides applied. Paths written in a recipe (prompt files, the
+    model directory) are relative to the recipe file, so a recipe and its data travel
+    together; paths given as overrides are relative to the working directory, as on any
+    command line."""
+    data = _resolve_paths(read_recipe(recipe), Path(recipe).resolve().parent)
     return RunConfig.model_validate(apply_overrides(data, list(overrides)))
 
 
-def _resolve_data_paths(data: dict, base: Path) -> dict:
-    task = data.get("task")
-    if not isinstance(task, dict):
-        return data
-    files = [task.get("train"), *(task.get("eval_sets") or {}).values()]
-    for spec in files:
-        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
-            path = Path(spec["path"]).expanduser()
-            spec["path"] = str(path if path.is_absolute() else base / path)
+def _resolve_paths(data: dict, base: Path) -> dict:
+    task, model = data.get("task"), data.get("model")
+    holders = [model] if isinstance(model, dict) else []
+    if isinstance(task, dict):
+        eval_sets = task.get("eval_sets")
+        holders += [task.get("train"), *(eval_sets.values() if isinstance(eval_sets, dict) else [])]
+    for holder in holders:
+        for key in ("path", "hf_dir"):
+            if isinstance(holder, dict) and isinstance(holder.get(key), str):
+                path = Path(holder[key]).expanduser()
+                holder[key] = os.path.normpath(path if path.is_absolute() else base / path)
     return data

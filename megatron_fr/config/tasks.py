@@ -1,28 +1,27 @@
-"""What a run trains on: a typed choice of task, keyed on `task.name`.
+"""What a run trains on: prompt files played through an environment, one row per episode.
 
-    arithmetic    the token-level toy (no tokenizer): the smoke recipe
-    math          one turn; prompts from a dataset file; the reward is math-verify on the
-                  \\boxed{} answer (envs/math_env.py)
-    python_tool   multi-turn; the model calls a Python sandbox; the final answer is graded
-    alfworld      multi-turn; ALFWorld games (or TextWorld games behind the same interface)
-    textworld     multi-turn; TextWorld games generated offline
+    task:
+      name: python_tool          # the environment: a registered name (envs/registry.py:
+                                 # math, python_tool, alfworld, textworld) or an import path
+                                 # "package.module:EnvironmentClass" of one's own
+      env: {sandbox: {...}}      # that environment's own settings, validated by its Config
+      train: {path: data/train.jsonl}
+      eval_sets: {aime24: {path: data/aime24.parquet, samples: 16}}
+      agent: {max_turns: 20}     # multi-turn limits; absent: the environment's own defaults
+                                 # (one turn for math)
 
-Text tasks share the dataset, length and eval settings below; the multi-turn ones add the
-agent loop's limits (AgentConfig) and their environment's own config. Every field has its
-default here and nowhere else. Imports no torch.
+The settings every task shares are typed here; an environment's own (`env`) are validated by
+the environment's config class when the run is checked, before any process starts
+(orchestrator/tasks.py), so adding an environment never touches this file. Imports no torch.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
 
-from megatron_fr.envs.alfworld import AlfWorldConfig
-from megatron_fr.envs.datasets import DatasetConfig
-from megatron_fr.envs.math_env import MathEnvConfig
-from megatron_fr.envs.python_tool import PythonToolConfig
-from megatron_fr.tasks.arithmetic import ArithmeticConfig
+from megatron_fr.config.data import DatasetConfig
 
 
 class _Strict(BaseModel):
@@ -52,13 +51,21 @@ class EvalSetConfig(DatasetConfig):
     """k of avg@k for this set (None: eval.samples)."""
 
 
-class _TextTask(_Strict):
-    """Settings every text task shares."""
+class TaskConfig(_Strict):
+    """The environment, its prompt files, and the lengths and truncation rules of a row."""
 
+    name: str = Field(min_length=1)
+    """The environment: a name registered in envs/registry.py, or "package.module:Class" (an
+    Environment subclass with its own Config) for one of your own."""
+    env: dict[str, Any] = Field(default_factory=dict)
+    """The environment's own settings (its Config class validates them)."""
     train: DatasetConfig
     """The training prompts (a file and which of its fields hold what)."""
     eval_sets: dict[str, EvalSetConfig] = Field(default_factory=dict)
     """Named held-out sets, each evaluated as avg@k (metrics eval_<name>_accuracy)."""
+    agent: AgentConfig | None = None
+    """Multi-turn limits. None: the environment's defaults (its `agent` class attribute); an
+    environment without any plays one turn of at most max_new_tokens."""
     max_prompt_tokens: PositiveInt = 1024
     """Samples whose rendered prompt is longer are dropped when the data is loaded (counted)."""
     max_new_tokens: PositiveInt = 1024
@@ -71,41 +78,10 @@ class _TextTask(_Strict):
     overlong_penalty: float = Field(default=1.0, ge=0)
     """Full size of that penalty (subtracted from the reward)."""
 
-
-class ArithmeticTask(ArithmeticConfig):
-    """The token-level toy (tasks/arithmetic.py): its own vocabulary, no tokenizer."""
-
-    name: Literal["arithmetic"] = "arithmetic"
-
-
-class MathTask(_TextTask):
-    name: Literal["math"]
-    env: MathEnvConfig = MathEnvConfig()
-
-
-class PythonToolTask(_TextTask):
-    name: Literal["python_tool"]
-    env: PythonToolConfig = PythonToolConfig()
-    agent: AgentConfig = AgentConfig()
-
-
-class AlfWorldTask(_TextTask):
-    name: Literal["alfworld"]
-    env: AlfWorldConfig = AlfWorldConfig()
-    agent: AgentConfig = AgentConfig(max_turns=50)
-
-
-class TextWorldTask(_TextTask):
-    """TextWorld games (specs generated offline with tw-make, or game files) played through
-    the same environment as ALFWorld."""
-
-    name: Literal["textworld"]
-    env: AlfWorldConfig = AlfWorldConfig()
-    agent: AgentConfig = AgentConfig(max_turns=20)
-
-
-TaskSettings = Annotated[
-    ArithmeticTask | MathTask | PythonToolTask | AlfWorldTask | TextWorldTask,
-    Field(discriminator="name"),
-]
-TEXT_TASKS = (MathTask, PythonToolTask, AlfWorldTask, TextWorldTask)
+    def single_turn_agent(self) -> AgentConfig:
+        """The limits of a one-turn episode: the prompt and one response of max_new_tokens."""
+        return AgentConfig(
+            max_turns=1,
+            max_new_tokens_per_turn=self.max_new_tokens,
+            max_episode_tokens=self.max_prompt_tokens + self.max_new_tokens,
+        )

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
+from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.envs.alfworld_games import alfworld_wrappers, ensure_alfworld_game
 from megatron_fr.envs.base import Environment, Episode, Sample, StepResult
 from megatron_fr.envs.textworld_games import GameSpec, ensure_game
@@ -138,6 +139,8 @@ class AlfWorldEnvironment(Environment):
     """Samples: {"id", "alfworld_problem"}, {"id", "game_file"} or {"id", <GameSpec fields>}."""
 
     name: ClassVar[str] = "alfworld"
+    Config: ClassVar[type[BaseModel]] = AlfWorldConfig
+    agent: ClassVar[AgentConfig | None] = AgentConfig(max_turns=50)
 
     def __init__(self, config: AlfWorldConfig | None = None) -> None:
         self.config = config or AlfWorldConfig()
@@ -154,6 +157,14 @@ class AlfWorldEnvironment(Environment):
 
     def start(self, sample: Sample) -> AlfWorldEpisode:
         return AlfWorldEpisode(self, self.game_file(sample))
+
+
+class TextWorldEnvironment(AlfWorldEnvironment):
+    """TextWorld games (specs generated offline with tw-make, or game files) played through
+    the same interface; shorter episodes by default."""
+
+    name: ClassVar[str] = "textworld"
+    agent: ClassVar[AgentConfig | None] = AgentConfig(max_turns=20)
 
 
 def alfworld_samples(data_path: str | Path, task_types: tuple[int, ...] = (1, 2, 3, 4, 5, 6)):

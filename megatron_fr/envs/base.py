@@ -1,6 +1,7 @@
 """The interface between the agent loop and an environment.
 
-    env = build_environment("python_tool", options)      # shared by many episodes, thread-safe
+    env = build_environment("python_tool", options)      # envs/registry.py; shared by many
+                                                         # episodes, thread-safe
     episode = env.start(sample)                          # one conversation's state
     episode.messages, episode.tools                      # what the policy is prompted with
     result = episode.step(assistant_text)                # the policy's whole turn, as text
@@ -18,6 +19,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from megatron_fr.config.tasks import AgentConfig
 
 Message = dict[str, str]
 """A chat message: {"role": "system" | "user" | "assistant" | "tool", "content": str}."""
@@ -55,9 +60,16 @@ class Episode(ABC):
 
 
 class Environment(ABC):
-    """Makes episodes from samples; owns what they share (a grader pool, a sandbox)."""
+    """Makes episodes from samples; owns what they share (a grader pool, a sandbox).
+    Constructed as ``EnvironmentClass(EnvironmentClass.Config(**task_env))``."""
 
     name: ClassVar[str]
+    """The name recipes use (task.name) and the registry knows it by."""
+    Config: ClassVar[type[BaseModel]]
+    """Its settings (a recipe's task.env), validated before any process starts."""
+    agent: ClassVar[AgentConfig | None] = None
+    """Default limits of a multi-turn episode (a recipe's task.agent replaces them); None:
+    the environment is played one turn at a time (one response of task.max_new_tokens)."""
 
     @abstractmethod
     def start(self, sample: Sample) -> Episode:

@@ -23,15 +23,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
-
+from megatron_fr.config.data import DatasetConfig
 from megatron_fr.envs.base import Sample
-
-if TYPE_CHECKING:
-    from megatron_fr.envs.base import Environment
-    from megatron_fr.rollout.agent import ChatFormat
 
 DATA_DIR = Path(__file__).with_name("data")
 BUNDLED: dict[str, tuple[str, ...]] = {
@@ -43,28 +38,6 @@ BUNDLED: dict[str, tuple[str, ...]] = {
 hand-written real ALFWorld problems, then the TextWorld game specs)."""
 ROLES = ("system", "user", "assistant", "tool")
 MISSING = object()
-
-
-class DatasetConfig(BaseModel):
-    """Where the prompts are and which fields of a row hold what."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: str
-    """A .jsonl, .json or .parquet file (parquet needs pyarrow)."""
-    prompt_key: str | None = "problem"
-    """The prompt: a string (-> "problem"), or a list of chat messages (-> "messages", and
-    its last user message -> "problem"). None: the rows carry no prompt (game specs)."""
-    label_key: str | None = "answer"
-    """The reference answer (a string or a number) -> "answer". None: no label."""
-    id_key: str = "id"
-    """The row's id (a string or an integer) -> "id"; rows without one are numbered."""
-    metadata_keys: dict[str, str] = Field(default_factory=dict)
-    """More fields to lift into the sample: {sample field: dotted key in the row}."""
-    records_key: str | None = None
-    """.json only: the key holding the rows (a list of objects, or an object of objects)."""
-    limit: PositiveInt | None = None
-    """Keep the first `limit` rows."""
 
 
 def load_samples(
@@ -200,25 +173,6 @@ def _prompt(value: Any, where: str) -> dict[str, Any]:
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in value]
     return {"messages": messages, "problem": users[-1]}
-
-
-def filter_by_prompt_length(
-    samples: list[Sample], environment: Environment, chat: ChatFormat, max_prompt_tokens: int
-) -> tuple[list[Sample], int]:
-    """The samples whose opening prompt (the episode's messages and tools, rendered by the
-    chat template with the generation prompt, as the agent loop sends it) has at most
-    `max_prompt_tokens` ids, and how many were dropped. Starts each sample's episode, so an
-    environment whose start is costly (a game) pays it once per sample here."""
-    kept = []
-    for sample in samples:
-        episode = environment.start(sample)
-        try:
-            length = len(chat.prompt_ids(episode.messages, episode.tools))
-        finally:
-            episode.close()
-        if length <= max_prompt_tokens:
-            kept.append(sample)
-    return kept, len(samples) - len(kept)
 
 
 def write_jsonl(path: str | Path, samples: list[Sample]) -> Path:

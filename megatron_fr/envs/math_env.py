@@ -57,6 +57,7 @@ class MathEpisode(Episode):
 
 class MathEnvironment(Environment):
     name: ClassVar[str] = "math"
+    Config: ClassVar[type[BaseModel]] = MathEnvConfig
 
     def __init__(self, config: MathEnvConfig | None = None) -> None:
         self.config = config or MathEnvConfig()

@@ -23,11 +23,12 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.envs.base import Environment, Episode, Sample, StepResult
 from megatron_fr.envs.math_env import math_messages
 from megatron_fr.envs.math_grader import MathGrader, MathGraderConfig
 from megatron_fr.envs.sandbox import Sandbox, SandboxConfig, SandboxResult
-from megatron_fr.rollout.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls
+from megatron_fr.envs.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls
 
 log = logging.getLogger("megatron_fr.python_tool")
 
@@ -133,6 +134,8 @@ class PythonToolEpisode(Episode):
 
 class PythonToolEnvironment(Environment):
     name: ClassVar[str] = "python_tool"
+    Config: ClassVar[type[BaseModel]] = PythonToolConfig
+    agent: ClassVar[AgentConfig | None] = AgentConfig()
 
     def __init__(self, config: PythonToolConfig | None = None) -> None:
         self.config = config or PythonToolConfig()

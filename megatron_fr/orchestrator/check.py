@@ -2,8 +2,9 @@
 before a cluster job is spent on it; nothing is started.
 
     config       the recipe and overrides against the typed schema (already done by loading)
-    model        model.hf_dir: config.json -> the model spec; for text tasks its tokenizer and
-                 chat template; lengths against the model's context
+    task         the environment named and its settings (already done by resolve_task)
+    model        model.hf_dir: config.json -> the model spec; its tokenizer and chat template;
+                 lengths against the model's context
     data         every prompt file: readable, its fields where the recipe says; each prompt
                  rendered with the chat template (generation prompt on) and counted against
                  max_prompt_tokens (games, whose prompt the game prints, are not rendered)
@@ -19,7 +20,6 @@ import json
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
-from megatron_fr.config.tasks import ArithmeticTask
 
 
 class CheckFailed(ValueError):
@@ -33,10 +33,8 @@ def check_recipe(
     prompt with the chat template (the quick preflight `train` runs before starting)."""
     lines = [f"task        {config.task.name}"]
     spec = _model(config, lines)
-    if not isinstance(config.task, ArithmeticTask):
-        _data(config, lines, render)
-    if spec is not None:
-        _layout(config, spec, world_size, gpu_mem_gb, lines)
+    _data(config, lines, render)
+    _layout(config, spec, world_size, gpu_mem_gb, lines)
     b = config.buffer
     learner = config.learner
     lines.append(f"rollouts    B={b.batch_size}, G={b.group_size}, max_lag={b.max_lag}, "
@@ -49,9 +47,6 @@ def _model(config: RunConfig, lines: list[str]):
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.orchestrator.workload import check_hf_dir
 
-    if not config.model.hf_dir:
-        lines.append("model       a tiny model made for the task at the start (no model.hf_dir)")
-        return None
     try:
         hf_dir = check_hf_dir(config)
     except FileNotFoundError as error:
@@ -61,13 +56,10 @@ def _model(config: RunConfig, lines: list[str]):
     lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
                  f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
     task = config.task
-    if not isinstance(task, ArithmeticTask):
-        budget = getattr(getattr(task, "agent", None), "max_episode_tokens", None) or (
-            task.max_prompt_tokens + task.max_new_tokens
-        )
-        if context is not None and budget > context:
-            raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
-                              f"context {context} (max_position_embeddings)")  # fmt: skip
+    budget = (task.agent or task.single_turn_agent()).max_episode_tokens
+    if context is not None and budget > context:
+        raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
+                          f"context {context} (max_position_embeddings)")  # fmt: skip
     return spec
 
 
@@ -91,15 +83,13 @@ def _rendered(config: RunConfig, samples: list) -> str:
     """How the prompts render with the model's chat template, when there is a model and the
     rows carry prompts."""
     task = config.task
-    if not config.model.hf_dir or task.train.prompt_key is None:
+    if task.train.prompt_key is None:
         return ""
-    from megatron_fr.envs.datasets import filter_by_prompt_length
     from megatron_fr.envs.registry import build_environment
-    from megatron_fr.orchestrator.workload import ENVIRONMENT_OF
-    from megatron_fr.tasks.chat import load_chat
+    from megatron_fr.rollout.chat import filter_by_prompt_length, load_chat
 
     chat = load_chat(config.model.hf_dir)
-    with build_environment(ENVIRONMENT_OF[task.name], task.env.model_dump()) as environment:
+    with build_environment(task.name, task.env) as environment:
         _, dropped = filter_by_prompt_length(samples, environment, chat, task.max_prompt_tokens)
         episode = environment.start(samples[0])
         length = len(chat.prompt_ids(episode.messages, episode.tools))

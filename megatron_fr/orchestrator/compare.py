@@ -7,8 +7,8 @@
 problem) with the same batch size B and number of steps, so the same number of trained
 rollouts (B per step): FlashREINFORCE sees B problems a step, the group methods B / G. Each
 (method, seed) is one `megatron-fr train` run in DIR/<method>-seed<s>; all start from the
-same warm-started model (made once, DIR/warm_start), so the methods differ only in how they
-use their rollouts. `lag` trains FlashREINFORCE at max_lag 0, 2 and 8 with the recipe's
+recipe's model (model.hf_dir), so the methods differ only in how they use their rollouts.
+`lag` trains FlashREINFORCE at max_lag 0, 2 and 8 with the recipe's
 delta, and at max_lag 8 without the gate (delta = inf), each at exactly its max_lag
 (see lag_variants).
 
@@ -175,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         overrides.append(f"steps={args.steps}")
     config = load_run_config(args.recipe, overrides)
-    warm = prepare_once(args.recipe, out, overrides)
     if args.mode == "methods":
         variants = method_variants(args.group_size)
     else:
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     for seed in range(args.seeds):
         for variant in variants:
             run_dir = out / f"{variant.name}-seed{seed}"
-            settings = [*overrides, *variant.overrides, f"seed={seed}", f"model.hf_dir={warm}"]
+            settings = [*overrides, *variant.overrides, f"seed={seed}"]
             if not finished(run_dir, config.steps):
                 command = train_command(args.recipe, run_dir, settings)
                 print("$ " + " ".join(command), flush=True)
@@ -201,16 +200,6 @@ def run(args: argparse.Namespace) -> int:
     plot(by_variant, out / "accuracy.png", f"{args.mode}: {args.recipe.name}")
     print(table)
     return 0
-
-
-def prepare_once(recipe: Path, out: Path, overrides: list[str]) -> str:
-    """The warm-started model every run of the comparison starts from (made once)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "prepare", str(recipe), "--run-dir", str(out),
-         *overrides],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return result.stdout.strip().splitlines()[-1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,6 @@ from megatron_fr.orchestrator.setup import (
     connect_weight_sync,
     eval_sets,
 )
-from megatron_fr.orchestrator.workload import prepare_hf_model
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.service import RolloutService
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
@@ -47,7 +46,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
 
     state.initialize(config.parallel, seed=config.seed)
     first = dist.get_rank() == 0
-    hf_dir = broadcast_from_rank0(prepare_hf_model(config, run_dir) if first else None)
+    hf_dir = Path(config.model.hf_dir)  # checked by the preflight (orchestrator/check.py)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     resume_from = ckpt.latest_checkpoint(run_dir)
     # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.

@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
     from megatron_fr.orchestrator.check import check_recipe
+    from megatron_fr.orchestrator.workload import resolve_task
 
     try:
-        config = load_run_config(args.recipe, args.overrides)
+        config = resolve_task(load_run_config(args.recipe, args.overrides))
         world = args.world_size or int(os.environ.get("WORLD_SIZE", config.learner_ranks))
         if args.check:
             print(check_recipe(config, world, args.gpu_mem_gb))

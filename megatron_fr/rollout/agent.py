@@ -48,66 +48,11 @@ from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import Rollout, RolloutClient
 from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Episode, Message
+from megatron_fr.rollout.chat import ChatFormat
 
 Finish = Literal[
     "done", "max_turns", "max_episode_tokens", "prompt_too_long", "time_limit", "turn_time_limit"
 ]
-PLACEHOLDER = "\u2063MEGATRON-FR-ASSISTANT-TURN\u2063"
-"""Stands for an assistant turn's content when rendering the template around it."""
-
-
-class ChatFormat:
-    """A transformers tokenizer's chat template, as token ids the loop can splice."""
-
-    def __init__(self, tokenizer: Any, end_of_turn: tuple[str, ...] = ("<|im_end|>",)) -> None:
-        self.tokenizer = tokenizer
-        vocab = tokenizer.get_vocab()
-        stops = [vocab[token] for token in end_of_turn if token in vocab]
-        if tokenizer.eos_token_id is not None:
-            stops.append(tokenizer.eos_token_id)
-        if not stops:
-            raise ValueError(f"the tokenizer has none of the end-of-turn tokens {end_of_turn}")
-        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
-
-    def render(self, messages: list[Message], tools: list[dict] | None, generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation
-        )
-
-    def encode(self, text: str) -> list[int]:
-        """Template text -> ids; special tokens written in the text map to their ids."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def prompt_ids(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
-        return self.encode(self.render(messages, tools, generation=True))
-
-    def turn_text(self, output_ids: list[int]) -> str:
-        """What the policy said: its tokens decoded, without the end-of-turn token."""
-        if output_ids and output_ids[-1] in self.stop_token_ids:
-            output_ids = output_ids[:-1]
-        return self.tokenizer.decode(
-            output_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-
-    def between_turns_ids(
-        self,
-        history: list[Message],
-        observations: list[Message],
-        tools: list[dict] | None,
-        last_token: int | None,
-    ) -> list[int]:
-        """Ids from the end of an assistant turn to the next generation prompt: the template's
-        end of the turn (less the end-of-turn token if the policy generated it, `last_token`),
-        the observation turns, and the generation prompt."""
-        turn = {"role": "assistant", "content": PLACEHOLDER}
-        text = self.render([*history, turn, *observations], tools, generation=True)
-        tail = text[text.rindex(PLACEHOLDER) + len(PLACEHOLDER) :]
-        if last_token in self.stop_token_ids:
-            generated = self.tokenizer.decode([last_token], skip_special_tokens=False)
-            if tail.startswith(generated):
-                tail = tail[len(generated) :]
-        return self.encode(tail)
-
 
 @dataclass(frozen=True)
 class Turn:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_fr.rollout.tool_calls import (
+from megatron_fr.envs.tool_calls import (
     MalformedToolCall,
     ToolCall,
     parse_tool_calls,

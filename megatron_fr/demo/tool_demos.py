@@ -21,9 +21,9 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatron_fr.demo.arithmetic import Problem
 from megatron_fr.envs.base import Sample
 from megatron_fr.envs.python_tool import TOOL_NAME, PythonToolConfig, PythonToolEnvironment
-from megatron_fr.tasks.arithmetic import Problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,8 +52,8 @@ class ToolDemonstrations:
 
     def __init__(self, samples: list[Sample], config: PythonToolConfig,
                  tokenizer: PreTrainedTokenizerBase) -> None:  # fmt: skip
-        from megatron_fr.tasks.chat import chat_format
-        from megatron_fr.tasks.tiny_models import chat_stop_token_ids
+        from megatron_fr.demo.tiny_models import chat_stop_token_ids
+        from megatron_fr.rollout.chat import chat_format
 
         missing = [s["id"] for s in samples if not isinstance(s.get("code"), str)]
         if missing:

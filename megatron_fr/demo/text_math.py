@@ -4,18 +4,18 @@
     prompt:   the "math" environment's opening messages for the row, rendered by the model's chat
               template with the generation prompt (exactly what the agent loop sends)
     target:   "23 + 5 = \\boxed{28}" then <|im_end|>        (a slip: the boxed answer off by
-              1 or 10, as ArithmeticTask.slip_target_ids makes them)
+              1 or 10, as demo/arithmetic.py SLIPS list them)
     reward:   the "math" environment's grade of the decoded response (extraction of the last
               \\boxed{}, math-verify in a worker process)
 
-The problems, their ids and the train/eval partition are ArithmeticTask's (a hash of the
+The problems, their ids and the train/eval partition are ArithmeticProblems' (a hash of the
 operands decides the split, so the two are disjoint by construction and stable whatever is
 drawn); difficulty is its `digits` and `operations` (the demo: 2 digits, "+"). Rows are plain
 dataset rows, so the RL loop reads them like any prompt file (envs/datasets.py), and
 write_rows() saves them as one.
 
-The task works in token ids (the Task protocol of megatron_fr.tasks), which is what the
-supervised warm start (learner/warm_start.py) trains on; it owns a MathEnvironment (grader
+The task works in token ids (demo/warm_start.py's Task protocol), which is what the
+supervised warm start trains on; it owns a MathEnvironment (grader
 worker processes): close() it, or use it as a context manager.
 """
 
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_fr.demo.arithmetic import SLIPS, ArithmeticConfig, ArithmeticProblems, Problem, Split
 from megatron_fr.envs.base import Message, Sample
 from megatron_fr.envs.datasets import write_jsonl
 from megatron_fr.envs.math_env import MathEnvConfig, MathEnvironment, math_messages
-from megatron_fr.tasks.arithmetic import SLIPS, ArithmeticConfig, ArithmeticTask, Problem, Split
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,7 +53,7 @@ class TextMathConfig(BaseModel):
 
 
 def operands(problem_id: str) -> tuple[int, str, int]:
-    """(a, op, b) of an ArithmeticTask problem id such as "23+05"."""
+    """(a, op, b) of an ArithmeticProblems problem id such as "23+05"."""
     match = _ARITHMETIC_ID.fullmatch(problem_id)
     if match is None:
         raise ValueError(f"{problem_id!r} is not an arithmetic problem id like '23+05'")
@@ -72,8 +72,8 @@ def worked_answer(problem_id: str, answer: int | str) -> str:
 
 
 def rows(config: TextMathConfig, split: Split, count: int, seed: int | None = None) -> list[Sample]:
-    """`count` dataset rows of `split` ({"id", "problem", "answer"}), ArithmeticTask's draw."""
-    drawn = ArithmeticTask(config.problems).problems(split, count, seed)
+    """`count` dataset rows of `split` ({"id", "problem", "answer"}), ArithmeticProblems's draw."""
+    drawn = ArithmeticProblems(config.problems).problems(split, count, seed)
     return [{"id": p.id, "problem": question(p.id), "answer": p.answer} for p in drawn]
 
 
@@ -103,8 +103,8 @@ class TextMathTask:
     name = "text_math"
 
     def __init__(self, config: TextMathConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        from megatron_fr.tasks.chat import chat_format
-        from megatron_fr.tasks.tiny_models import chat_stop_token_ids
+        from megatron_fr.demo.tiny_models import chat_stop_token_ids
+        from megatron_fr.rollout.chat import chat_format
 
         self.config = config
         self.tokenizer = tokenizer
@@ -112,7 +112,7 @@ class TextMathTask:
         self.stop_token_ids = self.chat.stop_token_ids
         self.pad_id = tokenizer.pad_token_id
         self.environment = MathEnvironment(config.environment)
-        self._arithmetic = ArithmeticTask(config.problems)
+        self._arithmetic = ArithmeticProblems(config.problems)
         self._prompt_ids = lru_cache(maxsize=None)(self._render_prompt)
 
     def __enter__(self) -> TextMathTask:
@@ -134,7 +134,7 @@ class TextMathTask:
         return len(self._encode(longest)) + 1 + 2
 
     def problems(self, split: Split, count: int, seed: int | None = None) -> list[Problem]:
-        """ArithmeticTask's draw of `count` problems, with chat-rendered prompts."""
+        """ArithmeticProblems's draw of `count` problems, with chat-rendered prompts."""
         drawn = self._arithmetic.problems(split, count, seed)
         return [Problem(p.id, self._prompt_ids(p.id), p.answer) for p in drawn]
 
@@ -171,7 +171,7 @@ def build_text_math_task(
     config: TextMathConfig | None = None, vocab_size: int = 384
 ) -> TextMathTask:
     """The task with a tokenizer trained on its own chats (chat_tokenizer.build_chat_tokenizer)."""
-    from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+    from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
 
     config = config or TextMathConfig()
     tokenizer = build_chat_tokenizer(tokenizer_chats(config), vocab_size)
@@ -179,13 +179,13 @@ def build_text_math_task(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m megatron_fr.tasks.text_math OUT_DIR [--train N --eval N ...]`: write the
+    """`python -m megatron_fr.demo.text_math OUT_DIR [--train N --eval N ...]`: write the
     prompt files of a text-math recipe (OUT_DIR/train.jsonl and OUT_DIR/eval.jsonl), drawn
-    from the same problems a warm start of the same settings uses (config/warm_start.py's
+    from the same problems a warm start of the same settings uses (demo/config.py's
     `problems`), the held-out ones from the eval split."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_fr.tasks.text_math",
+    parser = argparse.ArgumentParser(prog="python -m megatron_fr.demo.text_math",
                                      description=main.__doc__)  # fmt: skip
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--train", type=int, default=4096, help="training prompts")

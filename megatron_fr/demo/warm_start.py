@@ -11,19 +11,19 @@ first. (A warm start stopped early on clean data instead, at ~25% greedy accurac
 the skill itself is half-learnt, and the arithmetic demo's held-out accuracy did not rise from
 it at any learning rate tried.) Only the targets carry loss: the prompts are not imitated.
 
-Any task of the Task protocol (megatron_fr.tasks) trains here: ArithmeticTask in its own
-16-id vocabulary, or TextMathTask, whose prompts are chat-rendered by the model's tokenizer
-(pass it as `tokenizer=`, and it is saved with the model):
+Any task of the Task protocol below trains here: TextMathTask (demo/text_math.py) or
+ToolDemonstrations (demo/tool_demos.py), whose prompts are chat-rendered by the model's
+tokenizer (pass it as `tokenizer=`, and it is saved with the model):
 
-    from megatron_fr.config.warm_start import WarmStartConfig
-    from megatron_fr.learner.warm_start import warm_start
-    from megatron_fr.tasks.text_math import build_text_math_task
-    from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+    from megatron_fr.demo.config import WarmStartConfig
+    from megatron_fr.demo.text_math import build_text_math_task
+    from megatron_fr.demo.tiny_models import tiny_chat_model_config
+    from megatron_fr.demo.warm_start import warm_start
     with build_text_math_task() as task:
         report = warm_start("runs/warm", task, tiny_chat_model_config(task.tokenizer),
                             WarmStartConfig(), tokenizer=task.tokenizer)
 
-    megatron-fr prepare examples/cpu_demo.yaml --run-dir runs/demo   (what a recipe does)
+    megatron-fr demo prepare examples/cpu_demo.yaml      (what the demo recipes use)
 
 The result is a save_pretrained directory (safetensors, config.json, generation_config.json,
 and the tokenizer files when there is a tokenizer) that the CPU inference engine and the HF ->
@@ -44,20 +44,42 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from pydantic import BaseModel
 from tqdm import tqdm
 
-from megatron_fr.config.warm_start import WarmStartConfig
-from megatron_fr.tasks import Problem, Task
-from megatron_fr.tasks.tiny_models import build_model
+from megatron_fr.demo.arithmetic import Problem
+from megatron_fr.demo.config import WarmStartConfig
+from megatron_fr.demo.tiny_models import build_model
 from megatron_fr.utils.atomic_dir import atomic_directory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MARKER = "warm_start.json"
+
+
+class Task(Protocol):
+    """What the warm start trains on: problems whose prompts are token ids, the ids of a
+    right answer and of a slip, and a reward for generated ids."""
+
+    name: str
+    config: BaseModel
+    pad_id: int
+    stop_token_ids: tuple[int, ...]
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    def problems(self, split: str, count: int, seed: int | None = None) -> list[Problem]: ...
+
+    def target_ids(self, problem: Problem) -> list[int]: ...
+
+    def slip_target_ids(self, problem: Problem, rng: random.Random) -> list[int]: ...
+
+    def reward(self, problem: Problem, output_ids: list[int]) -> float: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +115,7 @@ def warm_start(
     """Train (or reuse) the warm-start policy in `out_dir` and say how good it is.
 
     `tokenizer`: the one the task's ids come from, saved with the model (and part of what
-    decides reuse); None for a task that needs none (arithmetic).
+    decides reuse).
     """
     config = config or WarmStartConfig()
     out_dir = Path(out_dir)

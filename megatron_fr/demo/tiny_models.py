@@ -18,8 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_fr.tasks.arithmetic import tiny_model_config
-from megatron_fr.tasks.chat_tokenizer import END_OF_TURN, PAD_TOKEN, build_chat_tokenizer
+from megatron_fr.demo.chat_tokenizer import END_OF_TURN, PAD_TOKEN, build_chat_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +54,38 @@ def chat_stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """<|im_end|> (end of turn) then <|endoftext|>: the order of Qwen instruct models'
     generation_config.json."""
     return tuple(tokenizer.convert_tokens_to_ids([END_OF_TURN, PAD_TOKEN]))
+
+
+def tiny_model_config(vocab_size: int) -> dict:
+    """config.json of the demo's Qwen3-MoE-shaped policy: every part of the production model
+    (GQA with q/k norm, RoPE, top-k routed experts with normalised weights, untied embeddings),
+    small enough that the warm start and RL run in minutes on two CPU cores. Key-value heads
+    and experts are even, so the learner can run it at TP2 or EP2."""
+    return dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        hidden_act="silu",
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+    )
 
 
 def tiny_chat_model_config(tokenizer: PreTrainedTokenizerBase, **overrides: Any) -> dict:

@@ -1,0 +1,99 @@
+"""Make a demo recipe's starting model: a tiny chat model in the recipe's model.hf_dir.
+
+    math          a tokenizer trained on the arithmetic chats, a model warm-started on noisy
+                  demonstrations of the problems (demo/text_math.py)
+    python_tool   a tokenizer trained on the task's text; warm-started on two-turn tool
+                  demonstrations when every training sample carries a reference program
+                  (demo/tool_demos.py)
+    others        a tokenizer trained on the task's text and a randomly initialised model
+
+A model made with the same settings is reused; the directory is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_fr.config.run import RunConfig
+from megatron_fr.demo.config import DemoModelConfig
+from megatron_fr.envs.base import Sample
+from megatron_fr.envs.datasets import load_dataset
+from megatron_fr.envs.registry import environment_config
+
+
+def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
+    """Write (or reuse) the model of `config.model.hf_dir`; a one-line report."""
+    hf_dir = Path(config.model.hf_dir)
+    task = config.task
+    if task.name == "math":
+        return str(_warm_start_text_math(config, demo, hf_dir))
+    samples = load_dataset(task.train)
+    tokenizer = _task_tokenizer(config, demo, samples)
+    tool_demos = task.name == "python_tool" and all("code" in sample for sample in samples)
+    if demo.warm_start is not None and tool_demos:
+        return str(_warm_start_tool_demos(config, demo, hf_dir, samples, tokenizer))
+    return _random_model(config, hf_dir, tokenizer)
+
+
+def _warm_start_text_math(config: RunConfig, demo: DemoModelConfig, hf_dir: Path):
+    from megatron_fr.demo.text_math import TextMathConfig, build_text_math_task
+    from megatron_fr.demo.tiny_models import tiny_chat_model_config
+    from megatron_fr.demo.warm_start import warm_start
+
+    if demo.warm_start is None:
+        raise ValueError("demo.warm_start: the math demo needs a warm start")
+    environment = environment_config("math", config.task.env)
+    text = TextMathConfig(problems=demo.warm_start.problems, environment=environment)
+    with build_text_math_task(text, demo.tokenizer_vocab) as task:
+        return warm_start(hf_dir, task, tiny_chat_model_config(task.tokenizer), demo.warm_start,
+                          tokenizer=task.tokenizer)  # fmt: skip
+
+
+def _task_tokenizer(config: RunConfig, demo: DemoModelConfig, samples: list[Sample]):
+    """A BPE tokenizer trained on the task's own text: the system prompt, every problem and,
+    for samples with a reference program, the tool call and answer a solver would write."""
+    from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
+    from megatron_fr.demo.tool_demos import answer_text, tool_call_text
+
+    system = getattr(environment_config(config.task.name, config.task.env), "system_prompt", None)
+    chats = [[{"role": "system", "content": system or ""},
+              {"role": "user", "content": str(sample.get("problem", sample))},
+              *([{"role": "assistant", "content": tool_call_text(sample["code"])},
+                 {"role": "assistant", "content": answer_text(str(sample["answer"]))}]
+                if "code" in sample else [])]
+             for sample in samples]  # fmt: skip
+    return build_chat_tokenizer(chats, vocab_size=demo.tokenizer_vocab)
+
+
+def _warm_start_tool_demos(config: RunConfig, demo: DemoModelConfig, hf_dir: Path,
+                           samples: list[Sample], tokenizer):  # fmt: skip
+    from megatron_fr.demo.tiny_models import tiny_chat_model_config
+    from megatron_fr.demo.tool_demos import ToolDemonstrations
+    from megatron_fr.demo.warm_start import warm_start
+
+    task = ToolDemonstrations(samples, environment_config("python_tool", config.task.env),
+                              tokenizer)  # fmt: skip
+    try:
+        return warm_start(hf_dir, task, tiny_chat_model_config(tokenizer), demo.warm_start,
+                          tokenizer=tokenizer)  # fmt: skip
+    finally:
+        task.close()
+
+
+def _random_model(config: RunConfig, hf_dir: Path, tokenizer) -> str:
+    import torch
+
+    from megatron_fr.demo.tiny_models import (
+        build_model,
+        chat_stop_token_ids,
+        save_chat_model,
+        tiny_chat_model_config,
+    )
+
+    if (hf_dir / "config.json").is_file():
+        return f"reused {hf_dir}"
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model = build_model(tiny_chat_model_config(tokenizer), chat_stop_token_ids(tokenizer))
+    save_chat_model(hf_dir, model, tokenizer)
+    return f"a randomly initialised tiny chat model in {hf_dir}"
