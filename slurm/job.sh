@@ -3,8 +3,8 @@
 # lines and the MFR_* settings above a copy of this file (RUN_DIR/slurm/job.sbatch) and
 # submits that; MFR_DRY_RUN=1 prints each step's command instead of running it (--dry-run).
 #
-#   node 1..R (rollout)   srun: megatron-fr prepare (once) -> the HF dir the servers load
-#                         srun: megatron-fr serve x servers-per-node (background) -> /health
+#   node 1..R (rollout)   srun: megatron-fr serve x servers-per-node (background), each
+#                         loading the recipe's model.hf_dir (MFR_HF_DIR) -> /health
 #   node R+1..R+L         srun: torchrun (one per node) -> learner ranks: megatron-fr train,
 #   (learner)                   told the servers' URLs, the weight group's address, the model
 #
@@ -19,7 +19,7 @@
 # node's NodeAddr (scontrol show node), never from its hostname.
 set -euo pipefail
 
-: "${MFR_RUN_DIR:?}" "${MFR_RECIPE:?}" "${MFR_PYTHON:?}" "${MFR_REPO:?}"
+: "${MFR_RUN_DIR:?}" "${MFR_RECIPE:?}" "${MFR_PYTHON:?}" "${MFR_REPO:?}" "${MFR_HF_DIR:?}"
 : "${MFR_ROLLOUT_NODES:?}" "${MFR_LEARNER_NODES:?}" "${MFR_PROCS_PER_NODE:?}"
 : "${MFR_ENGINE:?}" "${MFR_SERVERS_PER_NODE:?}" "${MFR_SERVER_GPUS:?}" "${MFR_SERVER_THREADS:?}"
 : "${MFR_PORT_BASE:?}" "${MFR_HEALTH_TIMEOUT_S:?}"
@@ -173,21 +173,6 @@ learner_rank() {
 
 # --- the job ---------------------------------------------------------------------------------
 
-prepare_model() {
-    local command=(srun_on "${ROLLOUT[0]}" "$MFR_PYTHON" -m megatron_fr prepare "$MFR_RECIPE"
-        --run-dir "$MFR_RUN_DIR" "${MFR_OVERRIDES[@]}")
-    log "prepare on ${ROLLOUT[0]}"
-    if dry; then
-        "${command[@]}"
-        HF_DIR='<last line printed by prepare>'
-        return
-    fi
-    "${command[@]}" >"$LOG_DIR/prepare.out" 2>"$LOG_DIR/prepare.err" \
-        || die "prepare failed; see $LOG_DIR/prepare.err"
-    HF_DIR=$(tail -n 1 "$LOG_DIR/prepare.out")
-    log "model: $HF_DIR"
-}
-
 start_servers() {
     local index addr port i
     SERVER_PIDS=()
@@ -199,7 +184,7 @@ start_servers() {
             URLS+=("http://$addr:$((port + i))")
         done
         spawn srun_on "${ROLLOUT[index]}" bash -c "$(program serve_node)" serve_node \
-            "$LOG_DIR" "$MFR_PYTHON" "$HF_DIR" "$MFR_ENGINE" "$MFR_SERVERS_PER_NODE" \
+            "$LOG_DIR" "$MFR_PYTHON" "$MFR_HF_DIR" "$MFR_ENGINE" "$MFR_SERVERS_PER_NODE" \
             "$MFR_SERVER_GPUS" "$MFR_SERVER_THREADS" "$port" "${MFR_SERVER_ARGS[@]}"
         SERVER_PIDS+=("$LAST_PID")
     done
@@ -264,7 +249,7 @@ run_learners() {
     spawn srun_on "$nodes" bash -c "$(program learner_node learner_rank)" learner_node \
         "$LOG_DIR" "$MFR_PYTHON" "$MFR_LEARNER_NODES" "$MFR_PROCS_PER_NODE" "$addr" \
         "$MASTER_PORT" "$MFR_RECIPE" --run-dir "$MFR_RUN_DIR" "${MFR_OVERRIDES[@]}" \
-        "model.hf_dir=$HF_DIR" "rollout.engine.urls=$urls" "weights.master_address=$addr" \
+        "model.hf_dir=$MFR_HF_DIR" "rollout.engine.urls=$urls" "weights.master_address=$addr" \
         "weights.master_port=$WEIGHTS_PORT" \
         "learner_ranks=$((MFR_LEARNER_NODES * MFR_PROCS_PER_NODE))"
     LEARNER_PID=$LAST_PID
@@ -295,7 +280,6 @@ main() {
     trap on_usr1 USR1
     resolve_nodes
     log "nodes: rollout ${ROLLOUT[*]}; learner ${LEARNERS[*]}; logs $LOG_DIR"
-    prepare_model
     start_servers
     wait_for_servers
     run_learners

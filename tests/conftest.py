@@ -22,3 +22,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+QUICK_DEMO_MODEL = [
+    "demo.warm_start.steps=60", "demo.warm_start.batch_size=32", "demo.warm_start.eval_problems=20",
+]  # fmt: skip
+"""A demo model made quickly: it answers in the task's format but is not yet good at it."""
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU demo's tiny model (examples/cpu_demo.yaml), with a short warm start, made once
+    per test session by `megatron-fr demo prepare`; tests pass it as model.hf_dir."""
+    from megatron_fr.cli import main
+
+    hf_dir = tmp_path_factory.mktemp("demo-model") / "cpu_demo"
+    recipe = Path(__file__).parents[1] / "examples" / "cpu_demo.yaml"
+    assert main(["demo", "prepare", str(recipe), f"model.hf_dir={hf_dir}", *QUICK_DEMO_MODEL]) == 0
+    return hf_dir

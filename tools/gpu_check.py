@@ -30,7 +30,7 @@ PARTS = (
     "megatron_fr.models.gpt", "megatron_fr.convert.checkpoint", "megatron_fr.parallel.state",
     "megatron_fr.parallel.vocab_parallel", "megatron_fr.weights.sync",
     "megatron_fr.engine.launcher", "megatron_fr.engine.protocol", "megatron_fr.utils.gpu_telemetry",
-    "megatron_fr.tasks.arithmetic",
+    "megatron_fr.demo.tiny_models",
 )  # fmt: skip
 STEPS = {
     "single": [
@@ -98,11 +98,11 @@ def tiny_checkpoint(directory: Path, seed: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_fr.tasks.arithmetic import tiny_model_config
+    from megatron_fr.demo.tiny_models import tiny_model_config
 
     if not (directory / "config.json").exists():
         torch.manual_seed(seed)
-        config = AutoConfig.for_model(**tiny_model_config())
+        config = AutoConfig.for_model(**tiny_model_config(vocab_size=16))
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
     return directory
 
@@ -229,17 +229,18 @@ def throughput(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    """prepare (warm start) -> the CPU engine on the host -> 3 steps on this GPU."""
+    """demo prepare (warm start) -> the CPU engine on the host -> 3 steps on this GPU."""
     from megatron_fr.parallel.spawn import free_port
 
     run_dir, recipe = args.out / "train_run", str(REPO / "examples" / "cpu_demo.yaml")
-    quick = ["model.warm_start={steps: 60, batch_size: 32}", "learner_ranks=1", "parallel.expert=1",
+    hf_dir = str(args.out / "demo_model")
+    quick = [f"model.hf_dir={hf_dir}", "learner_ranks=1", "parallel.expert=1",
              "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
              "buffer.max_in_flight=32", "learner.params_dtype=bfloat16"]  # fmt: skip
     command = [sys.executable, "-m", "megatron_fr"]
-    prepared = subprocess.run([*command, "prepare", recipe, "--run-dir", str(run_dir), *quick],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-    hf_dir = prepared.stdout.strip().splitlines()[-1]
+    subprocess.run([*command, "demo", "prepare", recipe, f"model.hf_dir={hf_dir}",
+                    "demo.warm_start.steps=60", "demo.warm_start.batch_size=32"],
+                   capture_output=True, text=True, check=True)  # fmt: skip
     port = free_port()
     with open(args.out / "cpu_engine.log", "w") as log:
         engine = subprocess.Popen([sys.executable, "-m", "megatron_fr.engine.cpu_server",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.config.report import ReportConfig
 from megatron_fr.config.rollout import EvalSettings, RolloutSettings
 from megatron_fr.config.tasks import TaskConfig
 from megatron_fr.config.weights import WeightSyncConfig
@@ -56,6 +57,7 @@ class RunConfig(_Strict):
     weights: WeightSyncConfig = WeightSyncConfig()
     eval: EvalSettings = EvalSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
+    report: ReportConfig = ReportConfig()
 
     @model_validator(mode="after")
     def _estimator_fits_group_size(self) -> RunConfig:

@@ -122,4 +122,3 @@ def _unit_hash(keys: np.ndarray, base: int, seed: int) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
-

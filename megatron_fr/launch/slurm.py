@@ -99,8 +99,7 @@ class SlurmOptions(BaseModel):
     sbatch_args: tuple[str, ...] = ()
     """Further #SBATCH flags, verbatim (e.g. --qos=high)."""
     model: str | None = None
-    """Preset or HF dir for the planner; None: the recipe's model.hf_dir (or, without one, the
-    tiny model `megatron-fr prepare` warm-starts)."""
+    """Preset or HF dir for the planner; None: the recipe's model.hf_dir."""
     gpu_mem_gb: float | None = Field(default=None, gt=0)
     """GPU memory in GiB: with it the learner layout must fit without recompute."""
     reserve_gb: float = Field(default=DEFAULT_RESERVE_GIB, ge=0)
@@ -209,21 +208,16 @@ def _servers(options: SlurmOptions) -> tuple[int, int]:
 
 
 def model_spec(config: RunConfig, options: SlurmOptions) -> HFModelSpec:
-    """What the planner checks: --model, else the recipe's model.hf_dir, else the tiny model
-    that `megatron-fr prepare` warm-starts when the recipe names none."""
+    """What the planner checks: --model, else the recipe's model.hf_dir."""
     if options.model is not None:
         source = options.model
-    elif config.model.hf_dir is not None:
+    else:
         source = config.model.hf_dir
         if not (Path(source) / "config.json").is_file():
             raise LaunchError(
                 f"model.hf_dir {source} has no config.json here; pass the model's preset "
                 "(--model) so the layout can be checked before submitting"
             )
-    else:
-        from megatron_fr.tasks.arithmetic import tiny_model_config
-
-        return load_hf_config(tiny_model_config())
     try:
         return load_hf_config(source)
     except (FileNotFoundError, ValueError) as error:
@@ -294,6 +288,7 @@ def settings(job: SlurmJob) -> dict[str, str | list[str]]:
     return dict(
         MFR_REPO=str(REPO_ROOT), MFR_PYTHON=job.python, MFR_RECIPE=str(job.recipe),
         MFR_RUN_DIR=str(job.run_dir), MFR_OVERRIDES=list(job.overrides),
+        MFR_HF_DIR=job.config.model.hf_dir,
         MFR_ROLLOUT_NODES=str(o.rollout_nodes), MFR_LEARNER_NODES=str(o.learner_nodes),
         MFR_PROCS_PER_NODE=str(job.procs_per_node), MFR_ENGINE=job.engine,
         MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),

@@ -1,7 +1,7 @@
 """What the first learner rank records of a run: per-step and eval metrics, and each batch.
 
     run_dir/metrics.jsonl   a line per optimizer step and per evaluation (run_log.RunLogger,
-                            with TensorBoard and the progress bar)
+                            with the progress bar, TensorBoard and W&B: sinks.py)
     run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards, the
                             advantages the learner used, and per trajectory the gate's KL
                             D_i and whether it was admitted (which trajectories a gate holds
@@ -25,6 +25,7 @@ from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
+from megatron_fr.orchestrator.sinks import build_sinks
 from megatron_fr.rollout.episodes import episode_metrics
 
 BATCHES_FILE = "batches.jsonl"
@@ -35,8 +36,10 @@ class RunReport:
         self.run_dir = run_dir
         for name in (METRICS_FILE, BATCHES_FILE):
             ckpt.truncate_jsonl(run_dir / name, step if step > 0 else -1)
-        save_resolved_config(run_dir, config.model_dump(mode="json"))
-        self.logger = RunLogger(run_dir, progress_total=config.steps)
+        resolved = config.model_dump(mode="json")
+        save_resolved_config(run_dir, resolved)
+        sinks = build_sinks(config.report, run_dir, resolved)
+        self.logger = RunLogger(run_dir, sinks=sinks, progress_total=config.steps)
 
     def step(
         self,
@@ -72,6 +75,8 @@ class RunReport:
                 buffer_occupancy=rollout["occupancy"],
                 dropped_total=rollout["dropped_total"],
                 discarded_total=rollout["discarded_total"],
+                abandoned_total=rollout["abandoned_total"],
+                groups_failed_total=rollout["groups_failed_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
                 **episode_metrics(batch),

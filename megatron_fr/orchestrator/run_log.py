@@ -2,7 +2,8 @@
 
     run_dir/metrics.jsonl   one JSON object per line: a step line per optimizer step, an eval
                             line per evaluation (it carries `eval_accuracy`); the source of truth
-    run_dir/tensorboard/    the same numbers as TensorBoard scalars, keyed by `step`
+    (sinks)                 the same numbers as TensorBoard scalars or a W&B run, keyed by
+                            `step` (orchestrator/sinks.py, chosen by the run's `report`)
     run_dir/config.yaml     the fully resolved config of the run
 
 Crash safety: every line is written with one write() and then flushed and fsync'ed, so a
@@ -21,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,8 +30,9 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
+from megatron_fr.orchestrator.sinks import MetricSink, is_number
+
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 CONFIG_FILE = "config.yaml"
 
 STEP_KEYS = (
@@ -53,11 +55,6 @@ _POSTFIX = (
     ("lag_max", "lag_max"),
     ("eval_acc", "eval_accuracy"),
 )
-
-
-def _is_number(value: object) -> bool:
-    """int or float; bool is an int subclass but a flag, not a measurement."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _plain(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,7 +81,7 @@ def _check(metrics: Mapping[str, Any], required: tuple[str, ...], what: str) -> 
                 f"{what}: required key {key!r} is missing (got {sorted(metrics)}; "
                 f"required: {list(required)})"
             )
-        if not _is_number(metrics[key]):
+        if not is_number(metrics[key]):
             raise ValueError(f"{what}: {key!r} must be a number, got {metrics[key]!r}")
     if not isinstance(metrics["step"], int):
         raise ValueError(f"{what}: 'step' must be an int, got {metrics['step']!r}")
@@ -187,7 +184,7 @@ class RunLogger:
         self,
         run_dir: str | Path,
         *,
-        tensorboard: bool = True,
+        sinks: Sequence[MetricSink] = (),
         progress_total: int | None = None,
         enabled: bool = True,
     ) -> None:
@@ -203,11 +200,7 @@ class RunLogger:
         for record in records:
             self._remember(record)
         self._file = path.open("a", encoding="utf-8")
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+        self._sinks = list(sinks)
         start = int(records[-1]["step"]) if records else 0
         self._bar = tqdm(
             total=progress_total,
@@ -225,7 +218,7 @@ class RunLogger:
             return
         metrics = _plain(metrics)
         _check(metrics, STEP_KEYS, "log_step")
-        self._write(metrics, tag_prefix="train/")
+        self._write(metrics, scope="train")
         self._bar.update(metrics["step"] - self._bar.n)
         self._show()
 
@@ -236,7 +229,7 @@ class RunLogger:
             return
         metrics = _plain(metrics)
         _check(metrics, EVAL_KEYS, "log_eval")
-        self._write(metrics, tag_prefix="eval/")
+        self._write(metrics, scope="eval")
         self._show()
 
     def close(self) -> None:
@@ -245,8 +238,8 @@ class RunLogger:
             return
         self._closed = True
         self._file.close()
-        if self._writer is not None:
-            self._writer.close()
+        for sink in self._sinks:
+            sink.close()
         self._bar.close()
 
     def __enter__(self) -> RunLogger:
@@ -260,25 +253,20 @@ class RunLogger:
     ) -> None:
         self.close()
 
-    def _write(self, metrics: dict[str, Any], tag_prefix: str) -> None:
+    def _write(self, metrics: dict[str, Any], scope: str) -> None:
         if self._closed:
             raise RuntimeError(f"RunLogger for {self.run_dir} is closed")
         # Durable before the next line starts, so a kill can only ever cut the last line.
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
-        if self._writer is not None:
-            step = metrics["step"]
-            for key, value in metrics.items():
-                if key != "step" and _is_number(value):
-                    name = key.removeprefix("eval_") if tag_prefix == "eval/" else key
-                    self._writer.add_scalar(tag_prefix + name, value, global_step=step)
-            self._writer.flush()
+        for sink in self._sinks:
+            sink.write(scope, metrics)
         self._remember(metrics)
 
     def _remember(self, record: Mapping[str, Any]) -> None:
         for _, key in _POSTFIX:
-            if _is_number(record.get(key)):
+            if is_number(record.get(key)):
                 self._latest[key] = record[key]
 
     def _show(self) -> None:

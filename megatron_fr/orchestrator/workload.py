@@ -1,11 +1,11 @@
 """A recipe's workload: the model directory a run starts from and how its episodes are played.
 
-    task.name ─► the environment (envs/registry.py) ─► its settings validated (task.env) and
-                 its multi-turn defaults (task.agent) filled in: resolve_task, before any
-                 process starts, so the run directory's config.yaml shows what ran
-    prompt files ─► samples whose rendered prompt fits max_prompt_tokens
-    ─► AgentEpisodes: each problem played through the agent loop with the model's own chat
-       template (one turn for single-turn environments such as math)
+task.name ─► the environment (envs/registry.py) ─► its settings validated (task.env) and
+             its multi-turn defaults (task.agent) filled in: resolve_task, before any
+             process starts, so the run directory's config.yaml shows what ran
+prompt files ─► samples whose rendered prompt fits max_prompt_tokens
+─► AgentEpisodes: each problem played through the agent loop with the model's own chat
+   template (one turn for single-turn environments such as math)
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ Finish = Literal[
     "done", "max_turns", "max_episode_tokens", "prompt_too_long", "time_limit", "turn_time_limit"
 ]
 
+
 @dataclass(frozen=True)
 class Turn:
     """One generate call and what followed it."""

@@ -24,13 +24,15 @@ import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, chat_model_dir, serving, turn_count
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.envs.datasets import bundled_samples
 from megatron_fr.envs.registry import build_environment
 from megatron_fr.envs.textworld_games import default_cache_dir
-from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
+from megatron_fr.rollout.agent import EpisodeResult, run_episode
+from megatron_fr.rollout.chat import ChatFormat
 
 TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
 

@@ -23,13 +23,20 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
+def megatron_fr(*args: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "train", str(REPO / "examples" / f"{name}.yaml"),
-         "--run-dir", str(run_dir), *overrides],
+        [sys.executable, "-m", "megatron_fr", *args],
         capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
+    """`demo prepare` (the twin's tiny model, in the run's directory) then `train`."""
+    recipe = str(REPO / "examples" / f"{name}.yaml")
+    model = f"model.hf_dir={run_dir.parent / 'model'}"
+    megatron_fr("demo", "prepare", recipe, model)
+    megatron_fr("train", recipe, "--run-dir", str(run_dir), model, *overrides)
 
 
 def queued_trajectories(run_dir: Path) -> list[dict]:

@@ -1,7 +1,8 @@
 """GRPO through the real loop: G = 4 rollouts per problem, the engine behind a flaky proxy that
 fails every 7th /generate with HTTP 503 (and the client's retries are off, so the failure
 reaches the rollout service). Every batch must hold whole groups only, the failed groups must
-be discarded whole and counted, and the advantages the learner used must be GRPO's group
+be discarded whole and counted (each failed rollout abandoned, its group's other members
+discarded), and the advantages the learner used must be GRPO's group
 formula, written out here, on the rewards of the batch."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from aiohttp import web
 from megatron_fr.parallel.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "cpu_arithmetic.yaml"
+RECIPE = REPO / "examples" / "cpu_demo.yaml"
 G = 4
 
 
@@ -84,15 +85,8 @@ def grpo_advantages_written_out(rewards: list[float], eps: float = 1e-6) -> list
 
 
 @pytest.mark.distributed
-def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path):
-    warm = tmp_path / "warm"
-    prepare = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "prepare", str(RECIPE), "--run-dir", str(warm),
-         "model.warm_start={steps: 40, batch_size: 32}"],
-        capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert prepare.returncode == 0, prepare.stderr[-3000:]
-    hf_dir = prepare.stdout.strip().splitlines()[-1]
+def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, demo_model):
+    hf_dir = str(demo_model)
     port = free_port()
     engine = subprocess.Popen(
         [sys.executable, "-m", "megatron_fr", "serve", "--model-path", hf_dir, "--port", str(port),
@@ -135,5 +129,8 @@ def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path):
                 assert abs(advantage - want) <= 1e-5, (members, expected)
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = [s for s in steps if "reward_mean" in s][-1]
-    assert last["rollout_failures_total"] >= 1 and last["discarded_total"] >= 0
+    assert last["rollout_failures_total"] >= 1 and last["groups_failed_total"] >= 1
+    assert last["abandoned_total"] >= 1 and last["discarded_total"] >= 1
+    # every rollout not trained is a member of a failed group: the failed one or its peers
+    assert last["abandoned_total"] + last["discarded_total"] <= G * last["groups_failed_total"]
     assert "clip_fraction" in last

@@ -37,13 +37,12 @@ def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """One short run with a quick warm start (its model is reused by the other tests)."""
+def demo_run(tmp_path_factory, demo_model):
+    """One short run from the quickly warm-started demo model."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
     command = train_command(
-        run_dir, "steps=5", "checkpoint.every_steps=5",
-        "model.warm_start={steps: 60, batch_size: 32}",
-    )  # fmt: skip
+        run_dir, "steps=5", "checkpoint.every_steps=5", f"model.hf_dir={demo_model}"
+    )
     result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir

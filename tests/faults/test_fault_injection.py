@@ -25,16 +25,16 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "examples" / "cpu_arithmetic.yaml"
+RECIPE = REPO / "examples" / "cpu_demo.yaml"
 STEPS = 14
 SETTINGS = [
     f"steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=1", "eval.problems=24",
     "eval.samples=1", "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
-    "buffer.max_in_flight=32", "task.digits=1",
-    "model.warm_start={steps: 40, batch_size: 32}", "rollout.engine.watch_interval_s=0.5",
+    "buffer.max_in_flight=32", "rollout.engine.watch_interval_s=0.5",
 ]  # fmt: skip
-"""One-digit + and -: 200 problems, ~160 in the train split, so 14 steps of B = 16 cover
-more than one epoch and the epoch accounting is exercised."""
+TRAIN_PROBLEMS = 100
+"""The train file's size: 14 steps of B = 16 cover more than two epochs of it, so the epoch
+accounting is exercised."""
 FAULTS = ["kill_launcher", "kill_rank", "kill_engine", "stop", "stop"]
 MARKER = "MEGATRON_FR_FAULT_TEST_RUN"
 
@@ -71,12 +71,21 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def prompt_files(directory: Path) -> list[str]:
+    """A train file of TRAIN_PROBLEMS demo problems, and the recipe's held-out file."""
+    from megatron_fr.demo.text_math import TextMathConfig, write_rows
+
+    directory.mkdir(parents=True, exist_ok=True)
+    train = write_rows(directory / "train.jsonl", TextMathConfig(), "train", TRAIN_PROBLEMS, 0)
+    return [f"task.train.path={train}"]
+
+
 class Run:
     """One start of the training command, in a session of its own."""
 
-    def __init__(self, run_dir: Path, marker: str) -> None:
+    def __init__(self, run_dir: Path, marker: str, settings: list[str]) -> None:
         command = [sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir",
-                   str(run_dir), *SETTINGS]  # fmt: skip
+                   str(run_dir), *SETTINGS, *settings]  # fmt: skip
         env = os.environ | {"PYTHONPATH": str(REPO), MARKER: marker}
         self.log = open(run_dir.parent / f"start-{uuid.uuid4().hex[:6]}.log", "w+")  # noqa: SIM115
         self.process = subprocess.Popen(
@@ -118,9 +127,9 @@ def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
         assert code != 0
 
 
-def strike(fault: str, rng: random.Random, run_dir: Path, marker: str) -> None:
+def strike(fault: str, rng: random.Random, run_dir: Path, marker: str, settings: list[str]) -> None:
     """Start the run and hit it with `fault` 1 or 2 steps past the furthest step logged."""
-    run = Run(run_dir, marker)
+    run = Run(run_dir, marker, settings)
     target = min(last_step(run_dir) + rng.randint(1, 2), STEPS - 1)
     try:
         wait_until(lambda: last_step(run_dir) >= target or run.process.poll() is not None,
@@ -135,16 +144,17 @@ def strike(fault: str, rng: random.Random, run_dir: Path, marker: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.faults
-def test_seeded_faults_then_resume_finish_the_run_as_if_uninterrupted(tmp_path):
+def test_seeded_faults_then_resume_finish_the_run_as_if_uninterrupted(tmp_path, demo_model):
     rng = random.Random(int(os.environ.get("FAULT_SEED", "7")))
     schedule = rng.sample(FAULTS, len(FAULTS))
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    settings = [f"model.hf_dir={demo_model}", *prompt_files(tmp_path / "data")]
     print(f"fault schedule (FAULT_SEED={os.environ.get('FAULT_SEED', '7')}): {schedule}")
     for number, fault in enumerate(schedule):
-        strike(fault, rng, run_dir, marker)
+        strike(fault, rng, run_dir, marker, settings)
         wait_until(lambda: not run_processes(marker), 30, f"no process left after {fault}")
         print(f"fault {number + 1} {fault}: struck at step {last_step(run_dir)}, run fully gone")
-    final = Run(run_dir, marker)
+    final = Run(run_dir, marker, settings)
     assert final.wait(900) == 0, final.output()[-4000:]
     wait_until(lambda: not run_processes(marker), 30, "no process left after the last start")
 

@@ -1,6 +1,7 @@
 """The CPU recipe through the real launcher on a real 3-node Slurm cluster (conftest.py):
-`slurm/recipes/cpu_demo.sh` submits with sbatch; the job runs `megatron-fr prepare` and the CPU
-engine on n1 and two learner ranks (torchrun, one per node) on n2 and n3, to completion. Then
+`slurm/recipes/cpu_demo.sh` submits with sbatch; the job runs the CPU engine on n1, serving the
+recipe's model (the demo model, made beforehand), and two learner ranks (torchrun, one per
+node) on n2 and n3, to completion. Then
 the preemption path: USR1 to the batch shell -> RUN_DIR/STOP -> checkpoint -> scontrol requeue
 -> the rerun (SLURM_RESTART_COUNT=1) resumes from that checkpoint and finishes the run."""
 
@@ -50,12 +51,12 @@ def finished_ok(cluster, job_id: str, run_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cpu_run(slurm_cluster, tmp_path_factory: pytest.TempPathFactory):
-    """One short run of the CPU recipe with a quick warm start (reused by the next test)."""
+def cpu_run(slurm_cluster, demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One short run of the CPU recipe from the quickly warm-started demo model."""
     run_dir = tmp_path_factory.mktemp("slurm-run") / "run"
     job_id = slurm_cluster.submit(
         WRAPPER, "--run-dir", str(run_dir), "--health-timeout-s", "300", *QUICK, "steps=4",
-        "model.warm_start={steps: 60, batch_size: 32}",
+        f"model.hf_dir={demo_model}",
     )  # fmt: skip
     info = finished_ok(slurm_cluster, job_id, run_dir)
     return run_dir, job_id, info
@@ -67,11 +68,8 @@ def test_cpu_recipe_runs_engine_on_n1_and_learner_ranks_on_n2_n3(cpu_run):
     assert steps_logged(run_dir) == [1, 2, 3, 4]
     logs = run_dir / "logs" / f"slurm-{job_id}.0"
     assert sorted(p.name for p in logs.iterdir()) == [
-        "learner-n2.log", "learner-n3.log", "prepare.err", "prepare.out",
-        "rank-0-n2.log", "rank-1-n3.log", "server-n1-0.log",
+        "learner-n2.log", "learner-n3.log", "rank-0-n2.log", "rank-1-n3.log", "server-n1-0.log",
     ]  # fmt: skip
-    hf_dir = (logs / "prepare.out").read_text().splitlines()[-1]
-    assert Path(hf_dir) == (run_dir / "warm_start").resolve()
     assert "server 0 on n1 port 20100" in (logs / "server-n1-0.log").read_text()
     assert "learner node n2 node_rank 0" in (logs / "learner-n2.log").read_text()
     assert "learner node n3 node_rank 1" in (logs / "learner-n3.log").read_text()
@@ -85,13 +83,12 @@ def test_cpu_recipe_runs_engine_on_n1_and_learner_ranks_on_n2_n3(cpu_run):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
-def test_usr1_checkpoints_requeues_and_the_rerun_resumes(slurm_cluster, cpu_run, tmp_path):
-    warm_start = cpu_run[0] / "warm_start"
+def test_usr1_checkpoints_requeues_and_the_rerun_resumes(slurm_cluster, demo_model, tmp_path):
     run_dir = tmp_path / "run"
     job_id = slurm_cluster.submit(
         WRAPPER, "--run-dir", str(run_dir), "--health-timeout-s", "300", "--time", "30",
         "--signal-lead-s", "60", *QUICK, "steps=10", "checkpoint.every_steps=100",
-        f"model.hf_dir={warm_start}",
+        f"model.hf_dir={demo_model}",
     )  # fmt: skip
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while max(steps_logged(run_dir), default=0) < 2:

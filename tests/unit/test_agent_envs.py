@@ -19,7 +19,6 @@ from megatron_fr.envs.alfworld_games import ensure_alfworld_game
 from megatron_fr.envs.datasets import BUNDLED, bundled_samples, load_samples
 from megatron_fr.envs.math_env import MathEnvironment
 from megatron_fr.envs.python_tool import PythonToolConfig, PythonToolEnvironment
-from megatron_fr.envs.registry import ENVIRONMENTS, build_environment
 from megatron_fr.envs.sandbox import SandboxConfig
 from megatron_fr.envs.textworld_games import GameSpec, default_cache_dir, ensure_game
 
@@ -35,19 +34,6 @@ def python_env():
     config = PythonToolConfig(sandbox=SandboxConfig(wall_timeout_s=1.5), max_calls_per_turn=2)
     with PythonToolEnvironment(config) as env:
         yield env
-
-
-def test_registry_builds_every_environment_by_name() -> None:
-    assert sorted(ENVIRONMENTS) == ["alfworld", "math", "python_tool"]
-    for name in ENVIRONMENTS:
-        with build_environment(name) as env:
-            assert env.name == name
-    with build_environment("python_tool", {"sandbox": {"wall_timeout_s": 3}}) as env:
-        assert env.sandbox.config.wall_timeout_s == 3
-    with pytest.raises(ValueError, match="unknown environment"):
-        build_environment("chess")
-    with pytest.raises(ValueError, match="extra"):
-        build_environment("math", {"no_such_option": 1})
 
 
 def test_bundled_datasets_are_small_and_complete() -> None:

@@ -11,10 +11,12 @@ import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, scripted_routing, serving, turn_count
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.envs.base import Episode, StepResult
-from megatron_fr.rollout.agent import AgentConfig, ChatFormat, EpisodeResult, run_episode
+from megatron_fr.rollout.agent import EpisodeResult, run_episode
+from megatron_fr.rollout.chat import ChatFormat
 
 
 class CountingEpisode(Episode):

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.envs.math_env import MathEnvConfig, math_messages
-from megatron_fr.envs.python_tool import DEFAULT_SYSTEM, PYTHON_TOOL
-from megatron_fr.tasks.chat import chat_format, generation_eos_ids, load_chat
-from megatron_fr.tasks.chat_tokenizer import (
+from megatron_fr.demo.chat_tokenizer import (
     CHAT_TEMPLATE,
     QWEN_SPLIT,
     SPECIAL_TOKENS,
     TOOL_TAGS,
     build_chat_tokenizer,
 )
-from megatron_fr.tasks.tiny_models import VOCAB_MULTIPLE, build_tiny_chat_model
+from megatron_fr.demo.tiny_models import VOCAB_MULTIPLE, build_tiny_chat_model
+from megatron_fr.envs.math_env import MathEnvConfig, math_messages
+from megatron_fr.envs.python_tool import DEFAULT_SYSTEM, PYTHON_TOOL
+from megatron_fr.rollout.chat import chat_format, generation_eos_ids, load_chat
 
 CHATS = [
     [

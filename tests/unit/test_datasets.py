@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
 from megatron_fr.envs.datasets import (
     DatasetConfig,
-    filter_by_prompt_length,
     load_dataset,
     load_samples,
     write_jsonl,
 )
 from megatron_fr.envs.math_env import MathEnvConfig, MathEnvironment
 from megatron_fr.envs.python_tool import PythonToolConfig, PythonToolEnvironment
-from megatron_fr.tasks.chat import chat_format
-from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+from megatron_fr.rollout.chat import chat_format, filter_by_prompt_length
 
 VERL_ROWS = [
     {

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.demo.tiny_models import tiny_model_config
 from megatron_fr.models.gpt import build_gpt_model, use_transformer_engine
 from megatron_fr.models.hf_config import load_hf_config
 from megatron_fr.parallel.state import initialize_single_process
-from megatron_fr.tasks.arithmetic import tiny_model_config
 
 LENGTHS = (7, 5)
 
@@ -25,7 +25,7 @@ def test_local_spec_model_is_on_the_device_and_a_packed_row_equals_its_trajector
 
     assert not use_transformer_engine(), "this test is for the local spec"
     initialize_single_process(ParallelConfig(), seed=0)
-    spec = load_hf_config(tiny_model_config())
+    spec = load_hf_config(tiny_model_config(vocab_size=64))
     model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.float32).eval()
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

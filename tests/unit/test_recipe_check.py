@@ -30,7 +30,7 @@ RECIPES = {  # recipe: (public config, learner ranks, sample file for every prom
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory) -> Path:
-    from megatron_fr.tasks.chat_tokenizer import build_chat_tokenizer
+    from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")
     chats = [[{"role": "user", "content": "What is 2 + 2? Use python if it helps."}]]
@@ -93,8 +93,10 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
 
 
 @pytest.mark.parametrize("index", range(4))
-def test_a_bad_recipe_is_refused_by_train_before_any_process_starts(tmp_path, index):
+def test_a_bad_recipe_is_refused_by_train_before_any_process_starts(tmp_path, index, demo_model):
     name, overrides, message = bad_cases(tmp_path)[index]
+    if not any(item.startswith("model.hf_dir=") for item in overrides):
+        overrides = [f"model.hf_dir={demo_model}", *overrides]
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"),

@@ -24,6 +24,7 @@ from megatron_fr.orchestrator.run_log import (
     read_metrics,
     save_resolved_config,
 )
+from megatron_fr.orchestrator.sinks import TensorBoardSink
 
 
 def step_metrics(step: int, **extra: float) -> dict:
@@ -58,7 +59,7 @@ def write_lines(run_dir: Path, text: str) -> Path:
 
 def test_steps_and_evals_read_back_equal(tmp_path):
     written = [step_metrics(1, loss=0.75), step_metrics(2), eval_metrics(2), step_metrics(3)]
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         for record in written:
             (logger.log_eval if "eval_accuracy" in record else logger.log_step)(record)
     assert read_metrics(tmp_path) == written
@@ -67,7 +68,7 @@ def test_steps_and_evals_read_back_equal(tmp_path):
 
 
 def test_tensor_scalars_are_stored_as_numbers(tmp_path):
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         logger.log_step(step_metrics(1, reward_mean=torch.tensor(0.5), grad_norm=torch.tensor(2)))
     (record,) = read_metrics(tmp_path)
     assert record["reward_mean"] == 0.5 and record["grad_norm"] == 2
@@ -79,7 +80,7 @@ def test_log_step_missing_key_names_it(tmp_path, key):
     metrics = step_metrics(1)
     del metrics[key]
     with (
-        RunLogger(tmp_path, tensorboard=False) as logger,
+        RunLogger(tmp_path) as logger,
         pytest.raises(ValueError, match=f"'{key}' is missing"),
     ):
         logger.log_step(metrics)
@@ -91,14 +92,14 @@ def test_log_eval_missing_key_names_it(tmp_path, key):
     metrics = eval_metrics(1)
     del metrics[key]
     with (
-        RunLogger(tmp_path, tensorboard=False) as logger,
+        RunLogger(tmp_path) as logger,
         pytest.raises(ValueError, match=f"'{key}' is missing"),
     ):
         logger.log_eval(metrics)
 
 
 def test_non_numeric_required_value_is_rejected(tmp_path):
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         with pytest.raises(ValueError, match="'lag_max' must be a number"):
             logger.log_step(step_metrics(1, lag_max="3"))
         with pytest.raises(ValueError, match="'step' must be an int"):
@@ -120,12 +121,12 @@ def test_corrupt_middle_line_raises_with_its_line_number(tmp_path):
 
 
 def test_reopen_continues_after_a_line_cut_by_a_kill(tmp_path):
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         for step in (1, 2, 3):
             logger.log_step(step_metrics(step))
     with (tmp_path / "metrics.jsonl").open("a") as file:
         file.write(json.dumps(step_metrics(4))[:40])
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         logger.log_step(step_metrics(4))
         logger.log_step(step_metrics(5))
     assert read_metrics(tmp_path) == [step_metrics(s) for s in (1, 2, 3, 4, 5)]
@@ -133,7 +134,7 @@ def test_reopen_continues_after_a_line_cut_by_a_kill(tmp_path):
 
 def test_reopen_keeps_a_complete_last_line_that_lost_its_newline(tmp_path):
     write_lines(tmp_path, json.dumps(step_metrics(1)) + "\n" + json.dumps(step_metrics(2)))
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         logger.log_step(step_metrics(3))
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
@@ -142,7 +143,7 @@ CHILD = textwrap.dedent(
     """
     import itertools, sys
     from megatron_fr.orchestrator.run_log import RunLogger
-    logger = RunLogger(sys.argv[1], tensorboard=False)
+    logger = RunLogger(sys.argv[1])
     for step in itertools.count(1):
         logger.log_step({"step": step, "policy_version": step, "reward_mean": 0.5,
                          "acceptance_rate": 1.0, "lag_mean": 0.0, "lag_max": 0,
@@ -165,13 +166,13 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     child.wait()
     done = last_step(tmp_path)
     assert done is not None and done >= 40
-    with RunLogger(tmp_path, tensorboard=False) as logger:
+    with RunLogger(tmp_path) as logger:
         logger.log_step(step_metrics(done + 1))
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, done + 2))
 
 
 def test_tensorboard_holds_every_numeric_key_by_step(tmp_path):
-    with RunLogger(tmp_path) as logger:
+    with RunLogger(tmp_path, sinks=[TensorBoardSink(tmp_path)]) as logger:
         logger.log_step(step_metrics(1, note="text is not a scalar"))
         logger.log_step(step_metrics(2))
         logger.log_eval(eval_metrics(2))
@@ -199,12 +200,12 @@ def test_disabled_logger_writes_nothing(tmp_path):
 
 
 def test_progress_bar_starts_at_the_resumed_step(tmp_path, capsys):
-    with RunLogger(tmp_path, tensorboard=False, progress_total=10) as logger:
+    with RunLogger(tmp_path, progress_total=10) as logger:
         for step in (1, 2, 3):
             logger.log_step(step_metrics(step))
         logger.log_eval(eval_metrics(3))
     capsys.readouterr()
-    with RunLogger(tmp_path, tensorboard=False, progress_total=10) as logger:
+    with RunLogger(tmp_path, progress_total=10) as logger:
         assert "3/10" in capsys.readouterr().err
         logger.log_step(step_metrics(4))
         bar = capsys.readouterr().err
@@ -214,7 +215,7 @@ def test_progress_bar_starts_at_the_resumed_step(tmp_path, capsys):
 
 
 def test_closed_logger_refuses_to_write(tmp_path):
-    logger = RunLogger(tmp_path, tensorboard=False)
+    logger = RunLogger(tmp_path)
     logger.close()
     logger.close()
     with pytest.raises(RuntimeError, match="closed"):

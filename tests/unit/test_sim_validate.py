@@ -40,7 +40,8 @@ def truth(train_s: float, peak: float, single: float = 20.0) -> tuple[SimConfig,
 
 def write_run(run_dir, result: SimResult, drop_total: int, rollouts_total: int) -> None:
     """The run directory a training run with these steps would leave (session.log_step)."""
-    run = RunConfig(steps=len(result.steps), buffer=BUFFER,
+    run = RunConfig(steps=len(result.steps), buffer=BUFFER, model={"hf_dir": "/models/tiny"},
+                    task={"name": "math", "train": {"path": "/data/train.jsonl"}},
                     rollout={"engine": {"urls": ["http://a:1", "http://b:1"]}})  # fmt: skip
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))

@@ -41,7 +41,19 @@ def shellcheck() -> str:
     return found
 
 
+CPU_MODEL: list[Path] = []
+"""The demo model the CPU wrapper's jobs name (the planner reads its config.json)."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_model(demo_model: Path) -> None:
+    CPU_MODEL[:] = [demo_model]
+
+
 def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The launcher; the CPU wrapper's jobs get the demo model unless they name a model."""
+    if Path(args[0]).stem == "cpu_demo" and not any(a.startswith("model.hf_dir=") for a in args):
+        args = (*args, f"model.hf_dir={CPU_MODEL[0]}")
     return subprocess.run(
         [*args], capture_output=True, text=True, timeout=120, cwd=REPO,
         env={k: v for k, v in (env or os.environ).items() if not k.startswith("SLURM_")},
@@ -80,8 +92,8 @@ def test_rendered_batch_scripts_pass_bash_n_and_shellcheck(wrapper, tmp_path, sh
     assert result.returncode == 0, result.stdout
 
 
-def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path):
-    out = dry_run(WRAPPERS[0], tmp_path, "steps=6", "model.warm_start={steps: 60}").stdout
+def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model):
+    out = dry_run(WRAPPERS[0], tmp_path, "steps=6", f"model.hf_dir={demo_model}").stdout
     run_dir, recipe = tmp_path / "run", REPO / "examples" / "cpu_demo.yaml"
     assert (
         "nodes     3: rollout node 1, learner nodes 2-3; 0 GPU(s) per node, 1 CPU(s) and 1024 MiB"
@@ -97,16 +109,14 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path):
         " --kill-on-bad-exit=1"
     )
     python = str(REPO / ".venv" / "bin" / "python")  # slurm/launch.sh's interpreter
-    overrides = "steps=6 'model.warm_start={steps: 60}'"
+    overrides = f"steps=6 model.hf_dir={demo_model}"
     logs = f"{run_dir}/logs/slurm-dryrun.0"
     assert [line.replace(python, "PY") for line in commands(out)] == [
-        f"{srun.format(n=1, nodes='node1')} PY -m megatron_fr prepare {recipe} --run-dir {run_dir}"
-        f" {overrides}",
         f"{srun.format(n=1, nodes='node1')} bash -c '<serve_node from slurm/job.sh>' serve_node"
-        f" {logs} PY '<last line printed by prepare>' cpu 1 0 1 20100",
+        f" {logs} PY {demo_model} cpu 1 0 1 20100",
         f"{srun.format(n=2, nodes='node2,node3')} bash -c '<learner_node from slurm/job.sh>'"
         f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
-        " 'model.hf_dir=<last line printed by prepare>'"
+        f" model.hf_dir={demo_model}"
         """ 'rollout.engine.urls=["http://node1:20100"]' weights.master_address=node2"""
         " weights.master_port=20010 learner_ranks=2",
         "scontrol requeue dryrun",
@@ -124,14 +134,14 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert "USR1 600s before the time limit (04:00:00)" in out
     assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     lines = commands(out)
-    assert [line.split()[4] for line in lines[:4]] == [
-        "--nodelist=node1", "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
+    assert [line.split()[4] for line in lines[:3]] == [
+        "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
     ]  # fmt: skip
-    assert lines[1].endswith("sglang 2 4 1 20100") and lines[2].endswith("sglang 2 4 1 20102")
+    assert lines[0].endswith("sglang 2 4 1 20100") and lines[1].endswith("sglang 2 4 1 20102")
     urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
-    assert f"'rollout.engine.urls={urls}'" in lines[3]
-    assert "learner_node" in lines[3] and " 2 8 node3 20000 " in lines[3]
-    assert "weights.master_address=node3 weights.master_port=20010 learner_ranks=16" in lines[3]
+    assert f"'rollout.engine.urls={urls}'" in lines[2]
+    assert "learner_node" in lines[2] and " 2 8 node3 20000 " in lines[2]
+    assert "weights.master_address=node3 weights.master_port=20010 learner_ranks=16" in lines[2]
     script = tmp_path / "job.sbatch"
     dry_run(wrapper, tmp_path, "--script-out", str(script), "--time", "04:00:00")
     sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
@@ -148,7 +158,7 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
 def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
     out = dry_run(wrapper, tmp_path).stdout
     assert "fits 80.00 GiB: yes without recompute" in out
-    assert "sglang engine" in out and len(commands(out)) >= 4
+    assert "sglang engine" in out and len(commands(out)) >= 3
 
 
 def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
@@ -184,8 +194,8 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
     flags = ("--container-image=nvcr.io/team/mfr:1 --container-mounts=/shared:/shared"
              " --container-workdir=/shared/mfr")  # fmt: skip
     srun_lines = [line for line in commands(out) if line.startswith("srun")]
-    assert len(srun_lines) == 3 and all(flags in line for line in srun_lines)
-    assert " python -m megatron_fr prepare " in srun_lines[0]  # the container's interpreter
+    assert len(srun_lines) == 2 and all(flags in line for line in srun_lines)
+    assert " python " in srun_lines[0]  # the container's interpreter
 
 
 @pytest.mark.parametrize(
@@ -229,7 +239,7 @@ def test_submission_writes_the_script_and_prints_the_job_id(tmp_path):
     assert result.stdout.splitlines()[-1] == "42"
     script = tmp_path / "run" / "slurm" / "job.sbatch"
     assert (tmp_path / "argv").read_text().split() == ["--parsable", str(script)]
-    assert "MFR_OVERRIDES=(steps=3)" in script.read_text()
+    assert f"MFR_OVERRIDES=(steps=3 model.hf_dir={CPU_MODEL[0]})" in script.read_text()
     assert (tmp_path / "run" / "logs").is_dir()  # sbatch --output needs it to exist
 
 

@@ -9,16 +9,16 @@ import re
 
 import pytest
 
-from megatron_fr.envs.datasets import DatasetConfig, load_dataset
-from megatron_fr.envs.math_env import MathEnvConfig
-from megatron_fr.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
-from megatron_fr.tasks.text_math import (
+from megatron_fr.demo.arithmetic import ArithmeticConfig, ArithmeticProblems
+from megatron_fr.demo.text_math import (
     TextMathConfig,
     build_text_math_task,
     rows,
     tokenizer_chats,
     write_rows,
 )
+from megatron_fr.envs.datasets import DatasetConfig, load_dataset
+from megatron_fr.envs.math_env import MathEnvConfig
 
 QUESTION = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
 BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
@@ -86,7 +86,7 @@ def test_demonstrations_are_graded_correct_and_slips_wrong_by_math_verify(task):
 
 
 def test_the_longest_demonstration_fits_max_new_tokens(task):
-    top = task.problems("train", ArithmeticTask(CONFIG.problems).split_size("train"))
+    top = task.problems("train", ArithmeticProblems(CONFIG.problems).split_size("train"))
     assert max(len(task.target_ids(p)) for p in top) + 2 <= task.max_new_tokens
 
 

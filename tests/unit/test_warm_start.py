@@ -13,27 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from pydantic import ValidationError
+from token_arithmetic import EOS_ID, VOCAB_SIZE, TokenArithmetic, decode, encode, model_config
 
-from megatron_fr.config.warm_start import WarmStartConfig
-from megatron_fr.learner import warm_start as warm_start_module
-from megatron_fr.learner.warm_start import (
-    MARKER,
-    generate,
-    mean_reward,
-    warm_start,
-)
-from megatron_fr.tasks.arithmetic import (
-    EOS_ID,
-    VOCAB_SIZE,
-    ArithmeticConfig,
-    ArithmeticTask,
-    decode,
-    encode,
-    tiny_model_config,
-)
-from megatron_fr.tasks.chat import load_chat
-from megatron_fr.tasks.text_math import TextMathConfig, TextMathTask, build_text_math_task
-from megatron_fr.tasks.tiny_models import tiny_chat_model_config
+from megatron_fr.demo import warm_start as warm_start_module
+from megatron_fr.demo.arithmetic import ArithmeticConfig
+from megatron_fr.demo.config import WarmStartConfig
+from megatron_fr.demo.text_math import TextMathConfig, TextMathTask, build_text_math_task
+from megatron_fr.demo.tiny_models import tiny_chat_model_config
+from megatron_fr.demo.warm_start import MARKER, generate, mean_reward, warm_start
+from megatron_fr.rollout.chat import load_chat
 
 SHORT = WarmStartConfig(steps=40, batch_size=16, lr=5e-3)
 
@@ -42,7 +30,7 @@ SHORT = WarmStartConfig(steps=40, batch_size=16, lr=5e-3)
 def trained(tmp_path_factory):
     """One short warm start shared by the tests that only read it."""
     out = tmp_path_factory.mktemp("warm") / "policy"
-    report = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
+    report = warm_start(out, TokenArithmetic(), model_config(), SHORT, progress=False)
     return out, report
 
 
@@ -57,8 +45,8 @@ def test_writes_a_loadable_qwen3_moe_directory(trained):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.get_input_embeddings().weight.shape[0] == VOCAB_SIZE
     # The saved weights are the evaluated ones: the same held-out score comes back.
-    held_out = ArithmeticTask().problems("eval", report.eval_problems)
-    assert mean_reward(model, ArithmeticTask(), held_out, temperature=0.0) == pytest.approx(
+    held_out = TokenArithmetic().problems("eval", report.eval_problems)
+    assert mean_reward(model, TokenArithmetic(), held_out, temperature=0.0) == pytest.approx(
         report.greedy_accuracy
     )
 
@@ -74,7 +62,7 @@ def test_loss_goes_down(trained):
 def test_same_arguments_reuse_the_directory(trained):
     out, report = trained
     weights = (out / "model.safetensors").stat().st_mtime_ns
-    again = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
+    again = warm_start(out, TokenArithmetic(), model_config(), SHORT, progress=False)
     assert again.reused and not report.reused
     assert again.greedy_accuracy == report.greedy_accuracy and again.seconds == report.seconds
     assert (out / "model.safetensors").stat().st_mtime_ns == weights
@@ -82,26 +70,26 @@ def test_same_arguments_reuse_the_directory(trained):
 
 def test_different_arguments_retrain_and_replace(tmp_path):
     out = tmp_path / "policy"
-    first = warm_start(out, ArithmeticTask(), tiny_model_config(), SHORT, progress=False)
+    first = warm_start(out, TokenArithmetic(), model_config(), SHORT, progress=False)
     weights = (out / "model.safetensors").read_bytes()
     reseeded = SHORT.model_copy(update={"seed": 1})
-    other = warm_start(out, ArithmeticTask(), tiny_model_config(), reseeded, progress=False)
+    other = warm_start(out, TokenArithmetic(), model_config(), reseeded, progress=False)
     assert not other.reused and other.initial_loss != first.initial_loss
     assert (out / "model.safetensors").read_bytes() != weights
     assert json.loads((out / MARKER).read_text())["identity"]["seed"] == 1
-    task = ArithmeticTask(ArithmeticConfig(seed=5))  # a task change also retrains
-    assert not warm_start(out, task, tiny_model_config(), reseeded, progress=False).reused
+    task = TokenArithmetic(ArithmeticConfig(seed=5))  # a task change also retrains
+    assert not warm_start(out, task, model_config(), reseeded, progress=False).reused
 
 
 def test_refuses_a_directory_it_did_not_write(tmp_path):
     (tmp_path / "weights.bin").write_text("someone else's")
     with pytest.raises(FileExistsError, match=MARKER):
-        warm_start(tmp_path, ArithmeticTask(), tiny_model_config(), SHORT)
+        warm_start(tmp_path, TokenArithmetic(), model_config(), SHORT)
     assert (tmp_path / "weights.bin").read_text() == "someone else's"
 
 
 def test_slips_are_wrong_by_one_or_ten_and_end_with_eos():
-    task = ArithmeticTask(ArithmeticConfig(operations=("+", "-")))
+    task = TokenArithmetic(ArithmeticConfig(operations=("+", "-")))
     rng = random.Random(0)
     offsets = set()
     for problem in task.problems("train", 400):
@@ -114,7 +102,7 @@ def test_slips_are_wrong_by_one_or_ten_and_end_with_eos():
 @pytest.mark.parametrize("label_noise", [0.0, 0.3, 1.0])
 def test_label_noise_is_the_share_of_slipped_targets(monkeypatch, label_noise):
     """train() hands _step the batches it built: count the rows whose target is not the answer."""
-    task = ArithmeticTask()
+    task = TokenArithmetic()
     wrong = []
 
     def counting_step(model, optimizer, tokens, loss_mask):
@@ -159,7 +147,7 @@ class Oracle(torch.nn.Module):
 
 
 def test_generation_stops_after_eos_and_an_oracle_scores_one():
-    task = ArithmeticTask()
+    task = TokenArithmetic()
     problems = task.problems("eval", 30)
     greedy = generate(Oracle(), task, problems, temperature=0.0)
     assert greedy == [task.target_ids(problem) for problem in problems]

@@ -1,0 +1,34 @@
+"""Where a run's numbers go besides metrics.jsonl: TensorBoard, and optionally Weights & Biases."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class WandbConfig(BaseModel):
+    """A Weights & Biases run mirroring metrics.jsonl (the `wandb` package must be installed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    project: str = Field(default="megatron-fr", min_length=1)
+    entity: str | None = None
+    """The team or user; None: the logged-in default."""
+    name: str | None = None
+    """The run's display name; None: the run directory's name."""
+    tags: tuple[str, ...] = ()
+    mode: Literal["online", "offline"] = "online"
+    """offline: written under RUN_DIR/wandb only (no network), to `wandb sync` later."""
+
+
+class ReportConfig(BaseModel):
+    """The metric sinks of the first learner rank (orchestrator/run_log.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensorboard: bool = True
+    """Scalars under RUN_DIR/tensorboard."""
+    wandb: WandbConfig | None = None
+    """None: no W&B run. A resumed run continues the same W&B run (its id is kept in
+    RUN_DIR/wandb/run_id), every line keyed by its `step`."""

@@ -1,0 +1,93 @@
+"""The package's structure holds: the layer contracts of pyproject.toml ([tool.importlinter],
+checked by import-linter's own `lint-imports`), no import circle between modules (found with
+Tarjan's algorithm on grimp's import graph, the graph import-linter itself reads), and a config
+that loads without the rest of the package."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_import_contracts_are_kept() -> None:
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "BROKEN" not in result.stdout and "Contracts: 3 kept, 0 broken." in result.stdout
+
+
+def import_circles(graph: grimp.ImportGraph, package: str) -> list[list[str]]:
+    """Every strongly connected component of more than one module within `package`."""
+    modules = sorted(m for m in graph.modules if m.startswith(package))
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph.find_modules_directly_imported_by(module)):
+            if not other.startswith(package):
+                continue
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in modules:
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    assert import_circles(grimp.build_graph("megatron_fr"), "megatron_fr") == []
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path, monkeypatch) -> None:
+    package = tmp_path / "loop_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from loop_pkg import b\n")
+    (package / "b.py").write_text("from loop_pkg import c\n")
+    (package / "c.py").write_text("import loop_pkg.a\n")
+    (package / "d.py").write_text("import loop_pkg.a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("loop_pkg", cache_dir=None)
+    assert import_circles(graph, "loop_pkg") == [["loop_pkg.a", "loop_pkg.b", "loop_pkg.c"]]
+
+
+def test_loading_a_recipe_imports_only_the_config_package() -> None:
+    code = (
+        "import json, sys; from megatron_fr.config.run import load_run_config; "
+        "load_run_config('examples/cpu_demo.yaml'); "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('megatron_fr', 'torch', 'megatron'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, check=True)  # fmt: skip
+    loaded = json.loads(result.stdout)
+    outside = [m for m in loaded if not m.startswith(("megatron_fr.config", "megatron_fr.utils"))]
+    assert outside == ["megatron_fr"], outside
