@@ -46,6 +46,11 @@ class RolloutSettings(_Strict):
     max_attempts: PositiveInt = 3
     """Tries of one generation on the engines (another one each time, when there are several)
     before it counts as a failed rollout (its group is then discarded and re-issued)."""
+    seeded: bool = False
+    """Seed every training request's sampler from the run's seed, the prompt id and the turn:
+    a rerun of the run samples the same tokens (with the same weights) whatever order requests
+    finish in. The CPU engine honours the seed; SGLang does under
+    --enable-deterministic-inference."""
     engine: EngineSettings = EngineSettings()
 
     @model_validator(mode="after")

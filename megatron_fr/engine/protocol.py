@@ -59,6 +59,9 @@ class SamplingParams(BaseModel):
     """Most tokens to generate for this request (a continuation counts what came before)."""
     stop_token_ids: tuple[NonNegativeInt, ...] = ()
     """Token ids that end generation (in addition to the model's EOS)."""
+    sampling_seed: int | None = Field(default=None, ge=0, lt=2**63)
+    """Seeds the request's sampler: the same seed, weights and prompt give the same tokens
+    (the CPU engine always; SGLang under --enable-deterministic-inference). None: unseeded."""
 
     @field_validator("top_k")
     @classmethod
@@ -74,6 +77,7 @@ class SamplingParams(BaseModel):
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.stop_token_ids),
+            **({} if self.sampling_seed is None else {"sampling_seed": self.sampling_seed}),
         }
 
     def logprob_mismatch(self) -> str | None:

@@ -42,6 +42,8 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
         routed_experts=routed,
     )
     sampling = producer.sampling(config.rollout.temperature)
+    if config.rollout.seeded:
+        sampling = sampling.model_copy(update={"sampling_seed": config.seed})
     return RolloutService(engines, buffer, producer, client, sampling)
 
 

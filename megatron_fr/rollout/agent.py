@@ -32,6 +32,7 @@ carry no learning signal and are not kept).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -223,8 +224,9 @@ class _Loop:
         if remaining <= 0:
             return "time_limit"
         request = self.sampling.model_copy(
-            update={"max_new_tokens": budget, "stop_token_ids": self.stops}
-        )
+            update={"max_new_tokens": budget, "stop_token_ids": self.stops,
+                    "sampling_seed": self._request_seed(number)}
+        )  # fmt: skip
         generation = self.client.generate(
             self.row.ids,
             request,
@@ -239,6 +241,14 @@ class _Loop:
             return "turn_time_limit" if limit == self.config.max_turn_time_s else "time_limit"
         self.row.add_policy(rollout)
         return rollout
+
+    def _request_seed(self, turn: int) -> int | None:
+        """A seeded run's seed for this turn: a function of the run's seed, the prompt id and
+        the turn, so a rerun samples the same tokens whatever order requests finish in."""
+        if self.sampling.sampling_seed is None:
+            return None
+        key = f"{self.sampling.sampling_seed}/{self.prompt_id}/{turn}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=7).digest(), "big")
 
     def _observe(self, rollout: Rollout, text: str, observations: list[Message]) -> list[int]:
         """Ids between this turn and the next generation; the conversation grows by both."""
