@@ -1,6 +1,6 @@
 """Check the simulator against a finished run: predict its lag and drops from its own figures.
 
-What a run directory gives today (orchestrator/session.py `log_step`, run_log.py):
+What a run directory gives today (orchestrator/report.py, run_log.py):
     config.yaml     buffer (B, G, max_lag, capacity, max_in_flight), engine urls
     metrics.jsonl   per step: step_s (wait for the batch + train + sync), sync_s, tokens_per_s
                     (batch tokens / step_s), lag_mean, lag_max, rollouts_total, dropped_total
@@ -19,7 +19,8 @@ found; the report says so.
 The servers' batching curve is not fitted, only scaled: give its shape. The CPU engine
 (engine/cpu_server.py) decodes its requests one token each in turn under one lock and serves 32
 at once, i.e. server.single_stream_tokens_per_s = server.peak_tokens_per_s and
-server.max_running_requests=32; the arithmetic task's prompts are 7 tokens (BOS + "23+05=").
+server.max_running_requests=32; the CPU demo's prompts, rendered by its chat template, are 30 or
+31 tokens (lengths.prompt_tokens).
 
 Not logged today, and what would make the check sharp: the time the learner waits for each
 batch and the time it trains, separately (the train-time estimate above is a guess); per
