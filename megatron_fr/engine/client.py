@@ -44,7 +44,6 @@ from pydantic import (
     field_validator,
 )
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
@@ -57,6 +56,7 @@ from megatron_fr.engine.protocol import (
     generate_request,
     parse_generate_response,
 )
+from megatron_fr.engine.routing import RoutedExperts
 
 
 class RolloutClientConfig(BaseModel):
