@@ -5,7 +5,10 @@ way SGLang does, by running SGLang's functions: ``init_custom_process_group``
 (srt/utils/common.py), ``WeightUpdater.receive_weights_from_distributed`` and its flattened
 bucket path (srt/model_executor/model_runner_components/weight_updater.py), and
 ``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py). So the learner's sender is tested
-against the receiver a cluster runs, not against a copy of ours.
+against the receiver a cluster runs, not against a copy of ours. The colocated tensor
+transport serializes as SGLang does, with SGLang's ``MultiprocessingSerializer.serialize``
+after SGLang's ``monkey_patch_torch_reductions`` (srt/utils/patch_torch.py), the patch SGLang's
+receiver applies before it opens a payload (BaseTpWorker.deserialize_own_rank).
 
 Importing those modules fails on a CPU machine (``sglang.srt.utils`` pulls orjson, triton and
 the rest of SGLang's GPU set, and sglang is installed there without its dependencies), but the
@@ -29,6 +32,7 @@ from typing import Any
 COMMON = "srt/utils/common.py"
 WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
 TENSOR_BUCKET = "srt/weight_sync/tensor_bucket.py"
+PATCH_TORCH = "srt/utils/patch_torch.py"
 SGLANG_VERSION = "0.5.23"
 """The version whose code the project's weight transports were checked against."""
 
@@ -122,6 +126,59 @@ def _receive_methods() -> tuple[Callable, Callable]:
     )
 
 
+def module_constant(relative_path: str, name: str) -> Any:
+    """The literal value a top-level assignment `name = ...` gives in an SGLang file."""
+    path = sglang_root() / relative_path
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == name for target in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise SglangSourceMissing(f"{path}: no constant {name} (is sglang {SGLANG_VERSION}?)")
+
+
+@functools.cache
+def monkey_patch_torch_reductions() -> Callable[[], None]:
+    """SGLang's ``monkey_patch_torch_reductions`` (CUDA builds): afterwards torch's CUDA tensor
+    reduction records the device's UUID instead of its index, and the rebuild maps a UUID back
+    to the local index (an index passes unchanged), so a CUDA IPC handle opens on the right GPU
+    however each process numbers them. Its module imports SGLang's GPU set, so where that
+    import fails the functions are read from the file."""
+    imported = _import_or_none("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")
+    if imported is not None:
+        return imported
+    from typing import Union
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    namespace = {"torch": torch, "reductions": reductions, "_is_npu": False,
+                 "Callable": Callable, "Union": Union}  # fmt: skip
+    namespace["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] = module_constant(
+        PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX"
+    )
+    for name in ("_modify_tuple", "_device_to_uuid", "_device_from_maybe_uuid",
+                 "_reduce_tensor_modified", "_rebuild_cuda_tensor_modified",
+                 "monkey_patch_torch_reductions"):  # fmt: skip
+        exec_function(function_source(PATCH_TORCH, name), name, namespace)
+    return namespace["monkey_patch_torch_reductions"]
+
+
+@functools.cache
+def serialize() -> Callable[..., Any]:
+    """SGLang's ``MultiprocessingSerializer.serialize`` (ForkingPickler, optionally base64)."""
+    imported = _import_or_none("sglang.srt.utils", "MultiprocessingSerializer")
+    if imported is not None:
+        return imported.serialize
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    namespace = {"io": io, "ForkingPickler": ForkingPickler, "pybase64": base64}
+    source = function_source(COMMON, "serialize", "MultiprocessingSerializer")
+    return exec_function(source, "serialize", namespace)
+
+
 class DistributedReceiver:
     """The receiving half of SGLang's WeightUpdater for one process holding one TP rank:
     the groups it joined by name, and SGLang's own receive code run on them."""
@@ -131,14 +188,19 @@ class DistributedReceiver:
         self.groups: dict[str, Any] = {}
 
     def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-             group_name: str, backend: str) -> int:  # fmt: skip
-        """As SGLang's WeightUpdater.init_weights_update_group: rank = offset + tp_rank."""
+             group_name: str, backend: str, timeout_s: float | None = None) -> int:  # fmt: skip
+        """As SGLang's WeightUpdater.init_weights_update_group: rank = offset + tp_rank.
+        `timeout_s` bounds the rendezvous and the group's operations (None: torch's default,
+        30 minutes, as SGLang)."""
+        import datetime
+
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
         rank = rank_offset + self.tp_rank
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.groups[group_name] = init_custom_process_group()(
             backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-            world_size=world_size, rank=rank, group_name=group_name,
+            world_size=world_size, rank=rank, group_name=group_name, timeout=timeout,
         )  # fmt: skip
         return rank
 
