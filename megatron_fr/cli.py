@@ -2,7 +2,7 @@
 
 megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
 megatron-fr prepare RECIPE --run-dir DIR [key=value ...] the model a run starts from
-megatron-fr serve --model-path D --port P [...]          one inference server (foreground)
+megatron-fr serve --engine cpu|sglang --model-path D --port P   one inference server
 megatron-fr smoke [--tp 2 --steps 8]    CPU smoke run of the learner and the loss
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
