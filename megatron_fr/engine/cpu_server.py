@@ -96,11 +96,9 @@ class CpuServer:
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency)
         # Weight updates get threads of their own: requests waiting out a pause hold every
         # generation thread, and the update that would end the pause must still run. Group
-        # joins run one at a time on a thread of their own (as SGLang's scheduler runs them),
-        # each bounded by join_timeout_s, so joins to a master that never answers delay
-        # later joins only, never an update.
+        # joins get a thread each (DistributedReceiver.start_join), answered 400 after
+        # join_timeout_s: a master that never answers holds neither.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
-        self.join_pool = ThreadPoolExecutor(max_workers=1)
         self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
 
     async def _run(self, fn, *args):
@@ -242,18 +240,16 @@ class CpuServer:
             field(body, "rank_offset", int), field(body, "world_size", int), name,
             field(body, "backend", str, "gloo"),
         )  # fmt: skip
-        loop = asyncio.get_running_loop()
+        joined = self.receiver.start_join(*args, timeout_s=self.join_timeout_s)
         try:
-            rank = await loop.run_in_executor(
-                self.join_pool, self.receiver.join, *args, self.join_timeout_s
-            )
+            rank = await asyncio.wait_for(asyncio.wrap_future(joined), self.join_timeout_s)
         except SglangSourceMissing as error:
             message = f"the CPU engine joins weight groups with SGLang's code: {error}"
             raise BadRequest(message) from error
         except (RuntimeError, TimeoutError) as error:  # torch's store and group errors
             raise BadRequest(
-                f"joining {name} at {args[0]}:{args[1]} failed within "
-                f"{self.join_timeout_s:g} s: {error}"
+                f"joining {name} with master {args[0]}:{args[1]} failed or got no answer "
+                f"within {self.join_timeout_s:g} s (--weight-group-timeout-s): {error}"
             ) from error
         return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 import __future__
 
 import ast
+import contextlib
 import functools
 import importlib
 import importlib.util
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,8 +55,18 @@ def sglang_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+_AST_LOCK = threading.RLock()
+"""CPython 3.11's ast module is not safe to run on two threads at once (its recursion guard
+fails with SystemError); the engine's first joins may read SGLang's code concurrently."""
+
+
 def function_source(relative_path: str, name: str, class_name: str | None = None) -> str:
     """The source of top-level function `name` (or method `name` of `class_name`)."""
+    with _AST_LOCK:
+        return _function_source(relative_path, name, class_name)
+
+
+def _function_source(relative_path: str, name: str, class_name: str | None) -> str:
     path = sglang_root() / relative_path
     tree = ast.parse(path.read_text())
     body = tree.body
@@ -74,7 +87,9 @@ def exec_function(source: str, name: str, namespace: dict[str, Any]) -> Callable
     unevaluated (as under ``from __future__ import annotations``): they name SGLang types
     that are not in the namespace."""
     flags = __future__.annotations.compiler_flag
-    exec(compile(source, f"<sglang {name}>", "exec", flags=flags, dont_inherit=True), namespace)
+    with _AST_LOCK:
+        code = compile(source, f"<sglang {name}>", "exec", flags=flags, dont_inherit=True)
+    exec(code, namespace)
     return namespace[name]
 
 
@@ -129,7 +144,9 @@ def _receive_methods() -> tuple[Callable, Callable]:
 def module_constant(relative_path: str, name: str) -> Any:
     """The literal value a top-level assignment `name = ...` gives in an SGLang file."""
     path = sglang_root() / relative_path
-    for node in ast.parse(path.read_text()).body:
+    with _AST_LOCK:
+        tree = ast.parse(path.read_text())
+    for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(target, ast.Name) and target.id == name for target in node.targets
         ):
@@ -179,6 +196,10 @@ def serialize() -> Callable[..., Any]:
     return exec_function(source, "serialize", namespace)
 
 
+MAX_PENDING_JOINS = 8
+"""Joins that may wait for their masters at once (each holds a thread: start_join)."""
+
+
 class DistributedReceiver:
     """The receiving half of SGLang's WeightUpdater for one process holding one TP rank:
     the groups it joined by name, and SGLang's own receive code run on them."""
@@ -186,6 +207,41 @@ class DistributedReceiver:
     def __init__(self, tp_rank: int = 0, device: str = "cpu"):
         self.tp_rank, self.device = tp_rank, device
         self.groups: dict[str, Any] = {}
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def start_join(self, *args: Any, timeout_s: float) -> Future:
+        """join(*args, timeout_s) on a thread of its own; its future gives the rank. torch's
+        store client waits forever on a master that accepts the connection and never answers,
+        whatever its timeout, so the caller waits on the future (and cancels it) instead of on
+        the thread; a join that succeeds after its future was cancelled leaves the group
+        again. ValueError when MAX_PENDING_JOINS joins are still waiting."""
+        with self._lock:
+            if self._pending >= MAX_PENDING_JOINS:
+                raise ValueError(
+                    f"{self._pending} weight-group joins are still waiting for their masters; "
+                    "check master_address and master_port"
+                )
+            self._pending += 1
+        future: Future = Future()
+        threading.Thread(target=self._join_for, args=(future, args, timeout_s), daemon=True,
+                         name="weight-group-join").start()  # fmt: skip
+        return future
+
+    def _join_for(self, future: Future, args: tuple, timeout_s: float) -> None:
+        try:
+            rank = self.join(*args, timeout_s)
+        except BaseException as error:  # handed to the caller, whatever it is
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(error)
+            return
+        finally:
+            with self._lock:
+                self._pending -= 1
+        try:
+            future.set_result(rank)
+        except InvalidStateError:  # the caller gave up: leave the group it no longer expects
+            self.destroy(args[4])
 
     def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str, timeout_s: float | None = None) -> int:  # fmt: skip
