@@ -17,8 +17,10 @@ token); a model directory without tokenizer files serves input_ids requests.
 A /generate response carries SGLang's per-token version spans, meta_info.weight_versions =
 [{"version", "start", "end"}, ...] over the output tokens, and meta_info.weight_version = the
 last span's version (srt/utils/weight_versions.py). Hostile or broken clients cannot wedge it:
-bodies are bounded (413), malformed requests get a 400 naming the field (cpu_wire), prompts
-are checked against the context length, and a client that disconnects ends its generation.
+bodies are bounded in size, arrival time and depth before they are parsed (cpu_requests: 413,
+408, 400), a /generate in prompts, tokens and characters before any tokenising (cpu_wire,
+400 naming the field), a weight-group join in time (--weight-group-timeout-s, on a thread of
+its own), a disk load to regular files; a client that disconnects ends its generation.
 """
 
 from __future__ import annotations

@@ -14,7 +14,12 @@ prompt of a batch (GenerateReqInput.__getitem__ copies them to each item).
 
 The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
 add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
-tiling the output tokens, and meta_info.weight_version = the last span's version.
+tiling the output tokens, and meta_info.weight_version = the last span's version. A request
+aborted before its first step gets the answer SGLang gives one aborted in its waiting queue
+(waiting_abort_response: no token, no routed experts).
+
+What one request may cost is bounded before any prompt is tokenised or read token by token
+(PromptLimits: prompts per request, tokens of a prompt, characters of a text prompt).
 """
 
 from __future__ import annotations

@@ -16,14 +16,13 @@ import asyncio
 import base64
 import dataclasses
 import logging
-import time
 from types import SimpleNamespace
 
 import aiohttp
 import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from engine_harness import StepGate, hf_model, router_top_k, serving
+from engine_harness import StepGate, hf_model, router_top_k, serving, until
 from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
@@ -145,13 +144,6 @@ def sglang_waiting_abort(rid: str, version: str, e2e_latency: float) -> dict:
     return state.out_list[0]
 
 
-async def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + 120  # hang guard only
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 def test_a_routed_rollout_survives_a_sync_that_aborts_requests_still_waiting(model_dirs):
     """A holds the decoding step when a weight sync pauses the engine (mode abort); B (plain
     HTTP) and C (the rollout client) wait for the step, as requests wait in SGLang's waiting
@@ -178,7 +170,7 @@ def test_a_routed_rollout_survives_a_sync_that_aborts_requests_still_waiting(mod
         await gate.held()
         b = asyncio.create_task(http.post(url + "/generate", json=waiting))
         c = asyncio.create_task(client.generate(prompt_c, sampling))
-        await _until(lambda: engine.running_requests == 3, "B and C waiting")
+        await until(lambda: engine.running_requests == 3, "B and C waiting")
         async with http.post(url + "/pause_generation", json={"mode": "abort"}) as response:
             assert response.status == 200
         gate.go()
