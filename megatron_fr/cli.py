@@ -1,7 +1,7 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
-megatron-fr serve --model-path D --port P [...]          one inference server (foreground)
+megatron-fr serve --engine cpu|sglang --model-path D --port P   one inference server
 megatron-fr demo prepare RECIPE [key=value ...]          make a CPU demo recipe's tiny model
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark

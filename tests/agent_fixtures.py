@@ -77,6 +77,12 @@ class ScriptedEngine:
     routed: bool = False
     """Act as a MoE with 2 layers, top-2 of 4 experts: routed_experts reports position p of a
     request, holding token t, in layer l as experts (t + l) % 4 and (t + l + 1) % 4."""
+    context_length: int = 2**20
+    dtype: str = "float32"
+
+    @property
+    def return_routed_experts(self) -> bool:
+        return self.routed
 
     def generate(
         self,

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
+from megatron_fr.engine.routing import RoutedExperts
 
 DELTAS = (3e-3, 1e-3)
 """Gate thresholds reported: the demo's, and the tool-use / ALFWorld setting."""

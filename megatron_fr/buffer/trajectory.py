@@ -7,7 +7,7 @@ next-token shift; `to_tensors` documents where that shift happens.
 
 Validation runs where trajectories enter the buffer, so a bad rollout is counted and reported
 with the field at fault instead of surfacing later as a NaN or a shape error in the loss.
-That includes the MoE routing a trajectory may carry for routing replay (buffer/routing.py):
+That includes the MoE routing a trajectory may carry for routing replay (engine/routing.py):
 one record per position the learner feeds, every id a valid expert, no expert twice in a
 token's top-k.
 """
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_fr.buffer.routing import STORAGE_DTYPES, RoutedExperts
+from megatron_fr.engine.routing import STORAGE_DTYPES, RoutedExperts
 
 NON_POLICY_VERSION = -1
 """token_versions entry of a token the policy did not generate (prompt, observation)."""

@@ -25,12 +25,12 @@ import torch
 
 import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.convert.hf_files import HFCheckpointReader
 from megatron_fr.convert.parallel_export import export_hf_from_model
 from megatron_fr.convert.parallel_load import load_hf_into_model
 from megatron_fr.convert.qwen import megatron_to_hf
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
+from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
 HF_CONFIG_NAME = "hf_config.json"
 

@@ -94,7 +94,7 @@ def pipeline_logits(model, tokens: torch.Tensor, parallel: ParallelConfig):
 
 def _source_dtype(job: VerifyJob) -> torch.dtype:
     from megatron_fr.convert.checkpoint import hf_dtype, megatron_dtype
-    from megatron_fr.convert.hf_files import HFCheckpointReader
+    from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
     if job.megatron_dir is not None:
         return megatron_dtype(Path(job.megatron_dir))

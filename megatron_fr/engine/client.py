@@ -14,9 +14,11 @@ continuation after an abort, both carry the version of the weights that sampled 
 Routed experts (MoE routing replay, config.routed_experts): each segment asks for the positions
 not reported yet (routed_experts_start_len = the first of them), so the segments of a call, and
 the calls of a multi-turn row (generate's routed_experts_from), tile the row's positions once,
-each with the routing the engine used when it first fed that position. A server that sends
-none although asked ends the run (RoutedExpertsUnavailable): it is misconfigured, and a retry
-would not help.
+each with the routing the engine used when it first fed that position. A request a weight
+sync aborts while it is still in SGLang's waiting queue comes back with no token and no routed
+experts (TokenizerManager._handle_abort_req attaches none): it reported nothing, so it is
+continued like any abort. A server that sends none for a segment that did generate ends the
+run (RoutedExpertsUnavailable): it is misconfigured, and a retry would not help.
 
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
@@ -33,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -44,7 +47,6 @@ from pydantic import (
     field_validator,
 )
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
@@ -57,6 +59,7 @@ from megatron_fr.engine.protocol import (
     generate_request,
     parse_generate_response,
 )
+from megatron_fr.engine.routing import RoutedExperts
 
 
 class RolloutClientConfig(BaseModel):
@@ -278,8 +281,12 @@ class RolloutClient:
         self, out: GenerateOutput, fed: int, start: int, server: str
     ) -> RoutedExperts:
         """A segment's routed experts: positions [start, fed + output - 1), as SGLang returns
-        them; none when the segment generated nothing (it may have fed nothing)."""
+        them; none when the segment generated nothing (it may have fed nothing), and none at
+        all from an abort in SGLang's waiting queue (module docstring)."""
         layout = self.config.routed_experts
+        if out.routed_experts is None and not out.output_ids and out.finish_reason == "abort":
+            empty = np.zeros((0, layout.num_layers, layout.top_k), dtype=np.int32)
+            return RoutedExperts.compact(empty, layout.num_experts)
         if out.routed_experts is None:
             raise RoutedExpertsUnavailable(
                 f"{server} sent no meta_info.routed_experts although asked: SGLang must run "

@@ -17,17 +17,24 @@ the pause mode and however an update races with the request. What else the engin
   the new weights. Requests arriving while paused wait for /continue_generation (abort_all
   and a later "abort" pause leave them waiting, as in SGLang); an aborted request (by rid,
   abort_all, or its client disconnecting) ends at its next step.
-- Routed experts (SGLang's return_routed_experts, MoE models): forward hooks on every layer's
-  router record the top-k expert ids of each position as it is fed; a request gets those of
-  positions [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k]
-  int32 like SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A
-  retracted request re-encodes its prefix, so its record restarts with the new routing.
+- A request aborted before its first decoding step (waiting for the step lock, as a request
+  waits in SGLang's waiting queue) ends with no token and finish message "Abort in waiting
+  queue", and carries no routed experts: SGLang answers those from
+  TokenizerManager._handle_abort_req, which attaches none (cpu_wire answers in that shape).
+- Routed experts (SGLang's return_routed_experts, MoE models), when the engine runs with
+  return_routed_experts (SGLang's --enable-return-routed-experts; without it, as SGLang, a
+  request asking for them gets none): forward hooks on every layer's router record the top-k
+  expert ids of each position as it is fed; a request gets those of positions
+  [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k] int32 like
+  SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A retracted
+  request re-encodes its prefix, so its record restarts with the new routing.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -39,6 +46,9 @@ from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
 from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+WAITING_ABORT_MESSAGE = "Abort in waiting queue"
+"""SGLang's finish message for a request aborted before it was scheduled
+(TokenizerManager._handle_abort_req)."""
 
 
 @dataclass
@@ -71,7 +81,11 @@ class Output:
     produced by `weight_version` (an engine whose weights never change mid-request)."""
     routed_experts: torch.Tensor | None = None
     """int32 [positions, layers, top_k]: the experts of the positions asked for (module doc);
-    None when not asked."""
+    None when not asked, not enabled, or aborted while waiting."""
+    waiting_abort: bool = False
+    """Aborted before its first step: SGLang's waiting-queue abort (module doc)."""
+    e2e_latency: float = 0.0
+    """Seconds from arrival to the answer (SGLang's meta_info.e2e_latency)."""
 
 
 class Aborted(Exception):
@@ -150,10 +164,14 @@ class CpuEngine:
         model_path: str | Path,
         dtype: torch.dtype = torch.float32,
         context_length: int | None = None,
+        return_routed_experts: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
+        self.dtype = dtype
+        self.return_routed_experts = return_routed_experts
+        """SGLang's --enable-return-routed-experts (module doc)."""
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.tokenizer = _optional_tokenizer(model_path)
         if context_length is not None and context_length < 2:
@@ -184,9 +202,10 @@ class CpuEngine:
     ) -> Output:
         """Decode one request to a stop token, its token budget, or an abort; with
         routed_experts_start, report the routed experts from that position on (module doc)."""
+        arrived = time.monotonic()
         budget = self._token_budget(input_ids, sampling)
         self._check_routing_request(input_ids, routed_experts_start)
-        asked = routed_experts_start is not None
+        asked = routed_experts_start is not None and self.return_routed_experts
         generator = torch.Generator()
         seed = sampling.sampling_seed
         generator.manual_seed(seed if seed is not None else _fresh_seed())
@@ -203,15 +222,10 @@ class CpuEngine:
                 if seen != retractions:  # retracted while paused: re-encode with new weights
                     cache, feed, retractions = None, list(input_ids) + ids, seen
                     routed.clear()
-                record = self.routers.recording(len(feed)) if asked else nullcontext([])
-                with self.weights.step() as version, record as step:
-                    result = self.model(
-                        input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
-                    )
+                logits, cache, version, step = self._forward(rid, feed, cache, asked)
                 routed += step
                 versions.append(version)
-                cache = getattr(result, self._cache_arg)
-                log_probs = sampling_log_probs(result.logits[0, -1], sampling)
+                log_probs = sampling_log_probs(logits, sampling)
                 token = _pick(log_probs, sampling, generator)
                 ids.append(token)
                 logprobs.append(log_probs[token].item())
@@ -222,21 +236,38 @@ class CpuEngine:
                     finish = {"type": "stop", "matched": token}
                     break
         except Aborted:
-            finish = {"type": "abort", "message": "aborted"}
+            message = "aborted" if versions else WAITING_ABORT_MESSAGE
+            finish = {"type": "abort", "message": message}
         finally:
             self._leave(rid)
         output = Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
-        if asked:
+        output.waiting_abort = finish["type"] == "abort" and not versions
+        output.e2e_latency = time.monotonic() - arrived
+        if asked and not output.waiting_abort:
             fed = torch.cat(routed) if routed else self._no_routing()
             output.routed_experts = fed[routed_experts_start:]
         return output
+
+    def _forward(
+        self, rid: str, feed: list[int], cache, record_routing: bool
+    ) -> tuple[torch.Tensor, object, str, list[torch.Tensor]]:
+        """One decoding step under the weights' lock: the last position's logits, the KV cache,
+        the weights' version, and the fed positions' routing when recorded. Aborted when the
+        request was aborted while it waited for the lock."""
+        record = self.routers.recording(len(feed)) if record_routing else nullcontext([])
+        with self.weights.step() as version, record as routing:
+            self._raise_if_aborted(rid)
+            result = self.model(
+                input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
+            )
+        return result.logits[0, -1], getattr(result, self._cache_arg), version, routing
 
     def _check_routing_request(self, input_ids: list[int], start: int | None) -> None:
         """Refused as SGLang refuses it (start in [0, prompt length]), and on a model without
         MoE routers, which has no routed experts to report."""
         if start is None:
             return
-        if not self.routers.available:
+        if self.return_routed_experts and not self.routers.available:
             raise RequestError("return_routed_experts: this model has no MoE router")
         if not 0 <= start <= len(input_ids):
             raise RequestError(
@@ -258,10 +289,7 @@ class CpuEngine:
             raise RequestError(f"input_ids outside the vocabulary [0, {vocab})")
         count, limit = len(input_ids), self.context_length
         if count >= limit:
-            raise RequestError(
-                f"The input ({count} tokens) is longer than the model's context length "
-                f"({limit} tokens)."
-            )
+            raise RequestError(prompt_too_long(count, limit))
         if sampling.max_new_tokens is None:
             return limit - count
         if count + sampling.max_new_tokens > limit:
@@ -286,6 +314,11 @@ class CpuEngine:
             self._admitting.discard(rid)
             self._aborted.discard(rid)
             self._state.notify_all()
+
+    def _raise_if_aborted(self, rid: str) -> None:
+        with self._state:
+            if rid in self._aborted:
+                raise Aborted(rid)
 
     def _wait_while_paused(self, rid: str) -> int:
         """Block while paused; raise Aborted if `rid` was aborted; the retraction count."""
@@ -345,6 +378,11 @@ class CpuEngine:
     @weight_version.setter
     def weight_version(self, version: str) -> None:
         self.weights.set_version(version)
+
+
+def prompt_too_long(count: int, limit: int) -> str:
+    """SGLang's refusal of a prompt that leaves no room in the context (tokenizer manager)."""
+    return f"The input ({count} tokens) is longer than the model's context length ({limit} tokens)."
 
 
 def _pick(log_probs: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_fr.convert.hf_files import HFCheckpointReader
+from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 

@@ -1,5 +1,6 @@
-"""Starting, health-checking and stopping one inference server process (SGLang on GPUs, the
-project's SGLang-protocol CPU engine elsewhere).
+"""Starting, health-checking and stopping one inference server process: SGLang (GPUs) or the
+project's SGLang-protocol CPU engine, as the config names it (never chosen by what the machine
+has: a GPU recipe on a machine without CUDA is refused, not served by the CPU engine).
 
     launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log,
                                CUDA_VISIBLE_DEVICES narrowed to the server's GPUs)
@@ -76,10 +77,10 @@ class ServerLaunchConfig(BaseModel):
     log_dir: Path = Path("logs")
     """Where server-<port>.log goes."""
     return_routed_experts: bool = False
-    """SGLang: capture each request's routed experts so that requests may ask for them (MoE
-    routing replay); the CPU engine always can."""
-    engine: Literal["auto", "sglang", "cpu"] = "auto"
-    """auto: SGLang when CUDA is available, else the CPU engine."""
+    """--enable-return-routed-experts: capture each request's routed experts so that requests
+    may ask for them (MoE routing replay); both engines take the flag."""
+    engine: Literal["sglang", "cpu"] = "sglang"
+    """SGLang (CUDA GPUs), or the project's CPU engine."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
     gpu_ids: tuple[NonNegativeInt, ...] = ()
@@ -161,23 +162,30 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
         sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", cfg.model_path,
         "--host", cfg.host, "--port", str(cfg.port), "--threads", str(cfg.cpu_threads),
     ]  # fmt: skip
+    if cfg.return_routed_experts:
+        command.append("--enable-return-routed-experts")
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
 
 
-def resolve_engine(cfg: ServerLaunchConfig) -> Literal["sglang", "cpu"]:
-    if cfg.engine != "auto":
-        return cfg.engine
-    import torch  # here, so building configs and commands never pays for it
-
-    return "sglang" if torch.cuda.is_available() else "cpu"
-
-
 def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
-    """argv of the server `cfg` resolves to; watch_parent as in cpu_engine_command (SGLang's
-    own processes are stopped through their process group instead)."""
-    if resolve_engine(cfg) == "sglang":
+    """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's own
+    processes are stopped through their process group instead)."""
+    if cfg.engine == "sglang":
         return sglang_command(cfg)
     return cpu_engine_command(cfg, watch_parent)
+
+
+def check_engine_device(engine: str, where: str = "engine", remedy: str = "use 'cpu'") -> None:
+    """Refuse SGLang on a machine without CUDA, naming the setting and the remedy."""
+    if engine != "sglang":
+        return
+    import torch  # here, so building configs and commands never pays for it
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{where} is 'sglang', which needs CUDA GPUs, and this machine has none: {remedy} "
+            "(the project's CPU engine)"
+        )
 
 
 def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
@@ -205,7 +213,7 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     """The server's environment: this one without the launcher's rank variables, and for
     SGLang CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
     env = standalone_env()
-    if resolve_engine(cfg) != "sglang":
+    if cfg.engine != "sglang":
         return env
     import torch
 
@@ -339,7 +347,8 @@ class ServerProcess:
 
 
 def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
-    """Start the server `cfg` describes (engine resolved now); call wait_healthy next."""
+    """Start the server `cfg` describes; call wait_healthy next."""
+    check_engine_device(cfg.engine)
     return ServerProcess.start(
         server_command(cfg), cfg.host, cfg.port, cfg.log_dir, env=server_env(cfg)
     )

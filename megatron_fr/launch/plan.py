@@ -177,14 +177,22 @@ class Plan:
 
 
 def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
-    """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs: the
-    world-size rules of ParallelConfig, then the model's rules
-    (models/layout.py, the ones model build enforces)."""
+    """Raise LayoutError with the reason if `parallel` cannot train `spec` on `world` GPUs: the
+    world-size rules of ParallelConfig, the model's rules (models/layout.py, the ones model
+    build enforces), then megatron's training-time rule for MoE with TP > 1: sequence
+    parallelism is required (MoELayer.forward raises it, in training only, at the first
+    forward: far too late to find out)."""
     try:
         parallel.validate_world(world)
     except ValueError as error:
         raise LayoutError(str(error)) from None
     check_model_layout(spec, parallel)
+    if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
+        raise LayoutError(
+            f"a MoE model at parallel.tensor={parallel.tensor} needs "
+            "parallel.sequence_parallel=true (megatron refuses MoE with tensor parallelism and "
+            "without sequence parallelism at its first training step)"
+        )
 
 
 def layer_params(spec: HFModelSpec) -> dict[str, int]:

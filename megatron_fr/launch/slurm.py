@@ -59,8 +59,8 @@ class SlurmOptions(BaseModel):
     """Learner ranks per learner node; None: one per GPU (one without GPUs)."""
     server_gpus: NonNegativeInt | None = None
     """GPUs per inference server (its SGLang TP size); None: all of a node's GPUs."""
-    engine: Literal["auto", "cpu", "sglang"] = "auto"
-    """auto: SGLang on GPU nodes, the CPU engine otherwise."""
+    engine: Literal["cpu", "sglang"] | None = None
+    """The servers' engine; None: the recipe's rollout.engine.kind."""
     server_threads: PositiveInt = 1
     """torch threads of the CPU engine."""
     server_args: tuple[str, ...] = ()
@@ -163,11 +163,17 @@ def resolve_job(
         )
     _check_node_share(options, procs)
     server_gpus, servers_per_node = _servers(options)
-    engine = options.engine if options.engine != "auto" else ("sglang" if gpus else "cpu")
+    engine = options.engine or config.rollout.engine.kind
     if engine == "cpu" and server_gpus:
-        raise LaunchError("the CPU engine takes no GPUs (server_gpus must be 0)")
+        raise LaunchError(
+            "the CPU engine (rollout.engine.kind, or --engine) takes no GPUs: server_gpus must "
+            "be 0, or serve with --engine sglang"
+        )
     if engine == "sglang" and not server_gpus:
-        raise LaunchError("SGLang needs GPUs (gpus_per_node is 0)")
+        raise LaunchError(
+            "SGLang needs GPUs and gpus_per_node is 0: give --gpus-per-node, or serve with "
+            "--engine cpu (or rollout.engine.kind=cpu)"
+        )
     last_port = options.port_base + SERVER_PORT_OFFSET + options.rollout_nodes * servers_per_node
     if last_port > 65535:
         raise LaunchError(f"port_base {options.port_base}: server ports would pass 65535")
@@ -293,6 +299,7 @@ def settings(job: SlurmJob) -> dict[str, str | list[str]]:
         MFR_PROCS_PER_NODE=str(job.procs_per_node), MFR_ENGINE=job.engine,
         MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),
         MFR_SERVER_THREADS=str(o.server_threads), MFR_SERVER_ARGS=list(o.server_args),
+        MFR_ROUTED_EXPERTS=str(int(job.config.learner.routing_replay)),
         MFR_PORT_BASE=str(o.port_base), MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
         MFR_CPUS_PER_NODE=str(o.cpus_per_node or ""),
         MFR_CONTAINER=container_flags(o), MFR_ENV=[*NCCL_ENV, *o.env],

@@ -3,7 +3,7 @@
 The learner and the engines route tokens independently, and small numeric differences (bf16
 kernels, expert-parallel layouts, weights a few versions apart) flip top-k choices, which
 inflates the train-inference mismatch the trust-region gate measures. With
-learner.routing_replay the trajectory's routed experts (buffer/routing.py: one record per
+learner.routing_replay the trajectory's routed experts (engine/routing.py: one record per
 position the learner feeds, as the engine reported it) drive megatron's own router replay
 (megatron/core/transformer/moe/router_replay.py, TransformerConfig.moe_enable_routing_replay):
 

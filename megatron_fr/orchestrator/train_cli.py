@@ -38,9 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
+    from megatron_fr.engine.group import match_sglang_nccl_env
+    from megatron_fr.engine.launcher import check_engine_device
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
+    match_sglang_nccl_env()  # before any NCCL communicator, here or in torchrun's children
     try:
         config = resolve_task(load_run_config(args.recipe, args.overrides))
         world = args.world_size or int(os.environ.get("WORLD_SIZE", config.learner_ranks))
@@ -52,6 +55,9 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--run-dir is required (or --check)")
         check_run_dir(args.run_dir)
         check_recipe(config, world, gpu_mem_gb=None, render=False)  # before any process
+        if not config.rollout.engine.urls:
+            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls"
+            check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
     except (ValueError, FileNotFoundError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)
         return 2

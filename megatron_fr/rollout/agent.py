@@ -38,7 +38,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     NON_POLICY_VERSION,
     InvalidTrajectory,
@@ -48,6 +47,7 @@ from megatron_fr.buffer.trajectory import (
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import Rollout, RolloutClient
 from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.envs.base import Episode, Message
 from megatron_fr.rollout.chat import ChatFormat
 

@@ -52,7 +52,7 @@ async def sample(hf_dir) -> list[Trajectory]:
     from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
     from megatron_fr.rollout.episodes import single_turn_trajectory
 
-    engine = CpuEngine(hf_dir, torch.bfloat16)
+    engine = CpuEngine(hf_dir, torch.bfloat16, return_routed_experts=True)
     engine.weight_version = "0"  # the learner's version of these weights
     runner = web.AppRunner(CpuServer(engine).app())
     await runner.setup()

@@ -80,7 +80,9 @@ def test_learner_log_probs_at_temperature_equal_the_engines(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     server = launch_server(
-        ServerLaunchConfig(model_path=str(tmp_path / "hf"), port=free_port(), log_dir=tmp_path)
+        ServerLaunchConfig(
+            model_path=str(tmp_path / "hf"), port=free_port(), log_dir=tmp_path, engine="cpu"
+        )
     )
     try:
         server.wait_healthy(deadline_s=120)

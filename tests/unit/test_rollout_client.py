@@ -7,7 +7,8 @@ Switches make it slow, broken (malformed body, 5xx, 4xx), abort after k tokens (
 weight update, after which its version goes up) or update its weights in place mid-request.
 Asked for routed experts, it answers with those of positions [routed_experts_start_len,
 prompt + output - 1) (position p, layer l: experts (p + l) % 4 and (p + l + 1) % 4), encoded
-by SGLang's own detokenizer function read from the installed package.
+by SGLang's own detokenizer function read from the installed package; an abort after 0 tokens
+carries none, as SGLang's abort of a request in its waiting queue.
 Run as a script (`python test_rollout_client.py --port 0 --delay S`) it serves in its own process,
 printing "PORT <n>", so a test can kill it by PID mid-request.
 """
@@ -114,7 +115,8 @@ def _generate_body(script: Script, body: dict) -> dict:
         "weight_versions": spans,
         "output_token_logprobs": [[-0.5, token, None] for token in ids],
     }
-    if body["return_routed_experts"] and script.routing != "missing":
+    queued = aborting and not ids  # SGLang's waiting-queue abort: no routed experts
+    if body["return_routed_experts"] and script.routing != "missing" and not queued:
         start = body["routed_experts_start_len"]
         rows = max(0, len(prompt) + len(ids) - 1 - start) - (script.routing == "short")
         meta["routed_experts"] = sglang_b64([routing_of(p) for p in range(start, start + rows)])
@@ -506,6 +508,24 @@ def test_routed_experts_of_segments_and_turns_tile_the_row_once() -> None:
     routed = np.concatenate([first.routed_experts.experts, second.routed_experts.experts])
     assert routed.tolist() == [routing_of(p) for p in range(len(row) - 1)]
     assert routed.dtype == np.uint8 and first.routed_experts.num_experts == 4
+
+
+def test_zero_token_aborts_without_routed_experts_are_continued_not_fatal() -> None:
+    """Two syncs abort the request while it waits in SGLang's queue (no token, no routed
+    experts), then it runs: one rollout, its routing tiling the row once."""
+    script = Script(abort_after=0, aborts=2)
+
+    async def body() -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls, routed_experts=LAYOUT)) as c:
+            return await c.generate([5, 6], sampling(3))
+
+    rollout = asyncio.run(body())
+    assert (rollout.output_ids, rollout.finish_reason, rollout.continuations) == (
+        [7, 8, 9], "length", 2,
+    )  # fmt: skip
+    assert [e["routed_experts_start_len"] for e in script.log] == [0, 0, 0]
+    assert rollout.routed_experts.experts.tolist() == [routing_of(p) for p in range(4)]
+    assert rollout.token_versions == ["3", "3", "3"]
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from tiny_qwen import TINY
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config import ParallelConfig
+from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 from megatron_fr.learner.routing_replay import check_routed_batch, padding_routing
 from megatron_fr.models.gpt import transformer_config

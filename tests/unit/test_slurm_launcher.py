@@ -113,7 +113,7 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model
     logs = f"{run_dir}/logs/slurm-dryrun.0"
     assert [line.replace(python, "PY") for line in commands(out)] == [
         f"{srun.format(n=1, nodes='node1')} bash -c '<serve_node from slurm/job.sh>' serve_node"
-        f" {logs} PY {demo_model} cpu 1 0 1 20100",
+        f" {logs} PY {demo_model} cpu 1 0 1 0 20100",
         f"{srun.format(n=2, nodes='node2,node3')} bash -c '<learner_node from slurm/job.sh>'"
         f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
         f" model.hf_dir={demo_model}"
@@ -137,7 +137,7 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert [line.split()[4] for line in lines[:3]] == [
         "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
     ]  # fmt: skip
-    assert lines[0].endswith("sglang 2 4 1 20100") and lines[1].endswith("sglang 2 4 1 20102")
+    assert lines[0].endswith("sglang 2 4 1 0 20100") and lines[1].endswith("sglang 2 4 1 0 20102")
     urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
     assert f"'rollout.engine.urls={urls}'" in lines[2]
     assert "learner_node" in lines[2] and " 2 8 node3 20000 " in lines[2]
@@ -161,6 +161,51 @@ def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
     assert "sglang engine" in out and len(commands(out)) >= 3
 
 
+def job_function(name: str) -> str:
+    """One function of slurm/job.sh, as its text."""
+    body = (REPO / "slurm" / "job.sh").read_text()
+    start = body.index(f"{name}() {{")
+    return body[start : body.index("\n}\n", start) + 3]
+
+
+def test_servers_keep_the_gpus_slurm_gave_and_return_routed_experts_when_replayed(tmp_path):
+    """serve_node on a shared node where Slurm gave the step GPUs 3,5,6,7: server i gets
+    entries 2i, 2i+1 of that list (not GPUs 0..3), and with routing replay in the recipe every
+    server is told --enable-return-routed-experts (rendered as MFR_ROUTED_EXPERTS=1)."""
+    python = tmp_path / "python"  # records what each server would run, and where
+    python.write_text('#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*"\n')
+    python.chmod(0o755)
+
+    def serve_node(visible: str | None, count: int, gpus: int, routed: int) -> list[str]:
+        env = {"PATH": os.environ["PATH"], "SLURMD_NODENAME": "n1"}
+        env |= {"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {}
+        args = [str(tmp_path), str(python), "/m", "sglang", str(count), str(gpus), "1",
+                str(routed), "20100", "--foo"]  # fmt: skip
+        result = subprocess.run(["bash", "-c", f"{job_function('serve_node')}\nserve_node \"$@\"",
+                                 "serve_node", *args], capture_output=True, text=True, env=env,
+                                timeout=60)  # fmt: skip
+        logs = sorted(tmp_path.glob("server-n1-*.log"))
+        lines = [log.read_text().splitlines()[-1] for log in logs] if not result.returncode else []
+        for log in logs:
+            log.unlink()
+        return lines or [result.stderr]
+
+    first, second = serve_node("3,5,6,7", 2, 2, routed=1)
+    assert first.startswith("CUDA_VISIBLE_DEVICES=3,5 -m megatron_fr serve --model-path /m")
+    assert second.startswith("CUDA_VISIBLE_DEVICES=6,7 ") and "--port 20101" in second
+    assert first.endswith(
+        "--engine sglang --tp 2 --threads 1 --enable-return-routed-experts -- --foo"
+    )
+    [plain] = serve_node(None, 1, 2, routed=0)  # no CUDA_VISIBLE_DEVICES: all GPUs are ours
+    assert plain.startswith("CUDA_VISIBLE_DEVICES=0,1 ") and "routed" not in plain
+    [refused] = serve_node("3", 2, 1, routed=0)
+    assert "2 server(s) x 1 GPU(s), but the step sees 1: 3" in refused
+    wrapper = REPO / "slurm" / "recipes" / "qwen3_30b_a3b_lag8.sh"
+    script = tmp_path / "job.sbatch"
+    dry_run(wrapper, tmp_path, "--script-out", str(script), "learner.routing_replay=true")
+    assert "MFR_ROUTED_EXPERTS=1" in script.read_text().splitlines()
+
+
 def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
     script = tmp_path / "job.sbatch"
     dry_run(WRAPPERS[0], tmp_path, "--script-out", str(script), "--cpus-per-node", "2",
@@ -169,10 +214,7 @@ def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
     assert "#SBATCH --cpus-per-task=2" in sbatch and "#SBATCH --mem=1536M" in sbatch
     assert "#SBATCH --exclusive" not in sbatch
     # On whole nodes each step gets the fewest CPUs any node of the job has.
-    body = (REPO / "slurm" / "job.sh").read_text()
-    function = body[
-        body.index("step_cpus() {") : body.index("\n}\n", body.index("step_cpus()")) + 3
-    ]
+    function = job_function("step_cpus")
     for job_cpus, expected in (("64(x2),48", "48"), ("96", "96")):
         result = subprocess.run(
             ["bash", "-c", f"{function}\nstep_cpus"], capture_output=True, text=True,

@@ -12,13 +12,13 @@ import pytest
 import torch
 from helpers import assert_close
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     InvalidTrajectory,
     Trajectory,
     to_tensors,
     validate_trajectory,
 )
+from megatron_fr.engine.routing import RoutedExperts
 
 # prompt (2 tokens), policy turn (2), tool observation (1), policy turn (1)
 TOKENS = [5, 6, 7, 8, 9, 10]
