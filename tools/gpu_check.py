@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # the steps run megatron in this process (`plan` too, on a CPU)
     if getattr(args, "out", None) is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     return args.run(args)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.convert.hf_files import HFCheckpointReader
 from megatron_fr.convert.parallel_export import export_hf_from_model

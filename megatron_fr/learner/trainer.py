@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.algo.advantages import compute_advantages
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.learner import LearnerConfig
@@ -41,7 +40,6 @@ from megatron_fr.learner.micro_batches import (
 )
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
-from megatron_fr.parallel.cpu_shims import cpu_device_mode
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
 from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
 from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
@@ -169,34 +167,33 @@ class Learner:
         log softmax(logits / temperature), the distribution the engines sampled from and
         report log-probs of (SGLang's sampler and the CPU engine alike)."""
         dtype = DTYPES[config.params_dtype]
-        with cpu_device_mode():
-            start = init_checkpoint or init_hf_dir
-            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
-                                          routing_replay=config.routing_replay)  # fmt: skip
-            if init_checkpoint is not None:
-                load_megatron_checkpoint(self.module, init_checkpoint)
-            elif init_hf_dir is not None:  # every rank reads only its own shards
-                load_hf_into_model(self.module, init_hf_dir, spec, progress=False)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-            )
-            self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam",
-                    lr=config.lr,
-                    min_lr=config.min_lr,
-                    weight_decay=config.weight_decay,
-                    adam_beta1=config.adam_beta1,
-                    adam_beta2=config.adam_beta2,
-                    adam_eps=config.adam_eps,
-                    clip_grad=config.clip_grad,
-                    bf16=dtype == torch.bfloat16,
-                    params_dtype=dtype,
-                    use_distributed_optimizer=True,
-                ),
-                [self.model],
-            )
+        start = init_checkpoint or init_hf_dir
+        self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
+                                      routing_replay=config.routing_replay)  # fmt: skip
+        if init_checkpoint is not None:
+            load_megatron_checkpoint(self.module, init_checkpoint)
+        elif init_hf_dir is not None:  # every rank reads only its own shards
+            load_hf_into_model(self.module, init_hf_dir, spec, progress=False)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
+        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=config.lr,
+                min_lr=config.min_lr,
+                weight_decay=config.weight_decay,
+                adam_beta1=config.adam_beta1,
+                adam_beta2=config.adam_beta2,
+                adam_eps=config.adam_eps,
+                clip_grad=config.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                params_dtype=dtype,
+                use_distributed_optimizer=True,
+            ),
+            [self.model],
+        )
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if config.lr_warmup_steps else config.lr,
@@ -256,9 +253,7 @@ class Learner:
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
-        reported["clipped"] = metrics.get(
-            "clip_fraction_tokens", torch.zeros((), device=loss.device)
-        )
+        reported["clipped"] = metrics.get("clip_fraction_tokens", torch.zeros((), device=loss.device))
         kl = metrics.get("sequence_kl")
         reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
             metrics["present"], dtype=torch.float64
@@ -323,11 +318,10 @@ class Learner:
         global_batch = self._global_batch(batch)
         # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
         score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
-        with cpu_device_mode():
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            per_micro = self._schedule(micros, score, False, self.routing_replay)
-            updated, grad_norm, _ = self.optimizer.step()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_micro = self._schedule(micros, score, False, self.routing_replay)
+        updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
         metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
@@ -369,7 +363,7 @@ class Learner:
                 scored.setdefault(segment, {})[position] = value
             return logits.sum() * 0, {}
 
-        with cpu_device_mode(), torch.no_grad():
+        with torch.no_grad():
             micros = self._micro_batches(batch, pad_id, replay)[1]
             self._schedule(micros, score, True, replay)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
@@ -388,15 +382,14 @@ class Learner:
 
         Path(directory).mkdir(parents=True, exist_ok=True)
         keep_writes_in_process()
-        with cpu_device_mode():
-            dist_checkpointing.save(self._sharded_state(), directory)
+        dist_checkpointing.save(self._sharded_state(), directory)
 
     def load(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
 
         from megatron_fr.convert.checkpoint import use_legacy_keys
 
-        with cpu_device_mode(), torch.no_grad():
+        with torch.no_grad():
             # A fresh torch Adam has no per-parameter state (no "step") for the checkpoint to
             # be loaded into; one step on zero gradients creates it (as megatron does for FSDP
             # with _init_optimizer_states_with_dummy_values). Its effect on the weights is

@@ -13,7 +13,6 @@ from contextlib import nullcontext
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.layout import check_model_layout
@@ -103,7 +102,20 @@ def layer_spec(spec: HFModelSpec, *, on_cpu: bool = False):
     local = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm
     )
-    return _with_te_checkpoint_keys(local, spec.is_moe)
+    return _with_te_checkpoint_keys(_with_packed_attention(local), spec.is_moe)
+
+
+def _with_packed_attention(local_spec):
+    """The local spec with the core attention that takes packed rows and CP
+    (models/attention.py) in place of megatron's DotProductAttention."""
+    from megatron_fr.models.attention import PackedDotProductAttention
+
+    attention = local_spec.submodules.self_attention
+    inner = dataclasses.replace(attention.submodules, core_attention=PackedDotProductAttention)
+    submodules = dataclasses.replace(
+        local_spec.submodules, self_attention=dataclasses.replace(attention, submodules=inner)
+    )
+    return dataclasses.replace(local_spec, submodules=submodules)
 
 
 def _with_te_checkpoint_keys(local_spec, moe: bool):
