@@ -41,8 +41,12 @@ from megatron_fr.learner.micro_batches import (
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
-from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
-from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
+from megatron_fr.parallel.loss import (
+    GlobalBatch,
+    agreed_admission,
+    flash_reinforce_parallel_loss,
+    ppo_clip_parallel_loss,
+)
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -253,7 +257,7 @@ class Learner:
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
-        reported["clipped"] = metrics.get("clip_fraction_tokens", torch.zeros((), device=loss.device))
+        reported["clipped"] = metrics.get("clipped_tokens", torch.zeros((), device=loss.device))
         kl = metrics.get("sequence_kl")
         reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
             metrics["present"], dtype=torch.float64

@@ -1,4 +1,4 @@
-"""The FlashREINFORCE loss as the learner calls it: one micro-batch on one rank.
+"""The policy losses as the learner calls them: one micro-batch on one rank.
 
 Inputs are this rank's view of a micro-batch: vocab-parallel logits (tensor parallelism),
 a context-parallel slice of each row, rows that may pack several trajectories. Every token
@@ -14,6 +14,9 @@ Order of operations (docs/algorithm.md, "Under parallelism"):
      the sum over micro-batches and data-parallel ranks is exactly L.
 Advantages come from the whole batch (GlobalBatch), computed before any split.
 Every TP rank returns the same loss value; megatron's reductions must not average it.
+The PPO-clip loss (ppo_clip_parallel_loss) takes the same inputs and the same route: its
+per-trajectory sums (sequence corrections, the diagnostic KL) are reduced over the CP group,
+its normalisers come from the whole batch (algo/ppo.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from megatron_fr.algo.flash_reinforce import (
     segment_policy_loss,
     trust_region_gate,
 )
-from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.algo.ppo import ppo_clip_loss
+from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -119,15 +123,7 @@ def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
     checks.check_action_mask(batch.action_mask, require_tokens=False)
     checks.check_log_probs("behavior_log_probs", batch.behavior_log_probs, batch.action_mask)
     checks.check_rewards(global_batch.advantages, name="advantages")
-    policy_segments = batch.segment_ids[batch.action_mask]
-    if policy_segments.numel() and (
-        policy_segments.min() < 0 or policy_segments.max() >= global_batch.num_trajectories
-    ):
-        raise ValueError(
-            f"segment_ids of policy tokens must be trajectory ids in "
-            f"[0, {global_batch.num_trajectories}); got [{policy_segments.min().item()}, "
-            f"{policy_segments.max().item()}]"
-        )
+    checks.check_segment_ids(batch.segment_ids, batch.action_mask, global_batch.num_trajectories)
 
 
 def flash_reinforce_parallel_loss(
@@ -172,6 +168,29 @@ def flash_reinforce_parallel_loss(
     )
     metrics = gate_metrics(gate, ratios, contributing)
     metrics["present"] = gate.present
+    metrics["log_probs"] = log_probs.detach()
+    return loss, metrics
+
+
+def ppo_clip_parallel_loss(
+    logits: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: PPOClipConfig,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the batch's PPO-clip loss (algo/ppo.py), and its metrics."""
+    check_loss_inputs(batch, global_batch)
+    if global_batch.token_counts is None:
+        raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
+    log_probs, _ = vocab_parallel_log_probs(logits, batch.target_ids, tp_group)
+    loss, metrics = ppo_clip_loss(
+        log_probs, batch.behavior_log_probs.to(log_probs.dtype), global_batch.advantages,
+        batch.action_mask, batch.segment_ids, global_batch.token_counts, config,
+        reduce_segments=sum_over(cp_group),
+    )  # fmt: skip
     metrics["log_probs"] = log_probs.detach()
     return loss, metrics
 

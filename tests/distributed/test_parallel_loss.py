@@ -150,14 +150,18 @@ def ppo_clip_reference(log_probs, case: dict, aggregation: str, correction: str)
 def test_ppo_clip_reference_agrees_with_the_algo_function():
     """The written-out reference and algo.ppo_clip_loss are the same loss (second opinion)."""
     from megatron_fr.algo.ppo import ppo_clip_loss
+    from megatron_fr.config.algo import PPOClipConfig
 
     case = make_case(0, torch.float64)
-    for aggregation, algo_name in (("token_mean", "token_mean"), ("sequence_mean", "sample_mean")):
+    mask = case["mask"]
+    segments = torch.where(mask, torch.arange(BATCH)[:, None], -1)
+    for aggregation in ("token_mean", "sequence_mean", "token_sum_norm"):
         log_probs, _ = reference_log_probs(case["logits"], case)
         mine, _ = ppo_clip_reference(log_probs, case, aggregation, "none")
+        config = PPOClipConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=aggregation)
         theirs, _ = ppo_clip_loss(
-            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), case["mask"],
-            eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=algo_name,
+            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), mask, segments,
+            mask.sum(1), config,
         )  # fmt: skip
         assert abs(mine.item() - theirs.item()) <= 1e-12, aggregation
 
@@ -213,8 +217,8 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
         LossBatch,
         agreed_admission,
         flash_reinforce_parallel_loss,
+        ppo_clip_parallel_loss,
     )
-    from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
 
     results = []
     for tp, dp, cp in LAYOUTS[world_size]:
