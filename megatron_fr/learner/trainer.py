@@ -40,14 +40,14 @@ from megatron_fr.learner.micro_batches import (
 )
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
+from megatron_fr.models.token_scores import TargetScores
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
 from megatron_fr.parallel.loss import (
     GlobalBatch,
     agreed_admission,
-    flash_reinforce_parallel_loss,
-    ppo_clip_parallel_loss,
+    flash_reinforce_scored_loss,
+    ppo_clip_scored_loss,
 )
-from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -111,12 +111,15 @@ def adam_step_counts(optimizer) -> list[float]:
     return sorted(state_steps or group_steps)
 
 
-def forward_step_on(device: torch.device, score, replay=None, train: bool = True):
+def forward_step_on(device: torch.device, score, scores: TargetScores, replay=None,
+                    train: bool = True):  # fmt: skip
     """megatron's forward_step_func for micro-batches built on the CPU: each micro-batch (its
     model inputs, its loss batch, its routing) moves to the model's device before the
-    forward, and its logits go to score(micro, logits) -> (loss, reported). With `replay`
-    (RoutingReplay), the micro-batch's experts are loaded for the forward and, when
-    training, replayed again in the recomputation of its backward."""
+    forward; the model (its last stage) returns the targets' log-probs and entropies as
+    `scores` asks for them (models/token_scores.py: no logits tensor of the micro-batch), and
+    they go to score(micro, scores) -> (loss, reported). With `replay` (RoutingReplay), the
+    micro-batch's experts are loaded for the forward and, when training, replayed again in
+    the recomputation of its backward."""
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator).to(device)
@@ -125,6 +128,7 @@ def forward_step_on(device: torch.device, score, replay=None, train: bool = True
         output = model(
             micro.input_ids, micro.positions, attention_mask=None,
             packed_seq_params=micro.packed_seq_params(),
+            output_processor=dataclasses.replace(scores, targets=micro.loss_batch.target_ids),
         )  # fmt: skip
         if replay is not None and train:
             replay.replay_in_backward(output)
@@ -236,24 +240,23 @@ class Learner:
         advantages = advantages.masked_fill(masked, 0.0)
         return GlobalBatch(advantages=advantages.float(), failures=failures, token_counts=counts)
 
-    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):
-        """The configured policy loss of one micro-batch, on the distribution the engines
-        sampled from: log softmax(logits / T) at the rollout temperature T."""
+    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores):
+        """The configured policy loss of one micro-batch from the model's scores of its target
+        tokens ([log-probs; entropies], on the distribution the engines sampled from: log
+        softmax(logits / T) at the rollout temperature T)."""
         from megatron.core import parallel_state as ps
 
-        logits = logits.float() / self.temperature
-        global_batch = global_batch.to(logits.device)
+        log_probs, entropies = scores[0], scores[1] if self._needs_entropy else None
+        global_batch = global_batch.to(log_probs.device)
         if self.config.policy_loss == "ppo_clip":
-            loss, metrics = ppo_clip_parallel_loss(
-                logits, micro.loss_batch, global_batch, self.config.ppo_clip,
-                tp_group=ps.get_tensor_model_parallel_group(),
+            loss, metrics = ppo_clip_scored_loss(
+                log_probs, micro.loss_batch, global_batch, self.config.ppo_clip,
                 cp_group=ps.get_context_parallel_group(),
             )  # fmt: skip
         else:
-            loss, metrics = flash_reinforce_parallel_loss(
-                logits, micro.loss_batch, global_batch, self.config.flash_reinforce,
-                tp_group=ps.get_tensor_model_parallel_group(),
-                cp_group=ps.get_context_parallel_group(),
+            loss, metrics = flash_reinforce_scored_loss(
+                log_probs, entropies, micro.loss_batch, global_batch,
+                self.config.flash_reinforce, cp_group=ps.get_context_parallel_group(),
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
@@ -287,15 +290,24 @@ class Learner:
         )  # fmt: skip
         return plan, micros
 
-    def _schedule(
-        self, micros: list[MicroBatch], score, forward_only: bool, replay: RoutingReplay | None
-    ) -> list:
+    @property
+    def _needs_entropy(self) -> bool:
+        """The negative-token filter ranks a failed trajectory's tokens by their entropy."""
+        return (
+            self.config.policy_loss == "flash_reinforce"
+            and self.config.flash_reinforce.negative_token_fraction < 1
+        )
+
+    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool,
+                  replay: RoutingReplay | None, temperature: float) -> list:  # fmt: skip
         """megatron's forward(-backward) schedule over this rank's micro-batches, each
-        micro-batch's output passed to score(micro, logits) -> (loss, reported); with
-        `replay`, each micro-batch routed as its trajectories were by the engine."""
+        micro-batch's scores at `temperature` passed to score(micro, scores) -> (loss,
+        reported); with `replay`, each micro-batch routed as its trajectories were by the
+        engine."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        forward_step = forward_step_on(self.device, score, replay, train=not forward_only)
+        scores = TargetScores(torch.empty(0), temperature, self._needs_entropy)
+        forward_step = forward_step_on(self.device, score, scores, replay, not forward_only)
         rows, width = micros[0].input_ids.shape
         try:
             return get_forward_backward_func()(
@@ -324,7 +336,8 @@ class Learner:
         score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_micro = self._schedule(micros, score, False, self.routing_replay)
+        per_micro = self._schedule(micros, score, False, self.routing_replay,
+                                   self.temperature)  # fmt: skip
         updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
@@ -345,7 +358,6 @@ class Learner:
         comparison. routing_replay=False scores with the learner's own routing even when
         replay is configured (what replay changes); None: as configured. Every rank passes the
         same batch and gets the whole result."""
-        from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
         if routing_replay and self.routing_replay is None:
@@ -353,11 +365,8 @@ class Learner:
         replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, dict[int, float]] = {}  # trajectory -> position -> log-prob
 
-        def score(micro: MicroBatch, logits):
-            log_probs, _ = vocab_parallel_log_probs(
-                logits.float() / temperature, micro.loss_batch.target_ids,
-                ps.get_tensor_model_parallel_group(),
-            )  # fmt: skip
+        def score(micro: MicroBatch, scores):
+            log_probs = scores[0]
             segments = micro.loss_batch.segment_ids
             policy = micro.loss_batch.action_mask & (segments >= 0)
             for segment, position, value in zip(
@@ -365,11 +374,11 @@ class Learner:
                 log_probs[policy].tolist(), strict=True,
             ):  # fmt: skip
                 scored.setdefault(segment, {})[position] = value
-            return logits.sum() * 0, {}
+            return scores.sum() * 0, {}
 
         with torch.no_grad():
             micros = self._micro_batches(batch, pad_id, replay)[1]
-            self._schedule(micros, score, True, replay)
+            self._schedule(micros, score, True, replay, temperature)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         # each trajectory lives on one DP rank, its tokens spread over that rank's CP group
         dist.all_gather_object(everyone, scored)
