@@ -48,6 +48,7 @@ from megatron_fr.parallel.loss import (
     flash_reinforce_scored_loss,
     ppo_clip_scored_loss,
 )
+from megatron_fr.parallel.state import process_groups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -138,7 +139,12 @@ def forward_step_on(device: torch.device, score, scores: TargetScores, replay=No
 
 
 class Learner:
-    """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule."""
+    """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule.
+
+    Every process group it uses, and hands to megatron's model, DDP, optimizer, gradient
+    finalisation and schedules, comes from `groups` (megatron's ProcessGroupCollection;
+    parallel/state.process_groups() when not given): nothing in the learner or its loss reads
+    parallel_state's globals."""
 
     def __init__(
         self,
@@ -150,59 +156,82 @@ class Learner:
         init_checkpoint: str | None = None,
         init_hf_dir: str | None = None,
         temperature: float = 1.0,
+        groups=None,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from megatron_fr.convert.checkpoint import load_megatron_checkpoint
-        from megatron_fr.convert.parallel_load import load_hf_into_model
-        from megatron_fr.models.gpt import build_gpt_model
 
         if config.moe_aux_loss_coeff is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=config.moe_aux_loss_coeff)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
+        self.groups = groups or process_groups()
         self.pack_sequences = config.pack_sequences
         """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
         self.temperature = temperature
         """The rollouts' sampling temperature: the loss's log-probs are those of
         log softmax(logits / temperature), the distribution the engines sampled from and
         report log-probs of (SGLang's sampler and the CPU engine alike)."""
-        dtype = DTYPES[config.params_dtype]
-        start = init_checkpoint or init_hf_dir
-        self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
-                                      routing_replay=config.routing_replay)  # fmt: skip
-        if init_checkpoint is not None:
-            load_megatron_checkpoint(self.module, init_checkpoint)
-        elif init_hf_dir is not None:  # every rank reads only its own shards
-            load_hf_into_model(self.module, init_hf_dir, spec, progress=False)
+        self.module = self._build_model(init_checkpoint, init_hf_dir)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
-        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=config.lr,
-                min_lr=config.min_lr,
-                weight_decay=config.weight_decay,
-                adam_beta1=config.adam_beta1,
-                adam_beta2=config.adam_beta2,
-                adam_eps=config.adam_eps,
-                clip_grad=config.clip_grad,
-                bf16=dtype == torch.bfloat16,
-                params_dtype=dtype,
-                use_distributed_optimizer=True,
-            ),
-            [self.model],
+        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module,
+                                             pg_collection=self.groups)  # fmt: skip
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler(total_steps)
+        self.module.config.finalize_model_grads_func = partial(
+            finalize_model_grads, pg_collection=self.groups
         )
-        self.scheduler = OptimizerParamScheduler(
+        self.module.config.no_sync_func = self.model.no_sync
+        self.routing_replay = (
+            RoutingReplay(self.module, spec, self.groups.tp) if config.routing_replay else None
+        )
+        self.steps_done = 0
+
+    def _build_model(self, init_checkpoint: str | None, init_hf_dir: str | None):
+        """This rank's model stage, with the checkpoint's or the HF directory's weights."""
+        from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+        from megatron_fr.convert.parallel_load import load_hf_into_model
+        from megatron_fr.models.gpt import build_gpt_model
+
+        start = init_checkpoint or init_hf_dir
+        module = build_gpt_model(
+            self.spec, self.parallel, params_dtype=DTYPES[self.config.params_dtype],
+            initialize=not start, routing_replay=self.config.routing_replay,
+            pg_collection=self.groups,
+        )  # fmt: skip
+        if init_checkpoint is not None:
+            load_megatron_checkpoint(module, init_checkpoint)
+        elif init_hf_dir is not None:  # every rank reads only its own shards
+            load_hf_into_model(module, init_hf_dir, self.spec, progress=False)
+        return module
+
+    def _build_optimizer(self):
+        """megatron's distributed Adam(W) over the DDP model (a chained dense/expert one)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config, dtype = self.config, DTYPES[self.config.params_dtype]
+        settings = OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+            weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True,
+        )  # fmt: skip
+        # megatron takes explicit groups only without its extra gloo groups (which it would
+        # otherwise read from parallel_state to gather optimizer state for checkpoints).
+        return get_megatron_optimizer(settings, [self.model], use_gloo_process_groups=False,
+                                      pg_collection=self.groups)  # fmt: skip
+
+    def _build_scheduler(self, total_steps: int):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = self.config
+        return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if config.lr_warmup_steps else config.lr,
             max_lr=config.lr,
@@ -215,10 +244,6 @@ class Learner:
             wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant",
         )
-        self.module.config.finalize_model_grads_func = finalize_model_grads
-        self.module.config.no_sync_func = self.model.no_sync
-        self.routing_replay = RoutingReplay(self.module, spec) if config.routing_replay else None
-        self.steps_done = 0
 
     @property
     def device(self) -> torch.device:
@@ -244,19 +269,17 @@ class Learner:
         """The configured policy loss of one micro-batch from the model's scores of its target
         tokens ([log-probs; entropies], on the distribution the engines sampled from: log
         softmax(logits / T) at the rollout temperature T)."""
-        from megatron.core import parallel_state as ps
-
         log_probs, entropies = scores[0], scores[1] if self._needs_entropy else None
         global_batch = global_batch.to(log_probs.device)
         if self.config.policy_loss == "ppo_clip":
             loss, metrics = ppo_clip_scored_loss(
                 log_probs, micro.loss_batch, global_batch, self.config.ppo_clip,
-                cp_group=ps.get_context_parallel_group(),
+                cp_group=self.groups.cp,
             )  # fmt: skip
         else:
             loss, metrics = flash_reinforce_scored_loss(
                 log_probs, entropies, micro.loss_batch, global_batch,
-                self.config.flash_reinforce, cp_group=ps.get_context_parallel_group(),
+                self.config.flash_reinforce, cp_group=self.groups.cp,
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
@@ -272,21 +295,19 @@ class Learner:
     ) -> tuple[MicroBatchPlan, list[MicroBatch]]:
         """The step's plan and this rank's micro-batches: trajectories are dealt over the DP
         ranks, and every row is split over the CP ranks (routing with them, for replay)."""
-        from megatron.core import parallel_state as ps
-
         if replay is not None:
             replay.check(batch)
         plan = plan_micro_batches(
             [t.length for t in batch],
-            dp_size=ps.get_data_parallel_world_size(),
+            dp_size=self.groups.dp.size(),
             token_budget=self.config.micro_batch_tokens,
             pack=self.pack_sequences,
             cp_size=self.parallel.context,
             sequence_parallel_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
         )
         micros = micro_batches_for_rank(
-            batch, plan, dp_rank=ps.get_data_parallel_rank(),
-            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id, routing=replay is not None,
+            batch, plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
+            pad_id=pad_id, routing=replay is not None,
         )  # fmt: skip
         return plan, micros
 
@@ -305,12 +326,17 @@ class Learner:
         reported); with `replay`, each micro-batch routed as its trajectories were by the
         engine."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         scores = TargetScores(torch.empty(0), temperature, self._needs_entropy)
         forward_step = forward_step_on(self.device, score, scores, replay, not forward_only)
         rows, width = micros[0].input_ids.shape
+        stages = self.groups.pp.size()
+        pipeline = {} if stages == 1 else {
+            "p2p_communicator": P2PCommunicator(pp_group=self.groups.pp, config=self.module.config)
+        }  # fmt: skip
         try:
-            return get_forward_backward_func()(
+            return get_forward_backward_func(pp_size=stages)(
                 forward_step_func=forward_step,
                 data_iterator=iter(micros),
                 model=[self.model],
@@ -318,6 +344,8 @@ class Learner:
                 seq_length=width * self.parallel.context,  # megatron divides it by CP
                 micro_batch_size=rows,
                 forward_only=forward_only,
+                pg_collection=self.groups,
+                **pipeline,
             )
         finally:
             if replay is not None:
@@ -327,13 +355,11 @@ class Learner:
         """One optimizer step on the whole batch (every rank passes the same batch): scalar
         metrics, plus per trajectory (lists in batch order) advantages, admitted and the
         gate's sequence_kl."""
-        from megatron.core import parallel_state as ps
-
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_group = self.groups.dp_cp
         plan, micros = self._micro_batches(batch, pad_id, self.routing_replay)
         global_batch = self._global_batch(batch)
         # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
-        score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
+        score = partial(self._loss, len(micros) * self.groups.dp.size(), global_batch)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         per_micro = self._schedule(micros, score, False, self.routing_replay,
@@ -434,13 +460,12 @@ class Learner:
         }
 
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict:
-        from megatron.core import parallel_state as ps
-
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
         device = self.device
         size = len(batch)
         values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
-        if ps.is_pipeline_last_stage():
+        pp = self.groups.pp
+        if pp.rank() == pp.size() - 1:
             admitted, present = agreed_admission(per_micro, dp_group)
             sums = torch.stack(
                 [
@@ -454,13 +479,11 @@ class Learner:
             # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
             # group has the whole value): the sum over DP ranks is the batch's
             kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
-            dist.all_reduce(kl, group=ps.get_data_parallel_group())
+            dist.all_reduce(kl, group=self.groups.dp)
             scalars = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
             values = torch.cat([scalars, admitted.double(), kl])
-        if self.parallel.pipeline > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(values, src=last, group=group)
+        if pp.size() > 1:
+            dist.broadcast(values, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)], device=device)
         top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)], device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)

@@ -145,16 +145,21 @@ def build_gpt_model(
     initialize: bool = True,
     on_cpu: bool = False,
     routing_replay: bool = False,
+    pg_collection=None,
 ):
     """This rank's GPTModel stage.
 
     meta=True allocates nothing (parameter counts, planning); initialize=False allocates
     without random init (the weights are about to be loaded); on_cpu=True builds the local-spec
     model in host memory even on a GPU node (checkpoint conversion); routing_replay as in
-    transformer_config.
+    transformer_config; pg_collection: the process groups the model uses (megatron's
+    ProcessGroupCollection; None: those of parallel_state).
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+    stage, stages = pg_collection.pp.rank(), pg_collection.pp.size()
 
     config = transformer_config(
         spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta,
@@ -166,12 +171,13 @@ def build_gpt_model(
             transformer_layer_spec=layer_spec(spec, on_cpu=on_cpu),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
+            pre_process=stage == 0,
+            post_process=stage == stages - 1,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.rope_theta),
             parallel_output=True,
+            pg_collection=pg_collection,
         )
     if not meta and not config.use_cpu_initialization:
         # megatron allocates its own parallel layers on the GPU, but modules it takes from

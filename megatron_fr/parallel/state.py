@@ -60,6 +60,15 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
+def process_groups():
+    """megatron's ProcessGroupCollection of every group ``initialize`` built: what the learner
+    and megatron's model, DDP, optimizer and schedules are given instead of reading
+    parallel_state's globals."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
 def initialize_single_process(config: ParallelConfig | None = None, seed: int | None = None):
     """For tools that run alone (checkpoint conversion): a one-rank gloo group on a free
     loopback port, unless torch.distributed is already running, then ``initialize``."""

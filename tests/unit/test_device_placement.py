@@ -78,10 +78,10 @@ def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
         return log_probs.sum(), {"admitted": present, "present": present}
 
     monkeypatch.setattr(trainer, "flash_reinforce_scored_loss", recording_loss)
-    monkeypatch.setattr("megatron.core.parallel_state.get_context_parallel_group", lambda: None)
     cpu_batch = GlobalBatch(advantages=torch.zeros(3), failures=torch.zeros(3, dtype=torch.bool),
                             token_counts=torch.ones(3, dtype=torch.int64))  # fmt: skip
-    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig(), _needs_entropy=False)
+    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig(), _needs_entropy=False,
+                              groups=SimpleNamespace(cp=None))  # fmt: skip
     micro = SimpleNamespace(loss_batch=None)
     trainer.Learner._loss(learner, 1.0, cpu_batch, micro, torch.zeros(2, 4, 8, device=META))
     assert seen == {"advantages": META, "failures": META, "token_counts": META}
