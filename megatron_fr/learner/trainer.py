@@ -16,7 +16,8 @@ scaling (their mean over micro-batches and DP); they are off by default during R
 (LearnerConfig.moe_aux_loss_coeff).
 
 With LearnerConfig.routing_replay, every micro-batch's forward (and its recomputation in the
-backward pass) routes tokens to the experts the engine used (learner/routing_replay.py).
+backward pass, with LearnerConfig.recompute) routes tokens to the experts the engine used
+(learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class Learner:
         module = build_gpt_model(
             self.spec, self.parallel, params_dtype=DTYPES[self.config.params_dtype],
             initialize=not start, routing_replay=self.config.routing_replay,
-            pg_collection=self.groups,
+            recompute=self.config.recompute, pg_collection=self.groups,
         )  # fmt: skip
         if init_checkpoint is not None:
             load_megatron_checkpoint(module, init_checkpoint)
@@ -300,7 +301,7 @@ class Learner:
         plan = plan_micro_batches(
             [t.length for t in batch],
             dp_size=self.groups.dp.size(),
-            token_budget=self.config.micro_batch_tokens,
+            micro_batch_tokens=self.config.micro_batch_tokens,
             pack=self.pack_sequences,
             cp_size=self.parallel.context,
             sequence_parallel_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,

@@ -30,11 +30,13 @@ def transformer_config(
     initialize: bool = True,
     on_cpu: bool = False,
     routing_replay: bool = False,
+    recompute: str = "none",
 ):
     """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning).
 
     on_cpu keeps the parameters in host memory even where CUDA is present (conversion tools);
-    routing_replay gives every router megatron's RouterReplay (learner/routing_replay.py).
+    routing_replay gives every router megatron's RouterReplay (learner/routing_replay.py);
+    recompute: LearnerConfig.recompute, as megatron's settings (recompute_settings).
     """
     if routing_replay and not spec.is_moe:
         raise ValueError(
@@ -88,7 +90,22 @@ def transformer_config(
         use_cpu_initialization=on_cpu or not torch.cuda.is_available(),
         perform_initialization=initialize,
         **moe,
+        **recompute_settings(recompute, spec.is_moe),
     )
+
+
+def recompute_settings(mode: str, moe: bool) -> dict:
+    """megatron's TransformerConfig fields for LearnerConfig.recompute (its docstring)."""
+    if mode == "none":
+        return {}
+    if mode == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)  # fmt: skip
+    if mode == "selective":
+        # megatron 0.19's "layernorm" and "moe_act" recompute (CheckpointWithoutOutput) read
+        # transformer-engine's FP8 state even without FP8: without TE they raise NameError.
+        return dict(recompute_granularity="selective", recompute_modules=["moe" if moe else "mlp"])
+    raise ValueError(f"unknown recompute mode {mode!r}; known: none, selective, full")
 
 
 def layer_spec(spec: HFModelSpec, *, on_cpu: bool = False):
@@ -145,6 +162,7 @@ def build_gpt_model(
     initialize: bool = True,
     on_cpu: bool = False,
     routing_replay: bool = False,
+    recompute: str = "none",
     pg_collection=None,
 ):
     """This rank's GPTModel stage.
@@ -152,8 +170,8 @@ def build_gpt_model(
     meta=True allocates nothing (parameter counts, planning); initialize=False allocates
     without random init (the weights are about to be loaded); on_cpu=True builds the local-spec
     model in host memory even on a GPU node (checkpoint conversion); routing_replay as in
-    transformer_config; pg_collection: the process groups the model uses (megatron's
-    ProcessGroupCollection; None: those of parallel_state).
+    transformer_config, and recompute; pg_collection: the process groups the model uses
+    (megatron's ProcessGroupCollection; None: those of parallel_state).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -163,7 +181,7 @@ def build_gpt_model(
 
     config = transformer_config(
         spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta,
-        on_cpu=on_cpu, routing_replay=routing_replay,
+        on_cpu=on_cpu, routing_replay=routing_replay, recompute=recompute,
     )  # fmt: skip
     with torch.device("meta") if meta else nullcontext():
         model = GPTModel(

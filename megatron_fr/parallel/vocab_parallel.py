@@ -28,9 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-LOSS_CHUNK_BYTES = 128 * 2**20
-"""fp32 logits per chunk of the loss path: 220 tokens at Qwen3's vocabulary (151,936, TP1),
-the whole micro-batch for a small vocabulary."""
+from megatron_fr.config.learner import LOSS_CHUNK_BYTES
 
 
 def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -55,7 +55,7 @@ class RecordingModel:
 
 def test_forward_step_moves_model_inputs_and_loss_batch_to_the_models_device():
     trajectories = batch()
-    plan = plan_micro_batches([t.length for t in trajectories], dp_size=1, token_budget=64)
+    plan = plan_micro_batches([t.length for t in trajectories], dp_size=1, micro_batch_tokens=64)
     micros = micro_batches_for_rank(trajectories, plan, dp_rank=0)
     assert all(t.device.type == "cpu" for m in micros for _, t in tensors_of(m.loss_batch))
     scored = []
