@@ -10,6 +10,7 @@ into the run directory (config.yaml); a restart with the same command resumes th
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,6 +36,11 @@ class ModelSettings(_Strict):
     agent tasks)."""
     warm_start: WarmStartConfig = WarmStartConfig()
     """The supervised warm start used when hf_dir is None."""
+    spec: Literal["te", "torch", "local"] | None = None
+    """The learner's megatron layer spec (models/gpt.py): te, transformer-engine's; torch,
+    megatron's local spec on torch's fused attention and grouped-GEMM experts (no TE needed);
+    local, megatron's local spec (the reference). None: te where transformer-engine imports,
+    else torch on a GPU, else local. Every spec reads and writes the same checkpoints."""
 
 
 class CheckpointSettings(_Strict):

@@ -58,12 +58,13 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                               are alive together]
     loss path (last stage)  per token: 2h / TP (final-norm input) + 2h (its output gathered
                               over TP, which the chunked loss keeps for its backward); once:
-                              its chunk working set, C (2 + e + b) with C the fp32 logits of
-                              one chunk (config/learner.py LOSS_CHUNK_BYTES): the fp32 logits
-                              and their exponentials, with entropies (e = 1) the shifted
-                              logits, for bf16 (b = 1/2) the bf16 product before its fp32
-                              copy; and for a bf16 output layer (V / TP) h x (4 + 2): the fp32
-                              accumulator of its weight gradient and one chunk's bf16 part.
+                              its chunk working set, C (1 + e + b) with C the fp32 logits
+                              of one chunk (config/learner.py LOSS_CHUNK_BYTES): the fp32
+                              logits, turned into softmax and gradient in place, with
+                              entropies (e = 1) their shifted copy, for bf16 (b = 1/2) the
+                              bf16 product before its fp32 copy; and the output layer's weight
+                              gradient as it is summed over chunks, (V / TP) h x 4 in fp32,
+                              + 2 for a bf16 weight (one chunk's bf16 part).
                               The logits of the micro-batch are never held whole
                               (models/token_scores.py).
   Not counted: the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator
@@ -283,8 +284,8 @@ def loss_path_bytes(spec: HFModelSpec, tokens: int, tensor: int, params_dtype: s
     CP rank, its output layer split over `tensor` ranks (module docstring)."""
     h, bf16 = spec.hidden_size, params_dtype == "bfloat16"
     per_token = tokens * (2 * h // tensor + 2 * h)
-    chunk = LOSS_CHUNK_BYTES * (2 + entropies) + (LOSS_CHUNK_BYTES // 2 if bf16 else 0)
-    weight_gradient = spec.vocab_size // tensor * h * 6 if bf16 else 0
+    chunk = LOSS_CHUNK_BYTES * (1 + entropies) + (LOSS_CHUNK_BYTES // 2 if bf16 else 0)
+    weight_gradient = spec.vocab_size // tensor * h * (6 if bf16 else 4)
     return per_token + chunk + weight_gradient
 
 

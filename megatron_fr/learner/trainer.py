@@ -40,6 +40,7 @@ from megatron_fr.learner.micro_batches import (
     plan_micro_batches,
 )
 from megatron_fr.learner.routing_replay import RoutingReplay
+from megatron_fr.models.gpt import resolve_layer_spec
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.token_scores import TargetScores
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
@@ -158,6 +159,7 @@ class Learner:
         init_hf_dir: str | None = None,
         temperature: float = 1.0,
         groups=None,
+        spec_kind: str | None = None,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -170,6 +172,8 @@ class Learner:
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
+        self.layer_spec = resolve_layer_spec(spec_kind)
+        """model.spec as built: te, torch or local (models/gpt.py)."""
         self.groups = groups or process_groups()
         self.pack_sequences = config.pack_sequences
         """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
@@ -204,7 +208,7 @@ class Learner:
         module = build_gpt_model(
             self.spec, self.parallel, params_dtype=DTYPES[self.config.params_dtype],
             initialize=not start, routing_replay=self.config.routing_replay,
-            recompute=self.config.recompute, pg_collection=self.groups,
+            recompute=self.config.recompute, pg_collection=self.groups, spec_kind=self.layer_spec,
         )  # fmt: skip
         if init_checkpoint is not None:
             load_megatron_checkpoint(module, init_checkpoint)
@@ -429,6 +433,7 @@ class Learner:
 
         from megatron_fr.convert.checkpoint import use_legacy_keys
 
+        self._check_layer_spec(directory)
         with torch.no_grad():
             # A fresh torch Adam has no per-parameter state (no "step") for the checkpoint to
             # be loaded into; one step on zero gradients creates it (as megatron does for FSDP
@@ -445,10 +450,30 @@ class Learner:
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
 
+    def _check_layer_spec(self, directory: str) -> None:
+        """Refuse a run checkpoint of another layer spec: the distributed optimizer's state is
+        laid out in its spec's parameter order (model weights alone load in any spec:
+        init_checkpoint). A checkpoint from before the spec was recorded was written with the
+        default of then: te where transformer-engine imports, else local."""
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        from megatron_fr.models.gpt import use_transformer_engine
+
+        saved = load_common_state_dict(directory).get("layer_spec") or (
+            "te" if use_transformer_engine() else "local"
+        )
+        if saved != self.layer_spec:
+            raise ValueError(
+                f"{directory} was written by a learner with model.spec {saved}, whose optimizer "
+                f"state follows that spec's parameter order: resume it with model.spec {saved} "
+                f"(this learner is {self.layer_spec}); its model weights alone load in any "
+                "spec (a fresh run's init_checkpoint)"
+            )
+
     def _sharded_state(self, loading: bool = False) -> dict:
         """megatron 0.19's default optimizer format (flattened ranges) is refused by its own
         dist_checkpointing; "dp_reshardable" (what Megatron-LM uses by default) resumes in the
-        same TP/PP layout with any DP size."""
+        same TP/PP layout with any DP size, and the same layer spec (_check_layer_spec)."""
         model = self.module.sharded_state_dict()
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {
@@ -458,6 +483,7 @@ class Learner:
             ),
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
+            "layer_spec": self.layer_spec,
         }
 
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict:

@@ -11,9 +11,10 @@ The learner's loss path, chunked_vocab_parallel_log_probs, starts from the final
 and the output layer's weight: the logits are made, used and dropped a chunk of tokens at a
 time (LOSS_CHUNK_BYTES of fp32 logits per chunk), and each chunk is recomputed in the backward
 pass, which turns its softmax into the gradients of the hidden states and of the weight. Peak
-memory beyond the inputs and the returned gradients: about 8 B per logit of one chunk (the fp32
-logits and their exponentials), plus, for a bf16 weight, an fp32 accumulator of the weight's
-gradient. vocab_parallel_log_probs is the same computation on logits already made (one chunk):
+memory beyond the inputs and the returned gradients: one chunk's fp32 logits, turned into
+their softmax and then their gradient in place (with entropies, a second such buffer; with
+a bf16 weight, the bf16 product before its fp32 copy and an fp32 accumulator of the weight's
+gradient). vocab_parallel_log_probs is the same computation on logits already made (one chunk):
 with a micro-batch that fits in one chunk, the two give bit-identical log-probs and gradients.
 
 Both keep the input dtype when it is float32 or float64 (parity tests can be exact; bf16 is
@@ -46,10 +47,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bool):
+def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bool,
+                        in_place: bool = False):  # fmt: skip
     """(log p(target), entropy or None, softmax, local targets, in-shard mask) of [n, V/tp]
-    logits (left untouched). The softmax is one fresh logits-sized buffer in the compute
-    dtype; with entropies a second one lives while they are computed."""
+    logits. The softmax is one fresh logits-sized buffer in the compute dtype, or, in_place
+    (logits of the caller's own, in the compute dtype), the logits' buffer itself; with
+    entropies a second buffer lives while they are computed. Same values either way."""
     rank, _ = _group_rank_and_size(group)
     shard = logits.shape[-1]
     vocab_start = rank * shard
@@ -58,7 +61,12 @@ def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bo
     _all_reduce(logits_max, dist.ReduceOp.MAX, group)
     in_shard = (targets >= vocab_start) & (targets < vocab_start + shard)
     local_targets = torch.where(in_shard, targets - vocab_start, 0)
-    softmax = logits.detach().to(compute_dtype) - logits_max.unsqueeze(-1)
+    if in_place:
+        softmax = logits.sub_(logits_max.unsqueeze(-1))
+        shifted = softmax.clone() if with_entropy else None
+    else:
+        softmax = logits.detach().to(compute_dtype) - logits_max.unsqueeze(-1)
+        shifted = None
     target_logit = softmax.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1)
     softmax.exp_()
     # [target logit (shifted), sum of exp] reduced in one collective.
@@ -70,7 +78,8 @@ def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bo
     entropy = None
     if with_entropy:
         # H = logsumexp(z) - sum_v p_v z_v, with z the max-shifted logits.
-        shifted = logits.detach().to(compute_dtype) - logits_max.unsqueeze(-1)
+        if shifted is None:
+            shifted = logits.detach().to(compute_dtype) - logits_max.unsqueeze(-1)
         expected_logit = torch.einsum("...v,...v->...", softmax, shifted)
         _all_reduce(expected_logit, dist.ReduceOp.SUM, group)
         entropy = log_sum_exp - expected_logit
@@ -157,7 +166,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, group, temperature, with_entropy, chunk):
         scores = [
             _softmax_and_scores(_logits(hidden[s], weight, temperature), targets[s], group,
-                                with_entropy)[:2]
+                                with_entropy, in_place=True)[:2]
             for s in _chunks(hidden.shape[0], chunk)
         ]  # fmt: skip
         log_probs = torch.cat([lp for lp, _ in scores])
@@ -175,13 +184,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_weight = None
         for s in _chunks(hidden.shape[0], ctx.chunk):
             logits = _logits(hidden[s], weight, ctx.temperature)
-            _, _, softmax, local, in_shard = _softmax_and_scores(logits, targets[s], ctx.group,
-                                                                 False)  # fmt: skip
+            _, _, softmax, local, in_shard = _softmax_and_scores(
+                logits, targets[s], ctx.group, False, in_place=True
+            )
             del logits
             grad = _logits_gradient(softmax, local, in_shard, grad_log_probs[s])
             grad = _divide(grad, ctx.temperature).to(weight.dtype)
             grad_hidden[s] = grad @ weight
-            grad_weight = _accumulate(grad_weight, grad.t() @ hidden[s], weight.dtype)
+            grad_weight = _accumulate(grad_weight, grad, hidden[s])
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
@@ -199,11 +209,16 @@ def _divide(fresh: Tensor, temperature: float) -> Tensor:
     return fresh if temperature == 1.0 else fresh.div_(temperature)
 
 
-def _accumulate(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
-    """The weight gradient over chunks, summed in float32 at least (bf16 sums would drift)."""
+def _accumulate(total: Tensor | None, grad: Tensor, hidden: Tensor) -> Tensor:
+    """The weight gradient summed over chunks, grad^T @ hidden each, in float32 at least (bf16
+    sums would drift): float32 in place (no chunk-sized temporary), bf16 one chunk's part at a
+    time into a float32 total."""
     if total is None:
-        return part if part.dtype == _compute_dtype(dtype) else part.to(_compute_dtype(dtype))
-    return total.add_(part)
+        part = grad.t() @ hidden
+        return part if part.dtype == _compute_dtype(part.dtype) else part.float()
+    if grad.dtype == total.dtype:
+        return total.addmm_(grad.t(), hidden)
+    return total.add_(grad.t() @ hidden)
 
 
 def chunked_vocab_parallel_log_probs(

@@ -1,9 +1,10 @@
 """Peak bytes of the tensors a piece of code allocates, on any device (the CPU included).
 
 torch keeps allocator statistics for CUDA only. LiveTensorBytes counts instead: under it
-(a TorchDispatchMode) every tensor an operation returns is looked up by its storage, counted
-once while that storage lives, and uncounted when torch frees it, so `peak` is the most
-storage alive at once among what the code allocated (its inputs not included). The backward
+(a TorchDispatchMode) every tensor an operation returns in new storage (not a view of, nor
+written into, one of the operation's inputs) is counted once while that storage lives, and
+uncounted when torch frees it, so `peak` is the most storage alive at once among what the
+code allocated (its inputs not included). The backward
 pass of code run under it is counted too: autograd carries the mode into its engine.
 Measurement only: it costs a Python call per operation.
 
@@ -31,9 +32,11 @@ class LiveTensorBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        output = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        inputs = {_pointer(t) for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)}
         for tensor in tree_flatten(output)[0]:
-            if isinstance(tensor, torch.Tensor):
+            if _is_tensor(tensor) and _pointer(tensor) not in inputs:
                 self._count(tensor.untyped_storage())
         return output
 
@@ -48,3 +51,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _pointer(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

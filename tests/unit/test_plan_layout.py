@@ -55,14 +55,15 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     # experts 2h*k*ETP + 6*k*f + h, router 2h + 4E, combine 2h*k (the expert outputs the
     # probability weighting keeps). Once per GPU: the MoE dispatch working set 2h*k*(2 + 2 ETP);
     # the chunked loss path: per token of the micro-batch 2h/TP (final-norm input) + 2h (its
-    # output gathered over TP), once two chunks of fp32 logits + half one for the bf16 product,
-    # and the fp32 accumulator + one bf16 part of the output layer's gradient, (V/TP) h (4 + 2).
+    # output gathered over TP), once one chunk of fp32 logits (softmax and gradient made in
+    # place) + half one for the bf16 product, and the fp32 accumulator + one bf16 part of the
+    # output layer's gradient, (V/TP) h (4 + 2).
     tokens, etp = 16384 // 4, 1
     attention = 3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv
     per_layer = tokens * (attention + 4 * h + 2 * h * top_k * etp + 6 * top_k * width + h
                           + 2 * h + 4 * experts + 2 * h * top_k)  # fmt: skip
     dispatch = tokens * 2 * h * top_k * (2 + 2 * etp)
-    output = 16384 * (2 * h // 4 + 2 * h) + LOSS_CHUNK_BYTES * 5 // 2 + vocab // 4 * h * 6
+    output = 16384 * (2 * h // 4 + 2 * h) + LOSS_CHUNK_BYTES * 3 // 2 + vocab // 4 * h * 6
     # What a layer keeps: none all of it; selective the attention, the norms' inputs and the
     # MoE block's input (re-run in the backward); full its input. With recompute, one layer's
     # whole working set while it is re-run.
@@ -179,9 +180,9 @@ def test_pipeline_stages_hold_their_own_layers_and_embeddings():
     assert last - first == spec.hidden_size
     assert first + last == total_params(spec) + embedding
     # 1F1B: stage 0 keeps 2 micro-batches of its layers in flight, the last one 1, plus the
-    # chunked loss path (bf16, TP1): 2h + 2h per token, two and a half chunks, 6 V h.
+    # chunked loss path (bf16, TP1): 2h + 2h per token, one and a half chunks, 6 V h.
     h, vocab = spec.hidden_size, spec.vocab_size
-    loss = 1024 * 4 * h + LOSS_CHUNK_BYTES * 5 // 2 + vocab * h * 6
+    loss = 1024 * 4 * h + LOSS_CHUNK_BYTES * 3 // 2 + vocab * h * 6
     first, last = (stage.activation_bytes["none"] for stage in plan.stages)
     assert first == 2 * (last - loss)
     odd_vocab = dataclasses.replace(spec, vocab_size=spec.vocab_size + 1)
