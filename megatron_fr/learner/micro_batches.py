@@ -11,10 +11,11 @@ coordination is needed:
     they were opened), a new one when none has room. Room is first the token budget, which
     fixes the number of micro-batches (the most any rank needs); it is then narrowed to the
     least that keeps that number, so that the rows carry little padding. A trajectory
-    stays whole and attends only to itself: on GPU megatron's THD format (PackedSeqParams,
-    cu_seqlens = the span boundaries), on CPU the same boundaries as a block-diagonal causal
-    mask (parallel/cpu_shims.py); RoPE positions restart at 0 in each span (megatron's THD
-    RoPE reads cu_seqlens);
+    stays whole and attends only to itself: megatron's THD format (PackedSeqParams,
+    cu_seqlens = the span boundaries), which TE's attention and torch's varlen attention
+    take as they are and the local spec's as a block-diagonal causal mask
+    (models/attention.py); RoPE positions restart at 0 in each span (megatron's THD RoPE
+    reads cu_seqlens);
   - padded: a micro-batch is `rows` rows of one right-padded trajectory each;
   - every rank runs the SAME number of micro-batches of the SAME shape (MoE expert-parallel
     all-to-alls and pipeline stages need their peers in step), the missing ones being empty

@@ -9,8 +9,8 @@ clipping, Adam's first update of a parameter is g / (|g| + 1), one-to-one with i
 The padded DP2 layout is megatron's plain causal path (what tests/distributed/test_learner.py
 checks against transformers); packed rows go through megatron's THD path (PackedSeqParams,
 THD RoPE); CP2 through megatron's zigzag split of rows and RoPE tables, and on CPU through
-the local attention's stand-in for TE's CP attention (parallel/cpu_shims.py). The CP split of
-padded rows is also checked against megatron's own get_batch_on_this_cp_rank.
+the local spec's extension of its attention to TE's CP algorithm (models/attention.py). The
+CP split of padded rows is also checked against megatron's own get_batch_on_this_cp_rank.
 
     .venv/bin/python -m pytest tests/distributed/test_packing_cp.py -q
 """
