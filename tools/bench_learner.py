@@ -201,24 +201,17 @@ def breakdown(learner, batch, repeats: int) -> dict[str, float]:
 
 def loss_path_memory(hidden_size: int, tokens: int, device, dtype) -> float:
     """The loss path's peak extra memory over the micro-batch's fp32 logits at Qwen3's
-    vocabulary (module docstring)."""
+    vocabulary (module docstring), on random hidden states, weights and targets."""
     import torch
 
-    from megatron_fr.parallel.vocab_parallel import chunked_vocab_parallel_log_probs
-    from megatron_fr.utils.tensor_memory import LiveTensorBytes
+    from megatron_fr.parallel.vocab_parallel import loss_path_extra_memory
 
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device=device, dtype=dtype, generator=generator)
     weight = torch.randn(QWEN3_VOCAB, hidden_size, device=device, dtype=dtype,
                          generator=generator) * hidden_size**-0.5  # fmt: skip
     targets = torch.randint(0, QWEN3_VOCAB, (tokens,), device=device, generator=generator)
-    hidden.requires_grad_(True)
-    weight.requires_grad_(True)
-    with LiveTensorBytes() as memory:
-        log_probs, _ = chunked_vocab_parallel_log_probs(hidden, weight, targets)
-        log_probs.sum().backward()
-    returned = hidden.grad.nbytes + weight.grad.nbytes
-    return (memory.peak - returned) / (tokens * QWEN3_VOCAB * 4)
+    return loss_path_extra_memory(hidden, weight, targets)
 
 
 def peak_memory_gib(device) -> tuple[str, float]:

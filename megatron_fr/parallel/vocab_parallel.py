@@ -249,3 +249,18 @@ def chunked_vocab_parallel_log_probs(
     chunk = chunk or chunk_tokens(weight.shape[0])
     return _ChunkedLogProbs.apply(hidden, weight, targets, group, temperature, with_entropy,
                                   chunk)  # fmt: skip
+
+
+def loss_path_extra_memory(hidden: Tensor, weight: Tensor, targets: Tensor) -> float:
+    """The chunked loss path's peak memory, forward and backward, beyond its inputs and the two
+    gradients it returns, over the fp32 logits it never builds (tokens x V x 4 B); counted
+    tensor by tensor on any device (utils/tensor_memory.py). What tools/bench_learner.py
+    reports and tests/unit/test_vocab_parallel.py bounds."""
+    from megatron_fr.utils.tensor_memory import LiveTensorBytes
+
+    hidden, weight = (x.detach().requires_grad_(True) for x in (hidden, weight))
+    with LiveTensorBytes() as memory:
+        log_probs, _ = chunked_vocab_parallel_log_probs(hidden, weight, targets)
+        log_probs.sum().backward()
+    returned = hidden.grad.nbytes + weight.grad.nbytes
+    return (memory.peak - returned) / (targets.numel() * weight.shape[0] * 4)
