@@ -30,6 +30,7 @@ Context parallelism (not in the learner yet) will need the same slicing as its t
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.models.hf_config import HFModelSpec
@@ -67,7 +68,7 @@ def check_routed_batch(batch: list[Trajectory], spec: HFModelSpec) -> None:
 class RoutingReplay:
     """Drives the RouterReplay of this rank's MoE layers through one forward(-backward)."""
 
-    def __init__(self, module: torch.nn.Module, spec: HFModelSpec, tp_group):
+    def __init__(self, module: torch.nn.Module, spec: HFModelSpec, tp_group: ProcessGroup):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.spec = spec

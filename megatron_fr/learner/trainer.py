@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ from megatron_fr.parallel.loss import (
     ppo_clip_scored_loss,
 )
 from megatron_fr.parallel.state import process_groups
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -158,7 +162,7 @@ class Learner:
         init_checkpoint: str | None = None,
         init_hf_dir: str | None = None,
         temperature: float = 1.0,
-        groups=None,
+        groups: ProcessGroupCollection | None = None,
         spec_kind: str | None = None,
     ):
         from megatron.core.distributed import (

@@ -24,12 +24,16 @@ from __future__ import annotations
 import copy
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch.distributed import ProcessGroup
 
 from megatron_fr.parallel.context_parallel import segment_of, zigzag_indices
 
 
-def row_boundaries(query: torch.Tensor, packed_seq_params, cp_size: int) -> list[int]:
+def row_boundaries(query: torch.Tensor, packed_seq_params: PackedSeqParams | None,
+                   cp_size: int) -> list[int]:  # fmt: skip
     """The row's sequence boundaries before the CP split: the padded cu_seqlens of a packed
     row, or the whole row (this rank's query length x CP) for a padded one."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -48,7 +52,8 @@ def row_causal_mask(boundaries: list[int], cp_size: int, cp_rank: int) -> torch.
     return other | (keys[None, :] > queries[:, None])
 
 
-def gather_keys_and_values(key: torch.Tensor, value: torch.Tensor, group):
+def gather_keys_and_values(key: torch.Tensor, value: torch.Tensor,
+                           group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Keys and values of every CP rank, in rank order along the sequence (dim 0); their
     gradients are reduce-scattered back in the backward pass."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -59,7 +64,7 @@ def gather_keys_and_values(key: torch.Tensor, value: torch.Tensor, group):
     )
 
 
-def context_parallel_group(pg_collection):
+def context_parallel_group(pg_collection: ProcessGroupCollection | None) -> ProcessGroup:
     """The CP group a core attention was built for (megatron's global one if none given)."""
     group = getattr(pg_collection, "cp", None)
     if group is None:

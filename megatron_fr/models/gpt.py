@@ -16,12 +16,16 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.layout import check_model_layout
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 LAYER_SPECS = ("te", "torch", "local")
 
@@ -197,7 +201,7 @@ def build_gpt_model(
     on_cpu: bool = False,
     routing_replay: bool = False,
     recompute: str = "none",
-    pg_collection=None,
+    pg_collection: ProcessGroupCollection | None = None,
     spec_kind: str | None = None,
 ):
     """This rank's GPTModel stage.

@@ -16,6 +16,7 @@ import datetime
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.parallel.cpu_shims import check_installed
@@ -60,12 +61,10 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         model_parallel_cuda_manual_seed(seed)
 
 
-def process_groups():
+def process_groups() -> ProcessGroupCollection:
     """megatron's ProcessGroupCollection of every group ``initialize`` built: what the learner
     and megatron's model, DDP, optimizer and schedules are given instead of reading
     parallel_state's globals."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
