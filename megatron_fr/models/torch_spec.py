@@ -123,6 +123,7 @@ class TorchAttention(MegatronModule):
             else:
                 repeat = query.shape[1] // key.shape[1]
                 key, value = (x.repeat_interleave(repeat, dim=1) for x in (key, value))
+        query, key, value = (x.contiguous() for x in (query, key, value))
         cu = cu.to(torch.int32)
         top = params.max_seqlen_q
         return self.varlen(query, key, value, cu, cu, top, top, **keywords)
