@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_routing_replay"),
                         help="where the warm-started model is kept")  # fmt: skip
     args = parser.parse_args(argv)
+    from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # this process runs the learner: megatron without CUDA
     rows = run(args)
     print(table(rows))
     return 0

@@ -31,7 +31,7 @@ class FlashReinforceConfig(BaseModel):
 
 class PPOClipConfig(BaseModel):
     """The clipped-ratio loss of the PPO family (GRPO, Dr. GRPO, RLOO baselines); the ratio is
-    taken against the behaviour log-probs the engine reported (parallel/ppo_loss.py)."""
+    taken against the behaviour log-probs the engine reported (algo/ppo.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,8 +41,9 @@ class PPOClipConfig(BaseModel):
     aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = None
     """token_mean: every policy token of the batch weighs the same (DAPO, verl's token-mean);
     sequence_mean: each trajectory's token mean, then the mean over the batch (GRPO as
-    published); token_sum_norm: token sums divided by the longest trajectory's token count
-    (Dr. GRPO). None: the estimator's own (LearnerConfig resolves it)."""
+    published); token_sum_norm: token sums over one constant, no per-length weighting (Dr.
+    GRPO, whose constant is its generation budget; here the batch's longest trajectory's
+    policy tokens). None: the estimator's own (LearnerConfig resolves it)."""
     correction: Literal["none", "token_mask", "sequence_mask_sum", "sequence_mask_mean"] = "none"
     """Asynchronous rollout correction: drop tokens (token_mask, IcePop) or whole trajectories
     (by the sum or mean of their log-ratio) whose ratio pi / mu lies outside

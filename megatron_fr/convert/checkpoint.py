@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.convert.parallel_export import export_hf_from_model
 from megatron_fr.convert.parallel_load import load_hf_into_model

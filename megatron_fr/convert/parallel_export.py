@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.convert.hf_files import (
     WEIGHT_SUFFIXES,
     ShardedSafetensorsWriter,

@@ -14,8 +14,6 @@ import re
 import torch
 from torch import Tensor
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
-
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

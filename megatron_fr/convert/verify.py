@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 

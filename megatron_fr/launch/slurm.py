@@ -101,7 +101,8 @@ class SlurmOptions(BaseModel):
     model: str | None = None
     """Preset or HF dir for the planner; None: the recipe's model.hf_dir."""
     gpu_mem_gb: float | None = Field(default=None, gt=0)
-    """GPU memory in GiB: with it the learner layout must fit without recompute."""
+    """GPU memory in GiB: with it the learner layout must fit with the recipe's
+    learner.recompute."""
     reserve_gb: float = Field(default=DEFAULT_RESERVE_GIB, ge=0)
     """GiB per GPU kept free for the CUDA context, NCCL and fragmentation (a rule of thumb)."""
     health_timeout_s: PositiveInt = 1800
@@ -242,10 +243,13 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
         )  # fmt: skip
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None
-    if plan.fits(recompute=False) is False:
+    recompute = config.learner.recompute
+    if plan.fits(recompute) is False:
+        least = plan.least_recompute()
+        remedy = f"learner.recompute={least} fits" if least else "no recompute setting fits"
         raise LaunchError(
-            "the learner layout does not fit in GPU memory without activation recompute "
-            f"(which the learner does not do):\n{describe(plan)}"
+            f"the learner layout does not fit in GPU memory with learner.recompute={recompute} "
+            f"({remedy}):\n{describe(plan)}"
         )
     return plan
 

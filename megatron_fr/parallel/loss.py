@@ -1,12 +1,14 @@
-"""The FlashREINFORCE loss as the learner calls it: one micro-batch on one rank.
+"""The policy losses as the learner calls them: one micro-batch on one rank.
 
-Inputs are this rank's view of a micro-batch: vocab-parallel logits (tensor parallelism),
-a context-parallel slice of each row, rows that may pack several trajectories. Every token
-carries the global id of its trajectory (segment_ids, -1 for padding), so per-trajectory sums
-need no offsets bookkeeping after packing or CP slicing.
+Inputs are this rank's view of a micro-batch: the log-probs pi of its target tokens (and
+their entropies), a context-parallel slice of each row, rows that may pack several
+trajectories. Every token carries the global id of its trajectory (segment_ids, -1 for
+padding), so per-trajectory sums need no offsets bookkeeping after packing or CP slicing.
 
-Order of operations (docs/algorithm.md, "Under parallelism"):
-  1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group;
+Order of operations (docs/algorithm.md, "Why the layout does not change the result"):
+  1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group,
+     before the loss (the model's output, models/token_scores.py, or vocab_parallel.py's
+     functions on logits);
   2. per-trajectory KL sums and token counts, summed over the CP group, then the gate, so
      every CP rank (and every TP rank) reaches the same m_i;
   3. the negative-token filter on whole trajectories (gathered over CP);
@@ -14,6 +16,9 @@ Order of operations (docs/algorithm.md, "Under parallelism"):
      the sum over micro-batches and data-parallel ranks is exactly L.
 Advantages come from the whole batch (GlobalBatch), computed before any split.
 Every TP rank returns the same loss value; megatron's reductions must not average it.
+The PPO-clip loss (ppo_clip_scored_loss) takes the same inputs and the same route: its
+per-trajectory sums (sequence corrections, the diagnostic KL) are reduced over the CP group,
+its normalisers come from the whole batch (algo/ppo.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from megatron_fr.algo.flash_reinforce import (
     segment_policy_loss,
     trust_region_gate,
 )
-from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.algo.ppo import ppo_clip_loss
+from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -119,40 +125,30 @@ def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
     checks.check_action_mask(batch.action_mask, require_tokens=False)
     checks.check_log_probs("behavior_log_probs", batch.behavior_log_probs, batch.action_mask)
     checks.check_rewards(global_batch.advantages, name="advantages")
-    policy_segments = batch.segment_ids[batch.action_mask]
-    if policy_segments.numel() and (
-        policy_segments.min() < 0 or policy_segments.max() >= global_batch.num_trajectories
-    ):
-        raise ValueError(
-            f"segment_ids of policy tokens must be trajectory ids in "
-            f"[0, {global_batch.num_trajectories}); got [{policy_segments.min().item()}, "
-            f"{policy_segments.max().item()}]"
-        )
+    checks.check_segment_ids(batch.segment_ids, batch.action_mask, global_batch.num_trajectories)
 
 
-def flash_reinforce_parallel_loss(
-    logits: Tensor,
+def flash_reinforce_scored_loss(
+    log_probs: Tensor,
+    entropies: Tensor | None,
     batch: LossBatch,
     global_batch: GlobalBatch,
     config: FlashReinforceConfig,
     *,
-    tp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's contribution to L and its metrics (per-trajectory ones are [B]).
 
-    logits: [rows, S_local, V / tp], this rank's vocab shard. The contributions of all
+    log_probs: [rows, S_local], pi of the target tokens (carries the gradient); entropies:
+    their entropies, needed when negative_token_fraction < 1. The contributions of all
     micro-batches and data-parallel ranks add up to the single-process flash_reinforce_loss
     of the whole batch, and so do their gradients.
     """
     check_loss_inputs(batch, global_batch)
     checks.check_non_negative(delta=config.delta)
     fraction = config.negative_token_fraction
-    if fraction < 1.0 and global_batch.failures is None:
-        raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures")
-    log_probs, entropies = vocab_parallel_log_probs(
-        logits, batch.target_ids, tp_group, with_entropy=fraction < 1.0
-    )
+    if fraction < 1.0 and (global_batch.failures is None or entropies is None):
+        raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures and entropies")
     behavior = batch.behavior_log_probs.to(log_probs.dtype)
     gate = trust_region_gate(
         log_probs,
@@ -172,8 +168,48 @@ def flash_reinforce_parallel_loss(
     )
     metrics = gate_metrics(gate, ratios, contributing)
     metrics["present"] = gate.present
-    metrics["log_probs"] = log_probs.detach()
     return loss, metrics
+
+
+def ppo_clip_scored_loss(
+    log_probs: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: PPOClipConfig,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the batch's PPO-clip loss (algo/ppo.py), and its metrics;
+    log_probs as for flash_reinforce_scored_loss."""
+    check_loss_inputs(batch, global_batch)
+    if global_batch.token_counts is None:
+        raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
+    return ppo_clip_loss(
+        log_probs, batch.behavior_log_probs.to(log_probs.dtype), global_batch.advantages,
+        batch.action_mask, batch.segment_ids, global_batch.token_counts, config,
+        reduce_segments=sum_over(cp_group),
+    )  # fmt: skip
+
+
+def flash_reinforce_parallel_loss(
+    logits: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: FlashReinforceConfig,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """flash_reinforce_scored_loss for a caller that holds logits: [rows, S_local, V / tp],
+    this rank's vocab shard, scored with vocab_parallel_log_probs; metrics["log_probs"] are
+    the scores. (The learner scores from the hidden states instead: models/token_scores.py.)"""
+    log_probs, entropies = vocab_parallel_log_probs(
+        logits, batch.target_ids, tp_group, with_entropy=config.negative_token_fraction < 1
+    )
+    loss, metrics = flash_reinforce_scored_loss(
+        log_probs, entropies, batch, global_batch, config, cp_group=cp_group
+    )
+    return loss, {**metrics, "log_probs": log_probs.detach()}
 
 
 def agreed_admission(

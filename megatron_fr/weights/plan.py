@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.convert.qwen import MegatronNames, megatron_tensor_to_hf, outer_pairs
 from megatron_fr.convert.shard import expert_global_name
 from megatron_fr.models.hf_config import HFModelSpec

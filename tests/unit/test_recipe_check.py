@@ -81,8 +81,45 @@ def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "recipe OK (nothing was started)" in result.stdout
-    assert "TP4 PP1 CP1 EP8 ETP1 DP4" in result.stdout
+    # the paper's 18,432-token rows fit the micro-batches (9,216 tokens per GPU x CP2)
+    assert "rows        up to 18432 tokens; a micro-batch holds 18433" in result.stdout
+    assert "TP4 PP1 CP2 EP8 ETP1 DP2" in result.stdout
+    assert "with learner.recompute selective of 80 GiB: fits" in result.stdout
     assert not run_dir.exists()
+
+
+def test_the_check_refuses_rows_a_micro_batch_cannot_hold():
+    """The CPU demo's rows reach 128 + 24 tokens; 64 tokens per micro-batch hold 65."""
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"), "--check",
+         "learner.micro_batch_tokens=64"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (
+        "learner.micro_batch_tokens: rows reach 152 tokens (task.max_prompt_tokens 128 + "
+        "task.max_new_tokens 24), but a micro-batch of learner.micro_batch_tokens 64 x "
+        "parallel.context 1 holds rows of at most 65; set learner.micro_batch_tokens >= 151"
+    ) in result.stderr
+
+
+def test_the_check_judges_memory_with_the_recipes_recompute(tmp_path, tokenizer_files):
+    """The flagship without CP holds its rows in micro-batches of 18,432 tokens, which fit 80
+    GB only with recompute: the check names the setting and the one that would fit."""
+    preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
+    overrides = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+                 *data_overrides("qwen3_30b_a3b_lag8", sample), "parallel.context=1",
+                 "learner.micro_batch_tokens=18432"]  # fmt: skip
+    config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", overrides)
+    assert "fits" in check_recipe(config, world, gpu_mem_gb=80, render=False)
+    refused = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml",
+                              [*overrides, "learner.recompute=none"])  # fmt: skip
+    with pytest.raises(
+        CheckFailed,
+        match=r"learner.recompute: with none the layout needs .* "
+        r"more than 80 GiB; set learner.recompute=selective",
+    ):
+        check_recipe(refused, world, gpu_mem_gb=80, render=False)
 
 
 def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:

@@ -46,7 +46,7 @@ def trajectory(index: int, prompt: int, response: int) -> Trajectory:
 def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp_rank, pack):
     shapes = [(2, 5), (4, 1), (3, 7), (2, 2), (5, 3)]
     batch = [trajectory(i, p, r) for i, (p, r) in enumerate(shapes)]
-    plan = plan_micro_batches([t.length for t in batch], dp_size=2, token_budget=20,
+    plan = plan_micro_batches([t.length for t in batch], dp_size=2, micro_batch_tokens=20,
                               pack=pack, sequence_parallel_size=2)  # fmt: skip
     micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, routing=True)
     fed = 0

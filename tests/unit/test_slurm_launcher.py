@@ -129,8 +129,8 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert "nodes     4: rollout nodes 1-2, learner nodes 3-4; 8 GPU(s) per node" in out
     assert "servers   4 (2 per rollout node, sglang engine, 4 GPU(s) each (SGLang TP4))" in out
     assert "learner   16 ranks = 2 node(s) x 8" in out
-    assert "TP4 PP1 CP1 EP8 ETP1 (DP4, EDP2, SP) on 16 ranks" in out
-    assert "fits 80.00 GiB: yes without recompute" in out
+    assert "TP4 PP1 CP2 EP8 ETP1 (DP2, EDP2, SP) on 16 ranks" in out
+    assert "fits 80.00 GiB: none yes, selective yes, full yes" in out
     assert "USR1 600s before the time limit (04:00:00)" in out
     assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     lines = commands(out)
@@ -156,8 +156,14 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
 
 @pytest.mark.parametrize("wrapper", GPU_WRAPPERS, ids=lambda path: path.stem)
 def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
+    """...with the recompute setting each recipe has (learner.recompute)."""
+    from megatron_fr.config.run import load_run_config
+
+    recipe = REPO / "examples" / f"{wrapper.stem}.yaml"
+    recompute = load_run_config(recipe, []).learner.recompute
     out = dry_run(wrapper, tmp_path).stdout
-    assert "fits 80.00 GiB: yes without recompute" in out
+    fits = next(line for line in out.splitlines() if "fits 80.00 GiB:" in line)
+    assert f"{recompute} yes" in fits, fits
     assert "sglang engine" in out and len(commands(out)) >= 3
 
 
@@ -243,8 +249,9 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
 @pytest.mark.parametrize(
     "wrapper, args, reason",
     [
-        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1"],
-         "does not fit in GPU memory without activation recompute"),
+        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1", "learner.recompute=none"],
+         "does not fit in GPU memory with learner.recompute=none (learner.recompute=selective "
+         "fits)"),
         ("qwen3_30b_a3b_lag8", ["parallel.expert=3"],
          "world_size 16 is not divisible by expert_tensor (1) x expert (3)"),
         ("qwen3_30b_a3b_lag8", ["parallel.tensor=8", "parallel.expert=2"],
