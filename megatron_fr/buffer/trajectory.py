@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor
 
 from megatron_fr.engine.routing import STORAGE_DTYPES, RoutedExperts
+from megatron_fr.utils.arrays import decode_array, encode_array
 
 NON_POLICY_VERSION = -1
 """token_versions entry of a token the policy did not generate (prompt, observation)."""
@@ -41,20 +41,56 @@ class InvalidTrajectory(ValueError):
         super().__init__(self.reason + (f" ({detail})" if detail else ""))
 
 
-@dataclass(frozen=True)
+PER_TOKEN: dict[str, np.dtype] = {
+    "token_ids": np.dtype(np.int32),
+    "action_mask": np.dtype(np.bool_),
+    "behavior_log_probs": np.dtype(np.float32),
+    "token_versions": np.dtype(np.int32),
+}
+"""The per-token fields and the dtype each is stored in: 13 bytes a token (the learner feeds
+int64 ids and float32 log-probs; the engines report float log-probs, which the loss reads in
+float32 anyway)."""
+_KINDS = {
+    "token_ids": "iu",
+    "action_mask": "b",
+    "behavior_log_probs": "fiu",
+    "token_versions": "iu",
+}
+_INT32 = np.iinfo(np.int32)
+
+
+def _as_array(value: Any, name: str) -> np.ndarray:
+    """`value` (a list or an array) in its field's dtype; a value of another kind, or integers
+    beyond int32, stays as numpy reads it, for validation to name."""
+    array = np.asarray(value)
+    if not array.size:  # an empty list reads as float64
+        return np.zeros(array.shape, dtype=PER_TOKEN[name])
+    if array.dtype.kind not in _KINDS[name]:
+        return array
+    if (
+        array.dtype.kind in "iu"
+        and array.size
+        and (array.min() < _INT32.min or array.max() > _INT32.max)
+    ):
+        return array
+    return np.ascontiguousarray(array, dtype=PER_TOKEN[name])
+
+
+@dataclass(frozen=True, eq=False)
 class Trajectory:
-    """One episode row. Per-token lists all have len(token_ids) entries."""
+    """One episode row. The per-token fields are numpy arrays (PER_TOKEN), all of
+    len(token_ids); lists given to the constructor are converted."""
 
     prompt_id: str
     """Identifies the rollout slot in the buffer (admit / put / abandon use it)."""
-    token_ids: list[int]
+    token_ids: np.ndarray
     """Prompt + response, all turns, tool/environment observations included."""
-    action_mask: list[bool]
+    action_mask: np.ndarray
     """True for tokens the policy generated; prompt and observation tokens are False."""
-    behavior_log_probs: list[float]
+    behavior_log_probs: np.ndarray
     """log mu(token t | tokens < t) as the inference engine reported it when it sampled token t.
     Meaningful only under the action mask; 0.0 elsewhere."""
-    token_versions: list[int]
+    token_versions: np.ndarray
     """Policy (weight) version that generated token t; NON_POLICY_VERSION for non-policy tokens.
     A partial rollout that spans a weight update carries several versions."""
     reward: float
@@ -64,60 +100,88 @@ class Trajectory:
     """The experts the engine routed positions 0 .. length - 2 to, for MoE routing replay
     (learner.routing_replay); None when the engines were not asked for them."""
 
+    def __post_init__(self) -> None:
+        for name in PER_TOKEN:
+            object.__setattr__(self, name, _as_array(getattr(self, name), name))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        same_arrays = all(
+            getattr(self, name).dtype == getattr(other, name).dtype
+            and np.array_equal(getattr(self, name), getattr(other, name))
+            for name in PER_TOKEN
+        )
+        return same_arrays and (self.prompt_id, self.reward, self.info, self.routed_experts) == (
+            other.prompt_id, other.reward, other.info, other.routed_experts
+        )  # fmt: skip
+
+    __hash__ = None  # arrays inside: not hashable
+
     @property
     def length(self) -> int:
-        return len(self.token_ids)
+        return int(self.token_ids.shape[0])
 
     @property
     def num_policy_tokens(self) -> int:
-        return sum(1 for is_policy in self.action_mask if is_policy)
+        return int(self.action_mask.sum())
 
     @property
     def oldest_version(self) -> int:
         """The staleness of a trajectory is that of its OLDEST policy token."""
-        pairs = zip(self.token_versions, self.action_mask, strict=True)
-        versions = [version for version, is_policy in pairs if is_policy]
-        if not versions:
+        versions = self.token_versions[self.action_mask]
+        if not versions.size:
             raise InvalidTrajectory("action_mask", "has no policy token")
-        return min(versions)
+        return int(versions.min())
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (buffer checkpoints)."""
-        data = asdict(replace(self, routed_experts=None))
+        """JSON-ready form (buffer checkpoints): each per-token array as its raw bytes."""
+        data: dict[str, Any] = {name: encode_array(getattr(self, name)) for name in PER_TOKEN}
+        data |= {"prompt_id": self.prompt_id, "reward": self.reward, "info": self.info}
         if self.routed_experts is not None:
             data["routed_experts"] = self.routed_experts.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        routing = data.get("routed_experts")
-        if routing is not None:
-            data = {**data, "routed_experts": RoutedExperts.from_dict(routing)}
-        return cls(**data)
-
-
-def _first(predicate: Callable[..., bool], *columns: list[Any]) -> int | None:
-    """Index of the first token whose column values satisfy `predicate`, or None."""
-    rows = enumerate(zip(*columns, strict=True))
-    return next((i for i, row in rows if predicate(*row)), None)
+        """to_dict's form; per-token lists (checkpoints written before arrays) are read too."""
+        fields = dict(data)
+        for name in PER_TOKEN:
+            if isinstance(fields[name], dict):
+                fields[name] = decode_array(fields[name])
+        if fields.get("routed_experts") is not None:
+            fields["routed_experts"] = RoutedExperts.from_dict(fields["routed_experts"])
+        return cls(**fields)
 
 
 def _check_lengths(t: Trajectory) -> None:
-    if not t.token_ids:
+    for name, dtype in PER_TOKEN.items():
+        array = getattr(t, name)
+        if array.ndim != 1 or array.dtype != dtype:
+            raise InvalidTrajectory(
+                name, f"is not a flat {dtype} sequence", f"{array.dtype} of shape {array.shape}"
+            )
+    if not t.length:
         raise InvalidTrajectory("token_ids", "is empty")
     for name in ("action_mask", "behavior_log_probs", "token_versions"):
-        n = len(getattr(t, name))
-        if n != len(t.token_ids):
+        n = getattr(t, name).shape[0]
+        if n != t.length:
             raise InvalidTrajectory(
                 name, "length differs from token_ids", f"{n} entries, token_ids has {t.length}"
             )
 
 
+def _first(flags: np.ndarray) -> int | None:
+    """Index of the first True, or None."""
+    found = np.flatnonzero(flags)
+    return int(found[0]) if found.size else None
+
+
 def _check_tokens(t: Trajectory) -> None:
-    bad = _first(lambda token: token < 0, t.token_ids)
+    bad = _first(t.token_ids < 0)
     if bad is not None:
         raise InvalidTrajectory("token_ids", "holds a negative id", f"index {bad}")
-    if not any(t.action_mask):
+    if not t.action_mask.any():
         raise InvalidTrajectory("action_mask", "has no policy token")
     if t.action_mask[0]:
         # The learner predicts token t from tokens < t; token 0 has nothing to be predicted from.
@@ -126,22 +190,22 @@ def _check_tokens(t: Trajectory) -> None:
 
 def _check_policy_values(t: Trajectory) -> None:
     mask, lps, versions = t.action_mask, t.behavior_log_probs, t.token_versions
-    bad = _first(lambda m, lp: m and not math.isfinite(lp), mask, lps)
+    bad = _first(mask & ~np.isfinite(lps))
     if bad is not None:
         raise InvalidTrajectory(
             "behavior_log_probs", "not finite under the action mask", f"index {bad}: {lps[bad]}"
         )
-    bad = _first(lambda m, lp: m and lp > 0, mask, lps)
+    bad = _first(mask & (lps > 0))
     if bad is not None:
         raise InvalidTrajectory(
             "behavior_log_probs", "positive under the action mask", f"index {bad}: {lps[bad]}"
         )
-    bad = _first(lambda m, v: m and v < 0, mask, versions)
+    bad = _first(mask & (versions < 0))
     if bad is not None:
         raise InvalidTrajectory(
             "token_versions", "negative on a policy token", f"index {bad}: {versions[bad]}"
         )
-    bad = _first(lambda m, v: not m and v != NON_POLICY_VERSION, mask, versions)
+    bad = _first(~mask & (versions != NON_POLICY_VERSION))
     if bad is not None:
         raise InvalidTrajectory(
             "token_versions",
@@ -153,7 +217,7 @@ def _check_policy_values(t: Trajectory) -> None:
 def _check_episode(t: Trajectory) -> None:
     if not isinstance(t.prompt_id, str) or not t.prompt_id:
         raise InvalidTrajectory("prompt_id", "is not a non-empty string", repr(t.prompt_id))
-    if not math.isfinite(t.reward):
+    if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
         raise InvalidTrajectory("reward", "not finite", repr(t.reward))
     try:
         json.dumps(t.info)
@@ -242,10 +306,10 @@ def to_tensors(trajectories: list[Trajectory], pad_id: int = 0) -> dict[str, Ten
     action_mask = torch.zeros((batch, width), dtype=torch.bool)
     log_probs = torch.zeros((batch, width), dtype=torch.float32)
     for row, t in enumerate(trajectories):
-        mask = torch.tensor(t.action_mask, dtype=torch.bool)
-        token_ids[row, : t.length] = torch.tensor(t.token_ids, dtype=torch.long)
+        mask = torch.from_numpy(t.action_mask)
+        token_ids[row, : t.length] = torch.from_numpy(t.token_ids)
         action_mask[row, : t.length] = mask
-        row_lps = torch.tensor(t.behavior_log_probs, dtype=torch.float32)
+        row_lps = torch.from_numpy(t.behavior_log_probs)
         log_probs[row, : t.length] = torch.where(mask, row_lps, 0.0)
     return {
         "token_ids": token_ids,

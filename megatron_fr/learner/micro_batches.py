@@ -323,11 +323,11 @@ def _row(
         t = batch[index]
         n = t.length - 1
         span = slice(start, start + n)
-        tokens = torch.tensor(t.token_ids)
-        mask = torch.tensor(t.action_mask[1:])
+        tokens = torch.from_numpy(t.token_ids)
+        mask = torch.from_numpy(t.action_mask[1:])
         row["input_ids"][span], row["targets"][span] = tokens[:-1], tokens[1:]
         row["mask"][span] = mask
-        row["behavior"][span] = torch.tensor(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
+        row["behavior"][span] = torch.from_numpy(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
         row["segments"][span] = index
         if routing:  # the engine's experts of each input position (n of them: validated)
             experts = torch.from_numpy(t.routed_experts.experts)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fr.buffer.trajectory import Trajectory
+
 REPO = Path(__file__).resolve().parents[2]
 TWINS = ["cpu_python_tool", "cpu_alfworld", "cpu_textworld"]
 
@@ -39,11 +41,13 @@ def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
     megatron_fr("train", recipe, "--run-dir", str(run_dir), model, *overrides)
 
 
-def queued_trajectories(run_dir: Path) -> list[dict]:
+def queued_trajectories(run_dir: Path) -> list[Trajectory]:
     """The trajectories still queued at the last checkpoint (the buffer's own copies)."""
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     state = json.loads((run_dir / "checkpoints" / latest / "controller.json").read_text())
-    return [t for group in state["rollout"]["buffer"]["queued"] for t in group]
+    return [
+        Trajectory.from_dict(t) for group in state["rollout"]["buffer"]["queued"] for t in group
+    ]
 
 
 def environment_reward(steps: list[dict]) -> float:
@@ -70,14 +74,10 @@ def test_twin_trains_three_steps_multi_turn_with_the_environments_reward(tmp_pat
     rows = queued_trajectories(run_dir)
     assert rows, "no trajectory left queued to inspect"
     for row in rows:
-        mask, logprobs, versions = (
-            row["action_mask"],
-            row["behavior_log_probs"],
-            row["token_versions"],
-        )
+        mask, logprobs, versions = row.action_mask, row.behavior_log_probs, row.token_versions
         context = [i for i, policy in enumerate(mask) if not policy]
         assert all(logprobs[i] == 0.0 and versions[i] == -1 for i in context)
-        assert row["reward"] == environment_reward(row["info"]["steps"])
-        turns = row["info"]["turns"]
+        assert row.reward == environment_reward(row.info["steps"])
+        turns = row.info["turns"]
         spans = sum(1 for i in range(1, len(mask)) if mask[i] and not mask[i - 1])
         assert spans == turns, "one policy span per turn, observations between them"
