@@ -41,21 +41,35 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
 from megatron_fr.config.learner import longest_row, width_multiple
+from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.learner.routing_replay import padding_routing
 from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
+
+
+class TokenRow(Protocol):
+    """What a micro-batch reads of a trajectory: a Trajectory, or the same fields received
+    as part of a shard (buffer/shards.py)."""
+
+    token_ids: np.ndarray
+    action_mask: np.ndarray
+    behavior_log_probs: np.ndarray
+    routed_experts: RoutedExperts | None
+
+    @property
+    def length(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -135,11 +149,18 @@ class MicroBatchPlan:
     packed: bool
     model_tokens: int
     """Tokens the model must see: each trajectory's length - 1, summed."""
+    dp_tokens: tuple[int, ...] = ()
+    """Trajectory tokens each DP rank trains (the load deal_to_ranks balances)."""
 
     @property
     def count(self) -> int:
         """Micro-batches per DP rank."""
         return len(self.assignment[0])
+
+    @property
+    def dp_imbalance(self) -> float:
+        """max / mean of the DP ranks' token loads (1.0: perfectly balanced)."""
+        return max(self.dp_tokens) / (sum(self.dp_tokens) / len(self.dp_tokens))
 
     @property
     def padding_fraction(self) -> float:
@@ -217,7 +238,9 @@ def plan_micro_batches(
             ]
             for share in shares
         ]
-    return MicroBatchPlan(assignment, rows, width, span_multiple, cp_size, pack, sum(model_tokens))
+    loads = tuple(sum(lengths[i] for i in share) for share in shares)
+    return MicroBatchPlan(assignment, rows, width, span_multiple, cp_size, pack,
+                          sum(model_tokens), loads)  # fmt: skip
 
 
 def _pack_shares(
@@ -254,30 +277,30 @@ def _check_fits(length: int, micro_batch_tokens: int, cp_size: int, sp_size: int
 
 
 def micro_batches_for_rank(
-    batch: list[Trajectory],
+    batch: Mapping[int, TokenRow] | Sequence[TokenRow],
     plan: MicroBatchPlan,
     *,
     dp_rank: int,
     cp_rank: int = 0,
     pad_id: int = 0,
-    routing: bool = False,
+    routing: slice | None = None,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens.
-    routing: carry the trajectories' routed experts (every trajectory has them:
-    routing_replay.check_routed_batch)."""
-    for trajectory in batch:
-        validate_trajectory(trajectory)
+    `batch` holds (at least) the trajectories of this rank's share, by batch index, already
+    validated (the buffer did). routing: the layers of the routed experts to carry (routing
+    replay: this pipeline stage's; every trajectory has them: routing_replay.check_routed_batch);
+    None: no routing."""
     return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing)
             for rows in plan.assignment[dp_rank]]  # fmt: skip
 
 
 def _micro_batch(
-    batch: list[Trajectory],
+    batch: Mapping[int, TokenRow] | Sequence[TokenRow],
     plan: MicroBatchPlan,
     rows: list[list[int]],
     cp_rank: int,
     pad_id: int,
-    routing: bool,
+    routing: slice | None,
 ) -> MicroBatch:
     built = [_row(batch, plan, indices, pad_id, routing) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
@@ -299,7 +322,11 @@ def _micro_batch(
 
 
 def _row(
-    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int, routing: bool
+    batch: Mapping[int, TokenRow] | Sequence[TokenRow],
+    plan: MicroBatchPlan,
+    indices: list[int],
+    pad_id: int,
+    routing: slice | None,
 ) -> tuple[dict[str, Tensor], list[int]]:
     """One row before the CP split, and its span boundaries. Position t of the model's input
     predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
@@ -313,9 +340,9 @@ def _row(
         segments=torch.full((width,), -1, dtype=torch.long),
         positions=torch.zeros(width, dtype=torch.long),
     )
-    if routing:  # positions no trajectory fills get experts spread evenly (outside the loss)
-        record = batch[0].routed_experts
-        _, layers, top_k = record.experts.shape
+    if routing is not None:  # positions no trajectory fills: experts spread evenly (no loss)
+        record = _any_routing(batch)
+        _, layers, top_k = record.experts[:, routing].shape
         filler = padding_routing((1, width), top_k, record.num_experts)[0]
         row["routing"] = filler.repeat(1, layers, 1)
     boundaries, start = [0], 0
@@ -329,8 +356,8 @@ def _row(
         row["mask"][span] = mask
         row["behavior"][span] = torch.from_numpy(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
         row["segments"][span] = index
-        if routing:  # the engine's experts of each input position (n of them: validated)
-            experts = torch.from_numpy(t.routed_experts.experts)
+        if routing is not None:  # the engine's experts of each input position (n: validated)
+            experts = torch.from_numpy(np.ascontiguousarray(t.routed_experts.experts[:, routing]))
             row["routing"][span] = experts.to(row["routing"].dtype)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
         row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
@@ -342,3 +369,9 @@ def _row(
         row["positions"][start:] = torch.arange(width - start)
         boundaries.append(width)
     return row, boundaries
+
+
+def _any_routing(batch: Mapping[int, TokenRow] | Sequence[TokenRow]) -> RoutedExperts:
+    """Some trajectory's routed experts (they all have the same layout: validated)."""
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return first.routed_experts

@@ -19,8 +19,9 @@ position the learner feeds, as the engine reported it) drive megatron's own rout
                       recomputes every micro-batch with its own routing
     schedule done ──► clear (no ids outlive the step)
 
-Pipeline stages: a stage has only its own layers' routers; router.layer_number is the global
-layer, so each stage replays its own layers' columns. What replay fixes is WHICH experts a
+Pipeline stages: a stage has only its own layers' routers and is given only its own layers'
+routing columns (stage_layers); router.layer_number is the global layer, so each router reads
+column layer_number - 1 - (the stage's first layer). What replay fixes is WHICH experts a
 token goes to; their weights are still the learner's own (its router's scores at those
 experts), so the router keeps its gradient. megatron's fused (TE) router ignores replay: the
 model is built with moe_router_fusion off (its default) and moe_enable_routing_replay on.
@@ -85,11 +86,18 @@ class RoutingReplay:
             )
         self.sequence_parallel = module.config.sequence_parallel
 
+    @property
+    def stage_layers(self) -> slice:
+        """The layers of this pipeline stage (0-based, global): the routing columns its
+        micro-batches carry (a stage is sent its own layers' routing only)."""
+        return slice(self.routers[0].layer_number - 1, self.routers[-1].layer_number)
+
     def check(self, batch: list[Trajectory]) -> None:
         check_routed_batch(batch, self.spec)
 
     def load(self, routing: torch.Tensor) -> None:
-        """Before a micro-batch's forward: its routing [rows, width, layers, top_k]."""
+        """Before a micro-batch's forward: its routing [rows, width, stage layers, top_k]
+        (the columns of stage_layers)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         tokens = routing.transpose(0, 1)  # megatron's [sequence, batch] token order
@@ -97,8 +105,10 @@ class RoutingReplay:
             chunk = tokens.shape[0] // self.tp_group.size()
             start = self.tp_group.rank() * chunk
             tokens = tokens[start : start + chunk]
+        first = self.stage_layers.start
         for router in self.routers:
-            ids = tokens[:, :, router.layer_number - 1].reshape(-1, tokens.shape[-1]).long()
+            ids = tokens[:, :, router.layer_number - 1 - first].reshape(-1, tokens.shape[-1])
+            ids = ids.long()
             router.router_replay.set_target_indices(ids)
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 

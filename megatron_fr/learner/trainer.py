@@ -23,6 +23,7 @@ backward pass, with LearnerConfig.recompute) routes tokens to the experts the en
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,17 +31,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_fr.algo.advantages import compute_advantages
-from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.learner.micro_batches import (
     MicroBatch,
-    MicroBatchPlan,
+    TokenRow,
     micro_batches_for_rank,
-    plan_micro_batches,
 )
 from megatron_fr.learner.routing_replay import RoutingReplay
+from megatron_fr.learner.step_plan import StepPlan, plan_step
 from megatron_fr.models.gpt import resolve_layer_spec
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.token_scores import TargetScores
@@ -57,22 +57,6 @@ if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def whole_groups(batch: list[Trajectory]) -> torch.Tensor:
-    """int64 group index per trajectory, from info["group"] (the G rollouts of one problem
-    share it). The buffer hands out whole groups only; a batch with groups of different sizes
-    would give group baselines a different estimator, so it is refused."""
-    names = [str(t.info.get("group", t.prompt_id)) for t in batch]
-    index = {name: i for i, name in enumerate(dict.fromkeys(names))}
-    groups = torch.tensor([index[name] for name in names], dtype=torch.int64)
-    sizes = torch.bincount(groups)
-    if sizes.min() != sizes.max() or sizes.min() < 2:
-        raise ValueError(
-            f"group estimators need whole groups of equal size >= 2; this batch has group "
-            f"sizes {sorted(set(sizes.tolist()))}"
-        )
-    return groups
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -260,20 +244,6 @@ class Learner:
         metrics reduce (NCCL reduces device tensors only)."""
         return next(self.module.parameters()).device
 
-    def _global_batch(self, batch: list[Trajectory]) -> GlobalBatch:
-        rewards = torch.tensor([t.reward for t in batch], dtype=torch.float64)
-        failures = rewards <= 0 if self.config.flash_reinforce.negative_token_fraction < 1 else None
-        counts = torch.tensor([t.num_policy_tokens for t in batch], dtype=torch.int64)
-        if self.config.estimator == "flash_reinforce":
-            advantages = compute_advantages("flash_reinforce", rewards)
-        else:
-            advantages = compute_advantages(self.config.estimator, rewards, whole_groups(batch))
-        # A trajectory left out of the loss (a truncated response under `truncated: mask`)
-        # keeps its place in B and in the baseline, with advantage 0: no gradient.
-        masked = torch.tensor([bool(t.info.get("loss_masked")) for t in batch])
-        advantages = advantages.masked_fill(masked, 0.0)
-        return GlobalBatch(advantages=advantages.float(), failures=failures, token_counts=counts)
-
     def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores):
         """The configured policy loss of one micro-batch from the model's scores of its target
         tokens ([log-probs; entropies], on the distribution the engines sampled from: log
@@ -299,26 +269,28 @@ class Learner:
         )  # fmt: skip
         return loss * scale, reported
 
+    def plan(self, batch: list[Trajectory]) -> StepPlan:
+        """The step plan of a whole batch (every rank computes the same one), its trajectories
+        validated and, with routing replay, checked for the model's routed experts."""
+        for trajectory in batch:
+            validate_trajectory(trajectory)
+        if self.routing_replay is not None:
+            self.routing_replay.check(batch)
+        return plan_step(batch, self.config, self.parallel, self.groups.dp.size())
+
     def _micro_batches(
-        self, batch: list[Trajectory], pad_id: int, replay: RoutingReplay | None
-    ) -> tuple[MicroBatchPlan, list[MicroBatch]]:
-        """The step's plan and this rank's micro-batches: trajectories are dealt over the DP
-        ranks, and every row is split over the CP ranks (routing with them, for replay)."""
-        if replay is not None:
-            replay.check(batch)
-        plan = plan_micro_batches(
-            [t.length for t in batch],
-            dp_size=self.groups.dp.size(),
-            micro_batch_tokens=self.config.micro_batch_tokens,
-            pack=self.pack_sequences,
-            cp_size=self.parallel.context,
-            sequence_parallel_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
-        )
-        micros = micro_batches_for_rank(
-            batch, plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
-            pad_id=pad_id, routing=replay is not None,
+        self,
+        step: StepPlan,
+        rows: Mapping[int, TokenRow] | Sequence[TokenRow],
+        pad_id: int,
+        replay: RoutingReplay | None,
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches: its DP share of the plan, every row split over the CP
+        ranks (with this stage's routing, for replay)."""
+        return micro_batches_for_rank(
+            rows, step.plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
+            pad_id=pad_id, routing=None if replay is None else replay.stage_layers,
         )  # fmt: skip
-        return plan, micros
 
     @property
     def _needs_entropy(self) -> bool:
@@ -361,12 +333,20 @@ class Learner:
                 replay.clear()
 
     def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict:
-        """One optimizer step on the whole batch (every rank passes the same batch): scalar
-        metrics, plus per trajectory (lists in batch order) advantages, admitted and the
-        gate's sequence_kl."""
+        """One optimizer step on the whole batch, every rank passing the same batch (each
+        plans it and trains its own share): train_share's metrics."""
+        return self.train_share(self.plan(batch), batch, pad_id)
+
+    def train_share(
+        self, step: StepPlan, rows: Mapping[int, TokenRow] | Sequence[TokenRow], pad_id: int = 0
+    ) -> dict:
+        """One optimizer step of a planned batch, from the trajectories of this rank's DP
+        share (`rows`, by batch index: what the run delivers to it, buffer/shards.py):
+        scalar metrics, plus per trajectory (lists in batch order) advantages, admitted and
+        the gate's sequence_kl."""
         dp_group = self.groups.dp_cp
-        plan, micros = self._micro_batches(batch, pad_id, self.routing_replay)
-        global_batch = self._global_batch(batch)
+        micros = self._micro_batches(step, rows, pad_id, self.routing_replay)
+        global_batch = step.global_batch
         # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
         score = partial(self._loss, len(micros) * self.groups.dp.size(), global_batch)
         self.model.zero_grad_buffer()
@@ -376,9 +356,10 @@ class Learner:
         updated, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.steps_done += 1
-        metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+        metrics = self._metrics(per_micro, dp_group, updated, grad_norm, step)
         metrics["advantages"] = global_batch.advantages.tolist()
-        metrics["padding_fraction"] = plan.padding_fraction
+        metrics["padding_fraction"] = step.plan.padding_fraction
+        metrics["dp_imbalance"] = step.plan.dp_imbalance
         return metrics
 
     def policy_log_probs(
@@ -412,7 +393,7 @@ class Learner:
             return scores.sum() * 0, {}
 
         with torch.no_grad():
-            micros = self._micro_batches(batch, pad_id, replay)[1]
+            micros = self._micro_batches(self.plan(batch), batch, pad_id, replay)
             self._schedule(micros, score, True, replay, temperature)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         # each trajectory lives on one DP rank, its tokens spread over that rank's CP group
@@ -490,10 +471,10 @@ class Learner:
             "layer_spec": self.layer_spec,
         }
 
-    def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict:
+    def _metrics(self, per_micro, dp_group, updated, grad_norm, step: StepPlan) -> dict:
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
         device = self.device
-        size = len(batch)
+        size = step.size
         values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
         pp = self.groups.pp
         if pp.rank() == pp.size() - 1:
@@ -505,7 +486,7 @@ class Learner:
                 ]
             )
             dist.all_reduce(sums, group=dp_group)
-            tokens = max(sum(t.num_policy_tokens for t in batch), 1)
+            tokens = max(step.policy_tokens, 1)
             acceptance = admitted.double().sum() / max(int(present.sum()), 1)
             # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
             # group has the whole value): the sum over DP ranks is the batch's
@@ -531,5 +512,5 @@ class Learner:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "update_successful": float(bool(updated)),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "policy_tokens": float(sum(t.num_policy_tokens for t in batch)),
+            "policy_tokens": float(step.policy_tokens),
         }
