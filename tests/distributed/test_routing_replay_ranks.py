@@ -45,12 +45,12 @@ PROMPTS = [[3, 17, 42, 5], [9, 8], [100, 2, 64, 31, 7, 7], [11, 12, 13], [50, 60
 async def sample(hf_dir) -> list[Trajectory]:
     """One rollout per prompt from the CPU engine in bf16, routed experts included."""
     from aiohttp import web
+    from trajectory_fixtures import single_turn_trajectory
 
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
     from megatron_fr.engine.cpu_engine import CpuEngine
     from megatron_fr.engine.cpu_server import CpuServer
     from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
-    from megatron_fr.rollout.episodes import single_turn_trajectory
 
     engine = CpuEngine(hf_dir, torch.bfloat16, return_routed_experts=True)
     engine.weight_version = "0"  # the learner's version of these weights

@@ -15,39 +15,18 @@ from pathlib import Path
 import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, serving
 from stub_server import StubServer
+from trajectory_fixtures import single_turn_trajectory
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
-from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.client import Rollout, RolloutClient, RolloutClientConfig
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.launcher import ServerProcess
 from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.parallel.spawn import free_port
-from megatron_fr.rollout.agent import policy_version
 from megatron_fr.rollout.service import Backoff, EvalSet, RolloutFailed, RolloutService
 from megatron_fr.rollout.supervisor import EngineDied, EngineRefused, EngineSupervisor
-
-
-def single_turn_trajectory(
-    prompt_id: str, rollout: Rollout, reward: float, info: dict
-) -> Trajectory:
-    """A one-turn row: prompt tokens (no policy) then the generated tokens with the engine's
-    log-probs, per-token weight versions and routed experts."""
-    prompt, output = list(rollout.prompt_ids), list(rollout.output_ids)
-    return Trajectory(
-        prompt_id=prompt_id,
-        token_ids=prompt + output,
-        action_mask=[False] * len(prompt) + [True] * len(output),
-        behavior_log_probs=[0.0] * len(prompt) + list(rollout.output_logprobs),
-        token_versions=[NON_POLICY_VERSION] * len(prompt)
-        + [policy_version(v) for v in rollout.token_versions],
-        reward=reward,
-        info={**info, "finish_reason": rollout.finish_reason, "server": rollout.server},
-        routed_experts=rollout.routed_experts,
-    )
-
 
 PROBLEMS = [f"p{i}" for i in range(20)]
 
