@@ -134,6 +134,13 @@ class Trajectory:
             raise InvalidTrajectory("action_mask", "has no policy token")
         return int(versions.min())
 
+    def summary(self) -> TrajectorySummary:
+        """What is logged of it (no tokens)."""
+        return TrajectorySummary(
+            self.prompt_id, self.reward, self.length, self.num_policy_tokens,
+            self.oldest_version, self.info,
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): each per-token array as its raw bytes."""
         data: dict[str, Any] = {name: encode_array(getattr(self, name)) for name in PER_TOKEN}
@@ -152,6 +159,19 @@ class Trajectory:
         if fields.get("routed_experts") is not None:
             fields["routed_experts"] = RoutedExperts.from_dict(fields["routed_experts"])
         return cls(**fields)
+
+
+@dataclass(frozen=True)
+class TrajectorySummary:
+    """A trajectory without its tokens: what the run's report logs of a batch (the names are
+    Trajectory's, so either can be logged)."""
+
+    prompt_id: str
+    reward: float
+    length: int
+    num_policy_tokens: int
+    oldest_version: int
+    info: dict[str, Any]
 
 
 def _check_lengths(t: Trajectory) -> None:

@@ -168,7 +168,7 @@ class RouterSpy:
 
 def rank_micro_batches(learner, batch, parallel):
     """This rank's micro-batches, built by the learner's own code (routing included)."""
-    return learner._micro_batches(batch, 0, learner.routing_replay)[1]
+    return learner._micro_batches(learner.plan(batch), batch, 0, learner.routing_replay)
 
 
 def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajectory], tmp: str):
