@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    _new_process_group_helper,
+    _world,
+)
 
 BACKENDS = ("gloo", "nccl")
 NCCL_CUMEM = "NCCL_CUMEM_ENABLE"
@@ -80,7 +85,7 @@ def create_weight_update_group(
     )  # fmt: skip
     prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
     group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), prefixed, group_name=group_name,
+        world_size, 0, [], Backend(backend), prefixed, group_name=GroupName(group_name),
         backend_options=None, timeout=timeout, device_id=None,
     )  # fmt: skip
     # SGLang registers the group's ranks as identity so dist.* calls may name them directly.

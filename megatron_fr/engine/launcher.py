@@ -130,6 +130,8 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+        if not cfg.dist_init_addr:  # the validator refused it already, unless model_construct()
+            raise ValueError(f"dist_init_addr is required for nnodes {cfg.nnodes}")
         cmd += ["--dist-init-addr", cfg.dist_init_addr]
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")

@@ -53,5 +53,4 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)
         return 2
     print(" ".join(command), flush=True)
-    os.execv(command[0], command)
-    return 0  # not reached: exec replaced the process
+    os.execv(command[0], command)  # replaces this process: no return

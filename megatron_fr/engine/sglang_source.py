@@ -124,6 +124,8 @@ def flattened_tensor_bucket() -> type:
         return imported
     path = sglang_root() / TENSOR_BUCKET
     spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", path)
+    if spec is None or spec.loader is None:
+        raise SglangSourceMissing(f"{path}: not a Python file (is sglang {SGLANG_VERSION}?)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FlattenedTensorBucket
@@ -134,11 +136,14 @@ def _receive_methods() -> tuple[Callable, Callable]:
     import torch
 
     namespace = {"torch": torch, "FlattenedTensorBucket": flattened_tensor_bucket()}
-    names = ("receive_weights_from_distributed", "_receive_bucketed_weights_from_distributed")
-    return tuple(
-        exec_function(function_source(WEIGHT_UPDATER, name, "WeightUpdater"), name, namespace)
-        for name in names
-    )
+
+    def method(name: str) -> Callable:
+        return exec_function(
+            function_source(WEIGHT_UPDATER, name, "WeightUpdater"), name, namespace
+        )
+
+    receive = method("receive_weights_from_distributed")
+    return receive, method("_receive_bucketed_weights_from_distributed")
 
 
 def module_constant(relative_path: str, name: str) -> Any:
@@ -169,8 +174,13 @@ def monkey_patch_torch_reductions() -> Callable[[], None]:
     import torch
     from torch.multiprocessing import reductions
 
-    namespace = {"torch": torch, "reductions": reductions, "_is_npu": False,
-                 "Callable": Callable, "Union": Union}  # fmt: skip
+    namespace: dict[str, Any] = {
+        "torch": torch,
+        "reductions": reductions,
+        "_is_npu": False,
+        "Callable": Callable,
+        "Union": Union,
+    }
     namespace["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] = module_constant(
         PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX"
     )
@@ -196,6 +206,10 @@ def serialize() -> Callable[..., Any]:
     return exec_function(source, "serialize", namespace)
 
 
+JoinArgs = tuple[str, int, int, int, str, str]
+"""DistributedReceiver.join's arguments before timeout_s: master_address, master_port,
+rank_offset, world_size, group_name, backend."""
+
 MAX_PENDING_JOINS = 8
 """Joins that may wait for their masters at once (each holds a thread: start_join)."""
 
@@ -210,7 +224,7 @@ class DistributedReceiver:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def start_join(self, *args: Any, timeout_s: float) -> Future:
+    def start_join(self, args: JoinArgs, timeout_s: float) -> Future:
         """join(*args, timeout_s) on a thread of its own; its future gives the rank. torch's
         store client waits forever on a master that accepts the connection and never answers,
         whatever its timeout, so the caller waits on the future (and cancels it) instead of on
@@ -224,13 +238,17 @@ class DistributedReceiver:
                 )
             self._pending += 1
         future: Future = Future()
-        threading.Thread(target=self._join_for, args=(future, args, timeout_s), daemon=True,
-                         name="weight-group-join").start()  # fmt: skip
+        threading.Thread(
+            target=self._join_for,
+            args=(future, args, timeout_s),
+            daemon=True,
+            name="weight-group-join",
+        ).start()
         return future
 
-    def _join_for(self, future: Future, args: tuple, timeout_s: float) -> None:
+    def _join_for(self, future: Future, args: JoinArgs, timeout_s: float) -> None:
         try:
-            rank = self.join(*args, timeout_s)
+            rank = self.join(*args, timeout_s=timeout_s)
         except BaseException as error:  # handed to the caller, whatever it is
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(error)
