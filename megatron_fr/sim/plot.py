@@ -43,9 +43,9 @@ def plot_sweep(results: list[SimResult], out: str | Path) -> Path:
     for index, result in enumerate(r for r in results if r.scheme == "flash_reinforce"):
         total = sum(result.lag_histogram.values())
         xs = sorted(result.lag_histogram)
-        nodes = result.rollout_nodes + result.learner_nodes
+        node_count = result.rollout_nodes + result.learner_nodes
         shares = [result.lag_histogram[x] / total for x in xs]
-        lags.step(xs, shares, where="mid", color=f"C{index}", label=f"{nodes} nodes")
+        lags.step(xs, shares, where="mid", color=f"C{index}", label=f"{node_count} nodes")
     totals = sorted({r.rollout_nodes + r.learner_nodes for r in results})
     for ax in (util, throughput):
         ax.set_xscale("log", base=2)
