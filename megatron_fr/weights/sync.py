@@ -142,7 +142,8 @@ class WeightSync:
         rank0, sender = dist.get_rank() == 0, is_stage_sender()
         _raise_if_any(self._attempt(rank0, "pause", self._pause))
         stage, stages = _stages()
-        counts, kept = [0, 0, 0], list[tuple[str, torch.Tensor]]()
+        counts = [0, 0, 0]
+        kept: list[tuple[str, torch.Tensor]] = []
         for turn in range(stages):
             failure = None
             if stage == turn:
