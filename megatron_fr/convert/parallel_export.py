@@ -87,7 +87,7 @@ def _assemble(index: int, name: str, param: torch.nn.Parameter) -> torch.Tensor 
     shards = [torch.empty_like(param) for _ in range(size)] if rank == owner else None
     dst = dist.get_global_rank(group, owner)
     dist.gather(param.detach().contiguous(), shards, dst=dst, group=group)
-    return unshard_tensor(shards, param, name) if rank == owner else None
+    return None if shards is None else unshard_tensor(shards, param, name)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class _Target:
 
 
 def _write_part(
-    model, spec: HFModelSpec, writer: ShardedSafetensorsWriter, target: _Target
+    model: torch.nn.Module, spec: HFModelSpec, writer: ShardedSafetensorsWriter, target: _Target
 ) -> tuple[list[WrittenShard], str | None]:
     """This rank's share of the HF tensors, into its own files. Takes part in every gather
     even after a write failed (peers wait on them); returns (files, the first fault)."""
@@ -188,7 +188,7 @@ def export_hf_from_model(
 
 
 def _write_into(
-    directory: ExitStack, model, spec: HFModelSpec, target: _Target
+    directory: ExitStack, model: torch.nn.Module, spec: HFModelSpec, target: _Target
 ) -> ShardedSafetensorsWriter:
     """Every step before the final rename, the verdict agreed between ranks after each."""
     partial, fault = None, None
