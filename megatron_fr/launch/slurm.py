@@ -268,12 +268,15 @@ def sbatch_directives(job: SlurmJob) -> list[str]:
     if o.exclusive:
         flags += ["--exclusive", "--mem=0"]  # --exclusive alone leaves memory at the default
     else:
-        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_mib(o.mem_per_node_gb)}M"]
+        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_memory_mib(o)}M"]
     return flags + list(o.sbatch_args)
 
 
-def _mib(gib: float) -> int:
-    return int(gib * 1024)
+def _memory_mib(o: SlurmOptions) -> int:
+    """mem_per_node_gb in MiB: a job that shares its nodes has it (_check_node_share)."""
+    if o.mem_per_node_gb is None:
+        raise LaunchError("a job that shares its nodes needs --mem-per-node-gb")
+    return int(o.mem_per_node_gb * 1024)
 
 
 def container_flags(options: SlurmOptions) -> list[str]:
@@ -352,7 +355,7 @@ def summary(job: SlurmJob) -> str:
 def _share(o: SlurmOptions) -> str:
     if o.exclusive:
         return "whole nodes (exclusive)"
-    return f"{o.cpus_per_node} CPU(s) and {_mib(o.mem_per_node_gb)} MiB each"
+    return f"{o.cpus_per_node} CPU(s) and {_memory_mib(o)} MiB each"
 
 
 def _span(first: int, last: int) -> str:

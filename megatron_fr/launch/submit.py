@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--exclusive", action="store_true", help="whole nodes (sbatch)")
     for flag, field in (("server-arg", "server_args"), ("env", "env"),
                         ("sbatch-arg", "sbatch_args")):  # fmt: skip
-        help_text = SlurmOptions.model_fields[field].description + " (repeatable)"
+        help_text = (SlurmOptions.model_fields[field].description or "") + " (repeatable)"
         parser.add_argument(f"--{flag}", dest=field, action="append", default=[], help=help_text)
     parser.add_argument("--dry-run", action="store_true", help="print the plan, submit nothing")
     parser.add_argument(
