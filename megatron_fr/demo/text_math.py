@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         problems=ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", args.train), ("eval", args.eval)):
+    splits: tuple[tuple[Split, int], ...] = (("train", args.train), ("eval", args.eval))
+    for split, count in splits:
         print(write_rows(args.out_dir / f"{split}.jsonl", config, split, count, seed=0))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,7 @@ class ToolDemonstrations:
         self.environment = PythonToolEnvironment(config)
         self._demos = {key: demo for sample in samples for key, demo in self._render(sample)}
 
-    def _render(self, sample: Sample):
+    def _render(self, sample: Sample) -> Iterator[tuple[str, _Demo]]:
         episode = self.environment.start(sample)
         messages, tools = list(episode.messages), episode.tools
         episode.close()
