@@ -111,8 +111,13 @@ def _write_part(
     layout = MegatronNames.of(names)
     global_names = global_parameter_names(model, spec.num_experts)
     fault = None
-    bar = tqdm(total=len(names), desc="model -> hf", unit="tensor", file=sys.stderr,
-               disable=not target.progress or _rank() != 0)  # fmt: skip
+    bar = tqdm(
+        total=len(names),
+        desc="model -> hf",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not target.progress or _rank() != 0,
+    )
     with bar, torch.no_grad():
         for index, (name, param) in enumerate(names.items()):
             bar.update()
@@ -169,9 +174,13 @@ def export_hf_from_model(
     """
     started = time.monotonic()
     target = _Target(
-        Path(out), config_text, Path(files_from) if files_from else None, max_shard_bytes, dtype,
+        Path(out),
+        config_text,
+        Path(files_from) if files_from else None,
+        max_shard_bytes,
+        dtype,
         progress,
-    )  # fmt: skip
+    )
     directory = ExitStack()  # rank 0 holds the partial directory open in it
     try:
         writer = _write_into(directory, model, spec, target)

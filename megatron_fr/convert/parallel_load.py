@@ -191,9 +191,15 @@ def load_hf_into_model(
         show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
         with (
             torch.no_grad(),
-            tqdm(total=total, desc="hf -> model", unit="B", unit_scale=True, file=sys.stderr,
-                 disable=not show) as bar,
-        ):  # fmt: skip
+            tqdm(
+                total=total,
+                desc="hf -> model",
+                unit="B",
+                unit_scale=True,
+                file=sys.stderr,
+                disable=not show,
+            ) as bar,
+        ):
             for plan in plans:
                 _load(reader, plan)
                 bar.update(plan.param.numel() * plan.param.element_size())

@@ -66,8 +66,13 @@ def _warm_start_text_math(
     environment = _env_config(config, "math", MathEnvConfig)
     text = TextMathConfig(problems=demo.warm_start.problems, environment=environment)
     with build_text_math_task(text, demo.tokenizer_vocab) as task:
-        return warm_start(hf_dir, task, tiny_chat_model_config(task.tokenizer), demo.warm_start,
-                          tokenizer=task.tokenizer)  # fmt: skip
+        return warm_start(
+            hf_dir,
+            task,
+            tiny_chat_model_config(task.tokenizer),
+            demo.warm_start,
+            tokenizer=task.tokenizer,
+        )
 
 
 def _task_tokenizer(
@@ -79,12 +84,21 @@ def _task_tokenizer(
     from megatron_fr.demo.tool_demos import answer_text, tool_call_text
 
     system = getattr(environment_config(config.task.name, config.task.env), "system_prompt", None)
-    chats = [[{"role": "system", "content": system or ""},
-              {"role": "user", "content": str(sample.get("problem", sample))},
-              *([{"role": "assistant", "content": tool_call_text(sample["code"])},
-                 {"role": "assistant", "content": answer_text(str(sample["answer"]))}]
-                if "code" in sample else [])]
-             for sample in samples]  # fmt: skip
+    chats = [
+        [
+            {"role": "system", "content": system or ""},
+            {"role": "user", "content": str(sample.get("problem", sample))},
+            *(
+                [
+                    {"role": "assistant", "content": tool_call_text(sample["code"])},
+                    {"role": "assistant", "content": answer_text(str(sample["answer"]))},
+                ]
+                if "code" in sample
+                else []
+            ),
+        ]
+        for sample in samples
+    ]
     return build_chat_tokenizer(chats, vocab_size=demo.tokenizer_vocab)
 
 

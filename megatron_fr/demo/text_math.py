@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     `problems`), the held-out ones from the eval split."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_fr.demo.text_math",
-                                     description=main.__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_fr.demo.text_math", description=main.__doc__
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--train", type=int, default=4096, help="training prompts")
     parser.add_argument("--eval", type=int, default=200, help="held-out prompts")

@@ -166,12 +166,17 @@ class CpuServer:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "context_length": engine.context_length,
                 "max_running_requests": self.max_concurrency,
-                "tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1, "ep_size": 1,
-                "nnodes": 1, "enable_dp_attention": False,
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
+                "attn_dp_size": 1,
+                "ep_size": 1,
+                "nnodes": 1,
+                "enable_dp_attention": False,
                 "enable_return_routed_experts": engine.return_routed_experts,
                 ENGINE_FIELD: CPU_ENGINE,
             }
-        )  # fmt: skip
+        )
 
     async def get_weight_version(self, _request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
@@ -418,14 +423,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     log.info(
         "serving %s on http://%s:%d (context length %d)",
-        args.model_path, args.host, args.port, engine.context_length,
-    )  # fmt: skip
+        args.model_path,
+        args.host,
+        args.port,
+        engine.context_length,
+    )
     server = CpuServer(
-        engine, args.max_concurrency, int(args.max_request_mib * 2**20), args.max_batch_prompts,
-        args.read_timeout_s, args.weight_group_timeout_s,
-    )  # fmt: skip
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
-                keepalive_timeout=args.read_timeout_s)  # fmt: skip
+        engine,
+        args.max_concurrency,
+        int(args.max_request_mib * 2**20),
+        args.max_batch_prompts,
+        args.read_timeout_s,
+        args.weight_group_timeout_s,
+    )
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        keepalive_timeout=args.read_timeout_s,
+    )
 
 
 if __name__ == "__main__":

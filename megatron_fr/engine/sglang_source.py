@@ -184,9 +184,14 @@ def monkey_patch_torch_reductions() -> Callable[[], None]:
     namespace["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] = module_constant(
         PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX"
     )
-    for name in ("_modify_tuple", "_device_to_uuid", "_device_from_maybe_uuid",
-                 "_reduce_tensor_modified", "_rebuild_cuda_tensor_modified",
-                 "monkey_patch_torch_reductions"):  # fmt: skip
+    for name in (
+        "_modify_tuple",
+        "_device_to_uuid",
+        "_device_from_maybe_uuid",
+        "_reduce_tensor_modified",
+        "_rebuild_cuda_tensor_modified",
+        "monkey_patch_torch_reductions",
+    ):
         exec_function(function_source(PATCH_TORCH, name), name, namespace)
     return namespace["monkey_patch_torch_reductions"]
 
@@ -261,8 +266,16 @@ class DistributedReceiver:
         except InvalidStateError:  # the caller gave up: leave the group it no longer expects
             self.destroy(args[4])
 
-    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-             group_name: str, backend: str, timeout_s: float | None = None) -> int:  # fmt: skip
+    def join(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None = None,
+    ) -> int:
         """As SGLang's WeightUpdater.init_weights_update_group: rank = offset + tp_rank.
         `timeout_s` bounds the rendezvous and the group's operations (None: torch's default,
         30 minutes, as SGLang)."""
@@ -273,21 +286,32 @@ class DistributedReceiver:
         rank = rank_offset + self.tp_rank
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.groups[group_name] = init_custom_process_group()(
-            backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-            world_size=world_size, rank=rank, group_name=group_name, timeout=timeout,
-        )  # fmt: skip
+            backend=backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            world_size=world_size,
+            rank=rank,
+            group_name=group_name,
+            timeout=timeout,
+        )
         return rank
 
-    def receive(self, names: list, dtypes: list, shapes: list, group_name: str,
-                load_format: str | None) -> list:  # fmt: skip
+    def receive(
+        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None
+    ) -> list:
         """(name, tensor) pairs broadcast by group rank 0, as SGLang receives them."""
         receive, receive_bucketed = _receive_methods()
         state = SimpleNamespace(_model_update_group=self.groups, device=self.device)
         state._receive_bucketed_weights_from_distributed = functools.partial(
             receive_bucketed, state
         )
-        return receive(state, names=names, dtypes=dtypes, shapes=shapes,
-                       group_name=group_name, load_format=load_format)  # fmt: skip
+        return receive(
+            state,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            load_format=load_format,
+        )
 
     def destroy(self, group_name: str) -> bool:
         import torch.distributed as dist

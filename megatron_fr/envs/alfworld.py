@@ -93,9 +93,15 @@ class AlfWorldEpisode(Episode):
 
         self._env = env
         infos = textworld.EnvInfos(
-            admissible_commands=True, won=True, lost=True, score=True, max_score=True,
-            objective=True, feedback=True, policy_commands=True,
-        )  # fmt: skip
+            admissible_commands=True,
+            won=True,
+            lost=True,
+            score=True,
+            max_score=True,
+            objective=True,
+            feedback=True,
+            policy_commands=True,
+        )
         alfworld = game_file.suffix == ".tw-pddl"
         wrappers = alfworld_wrappers(env.config.alfworld_dir) if alfworld else []
         with env.lock:

@@ -27,10 +27,20 @@ from typing import Any
 
 WRITE_EVENTS = frozenset(
     {
-        "os.chmod", "os.chown", "os.link", "os.mkdir", "os.remove", "os.rename", "os.rmdir",
-        "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile",
+        "os.chmod",
+        "os.chown",
+        "os.link",
+        "os.mkdir",
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.symlink",
+        "os.truncate",
+        "os.utime",
+        "shutil.rmtree",
+        "shutil.copyfile",
     }
-)  # fmt: skip
+)
 READ_EVENTS = frozenset({"os.listdir", "os.scandir", "os.chdir", "glob.glob"})
 PROGRAM_EVENTS = frozenset(
     {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "pty.spawn"}

@@ -53,8 +53,12 @@ class Scheme:
 
 def flash_reinforce(settings: SchemeSettings) -> Scheme:
     b, lag = settings.batch_size, settings.max_lag
-    buffer = BufferConfig(batch_size=b, max_lag=lag, capacity=settings.capacity or (lag + 1) * b,
-                          max_in_flight=settings.max_in_flight)  # fmt: skip
+    buffer = BufferConfig(
+        batch_size=b,
+        max_lag=lag,
+        capacity=settings.capacity or (lag + 1) * b,
+        max_in_flight=settings.max_in_flight,
+    )
     return Scheme("flash_reinforce", buffer)
 
 
@@ -111,8 +115,10 @@ class Simulation:
         self.lengths = lengths or build_sampler(config.lengths, config.seed)
         decode = DecodeModel.from_settings(config.server)
         s = config.server
-        self.servers = [DecodeServer(i, decode, s.max_running_requests, s.prefill_tokens_per_s)
-                        for i in range(config.servers)]  # fmt: skip
+        self.servers = [
+            DecodeServer(i, decode, s.max_running_requests, s.prefill_tokens_per_s)
+            for i in range(config.servers)
+        ]
         self.dispatcher = Dispatcher(self.servers)
         # Problems are only names to the buffer; enough of them that epochs never matter.
         problems = PromptSource([f"q{i}" for i in range(4096)], seed=config.seed)
@@ -264,8 +270,11 @@ class Simulation:
 
     def _on_synced(self, batch: Batch) -> None:
         batch_s, lags, tokens = batch
-        self.steps.append(StepRecord(len(self.steps) + 1, self._ready_s, batch_s,
-                                     self._trained_s, self.now, lags, tokens))  # fmt: skip
+        self.steps.append(
+            StepRecord(
+                len(self.steps) + 1, self._ready_s, batch_s, self._trained_s, self.now, lags, tokens
+            )
+        )
         self.version += 1
         self.buffer.set_version(self.version)
         self._forget_dropped_from_queue()

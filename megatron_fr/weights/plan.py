@@ -116,11 +116,15 @@ def _groups(has_experts: bool) -> _Groups:
         dist.all_gather_object(coordinates, mine, group=expert_group)
         expert_ranks = {c: dist.get_global_rank(expert_group, i) for i, c in enumerate(coordinates)}
     return _Groups(
-        dense_ranks, expert_ranks, dense_group, expert_group,
+        dense_ranks,
+        expert_ranks,
+        dense_group,
+        expert_group,
         dense_active=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
         expert_active=has_experts and ps.get_expert_data_parallel_rank() == 0,
-        etp=etp, ep=ep,
-    )  # fmt: skip
+        etp=etp,
+        ep=ep,
+    )
 
 
 def _full_tensors(
@@ -183,11 +187,15 @@ def build_plan(model: torch.nn.Module, spec: HFModelSpec, bucket_bytes: int) -> 
     if hf_names:
         buckets.append(BucketPlan(tuple(window), tuple(hf_names), size))
     return ReshardPlan(
-        tuple(buckets), names, dist.get_rank(), sender,
+        tuple(buckets),
+        names,
+        dist.get_rank(),
+        sender,
         dense_group=groups.dense_group if groups.dense_active else None,
         expert_group=groups.expert_group if groups.expert_active else None,
-        bucket_bytes=bucket_bytes, largest_tensor_bytes=largest,
-    )  # fmt: skip
+        bucket_bytes=bucket_bytes,
+        largest_tensor_bytes=largest,
+    )
 
 
 def _sender(groups: _Groups, has_experts: bool) -> int | None:
