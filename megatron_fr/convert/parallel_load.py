@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_fr.convert.qwen import HFRows, MegatronNames, hf_row_sources, hf_tensor_names
+from megatron_fr.convert.qwen import MegatronNames, hf_row_sources, hf_tensor_names
 from megatron_fr.convert.shard import (
     global_parameter_names,
     partition_dim,
