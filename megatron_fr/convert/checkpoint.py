@@ -18,8 +18,10 @@ config.json, verbatim) so that converting back needs nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,9 @@ from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
 from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
 HF_CONFIG_NAME = "hf_config.json"
 
 
@@ -41,7 +46,7 @@ class ConversionReport:
     dtype: torch.dtype
 
 
-def _tp1_model(spec: HFModelSpec, dtype: torch.dtype, *, meta: bool = False):
+def _tp1_model(spec: HFModelSpec, dtype: torch.dtype, *, meta: bool = False) -> GPTModel:
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.parallel import state
 
@@ -122,12 +127,12 @@ def use_legacy_keys(request: dict, megatron_dir: Path) -> None:
             entry.key = LEGACY_KEYS[entry.key]
 
 
-def _mismatch(kind: str, keys) -> str:
+def _mismatch(kind: str, keys: Iterable[str]) -> str:
     keys = sorted(k for k in keys if not k.endswith(OPTIONAL_KEY_SUFFIX))
     return f"{kind} {keys[:8]}{' ...' if len(keys) > 8 else ''}" if keys else ""
 
 
-def load_megatron_checkpoint(model: torch.nn.Module, megatron_dir: str | Path) -> None:
+def load_megatron_checkpoint(model: GPTModel, megatron_dir: str | Path) -> None:
     """Load a torch_dist checkpoint into this rank's model (megatron reshards to its layout).
 
     Every tensor the model asks for must be in the checkpoint and vice versa, except the

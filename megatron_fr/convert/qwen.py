@@ -246,7 +246,9 @@ def megatron_tensor_to_hf(
     }
 
 
-def megatron_layer_names(spec: HFModelSpec, index: int, names: MegatronNames = MegatronNames()):
+def megatron_layer_names(
+    spec: HFModelSpec, index: int, names: MegatronNames = MegatronNames()
+) -> list[str]:
     """Every megatron tensor name of decoder layer `index` (global expert indices)."""
     layer = f"decoder.layers.{index}.self_attention"
     qkv = [f"{layer}.linear_qkv.weight"] + ([f"{layer}.linear_qkv.bias"] if spec.qkv_bias else [])

@@ -243,8 +243,8 @@ class RolloutClient:
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
-            if self.config.routed_experts is not None:
-                routed.append(self._segment_routing(out, len(fed), start, server))
+            if (layout := self.config.routed_experts) is not None:
+                routed.append(self._segment_routing(out, layout, len(fed), start, server))
             finish = self._overall_finish(out.finish_reason, output_ids, sampling)
             if finish != "abort" or continuations == self.config.max_continuations:
                 break
@@ -278,12 +278,16 @@ class RolloutClient:
         return "abort"
 
     def _segment_routing(
-        self, out: GenerateOutput, fed: int, start: int, server: str
+        self,
+        out: GenerateOutput,
+        layout: RoutedExpertsLayout,
+        fed: int,
+        start: int,
+        server: str,
     ) -> RoutedExperts:
         """A segment's routed experts: positions [start, fed + output - 1), as SGLang returns
         them; none when the segment generated nothing (it may have fed nothing), and none at
         all from an abort in SGLang's waiting queue (module docstring)."""
-        layout = self.config.routed_experts
         if out.routed_experts is None and not out.output_ids and out.finish_reason == "abort":
             empty = np.zeros((0, layout.num_layers, layout.top_k), dtype=np.int32)
             return RoutedExperts.compact(empty, layout.num_experts)

@@ -35,15 +35,19 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
 from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 WAITING_ABORT_MESSAGE = "Abort in waiting queue"
@@ -117,12 +121,12 @@ class RouterCapture:
     threads). transformers' MoE routers (e.g. Qwen3MoeTopKRouter) return
     (router_logits, routing_weights, expert_indices [tokens, top_k])."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: PreTrainedModel):
         config = model.config
         self.num_layers = config.num_hidden_layers
         self.top_k = getattr(config, "num_experts_per_tok", 0)
         self._local = threading.local()
-        self.layers = []
+        self.layers: list[int] = []
         for index, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
             gate = getattr(getattr(layer, "mlp", None), "gate", None)
             if self.top_k and isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):
@@ -133,8 +137,8 @@ class RouterCapture:
     def available(self) -> bool:
         return bool(self.layers)
 
-    def _hook(self, layer: int):
-        def record(_module, _args, output) -> None:
+    def _hook(self, layer: int) -> Callable[[torch.nn.Module, object, tuple], None]:
+        def record(_module: torch.nn.Module, _args: object, output: tuple) -> None:
             picks = getattr(self._local, "picks", None)
             if picks is not None:
                 picks.append((layer, output[2]))
@@ -145,7 +149,8 @@ class RouterCapture:
     def recording(self, positions: int) -> Iterator[list[torch.Tensor]]:
         """Record one forward over `positions` positions; the list receives their
         [positions, layers, top_k] int32 routing when the block ends."""
-        self._local.picks, result = [], []
+        result: list[torch.Tensor] = []
+        self._local.picks = []
         try:
             yield result
             routing = torch.zeros((positions, self.num_layers, self.top_k), dtype=torch.int32)
@@ -249,12 +254,14 @@ class CpuEngine:
         return output
 
     def _forward(
-        self, rid: str, feed: list[int], cache, record_routing: bool
+        self, rid: str, feed: list[int], cache: object, record_routing: bool
     ) -> tuple[torch.Tensor, object, str, list[torch.Tensor]]:
         """One decoding step under the weights' lock: the last position's logits, the KV cache,
         the weights' version, and the fed positions' routing when recorded. Aborted when the
         request was aborted while it waited for the lock."""
-        record = self.routers.recording(len(feed)) if record_routing else nullcontext([])
+        record: AbstractContextManager[list[torch.Tensor]] = (
+            self.routers.recording(len(feed)) if record_routing else nullcontext([])
+        )
         with self.weights.step() as version, record as routing:
             self._raise_if_aborted(rid)
             result = self.model(
@@ -349,7 +356,7 @@ class CpuEngine:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         with self._state:
-            targets = self._active - self._admitting if abort_all else {rid} & self._active
+            targets = self._active - self._admitting if abort_all else self._active & {rid}
             self._aborted |= targets
             self._state.notify_all()
             return len(targets)
@@ -395,13 +402,13 @@ def _fresh_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)))
 
 
-def _as_list(value) -> list[int]:
+def _as_list(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
+def _cache_argument(model: PreTrainedModel) -> str:
     """The name transformers gives the KV cache, in the forward's arguments and its output:
     "cache" in recent releases (the installed 5.25 warns that "past_key_values" will be removed
     in 5.40), "past_key_values" in older ones."""
@@ -409,7 +416,7 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _config_context_length(config) -> int:
+def _config_context_length(config: PreTrainedConfig) -> int:
     length = getattr(config, "max_position_embeddings", None)
     if not isinstance(length, int) or length < 2:
         raise ValueError(
@@ -418,7 +425,7 @@ def _config_context_length(config) -> int:
     return length
 
 
-def _optional_tokenizer(model_path: str | Path):
+def _optional_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer if the directory has one; None serves input_ids-only requests (like
     SGLang's --skip-tokenizer-init)."""
     path = Path(model_path)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from megatron_fr.engine.cpu_weights import WeightsFault
 from megatron_fr.engine.cpu_wire import BadRequest
 
 log = logging.getLogger("megatron_fr.cpu_server")
+T = TypeVar("T")
 
 READ_TIMEOUT_S = web.AppKey("read_timeout_s", float)
 """How long a request body may take to arrive (the app's setting)."""
@@ -91,7 +94,7 @@ def error_response(status: int, message: str) -> web.Response:
 
 
 @web.middleware
-async def errors_as_json(request: web.Request, handler):
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bad input -> 400 naming the field, a body over the limit -> 413, one too slow -> 408,
     an unknown path -> 404, half-loaded weights -> 503; always a JSON reason, and the server
     lives on."""
@@ -115,7 +118,7 @@ async def errors_as_json(request: web.Request, handler):
         return error_response(500, f"internal error: {type(error).__name__}: {error}")
 
 
-async def unless_disconnected(request: web.Request, work: asyncio.Future):
+async def unless_disconnected(request: web.Request, work: asyncio.Future[T]) -> T:
     """The result of `work`, or ClientGone as soon as the client has disconnected (aiohttp
     cancels the handler on disconnect only when the runner is built with handler_cancellation;
     polling the transport works either way)."""
@@ -125,8 +128,9 @@ async def unless_disconnected(request: web.Request, work: asyncio.Future):
             await asyncio.sleep(DISCONNECT_POLL_S)
 
     watcher = asyncio.ensure_future(disconnected())
+    racing: set[asyncio.Future[Any]] = {work, watcher}
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
     if work not in done:

@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from aiohttp import web
@@ -54,10 +56,11 @@ from megatron_fr.engine.cpu_wire import (
     version_field,
 )
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD
-from megatron_fr.engine.sglang_source import DistributedReceiver, SglangSourceMissing
+from megatron_fr.engine.sglang_source import DistributedReceiver, JoinArgs, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
+T = TypeVar("T")
 
 DEFAULT_MAX_REQUEST_MIB = 16
 """Largest request body accepted (a 131 072-token prompt of six-digit token ids is 0.92 MiB of
@@ -103,10 +106,10 @@ class CpuServer:
         self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _control(self, fn, *args):
+    async def _control(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn, *args)
 
     def app(self) -> web.Application:
@@ -163,12 +166,17 @@ class CpuServer:
                 "dtype": str(engine.dtype).removeprefix("torch."),
                 "context_length": engine.context_length,
                 "max_running_requests": self.max_concurrency,
-                "tp_size": 1, "pp_size": 1, "dp_size": 1, "attn_dp_size": 1, "ep_size": 1,
-                "nnodes": 1, "enable_dp_attention": False,
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
+                "attn_dp_size": 1,
+                "ep_size": 1,
+                "nnodes": 1,
+                "enable_dp_attention": False,
                 "enable_return_routed_experts": engine.return_routed_experts,
                 ENGINE_FIELD: CPU_ENGINE,
             }
-        )  # fmt: skip
+        )
 
     async def get_weight_version(self, _request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
@@ -237,12 +245,15 @@ class CpuServer:
         """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
         body = await json_object(request)
         name = field(body, "group_name", str, "weight_update_group")
-        args = (
-            field(body, "master_address", str), field(body, "master_port", int),
-            field(body, "rank_offset", int), field(body, "world_size", int), name,
+        args: JoinArgs = (
+            field(body, "master_address", str),
+            field(body, "master_port", int),
+            field(body, "rank_offset", int),
+            field(body, "world_size", int),
+            name,
             field(body, "backend", str, "gloo"),
-        )  # fmt: skip
-        joined = self.receiver.start_join(*args, timeout_s=self.join_timeout_s)
+        )
+        joined = self.receiver.start_join(args, timeout_s=self.join_timeout_s)
         try:
             rank = await asyncio.wait_for(asyncio.wrap_future(joined), self.join_timeout_s)
         except SglangSourceMissing as error:
@@ -412,14 +423,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     log.info(
         "serving %s on http://%s:%d (context length %d)",
-        args.model_path, args.host, args.port, engine.context_length,
-    )  # fmt: skip
+        args.model_path,
+        args.host,
+        args.port,
+        engine.context_length,
+    )
     server = CpuServer(
-        engine, args.max_concurrency, int(args.max_request_mib * 2**20), args.max_batch_prompts,
-        args.read_timeout_s, args.weight_group_timeout_s,
-    )  # fmt: skip
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None,
-                keepalive_timeout=args.read_timeout_s)  # fmt: skip
+        engine,
+        args.max_concurrency,
+        int(args.max_request_mib * 2**20),
+        args.max_batch_prompts,
+        args.read_timeout_s,
+        args.weight_group_timeout_s,
+    )
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        keepalive_timeout=args.read_timeout_s,
+    )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ import base64
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_fr.engine.cpu_engine import Output, Sampling, prompt_too_long
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Tensor dtypes a weight-update bucket may carry (torch attribute names, as SGLang sends)."""
@@ -101,7 +104,9 @@ class PromptLimits:
     """A text prompt longer than this cannot fit the context, whatever its tokenisation."""
 
     @classmethod
-    def of(cls, tokenizer, context_length: int, max_prompts: int) -> PromptLimits:
+    def of(
+        cls, tokenizer: PreTrainedTokenizerBase | None, context_length: int, max_prompts: int
+    ) -> PromptLimits:
         """The limits of a model: the longest entry of the tokenizer's vocabulary bounds the
         characters one token stands for (byte-level vocabularies write one character per
         byte), TEXT_MARGIN times over."""
@@ -275,7 +280,8 @@ def _prompts(body: dict, limits: PromptLimits) -> tuple[list[list[int] | str], b
         _check_count(len(texts), limits)
         for i, prompt in enumerate(texts):
             _check_text_length(prompt, limits, f"text[{i}]" if batched else "text")
-        return list(texts), batched
+        prompts: list[list[int] | str] = list(texts)
+        return prompts, batched
     if not isinstance(ids, list) or not ids:
         raise BadRequest("input_ids must be a non-empty list of token ids (or of such lists)")
     if not isinstance(ids[0], list):
@@ -356,7 +362,7 @@ def version_spans(output: Output) -> list[dict]:
     return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
 
 
-def generate_response(output: Output, rid: str, tokenizer) -> dict:
+def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBase | None) -> dict:
     """SGLang's /generate answer for one finished request."""
     if output.waiting_abort:
         return waiting_abort_response(output, rid)

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    _new_process_group_helper,
+    _world,
+)
 
 BACKENDS = ("gloo", "nccl")
 NCCL_CUMEM = "NCCL_CUMEM_ENABLE"
@@ -75,14 +80,25 @@ def create_weight_update_group(
         raise ValueError(f"weight-update backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=True, timeout=timeout,
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
         wait_for_workers=False,
-    )  # fmt: skip
+    )
     prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
     group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), prefixed, group_name=group_name,
-        backend_options=None, timeout=timeout, device_id=None,
-    )  # fmt: skip
+        world_size,
+        0,
+        [],
+        Backend(backend),
+        prefixed,
+        group_name=GroupName(group_name),
+        backend_options=None,
+        timeout=timeout,
+        device_id=None,
+    )
     # SGLang registers the group's ranks as identity so dist.* calls may name them directly.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return WeightUpdateGroup(group, store, 0, world_size, group_name)

@@ -130,6 +130,8 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+        if not cfg.dist_init_addr:  # the validator refused it already, unless model_construct()
+            raise ValueError(f"dist_init_addr is required for nnodes {cfg.nnodes}")
         cmd += ["--dist-init-addr", cfg.dist_init_addr]
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
@@ -158,10 +160,9 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
     if unsupported:
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
-    command = [
-        sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", cfg.model_path,
-        "--host", cfg.host, "--port", str(cfg.port), "--threads", str(cfg.cpu_threads),
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_fr.engine.cpu_server"]
+    command += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
+    command += ["--threads", str(cfg.cpu_threads)]
     if cfg.return_routed_experts:
         command.append("--enable-return-routed-experts")
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
@@ -254,8 +255,14 @@ class ServerProcess:
         self._stopped = False
 
     @classmethod
-    def start(cls, command: list[str], host: str, port: int, log_dir: Path,
-              env: dict[str, str] | None = None) -> ServerProcess:  # fmt: skip
+    def start(
+        cls,
+        command: list[str],
+        host: str,
+        port: int,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> ServerProcess:
         """Run `command` in its own process group, output appended to log_dir/server-<port>.log;
         `env`: its environment (default: this one without the launcher's rank variables)."""
         log_dir.mkdir(parents=True, exist_ok=True)

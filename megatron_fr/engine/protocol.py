@@ -124,12 +124,14 @@ def _optional_version(value: str | int | None) -> str | None:
     return None if value is None else _version_str(value, "weight_version")
 
 
-def _check_prompt(ids: object, name: str) -> None:
+def _check_prompt(ids: object, name: str) -> list[int]:
+    """`ids` itself, once it is a non-empty list of token ids (else a ValueError)."""
     if not isinstance(ids, list) or not ids:
         raise ValueError(f"{name} must be a non-empty list of token ids")
     for i, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"{name}[{i}] must be a non-negative int, got {token!r}")
+    return ids
 
 
 def generate_request(
@@ -149,12 +151,11 @@ def generate_request(
     must not exceed the prompt's length."""
     batched = bool(input_ids) and isinstance(input_ids[0], list)
     if batched:
-        for b, ids in enumerate(input_ids):
-            _check_prompt(ids, f"input_ids[{b}]")
+        prompts = [_check_prompt(ids, f"input_ids[{b}]") for b, ids in enumerate(input_ids)]
         if isinstance(rid, list) and len(rid) != len(input_ids):
             raise ValueError(f"rid has {len(rid)} ids for a batch of {len(input_ids)} prompts")
     else:
-        _check_prompt(input_ids, "input_ids")
+        prompts = [_check_prompt(input_ids, "input_ids")]
         if isinstance(rid, list):
             raise ValueError("rid must be a str for a single prompt, got a list")
     body: dict[str, object] = {
@@ -165,7 +166,7 @@ def generate_request(
         "return_routed_experts": routed_experts_start_len is not None,
     }
     if routed_experts_start_len is not None:
-        shortest = min(map(len, input_ids)) if batched else len(input_ids)
+        shortest = min(map(len, prompts))
         if not 0 <= routed_experts_start_len <= shortest:
             raise ValueError(
                 f"routed_experts_start_len {routed_experts_start_len} must be in [0, {shortest}] "

@@ -86,7 +86,9 @@ class RoutedExperts:
             and np.array_equal(self.experts, other.experts)
         )
 
-    __hash__ = None  # mutable array inside: not hashable, like the trajectory's lists
+    # A mutable array inside: not hashable, like the trajectory's lists. (Python's idiom for
+    # an unhashable class; mypy types object.__hash__ as never None, so it needs the ignore.)
+    __hash__ = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): the raw bytes in base64, little-endian."""

@@ -20,13 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all)")
     parser.add_argument(
-        "--engine", choices=("sglang", "cpu"), required=True,
+        "--engine",
+        choices=("sglang", "cpu"),
+        required=True,
         help="sglang (CUDA GPUs) or the project's CPU engine",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--enable-return-routed-experts", action="store_true",
+        "--enable-return-routed-experts",
+        action="store_true",
         help="requests may ask for their routed experts (MoE routing replay)",
-    )  # fmt: skip
+    )
     parser.add_argument("--tp", type=int, default=1, help="SGLang tensor-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="SGLang expert-parallel size")
     parser.add_argument("--mem-fraction-static", type=float, default=0.7)
@@ -42,16 +45,21 @@ def main(args: argparse.Namespace) -> int:
     extra = tuple(arg for arg in args.extra if arg != "--")
     try:
         config = ServerLaunchConfig(
-            model_path=args.model_path, host=args.host, port=args.port, engine=args.engine,
-            tp_size=args.tp, ep_size=args.ep, mem_fraction_static=args.mem_fraction_static,
-            cpu_threads=args.threads, extra_args=extra,
+            model_path=args.model_path,
+            host=args.host,
+            port=args.port,
+            engine=args.engine,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            mem_fraction_static=args.mem_fraction_static,
+            cpu_threads=args.threads,
+            extra_args=extra,
             return_routed_experts=args.enable_return_routed_experts,
-        )  # fmt: skip
+        )
         check_engine_device(config.engine, "--engine", "use --engine cpu")
         command = server_command(config, watch_parent=False)
     except ValueError as error:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)
         return 2
     print(" ".join(command), flush=True)
-    os.execv(command[0], command)
-    return 0  # not reached: exec replaced the process
+    os.execv(command[0], command)  # replaces this process: no return

@@ -124,6 +124,8 @@ def flattened_tensor_bucket() -> type:
         return imported
     path = sglang_root() / TENSOR_BUCKET
     spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", path)
+    if spec is None or spec.loader is None:
+        raise SglangSourceMissing(f"{path}: not a Python file (is sglang {SGLANG_VERSION}?)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FlattenedTensorBucket
@@ -134,11 +136,14 @@ def _receive_methods() -> tuple[Callable, Callable]:
     import torch
 
     namespace = {"torch": torch, "FlattenedTensorBucket": flattened_tensor_bucket()}
-    names = ("receive_weights_from_distributed", "_receive_bucketed_weights_from_distributed")
-    return tuple(
-        exec_function(function_source(WEIGHT_UPDATER, name, "WeightUpdater"), name, namespace)
-        for name in names
-    )
+
+    def method(name: str) -> Callable:
+        return exec_function(
+            function_source(WEIGHT_UPDATER, name, "WeightUpdater"), name, namespace
+        )
+
+    receive = method("receive_weights_from_distributed")
+    return receive, method("_receive_bucketed_weights_from_distributed")
 
 
 def module_constant(relative_path: str, name: str) -> Any:
@@ -169,14 +174,24 @@ def monkey_patch_torch_reductions() -> Callable[[], None]:
     import torch
     from torch.multiprocessing import reductions
 
-    namespace = {"torch": torch, "reductions": reductions, "_is_npu": False,
-                 "Callable": Callable, "Union": Union}  # fmt: skip
+    namespace: dict[str, Any] = {
+        "torch": torch,
+        "reductions": reductions,
+        "_is_npu": False,
+        "Callable": Callable,
+        "Union": Union,
+    }
     namespace["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] = module_constant(
         PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX"
     )
-    for name in ("_modify_tuple", "_device_to_uuid", "_device_from_maybe_uuid",
-                 "_reduce_tensor_modified", "_rebuild_cuda_tensor_modified",
-                 "monkey_patch_torch_reductions"):  # fmt: skip
+    for name in (
+        "_modify_tuple",
+        "_device_to_uuid",
+        "_device_from_maybe_uuid",
+        "_reduce_tensor_modified",
+        "_rebuild_cuda_tensor_modified",
+        "monkey_patch_torch_reductions",
+    ):
         exec_function(function_source(PATCH_TORCH, name), name, namespace)
     return namespace["monkey_patch_torch_reductions"]
 
@@ -196,6 +211,10 @@ def serialize() -> Callable[..., Any]:
     return exec_function(source, "serialize", namespace)
 
 
+JoinArgs = tuple[str, int, int, int, str, str]
+"""DistributedReceiver.join's arguments before timeout_s: master_address, master_port,
+rank_offset, world_size, group_name, backend."""
+
 MAX_PENDING_JOINS = 8
 """Joins that may wait for their masters at once (each holds a thread: start_join)."""
 
@@ -210,7 +229,7 @@ class DistributedReceiver:
         self._pending = 0
         self._lock = threading.Lock()
 
-    def start_join(self, *args: Any, timeout_s: float) -> Future:
+    def start_join(self, args: JoinArgs, timeout_s: float) -> Future:
         """join(*args, timeout_s) on a thread of its own; its future gives the rank. torch's
         store client waits forever on a master that accepts the connection and never answers,
         whatever its timeout, so the caller waits on the future (and cancels it) instead of on
@@ -224,13 +243,17 @@ class DistributedReceiver:
                 )
             self._pending += 1
         future: Future = Future()
-        threading.Thread(target=self._join_for, args=(future, args, timeout_s), daemon=True,
-                         name="weight-group-join").start()  # fmt: skip
+        threading.Thread(
+            target=self._join_for,
+            args=(future, args, timeout_s),
+            daemon=True,
+            name="weight-group-join",
+        ).start()
         return future
 
-    def _join_for(self, future: Future, args: tuple, timeout_s: float) -> None:
+    def _join_for(self, future: Future, args: JoinArgs, timeout_s: float) -> None:
         try:
-            rank = self.join(*args, timeout_s)
+            rank = self.join(*args, timeout_s=timeout_s)
         except BaseException as error:  # handed to the caller, whatever it is
             with contextlib.suppress(InvalidStateError):
                 future.set_exception(error)
@@ -243,8 +266,16 @@ class DistributedReceiver:
         except InvalidStateError:  # the caller gave up: leave the group it no longer expects
             self.destroy(args[4])
 
-    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-             group_name: str, backend: str, timeout_s: float | None = None) -> int:  # fmt: skip
+    def join(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float | None = None,
+    ) -> int:
         """As SGLang's WeightUpdater.init_weights_update_group: rank = offset + tp_rank.
         `timeout_s` bounds the rendezvous and the group's operations (None: torch's default,
         30 minutes, as SGLang)."""
@@ -255,21 +286,32 @@ class DistributedReceiver:
         rank = rank_offset + self.tp_rank
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.groups[group_name] = init_custom_process_group()(
-            backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-            world_size=world_size, rank=rank, group_name=group_name, timeout=timeout,
-        )  # fmt: skip
+            backend=backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            world_size=world_size,
+            rank=rank,
+            group_name=group_name,
+            timeout=timeout,
+        )
         return rank
 
-    def receive(self, names: list, dtypes: list, shapes: list, group_name: str,
-                load_format: str | None) -> list:  # fmt: skip
+    def receive(
+        self, names: list, dtypes: list, shapes: list, group_name: str, load_format: str | None
+    ) -> list:
         """(name, tensor) pairs broadcast by group rank 0, as SGLang receives them."""
         receive, receive_bucketed = _receive_methods()
         state = SimpleNamespace(_model_update_group=self.groups, device=self.device)
         state._receive_bucketed_weights_from_distributed = functools.partial(
             receive_bucketed, state
         )
-        return receive(state, names=names, dtypes=dtypes, shapes=shapes,
-                       group_name=group_name, load_format=load_format)  # fmt: skip
+        return receive(
+            state,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            load_format=load_format,
+        )
 
     def destroy(self, group_name: str) -> bool:
         import torch.distributed as dist

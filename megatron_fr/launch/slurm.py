@@ -181,10 +181,18 @@ def resolve_job(
     plan = _plan(config, options, world)
     python = options.python or ("python" if options.container_image else sys.executable)
     return SlurmJob(
-        recipe=recipe, run_dir=run_dir, overrides=tuple(overrides), options=options,
-        config=config, plan=plan, engine=engine, procs_per_node=procs, server_gpus=server_gpus,
-        servers_per_node=servers_per_node, python=python,
-    )  # fmt: skip
+        recipe=recipe,
+        run_dir=run_dir,
+        overrides=tuple(overrides),
+        options=options,
+        config=config,
+        plan=plan,
+        engine=engine,
+        procs_per_node=procs,
+        server_gpus=server_gpus,
+        servers_per_node=servers_per_node,
+        python=python,
+    )
 
 
 def _check_node_share(options: SlurmOptions, procs: int) -> None:
@@ -235,12 +243,15 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
     spec = model_spec(config, options)
     try:
         plan = plan_layout(
-            spec, config.parallel, world, micro_batch_tokens=config.learner.micro_batch_tokens,
+            spec,
+            config.parallel,
+            world,
+            micro_batch_tokens=config.learner.micro_batch_tokens,
             params_dtype=config.learner.params_dtype,
             gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
             reserve_gib=options.reserve_gb,
             entropies=config.learner.flash_reinforce.negative_token_fraction < 1,
-        )  # fmt: skip
+        )
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None
     recompute = config.learner.recompute
@@ -272,12 +283,15 @@ def sbatch_directives(job: SlurmJob) -> list[str]:
     if o.exclusive:
         flags += ["--exclusive", "--mem=0"]  # --exclusive alone leaves memory at the default
     else:
-        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_mib(o.mem_per_node_gb)}M"]
+        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_memory_mib(o)}M"]
     return flags + list(o.sbatch_args)
 
 
-def _mib(gib: float) -> int:
-    return int(gib * 1024)
+def _memory_mib(o: SlurmOptions) -> int:
+    """mem_per_node_gb in MiB: a job that shares its nodes has it (_check_node_share)."""
+    if o.mem_per_node_gb is None:
+        raise LaunchError("a job that shares its nodes needs --mem-per-node-gb")
+    return int(o.mem_per_node_gb * 1024)
 
 
 def container_flags(options: SlurmOptions) -> list[str]:
@@ -296,18 +310,27 @@ def settings(job: SlurmJob) -> dict[str, str | list[str]]:
     """The MFR_* variables slurm/job.sh reads (lists become bash arrays)."""
     o = job.options
     return dict(
-        MFR_REPO=str(REPO_ROOT), MFR_PYTHON=job.python, MFR_RECIPE=str(job.recipe),
-        MFR_RUN_DIR=str(job.run_dir), MFR_OVERRIDES=list(job.overrides),
+        MFR_REPO=str(REPO_ROOT),
+        MFR_PYTHON=job.python,
+        MFR_RECIPE=str(job.recipe),
+        MFR_RUN_DIR=str(job.run_dir),
+        MFR_OVERRIDES=list(job.overrides),
         MFR_HF_DIR=job.config.model.hf_dir,
-        MFR_ROLLOUT_NODES=str(o.rollout_nodes), MFR_LEARNER_NODES=str(o.learner_nodes),
-        MFR_PROCS_PER_NODE=str(job.procs_per_node), MFR_ENGINE=job.engine,
-        MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),
-        MFR_SERVER_THREADS=str(o.server_threads), MFR_SERVER_ARGS=list(o.server_args),
+        MFR_ROLLOUT_NODES=str(o.rollout_nodes),
+        MFR_LEARNER_NODES=str(o.learner_nodes),
+        MFR_PROCS_PER_NODE=str(job.procs_per_node),
+        MFR_ENGINE=job.engine,
+        MFR_SERVERS_PER_NODE=str(job.servers_per_node),
+        MFR_SERVER_GPUS=str(job.server_gpus),
+        MFR_SERVER_THREADS=str(o.server_threads),
+        MFR_SERVER_ARGS=list(o.server_args),
         MFR_ROUTED_EXPERTS=str(int(job.config.learner.routing_replay)),
-        MFR_PORT_BASE=str(o.port_base), MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
+        MFR_PORT_BASE=str(o.port_base),
+        MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
         MFR_CPUS_PER_NODE=str(o.cpus_per_node or ""),
-        MFR_CONTAINER=container_flags(o), MFR_ENV=[*NCCL_ENV, *o.env],
-    )  # fmt: skip
+        MFR_CONTAINER=container_flags(o),
+        MFR_ENV=[*NCCL_ENV, *o.env],
+    )
 
 
 def render_script(job: SlurmJob) -> str:
@@ -356,7 +379,7 @@ def summary(job: SlurmJob) -> str:
 def _share(o: SlurmOptions) -> str:
     if o.exclusive:
         return "whole nodes (exclusive)"
-    return f"{o.cpus_per_node} CPU(s) and {_mib(o.mem_per_node_gb)} MiB each"
+    return f"{o.cpus_per_node} CPU(s) and {_memory_mib(o)} MiB each"
 
 
 def _span(first: int, last: int) -> str:

@@ -35,8 +35,8 @@ def check_recipe(
     """The summary; CheckFailed on the first problem. render=False skips rendering every
     prompt with the chat template (the quick preflight `train` runs before starting)."""
     lines = [f"task        {config.task.name}"]
+    _rows(config, lines)  # the recipe alone decides it: before any file is read
     spec = _model(config, lines)
-    _rows(config, lines)
     _data(config, lines, render)
     _layout(config, spec, world_size, gpu_mem_gb, lines)
     b = config.buffer

@@ -109,7 +109,7 @@ class HFCheckpointReader:
     def __enter__(self) -> HFCheckpointReader:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:

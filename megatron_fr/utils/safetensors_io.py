@@ -23,6 +23,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,7 +105,8 @@ def _parse_json_header(path: Path) -> tuple[dict, int, int]:
     return header, 8 + length, size - 8 - length
 
 
-def _entry(path: Path, name: str, info: object, data_start: int) -> TensorEntry:
+def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
+    """One header entry (JSON of any shape: a malformed one is refused, naming it)."""
     try:
         dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         shape = tuple(int(d) for d in shape)
@@ -147,7 +149,7 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory (no copy)."""
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    return tensor.view(-1).view(torch.uint8).numpy().data
 
 
 class TensorFile:

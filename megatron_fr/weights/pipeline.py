@@ -72,7 +72,7 @@ class BucketSender:
     def __enter__(self) -> BucketSender:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         """Join the thread, also when the caller raised (the bucket in flight ends first)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -33,6 +33,12 @@ class Engine:
     def resolved(self) -> bool:
         return self.tp_size is not None and self.kind is not None
 
+    def known_tp_size(self) -> int:
+        """tp_size, which a resolved engine has; an unresolved one is refused."""
+        if self.tp_size is None:
+            raise ValueError(f"{self.url}: tp_size unknown (resolve the engine first)")
+        return self.tp_size
+
 
 def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
     """Fill in what the server reports on GET /server_info (engine/server_info.py: SGLang and
@@ -46,8 +52,13 @@ def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
             f"{engine.url}: configured with tp_size {engine.tp_size}, the server reports "
             f"tp_size {info.tp_size}"
         )
-    return replace(engine, tp_size=info.tp_size, kind=info.kind, pp_size=info.pp_size,
-                   dp_replicas=info.dp_replicas)  # fmt: skip
+    return replace(
+        engine,
+        tp_size=info.tp_size,
+        kind=info.kind,
+        pp_size=info.pp_size,
+        dp_replicas=info.dp_replicas,
+    )
 
 
 class WeightTransport(ABC):

@@ -60,7 +60,8 @@ class DiskTransport(WeightTransport):
         self._written = 0
 
     def commit(self, version: str) -> None:
-        weight_map, total = {}, 0
+        weight_map: dict[str, str] = {}  # HF tensor name -> the file holding it
+        total = 0
         for file in sorted(self.directory.glob(STAGE_FILES)):
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118  (safe_open has no __iter__)

@@ -78,11 +78,10 @@ class TensorTransport(WeightTransport):
                 )
 
     def request_body(self, bucket: Bucket, engine: Engine) -> dict[str, object]:
-        if not engine.tp_size:
-            raise ValueError(f"{engine.url}: tp_size unknown (resolve the engine first)")
+        tp_size = engine.known_tp_size()
         if self._serialize is None:
             self._serialize = sglang_serializer()
-        payloads = [self._serialize(bucket) for _ in range(engine.tp_size)]
+        payloads = [self._serialize(bucket) for _ in range(tp_size)]
         return protocol.update_weights_from_tensor_request(payloads, flush_cache=False)
 
     def send(self, bucket: Bucket) -> None:
