@@ -5,7 +5,7 @@ their entropies), a context-parallel slice of each row, rows that may pack sever
 trajectories. Every token carries the global id of its trajectory (segment_ids, -1 for
 padding), so per-trajectory sums need no offsets bookkeeping after packing or CP slicing.
 
-Order of operations (docs/algorithm.md, "Why the layout does not change the result"):
+Order of operations (docs/algorithm.md, section 5):
   1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group,
      before the loss (the model's output, models/token_scores.py, or vocab_parallel.py's
      functions on logits);
