@@ -33,7 +33,8 @@ also divide by TP under sequence parallelism, which splits the sequence again.
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
 parallel loss sums by, so packing and splitting need no other bookkeeping. With routing
 replay, each micro-batch also carries the routed experts of its input positions, packed and
-split exactly like the tokens (learner/routing_replay.py).
+split exactly like the tokens (learner/routing_replay.py); with the top-K gate, the engine's
+top-K ids and log-probs of each target (zeros off policy tokens), likewise.
 """
 
 from __future__ import annotations
@@ -261,14 +262,29 @@ def micro_batches_for_rank(
     cp_rank: int = 0,
     pad_id: int = 0,
     routing: bool = False,
+    top_logprobs: int = 0,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens.
     routing: carry the trajectories' routed experts (every trajectory has them:
-    routing_replay.check_routed_batch)."""
+    routing_replay.check_routed_batch); top_logprobs = K: carry their top-K log-probs, which every
+    trajectory must have, with this K (the top-K gate's)."""
     for trajectory in batch:
         validate_trajectory(trajectory)
-    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing)
+        if top_logprobs:
+            _check_top_k(trajectory, top_logprobs)
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing, top_logprobs)
             for rows in plan.assignment[dp_rank]]  # fmt: skip
+
+
+def _check_top_k(trajectory: Trajectory, k: int) -> None:
+    top = trajectory.top_logprobs
+    if top is None or top.k != k:
+        got = "none" if top is None else f"K = {top.k}"
+        raise ValueError(
+            f"learner.flash_reinforce.gate_kl topk with gate_top_k {k} needs every trajectory's "
+            f"top-{k} log-probs; {trajectory.prompt_id} carries {got} (the rollout client asks "
+            "the engines for them: RolloutClientConfig.top_logprobs)"
+        )
 
 
 def _micro_batch(
@@ -278,8 +294,9 @@ def _micro_batch(
     cp_rank: int,
     pad_id: int,
     routing: bool,
+    top_logprobs: int,
 ) -> MicroBatch:
-    built = [_row(batch, plan, indices, pad_id, routing) for indices in rows]
+    built = [_row(batch, plan, indices, pad_id, routing, top_logprobs) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
     local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
     fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
@@ -289,6 +306,8 @@ def _micro_batch(
         action_mask=fields["mask"],
         segment_ids=fields["segments"],
         positions=fields["positions"],
+        topk_ids=fields.get("topk_ids"),
+        topk_log_probs=fields.get("topk_log_probs"),
     )
     packed = {}
     if plan.packed:
@@ -299,7 +318,12 @@ def _micro_batch(
 
 
 def _row(
-    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int, routing: bool
+    batch: list[Trajectory],
+    plan: MicroBatchPlan,
+    indices: list[int],
+    pad_id: int,
+    routing: bool,
+    top_logprobs: int,
 ) -> tuple[dict[str, Tensor], list[int]]:
     """One row before the CP split, and its span boundaries. Position t of the model's input
     predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
@@ -318,6 +342,9 @@ def _row(
         _, layers, top_k = record.experts.shape
         filler = padding_routing((1, width), top_k, record.num_experts)[0]
         row["routing"] = filler.repeat(1, layers, 1)
+    if top_logprobs:
+        row["topk_ids"] = torch.zeros((width, top_logprobs), dtype=torch.long)
+        row["topk_log_probs"] = torch.zeros((width, top_logprobs), dtype=torch.float32)
     boundaries, start = [0], 0
     for index in indices:
         t = batch[index]
@@ -332,6 +359,9 @@ def _row(
         if routing:  # the engine's experts of each input position (n of them: validated)
             experts = torch.from_numpy(t.routed_experts.experts)
             row["routing"][span] = experts.to(row["routing"].dtype)
+        if top_logprobs:  # one record per policy token, in order: the targets under the mask
+            row["topk_ids"][span][mask] = torch.from_numpy(t.top_logprobs.ids).long()
+            row["topk_log_probs"][span][mask] = torch.from_numpy(t.top_logprobs.log_probs)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
         row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
         boundaries.append(start)
