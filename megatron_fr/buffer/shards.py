@@ -9,8 +9,10 @@ learner receives each step, instead of the whole batch on every rank.
 On the wire a shard is a header (11 int64: counts, routing layout, dtype codes) followed by its
 tensors: batch indices [n] and token offsets [n + 1] (int64), token ids [N] (int32), action
 mask [N] (bool), behaviour log-probs [N] (float32) and, with routing replay, the routed experts
-[N - n, layers, top_k] (uint8 or int16) of the layers the receiver's pipeline stage holds:
-13 bytes a token plus layers x top_k bytes of routing (384 for Qwen3-30B-A3B, 48 x top-8). The
+[N - n, layers, top_k] (uint8 or int16) of the layers the receiver's pipeline stage holds and,
+for the top-K gate, the engine's top-K ids (int32) and log-probs (float32) [policy tokens, K]:
+13 bytes a token plus layers x top_k bytes of routing (384 for Qwen3-30B-A3B, 48 x top-8) plus
+K x 8 bytes a policy token with the top-K gate. The
 receiver allocates exactly what the header announces, so no pickling and no Python object per
 token is involved. The senders and receivers must agree on the groups; the header also checks
 the message format version.
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 
 FORMAT = 1
 _ROUTING_DTYPES = {0: None, 1: torch.uint8, 2: torch.int16}
@@ -42,6 +45,7 @@ class TokenRowView:
     action_mask: np.ndarray
     behavior_log_probs: np.ndarray
     routed_experts: RoutedExperts | None
+    top_logprobs: TopLogProbs | None
 
     @property
     def length(self) -> int:
@@ -60,6 +64,10 @@ class TrajectoryShard:
     routing: Tensor | None = None
     """[N - n, layers, top_k]: trajectory i's positions (its length - 1) in its order."""
     num_experts: int = 0
+    topk_ids: Tensor | None = None
+    """int32 [policy tokens, K]: the engine's top-K ids of every policy token, in order."""
+    topk_log_probs: Tensor | None = None
+    """float32 [policy tokens, K]: their log-probs."""
 
     @property
     def nbytes(self) -> int:
@@ -68,29 +76,38 @@ class TrajectoryShard:
 
     def rows(self) -> dict[int, TokenRowView]:
         """Each trajectory's fields as views into the shard, by batch index."""
-        out, position = {}, 0
+        out, position, policy = {}, 0, 0
         offsets = self.offsets.tolist()
         for k, index in enumerate(self.indices.tolist()):
             start, end = offsets[k], offsets[k + 1]
-            routed = None
+            mask = self.action_mask[start:end].numpy()
+            routed, top = None, None
             if self.routing is not None:
                 experts = self.routing[position : position + end - start - 1].numpy()
                 routed = RoutedExperts(experts, self.num_experts)
                 position += end - start - 1
+            if self.topk_ids is not None and self.topk_log_probs is not None:
+                span = slice(policy, policy + int(mask.sum()))
+                top = TopLogProbs(self.topk_ids[span].numpy(), self.topk_log_probs[span].numpy())
+                policy = span.stop
             out[index] = TokenRowView(
                 self.token_ids[start:end].numpy(),
-                self.action_mask[start:end].numpy(),
+                mask,
                 self.behavior_log_probs[start:end].numpy(),
                 routed,
+                top,
             )
         return out
 
 
 def pack_shard(
-    batch: Sequence[Trajectory], indices: Sequence[int], routing_layers: slice | None = None
+    batch: Sequence[Trajectory],
+    indices: Sequence[int],
+    routing_layers: slice | None = None,
 ) -> TrajectoryShard:
     """The trajectories `indices` of `batch`; with routing_layers, their routed experts of
-    those layers (a pipeline stage's)."""
+    those layers (a pipeline stage's); their engine top-K records when all of them have one
+    (the top-K gate's; the learner checks each trajectory has one, of its K)."""
     chosen = [batch[i] for i in indices]
     lengths = [t.length for t in chosen]
     routing, num_experts = None, 0
@@ -99,6 +116,11 @@ def pack_shard(
             np.concatenate([t.routed_experts.experts[:, routing_layers] for t in chosen])
         )
         num_experts = chosen[0].routed_experts.num_experts
+    tops = [t.top_logprobs for t in chosen if t.top_logprobs is not None]
+    topk_ids = topk_log_probs = None
+    if tops and len(tops) == len(chosen):
+        topk_ids = torch.from_numpy(np.concatenate([top.ids for top in tops]))
+        topk_log_probs = torch.from_numpy(np.concatenate([top.log_probs for top in tops]))
     return TrajectoryShard(
         indices=torch.tensor(list(indices), dtype=torch.int64),
         offsets=torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64),
@@ -107,6 +129,8 @@ def pack_shard(
         behavior_log_probs=torch.from_numpy(np.concatenate([t.behavior_log_probs for t in chosen])),
         routing=routing,
         num_experts=num_experts,
+        topk_ids=topk_ids,
+        topk_log_probs=topk_log_probs,
     )
 
 
@@ -116,19 +140,25 @@ def _header(shard: TrajectoryShard) -> Tensor:
     layers, top_k = (0, 0) if routing is None else tuple(routing.shape[1:])
     return torch.tensor(
         [FORMAT, shard.indices.numel(), shard.token_ids.numel(), code, layers, top_k,
-         shard.num_experts, 0 if routing is None else routing.shape[0], 0, 0, 0],
+         shard.num_experts, 0 if routing is None else routing.shape[0], *_topk_shape(shard), 0],
         dtype=torch.int64,
     )  # fmt: skip
 
 
+def _topk_shape(shard: TrajectoryShard) -> tuple[int, int]:
+    """(policy tokens, K) of the shard's top-K records; (0, 0) without them."""
+    return (0, 0) if shard.topk_ids is None else tuple(shard.topk_ids.shape)
+
+
 def _tensors(shard: TrajectoryShard) -> list[Tensor]:
-    parts = [shard.indices, shard.offsets, shard.token_ids, shard.action_mask,
-             shard.behavior_log_probs]  # fmt: skip
-    return parts + ([shard.routing] if shard.routing is not None else [])
+    optional = [shard.routing, shard.topk_ids, shard.topk_log_probs]
+    parts = [shard.indices, shard.offsets, shard.token_ids, shard.action_mask]
+    return parts + [shard.behavior_log_probs] + [t for t in optional if t is not None]
 
 
 def _empty_like_header(header: Tensor) -> TrajectoryShard:
-    version, n, tokens, code, layers, top_k, num_experts, positions = header[:8].tolist()
+    fields = header[:10].tolist()
+    version, n, tokens, code, layers, top_k, num_experts, positions, policy, k = fields
     if version != FORMAT:
         raise RuntimeError(f"trajectory shard format {version}, expected {FORMAT}")
     dtype = _ROUTING_DTYPES[code]
@@ -140,6 +170,8 @@ def _empty_like_header(header: Tensor) -> TrajectoryShard:
         behavior_log_probs=torch.empty(tokens, dtype=torch.float32),
         routing=None if dtype is None else torch.empty((positions, layers, top_k), dtype=dtype),
         num_experts=num_experts,
+        topk_ids=torch.empty((policy, k), dtype=torch.int32) if k else None,
+        topk_log_probs=torch.empty((policy, k), dtype=torch.float32) if k else None,
     )
 
 

@@ -9,7 +9,8 @@ Validation runs where trajectories enter the buffer, so a bad rollout is counted
 with the field at fault instead of surfacing later as a NaN or a shape error in the loss.
 That includes the MoE routing a trajectory may carry for routing replay (engine/routing.py):
 one record per position the learner feeds, every id a valid expert, no expert twice in a
-token's top-k.
+token's top-k; and the engine's top-K log-probs it may carry for the top-K gate
+(engine/top_logprobs.py): one row per policy token, distinct ids, log-probs of a distribution.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megatron_fr.config.algo import MAX_GATE_TOP_K
 from megatron_fr.engine.routing import STORAGE_DTYPES, RoutedExperts
-from megatron_fr.utils.arrays import decode_array, encode_array
+from megatron_fr.engine.top_logprobs import ID_DTYPE, LOG_PROB_DTYPE, TopLogProbs
+from megatron_fr.utils.array_json import array_from_json, array_to_json
 
 NON_POLICY_VERSION = -1
 """token_versions entry of a token the policy did not generate (prompt, observation)."""
+TOP_K_MASS_TOLERANCE = 1e-3
+"""How far above 1 the probabilities of a token's top-K may sum (float32 rounding) before the
+record is refused as not coming from one distribution."""
 
 
 class InvalidTrajectory(ValueError):
@@ -99,6 +105,10 @@ class Trajectory:
     routed_experts: RoutedExperts | None = None
     """The experts the engine routed positions 0 .. length - 2 to, for MoE routing replay
     (learner.routing_replay); None when the engines were not asked for them."""
+    top_logprobs: TopLogProbs | None = None
+    """The engine's top-K ids and log-probs of every policy token's sampling distribution, one
+    row per policy token in order, for the top-K gate (learner.flash_reinforce.gate_kl = topk);
+    None when the engines were not asked for them."""
 
     def __post_init__(self) -> None:
         for name in PER_TOKEN:
@@ -112,9 +122,8 @@ class Trajectory:
             and np.array_equal(getattr(self, name), getattr(other, name))
             for name in PER_TOKEN
         )
-        return same_arrays and (self.prompt_id, self.reward, self.info, self.routed_experts) == (
-            other.prompt_id, other.reward, other.info, other.routed_experts
-        )  # fmt: skip
+        scalars = ("prompt_id", "reward", "info", "routed_experts", "top_logprobs")
+        return same_arrays and all(getattr(self, n) == getattr(other, n) for n in scalars)
 
     __hash__ = None  # arrays inside: not hashable
 
@@ -143,10 +152,12 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): each per-token array as its raw bytes."""
-        data: dict[str, Any] = {name: encode_array(getattr(self, name)) for name in PER_TOKEN}
+        data: dict[str, Any] = {name: array_to_json(getattr(self, name)) for name in PER_TOKEN}
         data |= {"prompt_id": self.prompt_id, "reward": self.reward, "info": self.info}
         if self.routed_experts is not None:
             data["routed_experts"] = self.routed_experts.to_dict()
+        if self.top_logprobs is not None:
+            data["top_logprobs"] = self.top_logprobs.to_dict()
         return data
 
     @classmethod
@@ -155,9 +166,11 @@ class Trajectory:
         fields = dict(data)
         for name in PER_TOKEN:
             if isinstance(fields[name], dict):
-                fields[name] = decode_array(fields[name])
+                fields[name] = array_from_json(fields[name])
         if fields.get("routed_experts") is not None:
             fields["routed_experts"] = RoutedExperts.from_dict(fields["routed_experts"])
+        if fields.get("top_logprobs") is not None:
+            fields["top_logprobs"] = TopLogProbs.from_dict(fields["top_logprobs"])
         return cls(**fields)
 
 
@@ -292,6 +305,52 @@ def _check_routing(t: Trajectory) -> None:
         )
 
 
+def _check_top_logprobs(t: Trajectory) -> None:
+    """The top-K record, when present: [policy tokens, K] int32 ids and float32 log-probs, K in
+    [1, MAX_GATE_TOP_K], ids >= 0 and distinct within a token, log-probs finite and <= 0, and
+    a token's K probabilities summing to at most 1 (they are of one distribution)."""
+    top = t.top_logprobs
+    if top is None:
+        return
+    arrays = (getattr(top, "ids", None), getattr(top, "log_probs", None))
+    if not isinstance(top, TopLogProbs) or not all(isinstance(a, np.ndarray) for a in arrays):
+        raise InvalidTrajectory("top_logprobs", "is not a TopLogProbs of arrays", repr(top))
+    ids, log_probs = arrays
+    if ids.dtype != ID_DTYPE or log_probs.dtype != LOG_PROB_DTYPE:
+        raise InvalidTrajectory("top_logprobs", "dtypes are not int32 ids and float32 log-probs",
+                                f"{ids.dtype}, {log_probs.dtype}")  # fmt: skip
+    if ids.ndim != 2 or ids.shape != log_probs.shape or not 1 <= ids.shape[1] <= MAX_GATE_TOP_K:
+        raise InvalidTrajectory(
+            "top_logprobs", f"is not [policy tokens, K] with K in [1, {MAX_GATE_TOP_K}]",
+            f"ids {ids.shape}, log_probs {log_probs.shape}",
+        )  # fmt: skip
+    if ids.shape[0] != t.num_policy_tokens:
+        detail = f"{ids.shape[0]} rows, {t.num_policy_tokens} policy tokens"
+        raise InvalidTrajectory("top_logprobs", "rows differ from the policy tokens", detail)
+    _check_top_values(ids, log_probs)
+
+
+def _check_top_values(ids: np.ndarray, log_probs: np.ndarray) -> None:
+    for bad, problem in (
+        (ids < 0, "holds a negative id"),
+        (~np.isfinite(log_probs) | (log_probs > 0), "log-prob not finite or positive"),
+    ):
+        if bad.any():
+            index = np.argwhere(bad)[0].tolist()
+            raise InvalidTrajectory("top_logprobs", problem, f"[policy token, k] {index}")
+    ordered = np.sort(ids, axis=1)
+    repeated = np.argwhere((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if repeated.size:
+        raise InvalidTrajectory("top_logprobs", "repeats a token within a top-K",
+                                f"policy token {int(repeated[0][0])}")  # fmt: skip
+    mass = np.exp(log_probs.astype(np.float64)).sum(axis=1)
+    over = np.argwhere(mass > 1 + TOP_K_MASS_TOLERANCE)
+    if over.size:
+        row = int(over[0][0])
+        raise InvalidTrajectory("top_logprobs", "probabilities of a top-K sum above 1",
+                                f"policy token {row}: {mass[row]:.6g}")  # fmt: skip
+
+
 def validate_trajectory(t: Trajectory) -> Trajectory:
     """Return `t` unchanged if the learner can train on it; raise InvalidTrajectory otherwise."""
     _check_episode(t)
@@ -299,6 +358,7 @@ def validate_trajectory(t: Trajectory) -> Trajectory:
     _check_tokens(t)
     _check_policy_values(t)
     _check_routing(t)
+    _check_top_logprobs(t)
     return t
 
 

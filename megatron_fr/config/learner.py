@@ -81,6 +81,14 @@ class LearnerConfig(BaseModel):
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
     adam_eps: float = Field(default=1e-8, gt=0)
 
+    @property
+    def top_logprobs(self) -> int:
+        """The top-K log-probs every policy token of a trajectory must carry for this learner's
+        loss: the topk gate's K (flash_reinforce.gate_top_k), else 0 (none asked for)."""
+        gate = self.flash_reinforce
+        topk = self.policy_loss == "flash_reinforce" and gate.gate_kl == "topk"
+        return gate.gate_top_k if topk else 0
+
     @model_validator(mode="before")
     @classmethod
     def _pair_estimator_and_loss(cls, data: Any) -> Any:

@@ -20,6 +20,10 @@ experts (TokenizerManager._handle_abort_req attaches none): it reported nothing,
 continued like any abort. A server that sends none for a segment that did generate ends the
 run (RoutedExpertsUnavailable): it is misconfigured, and a retry would not help.
 
+Top-K log-probs (config.top_logprobs = K, for the top-K gate): every segment asks for them
+(SGLang's top_logprobs_num) and the Rollout carries one row per output token, the segments'
+rows in order, so a continued rollout's rows are those of the engines that sampled each token.
+
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
 Use: `async with RolloutClient(RolloutClientConfig(urls=[...])) as c: await c.generate(ids, sp)`
@@ -47,6 +51,7 @@ from pydantic import (
     field_validator,
 )
 
+from megatron_fr.config.algo import MAX_GATE_TOP_K
 from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
@@ -60,6 +65,7 @@ from megatron_fr.engine.protocol import (
     parse_generate_response,
 )
 from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 
 
 class RolloutClientConfig(BaseModel):
@@ -85,6 +91,9 @@ class RolloutClientConfig(BaseModel):
     """Ask the servers for the routed experts of every position (MoE routing replay in the
     learner), checked against this layout of the model; None: not asked. SGLang sends them
     only when launched with --enable-return-routed-experts."""
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_GATE_TOP_K)
+    """K: ask for the K most likely tokens, with their log-probs, of every generated token's
+    distribution (the top-K gate's input; SGLang's top_logprobs_num); 0: not asked."""
 
     @field_validator("urls")
     @classmethod
@@ -120,6 +129,9 @@ class Rollout:
     attempts: int
     """POST /generate sent for this rollout, over all segments and retries."""
     continuations: int
+    top_logprobs: TopLogProbs | None = None
+    """The top-K ids and log-probs of each output token's distribution, one row per output
+    token; None unless the config asks for them."""
 
 
 @dataclass
@@ -230,6 +242,7 @@ class RolloutClient:
         logprobs: list[float] = []
         versions: list[str] = []
         routed: list[RoutedExperts] = []
+        tops: list[TopLogProbs] = []
         attempts = continuations = 0
         while True:
             budget = sampling.max_new_tokens - len(output_ids)
@@ -243,6 +256,8 @@ class RolloutClient:
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
+            if out.top_logprobs is not None:
+                tops.append(out.top_logprobs)
             if (layout := self.config.routed_experts) is not None:
                 routed.append(self._segment_routing(out, layout, len(fed), start, server))
             finish = self._overall_finish(out.finish_reason, output_ids, sampling)
@@ -261,6 +276,7 @@ class RolloutClient:
             server=server,
             attempts=attempts,
             continuations=continuations,
+            top_logprobs=TopLogProbs.concatenate(tops) if tops else None,
         )
 
     @staticmethod
@@ -328,6 +344,7 @@ class RolloutClient:
                 sampling,
                 rid=f"{rid}.{attempt}",
                 routed_experts_start_len=routing_start if self.config.routed_experts else None,
+                top_logprobs_num=self.config.top_logprobs,
             )
             try:
                 out = await self._post_generate(server, body)
@@ -370,7 +387,8 @@ class RolloutClient:
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
-            return parse_generate_response(await self._post_json(server.url, body))
+            answer = await self._post_json(server.url, body)
+            return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
             raise exc.from_server(server.url) from exc

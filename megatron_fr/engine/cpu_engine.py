@@ -28,6 +28,10 @@ the pause mode and however an update races with the request. What else the engin
   [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k] int32 like
   SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A retracted
   request re-encodes its prefix, so its record restarts with the new routing.
+- Top-K log-probs (SGLang's top_logprobs_num = K): for every output token, the K most likely
+  tokens of the distribution it was drawn from and their log-probs, in descending order, -inf
+  clamped to the float's smallest value as SGLang's logprob processor does (SGLang takes them
+  before top-p/top-k truncation; training refuses truncated sampling, where the two agree).
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Output:
     None when not asked, not enabled, or aborted while waiting."""
     waiting_abort: bool = False
     """Aborted before its first step: SGLang's waiting-queue abort (module doc)."""
+    top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    """(log-probs, ids) of each output token's top K (module doc); None when not asked."""
     e2e_latency: float = 0.0
     """Seconds from arrival to the answer (SGLang's meta_info.e2e_latency)."""
 
@@ -204,12 +210,15 @@ class CpuEngine:
         sampling: Sampling,
         rid: str,
         routed_experts_start: int | None = None,
+        top_logprobs: int = 0,
     ) -> Output:
         """Decode one request to a stop token, its token budget, or an abort; with
-        routed_experts_start, report the routed experts from that position on (module doc)."""
+        routed_experts_start, report the routed experts from that position on, with
+        top_logprobs = K, every token's top K (module doc)."""
         arrived = time.monotonic()
         budget = self._token_budget(input_ids, sampling)
         self._check_routing_request(input_ids, routed_experts_start)
+        self._check_top_logprobs(top_logprobs)
         asked = routed_experts_start is not None and self.return_routed_experts
         generator = torch.Generator()
         seed = sampling.sampling_seed
@@ -218,6 +227,7 @@ class CpuEngine:
         logprobs: list[float] = []
         versions: list[str] = []
         routed: list[torch.Tensor] = []
+        tops: list[tuple[list[float], list[int]]] = []
         finish: dict = {"type": "length", "length": budget}
         self._enter(rid)
         try:
@@ -234,6 +244,8 @@ class CpuEngine:
                 token = _pick(log_probs, sampling, generator)
                 ids.append(token)
                 logprobs.append(log_probs[token].item())
+                if top_logprobs:
+                    tops.append(_top(log_probs, top_logprobs))
                 feed = [token]
                 if token in sampling.stop_token_ids or (
                     token in self._eos and not sampling.ignore_eos
@@ -248,6 +260,7 @@ class CpuEngine:
         output = Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
         output.waiting_abort = finish["type"] == "abort" and not versions
         output.e2e_latency = time.monotonic() - arrived
+        output.top_logprobs = tops if top_logprobs else None
         if asked and not output.waiting_abort:
             fed = torch.cat(routed) if routed else self._no_routing()
             output.routed_experts = fed[routed_experts_start:]
@@ -281,6 +294,12 @@ class CpuEngine:
                 f"routed_experts_start_len={start} must be in [0, {len(input_ids)}] (the number "
                 "of input tokens)"
             )
+
+    def _check_top_logprobs(self, count: int) -> None:
+        """K in [0, the vocabulary] (SGLang's torch.topk fails beyond it)."""
+        vocab = self.model.config.vocab_size
+        if not 0 <= count <= vocab:
+            raise RequestError(f"top_logprobs_num={count} must be in [0, {vocab}] (the vocabulary)")
 
     def _no_routing(self) -> torch.Tensor:
         return torch.zeros((0, self.routers.num_layers, self.routers.top_k), dtype=torch.int32)
@@ -396,6 +415,12 @@ def _pick(log_probs: torch.Tensor, sampling: Sampling, generator: torch.Generato
     if sampling.temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(log_probs))
     return int(torch.multinomial(log_probs.exp(), 1, generator=generator))
+
+
+def _top(log_probs: torch.Tensor, count: int) -> tuple[list[float], list[int]]:
+    """The `count` largest log-probs, descending, and their ids; -inf clamped as SGLang does."""
+    values, ids = torch.topk(log_probs.clamp_min(torch.finfo(log_probs.dtype).min), count)
+    return values.tolist(), ids.tolist()
 
 
 def _fresh_seed() -> int:

@@ -80,7 +80,7 @@ class CpuServer:
     What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
     dtype, context_length, return_routed_experts, weight_version, active_requests,
     running_requests,
-    generate(input_ids, sampling, rid, routed_experts_start=None) -> Output,
+    generate(input_ids, sampling, rid, routed_experts_start=None, top_logprobs=0) -> Output,
     abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
     weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
 
@@ -211,9 +211,9 @@ class CpuServer:
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
             prompt = self.engine.tokenizer.encode(prompt)
-        return self.engine.generate(
-            prompt, job.sampling, job.rid, routed_experts_start=job.routed_experts_start
-        )
+        return self.engine.generate(prompt, job.sampling, job.rid,
+                                    routed_experts_start=job.routed_experts_start,
+                                    top_logprobs=job.top_logprobs_num)  # fmt: skip
 
     # --- control ------------------------------------------------------------------------
 

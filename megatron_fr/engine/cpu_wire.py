@@ -12,6 +12,12 @@ them: meta_info.routed_experts = base64 of the C-order int32 array [positions, l
 (srt/managers/detokenizer_manager.py: _b64_encode_per_request), one flag and start for every
 prompt of a batch (GenerateReqInput.__getitem__ copies them to each item).
 
+Top-K log-probs (top_logprobs_num = K > 0, at most TOP_LOGPROBS_LIMIT) are answered as SGLang's
+tokenizer manager writes them without return_flat_raw_output_top_logprobs
+(add_logprob_to_meta_info): meta_info.output_top_logprobs = per output token, K entries
+[logprob, token_id, null], and meta_info.input_top_logprobs = [] (logprob_start_len -1 asks
+for no prompt position).
+
 The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
 add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
 tiling the output tokens, and meta_info.weight_version = the last span's version. A request
@@ -44,6 +50,10 @@ TEXT_MARGIN = 4
 tokenising (a normaliser may merge characters, hence the margin)."""
 SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 """SGLang's SamplingParams.verify bounds."""
+TOP_LOGPROBS_LIMIT = 128
+"""The most top log-probs per token one request may ask for: what SGLang's disaggregated
+serving carries per token (srt/disaggregation/utils.py: max_top_logprobs_num = 128), and what
+bounds the answer's size (K entries per output token)."""
 
 GENERATE_FIELDS = (
     "text",
@@ -52,6 +62,7 @@ GENERATE_FIELDS = (
     "rid",
     "return_routed_experts",
     "routed_experts_start_len",
+    "top_logprobs_num",
 )
 """/generate fields the engine implements."""
 GENERATE_IGNORED = {
@@ -63,7 +74,6 @@ GENERATE_IGNORED = {
 """/generate fields of any value of this type that change nothing the engine returns."""
 GENERATE_DEFAULT_ONLY = {
     "logprob_start_len": -1,
-    "top_logprobs_num": 0,
     "stream": False,
     "return_hidden_states": False,
 }
@@ -123,6 +133,8 @@ class GenerateJob:
     rid: str
     routed_experts_start: int | None = None
     """The first position whose routed experts the answer carries; None: not asked."""
+    top_logprobs_num: int = 0
+    """K: the answer carries every output token's top K log-probs; 0: not asked."""
 
 
 def is_int(value: object) -> bool:
@@ -254,9 +266,18 @@ def parse_generate(body: dict, limits: PromptLimits) -> tuple[list[GenerateJob],
     else:
         samplings = [parse_sampling(params)] * count
     rids = _rids(body.get("rid"), count, batched)
-    routing = _routed_experts_start(body)
-    jobs = [GenerateJob(*job, routing) for job in zip(prompts, samplings, rids, strict=True)]
+    routing, top = _routed_experts_start(body), _top_logprobs_num(body)
+    jobs = [GenerateJob(*job, routing, top) for job in zip(prompts, samplings, rids, strict=True)]
     return jobs, batched
+
+
+def _top_logprobs_num(body: dict) -> int:
+    """top_logprobs_num in [0, TOP_LOGPROBS_LIMIT]; the vocabulary bounds it too (the engine's
+    to check)."""
+    count = field(body, "top_logprobs_num", int, 0)
+    if not 0 <= count <= TOP_LOGPROBS_LIMIT:
+        raise BadRequest(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_LIMIT}], got {count}")
+    return count
 
 
 def _routed_experts_start(body: dict) -> int | None:
@@ -384,7 +405,18 @@ def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBa
     if output.routed_experts is not None:
         experts = output.routed_experts.numpy().astype("<i4", copy=False)
         meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("ascii")
+    meta.update(top_logprobs_meta(output))
     return {"text": text, "output_ids": output.output_ids, "meta_info": meta}
+
+
+def top_logprobs_meta(output: Output) -> dict:
+    """SGLang's input_top_logprobs and output_top_logprobs of an answer (module doc); nothing
+    when they were not asked for."""
+    if output.top_logprobs is None:
+        return {}
+    rows = [[[value, token, None] for value, token in zip(values, ids, strict=True)]
+            for values, ids in output.top_logprobs]  # fmt: skip
+    return {"input_top_logprobs": [], "output_top_logprobs": rows}
 
 
 def waiting_abort_response(output: Output, rid: str) -> dict:
@@ -401,6 +433,7 @@ def waiting_abort_response(output: Output, rid: str) -> dict:
         "input_token_logprobs": [],
         "output_token_logprobs": [],
         "output_token_logprobs_length": 0,
+        **top_logprobs_meta(output),
         "completion_tokens": 0,
     }
     return {"text": "", "output_ids": [], "meta_info": meta}

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_fr.utils.arrays import decode_array, encode_array
+from megatron_fr.utils.array_json import array_from_json, array_to_json
 
 STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.int16))
 """The compact dtypes a RoutedExperts may hold (see `storage_dtype`)."""
@@ -92,8 +92,8 @@ class RoutedExperts:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): the raw bytes in base64, little-endian."""
-        return {**encode_array(self.experts), "num_experts": self.num_experts}
+        return {**array_to_json(self.experts), "num_experts": self.num_experts}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutedExperts:
-        return cls(decode_array(data), int(data["num_experts"]))
+        return cls(array_from_json(data), int(data["num_experts"]))

@@ -33,7 +33,8 @@ also divide by TP under sequence parallelism, which splits the sequence again.
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
 parallel loss sums by, so packing and splitting need no other bookkeeping. With routing
 replay, each micro-batch also carries the routed experts of its input positions, packed and
-split exactly like the tokens (learner/routing_replay.py).
+split exactly like the tokens (learner/routing_replay.py); with the top-K gate, the engine's
+top-K ids and log-probs of each target (zeros off policy tokens), likewise.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch import Tensor
 
 from megatron_fr.config.learner import longest_row, width_multiple
 from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 from megatron_fr.learner.routing_replay import padding_routing
 from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
@@ -67,6 +69,7 @@ class TokenRow(Protocol):
     action_mask: np.ndarray
     behavior_log_probs: np.ndarray
     routed_experts: RoutedExperts | None
+    top_logprobs: TopLogProbs | None
 
     @property
     def length(self) -> int: ...
@@ -284,14 +287,30 @@ def micro_batches_for_rank(
     cp_rank: int = 0,
     pad_id: int = 0,
     routing: slice | None = None,
+    top_logprobs: int = 0,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens.
     `batch` holds (at least) the trajectories of this rank's share, by batch index, already
     validated (the buffer did). routing: the layers of the routed experts to carry (routing
     replay: this pipeline stage's; every trajectory has them: routing_replay.check_routed_batch);
-    None: no routing."""
-    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing)
+    None: no routing. top_logprobs = K: carry their top-K log-probs, which every trajectory of
+    the share must have, with this K (the top-K gate's)."""
+    if top_logprobs:
+        for index in itertools.chain.from_iterable(itertools.chain(*plan.assignment[dp_rank])):
+            _check_top_k(batch[index], index, top_logprobs)
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing, top_logprobs)
             for rows in plan.assignment[dp_rank]]  # fmt: skip
+
+
+def _check_top_k(row: TokenRow, index: int, k: int) -> None:
+    top = row.top_logprobs
+    if top is None or top.k != k:
+        got = "none" if top is None else f"K = {top.k}"
+        raise ValueError(
+            f"learner.flash_reinforce.gate_kl topk with gate_top_k {k} needs every trajectory's "
+            f"top-{k} log-probs; trajectory {index} of the batch carries {got} (the rollout "
+            "client asks the engines for them: RolloutClientConfig.top_logprobs)"
+        )
 
 
 def _micro_batch(
@@ -301,8 +320,9 @@ def _micro_batch(
     cp_rank: int,
     pad_id: int,
     routing: slice | None,
+    top_logprobs: int,
 ) -> MicroBatch:
-    built = [_row(batch, plan, indices, pad_id, routing) for indices in rows]
+    built = [_row(batch, plan, indices, pad_id, routing, top_logprobs) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
     local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
     fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
@@ -312,6 +332,8 @@ def _micro_batch(
         action_mask=fields["mask"],
         segment_ids=fields["segments"],
         positions=fields["positions"],
+        topk_ids=fields.get("topk_ids"),
+        topk_log_probs=fields.get("topk_log_probs"),
     )
     packed = {}
     if plan.packed:
@@ -327,6 +349,7 @@ def _row(
     indices: list[int],
     pad_id: int,
     routing: slice | None,
+    top_logprobs: int,
 ) -> tuple[dict[str, Tensor], list[int]]:
     """One row before the CP split, and its span boundaries. Position t of the model's input
     predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
@@ -345,6 +368,9 @@ def _row(
         _, layers, top_k = record.experts[:, routing].shape
         filler = padding_routing((1, width), top_k, record.num_experts)[0]
         row["routing"] = filler.repeat(1, layers, 1)
+    if top_logprobs:
+        row["topk_ids"] = torch.zeros((width, top_logprobs), dtype=torch.long)
+        row["topk_log_probs"] = torch.zeros((width, top_logprobs), dtype=torch.float32)
     boundaries, start = [0], 0
     for index in indices:
         t = batch[index]
@@ -359,6 +385,9 @@ def _row(
         if routing is not None:  # the engine's experts of each input position (n: validated)
             experts = torch.from_numpy(np.ascontiguousarray(t.routed_experts.experts[:, routing]))
             row["routing"][span] = experts.to(row["routing"].dtype)
+        if top_logprobs:  # one record per policy token, in order: the targets under the mask
+            row["topk_ids"][span][mask] = torch.from_numpy(t.top_logprobs.ids).long()
+            row["topk_log_probs"][span][mask] = torch.from_numpy(t.top_logprobs.log_probs)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
         row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
         boundaries.append(start)

@@ -119,7 +119,8 @@ def forward_step_on(device: torch.device, score, scores: TargetScores, replay=No
         output = model(
             micro.input_ids, micro.positions, attention_mask=None,
             packed_seq_params=micro.packed_seq_params(),
-            output_processor=dataclasses.replace(scores, targets=micro.loss_batch.target_ids),
+            output_processor=dataclasses.replace(scores, targets=micro.loss_batch.target_ids,
+                                                 ids=micro.loss_batch.topk_ids),
         )  # fmt: skip
         if replay is not None and train:
             replay.replay_in_backward(output)
@@ -246,9 +247,11 @@ class Learner:
 
     def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores):
         """The configured policy loss of one micro-batch from the model's scores of its target
-        tokens ([log-probs; entropies], on the distribution the engines sampled from: log
-        softmax(logits / T) at the rollout temperature T)."""
+        tokens ([log-probs; entropies; the top-K gate's log-probs of the engine's top-K ids],
+        on the distribution the engines sampled from: log softmax(logits / T) at the rollout
+        temperature T)."""
         log_probs, entropies = scores[0], scores[1] if self._needs_entropy else None
+        topk = scores[2:].permute(1, 2, 0) if scores.shape[0] > 2 else None
         global_batch = global_batch.to(log_probs.device)
         if self.config.policy_loss == "ppo_clip":
             loss, metrics = ppo_clip_scored_loss(
@@ -258,7 +261,7 @@ class Learner:
         else:
             loss, metrics = flash_reinforce_scored_loss(
                 log_probs, entropies, micro.loss_batch, global_batch,
-                self.config.flash_reinforce, cp_group=self.groups.cp,
+                self.config.flash_reinforce, cp_group=self.groups.cp, topk_log_probs=topk,
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
@@ -290,6 +293,7 @@ class Learner:
         return micro_batches_for_rank(
             rows, step.plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
             pad_id=pad_id, routing=None if replay is None else replay.stage_layers,
+            top_logprobs=self.config.top_logprobs,
         )  # fmt: skip
 
     @property

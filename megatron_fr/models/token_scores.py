@@ -9,8 +9,10 @@ over the TP group as ColumnParallelLinear does; the TP-parallel region otherwise
 backward sums the hidden states' gradient over the TP ranks' vocab shards) and scores the
 targets with parallel/vocab_parallel.py's chunked loss path, at the rollout temperature.
 
-The model's forward then returns [2, rows, width]: row 0 the log-probs of the targets (with
-their gradient), row 1 the entropies (detached; zeros unless asked for). Tokens keep
+The model's forward then returns [2 + K, rows, width]: row 0 the log-probs of the targets
+(with their gradient), row 1 the entropies (detached; zeros unless asked for), rows 2 .. K + 1
+the log-probs of K more ids per position when asked for (detached: the top-K gate scores the
+engine's top-K tokens with them, made in the same chunks, so no logits are held). Tokens keep
 megatron's [sequence, batch] order inside, so the output layer's gradient is accumulated in
 the order megatron's own output layer would use.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_fr.parallel.vocab_parallel import chunked_vocab_parallel_log_probs
+from megatron_fr.parallel.vocab_parallel import chunked_vocab_parallel_scores
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class TargetScores:
     """The rollouts' sampling temperature: log softmax(logits / temperature) is scored."""
     with_entropy: bool = False
     """Also the entropies of the full categorical (the negative-token filter needs them)."""
+    ids: Tensor | None = None
+    """[rows, width, K] more token ids to score at each position (the top-K gate's); None."""
 
     def __call__(self, *, hidden_states: Tensor, output_layer, output_weight=None,
                  **_unused) -> Tensor:  # fmt: skip
@@ -50,10 +54,14 @@ class TargetScores:
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=group)
         weight = output_layer.weight if output_weight is None else output_weight
         sequence, rows, _ = hidden_states.shape
-        log_probs, entropy = chunked_vocab_parallel_log_probs(
+        ids = None if self.ids is None else self.ids.transpose(0, 1).reshape(sequence * rows, -1)
+        log_probs, entropy, id_log_probs = chunked_vocab_parallel_scores(
             hidden_states.reshape(sequence * rows, -1), weight, self.targets.t().reshape(-1),
-            group, temperature=self.temperature, with_entropy=self.with_entropy,
+            group, temperature=self.temperature, with_entropy=self.with_entropy, ids=ids,
         )  # fmt: skip
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
-        return torch.stack([log_probs, entropy]).view(2, sequence, rows).transpose(1, 2)
+        scores = torch.stack([log_probs, entropy])
+        if id_log_probs is not None:
+            scores = torch.cat([scores, id_log_probs.t()])
+        return scores.view(-1, sequence, rows).transpose(1, 2)

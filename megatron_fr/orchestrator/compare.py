@@ -2,6 +2,7 @@
 
     megatron-fr compare methods RECIPE --out DIR [--seeds 3] [--steps N] [--estimators E,..]
     megatron-fr compare lag RECIPE --out DIR [--estimators flash_reinforce,grpo] [--lags 0,8]
+                                             [--gates bernoulli,topk]
     (then dotted.key=value overrides for every run)
 
 `methods` trains FlashREINFORCE (one rollout per problem) and the group estimators (GRPO, RLOO
@@ -11,7 +12,9 @@ methods B / G. Each (configuration, seed) is one `megatron-fr train` run in
 DIR/<configuration>-seed<s>; all start from the recipe's model (model.hf_dir), so they differ
 only in how they use their rollouts. `lag` trains every (estimator, max_lag) pair through the
 same lag-aware buffer, each at exactly its max_lag (lag_variants), and FlashREINFORCE also
-without the gate (delta = inf) at the largest lag.
+without the gate (delta = inf) at the largest lag; with --gates, FlashREINFORCE runs at each lag
+once per trust-region gate (learner.flash_reinforce.gate_kl: the paper's bernoulli keeps its
+name, the optional topk adds "_topk").
 
 A run that already finished is read, not trained again, so an interrupted comparison is
 continued by the same command. Results: DIR/results.md (final held-out accuracy, mean +- std
@@ -31,16 +34,40 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
+from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator import compare_stats as stats
 from megatron_fr.orchestrator.run_log import read_metrics
+
+GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
+"""learner.flash_reinforce.gate_kl's values: what `compare lag --gates` takes."""
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     overrides: tuple[str, ...]
+
+
+def gate_list(text: str) -> tuple[str, ...]:
+    """--gates: a comma-separated subset of GATES, in the order given."""
+    gates = tuple(dict.fromkeys(gate for gate in text.split(",") if gate))
+    if not gates or any(gate not in GATES for gate in gates):
+        raise argparse.ArgumentTypeError(
+            f"takes a comma-separated subset of {','.join(GATES)}, got {text!r}"
+        )
+    return gates
+
+
+def gated(variant: Variant, gate: str) -> Variant:
+    """`variant` with FlashREINFORCE's gate set to `gate`: bernoulli (the default) keeps the
+    name and the settings; topk adds "_topk" and learner.flash_reinforce.gate_kl=topk."""
+    if gate == "bernoulli":
+        return variant
+    return Variant(f"{variant.name}_{gate}",
+                   (*variant.overrides, f"learner.flash_reinforce.gate_kl={gate}"))  # fmt: skip
 
 
 def estimator_variant(estimator: str, group_size: int) -> Variant:
@@ -57,12 +84,17 @@ def method_variants(estimators: list[str], group_size: int) -> list[Variant]:
 
 
 def lag_variants(
-    estimators: list[str], lags: list[int], batch_size: int, group_size: int
+    estimators: list[str],
+    lags: list[int],
+    batch_size: int,
+    group_size: int,
+    gates: tuple[str, ...] = ("bernoulli",),
 ) -> list[Variant]:
     """Every (estimator, lag) pair, each run at exactly its max_lag (buffer.fill_staleness_budget,
     with the capacity that needs): where generation is slower than the learner, as on a CPU
     machine, the lag would otherwise stay near 1 whatever max_lag allows, and the sweep would
-    compare nothing. FlashREINFORCE also runs ungated (delta = inf) at the largest lag."""
+    compare nothing. FlashREINFORCE runs once per gate of `gates` at each lag (the group
+    estimators have no gate), and also ungated (delta = inf) at the largest lag."""
 
     def at_lag(lag: int) -> tuple[str, ...]:
         return (f"buffer.max_lag={lag}", "buffer.fill_staleness_budget=true",
@@ -71,7 +103,9 @@ def lag_variants(
     variants = []
     for estimator in estimators:
         base = estimator_variant(estimator, group_size)
-        variants += [Variant(f"{base.name}_lag{lag}", base.overrides + at_lag(lag)) for lag in lags]
+        own = gates if estimator == "flash_reinforce" else ("bernoulli",)
+        variants += [gated(Variant(f"{base.name}_lag{lag}", base.overrides + at_lag(lag)), gate)
+                     for lag in lags for gate in own]  # fmt: skip
     if "flash_reinforce" in estimators:
         top = max(lags)
         variants.append(Variant(f"flash_reinforce_lag{top}_no_gate",
@@ -196,10 +230,15 @@ def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
     if args.mode == "methods":
         return method_variants(estimators, args.group_size)
     lags = [int(lag) for lag in args.lags.split(",")]
-    return lag_variants(estimators, lags, batch_size, args.group_size)
+    return lag_variants(estimators, lags, batch_size, args.group_size, args.gates)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "methods" and args.gates != ("bernoulli",):
+        print("compare: --gates applies to `compare lag` (methods compares estimators with the "
+              "recipe's gate; set learner.flash_reinforce.gate_kl to change it)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     overrides = [item for item in args.overrides if item != "--"]
@@ -250,5 +289,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reinforce_baseline (default: methods flash_reinforce,grpo,rloo; "
                              "lag flash_reinforce)")  # fmt: skip
     parser.add_argument("--lags", default="0,2,8", help="lag mode: the max_lag values")
+    parser.add_argument("--gates", type=gate_list, default=("bernoulli",),
+                        help="lag mode: FlashREINFORCE's trust-region gates, comma-separated: "
+                             "bernoulli (the paper's; the run keeps its name), topk (the "
+                             "optional top-K gate; its runs end in _topk)")  # fmt: skip
     parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run")

@@ -3,6 +3,7 @@ real training command), and its summary arithmetic on run directories written he
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -59,8 +60,10 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     out = tmp_path / "compare"
     modes = {
         "methods": (1, ["--estimators", "flash_reinforce,grpo"], ["flash_reinforce", "grpo_g4"]),
-        "lag": (3, ["--estimators", "flash_reinforce,grpo", "--lags", "0,2"],
-                ["flash_reinforce_lag0", "flash_reinforce_lag2", "grpo_g4_lag0", "grpo_g4_lag2",
+        "lag": (3, ["--estimators", "flash_reinforce,grpo", "--lags", "0,2",
+                    "--gates", "bernoulli,topk"],
+                ["flash_reinforce_lag0", "flash_reinforce_lag0_topk", "flash_reinforce_lag2",
+                 "flash_reinforce_lag2_topk", "grpo_g4_lag0", "grpo_g4_lag2",
                  "flash_reinforce_lag2_no_gate"]),
     }  # fmt: skip
     for mode, (steps, options, names) in modes.items():
@@ -80,14 +83,54 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
         assert (out / "accuracy.png").stat().st_size > 10_000
     ungated = (out / "flash_reinforce_lag2_no_gate-seed0" / "config.yaml").read_text()
     assert "delta: .inf" in ungated
+    topk = (out / "flash_reinforce_lag2_topk-seed0" / "config.yaml").read_text()
+    assert "gate_kl: topk" in topk and "gate_kl: bernoulli" in ungated
     grpo = (out / "grpo_g4_lag2-seed0" / "config.yaml").read_text()
     assert "estimator: grpo" in grpo and "group_size: 4" in grpo and "max_lag: 2" in grpo
     # Each lag run trains at its max_lag once it is that many steps in (the buffer waits for a
     # full staleness budget): batch lags 0, 1, 2 at max_lag 2, 0 throughout at max_lag 0, for
     # GRPO's whole groups as for FlashREINFORCE.
     expected = {"flash_reinforce_lag0": [0, 0, 0], "flash_reinforce_lag2": [0, 1, 2],
-                "grpo_g4_lag0": [0, 0, 0], "grpo_g4_lag2": [0, 1, 2]}  # fmt: skip
+                "flash_reinforce_lag2_topk": [0, 1, 2], "grpo_g4_lag0": [0, 0, 0],
+                "grpo_g4_lag2": [0, 1, 2]}  # fmt: skip
     for name, lags in expected.items():
-        records = [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
-        assert [r["lag_max"] for r in records if "lag_max" in r] == lags, name
-        assert [r["lag_mean"] for r in records if "lag_mean" in r] == lags, name
+        assert [r["lag_max"] for r in records_of(out, name) if "lag_max" in r] == lags, name
+        assert [r["lag_mean"] for r in records_of(out, name) if "lag_mean" in r] == lags, name
+    # On-policy (lag 0), the engine's top-K log-probs and the learner's of the same ids agree:
+    # the top-K gate's KL is rounding noise and it admits every trajectory.
+    steps = [r for r in records_of(out, "flash_reinforce_lag0_topk") if "acceptance_rate" in r]
+    assert len(steps) == 3 and all(r["acceptance_rate"] == 1.0 for r in steps)
+    assert max(r["sequence_kl_mean"] for r in steps) < 1e-6
+
+
+def records_of(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
+
+
+def test_lag_variants_run_flash_reinforce_once_per_gate():
+    """--gates: the Bernoulli run keeps its name and settings, the top-K run adds _topk and
+    the gate; group estimators (no gate) and the ungated run come once; methods refuses it."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+
+    def variants(*options: str) -> dict[str, tuple[str, ...]]:
+        args = parser.parse_args(["lag", "r.yaml", "--out", "o", *options])
+        return {v.name: v.overrides for v in compare.variants_for(args, batch_size=16)}
+
+    both = variants("--estimators", "flash_reinforce,grpo", "--lags", "0,8",
+                    "--gates", "topk,bernoulli")  # fmt: skip
+    assert list(both) == [
+        "flash_reinforce_lag0_topk", "flash_reinforce_lag0", "flash_reinforce_lag8_topk",
+        "flash_reinforce_lag8", "grpo_g4_lag0", "grpo_g4_lag8", "flash_reinforce_lag8_no_gate",
+    ]  # fmt: skip
+    assert both["flash_reinforce_lag8_topk"] == (
+        *both["flash_reinforce_lag8"],
+        "learner.flash_reinforce.gate_kl=topk",
+    )
+    assert not any("gate_kl" in override for override in both["flash_reinforce_lag8"])
+    assert list(variants()) == ["flash_reinforce_lag0", "flash_reinforce_lag2",
+                                "flash_reinforce_lag8", "flash_reinforce_lag8_no_gate"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        variants("--gates", "bernoulli,full")
+    methods = parser.parse_args(["methods", "r.yaml", "--out", "o", "--gates", "topk"])
+    assert compare.run(methods) == 2

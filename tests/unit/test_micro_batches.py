@@ -4,6 +4,7 @@ megatron's own THD RoPE and CP slicing code (run on CPU, no process group needed
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.engine.top_logprobs import TopLogProbs
 from megatron_fr.learner.micro_batches import (
     first_fit_decreasing,
     micro_batches_for_rank,
@@ -254,3 +256,51 @@ def test_padding_fraction_counts_every_slot_of_every_rank():
     assert (packed.rows, packed.width, packed.count) == (1, 9, 1)
     assert packed.padding_fraction == pytest.approx(1 - 14 / 18)
     assert math.isclose(packed.model_tokens, 14)
+
+
+def with_top_k(t: Trajectory, k: int = 3) -> Trajectory:
+    """t with a top-k record whose row for the policy token at position p holds ids
+    token + 1000 j and log-probs -(j + 1) - p / 1000: each row names its token and place."""
+    rows = [(token, p) for p, (token, m) in enumerate(zip(t.token_ids, t.action_mask,
+                                                          strict=True)) if m]  # fmt: skip
+    ids = [[token + 1000 * j for j in range(k)] for token, _ in rows]
+    log_probs = [[-(j + 1) - p / 1000 for j in range(k)] for _, p in rows]
+    return dataclasses.replace(t, top_logprobs=TopLogProbs.of(ids, log_probs, k))
+
+
+@pytest.mark.parametrize(("pack", "dp", "cp", "sp", "budget"), [LAYOUTS[3], LAYOUTS[6]])
+def test_top_k_records_ride_with_their_policy_targets(pack, dp, cp, sp, budget):
+    """The top-K gate's inputs, packed and split like the tokens: at every position whose
+    target is a policy token, that token's row; zeros everywhere else."""
+    batch = [with_top_k(t) for t in long_tailed_batch(24, seed=5)]
+    plan = plan_micro_batches(
+        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
+        sequence_parallel_size=sp,
+    )  # fmt: skip
+    checked = 0
+    for dp_rank, cp_rank in itertools.product(range(dp), range(cp)):
+        for micro in micro_batches_for_rank(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank,
+                                            top_logprobs=3):  # fmt: skip
+            loss = micro.loss_batch
+            assert loss.topk_ids.shape == (*loss.target_ids.shape, 3)
+            assert not loss.topk_ids[~loss.action_mask].any()
+            assert not loss.topk_log_probs[~loss.action_mask].any()
+            for where in loss.action_mask.nonzero().tolist():
+                target, position = int(loss.target_ids[*where]), int(loss.positions[*where]) + 1
+                assert loss.topk_ids[*where].tolist() == [target, target + 1000, target + 2000]
+                expected = [-(j + 1) - position / 1000 for j in range(3)]
+                assert loss.topk_log_probs[*where].tolist() == pytest.approx(expected)
+                checked += 1
+    assert checked == sum(t.num_policy_tokens for t in batch)
+
+
+def test_a_trajectory_without_the_top_k_asked_for_is_refused_by_its_place():
+    batch = long_tailed_batch(4, seed=1)
+    batch[2] = with_top_k(batch[2], k=2)
+    plan = plan_micro_batches([t.length for t in batch], dp_size=1, micro_batch_tokens=512)
+    with pytest.raises(ValueError, match="trajectory 0 of the batch carries none"):
+        micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=2)
+    batch = [with_top_k(t, k=2) for t in batch]
+    with pytest.raises(ValueError, match="gate_top_k 3 needs every trajectory's top-3 log-probs; "
+                                         "trajectory 0 of the batch carries K = 2"):  # fmt: skip
+        micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=3)

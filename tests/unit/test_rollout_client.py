@@ -58,7 +58,8 @@ class Script:
     """Answer every /generate with this HTTP status."""
     malformed: str | None = None
     """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON;
-    "too_long": one token more than max_new_tokens; "spans": the version spans miss a token."""
+    "too_long": one token more than max_new_tokens; "spans": the version spans miss a token;
+    "top_short": output_top_logprobs misses the last token."""
     abort_after: int = 0
     aborts: int = 0
     """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
@@ -120,6 +121,12 @@ def _generate_body(script: Script, body: dict) -> dict:
         start = body["routed_experts_start_len"]
         rows = max(0, len(prompt) + len(ids) - 1 - start) - (script.routing == "short")
         meta["routed_experts"] = sglang_b64([routing_of(p) for p in range(start, start + rows)])
+    k = body.get("top_logprobs_num", 0)
+    if k:  # SGLang's nested output_top_logprobs: token t's top k are t, t + 1, ... (version v)
+        meta["input_top_logprobs"] = []
+        meta["output_top_logprobs"] = [
+            [[-0.5 - j - script.version / 100, token + j, None] for j in range(k)] for token in ids
+        ][: len(ids) - (script.malformed == "top_short")]
     if script.malformed == "token_id":
         meta["output_token_logprobs"][1][1] += 1000
     if aborting:
@@ -151,6 +158,7 @@ def scripted_app(script: Script) -> web.Application:
                 "max_new_tokens": body["sampling_params"]["max_new_tokens"],
                 "return_routed_experts": body["return_routed_experts"],
                 "routed_experts_start_len": body.get("routed_experts_start_len"),
+                "top_logprobs_num": body.get("top_logprobs_num"),
             }
         )
         await asyncio.sleep(script.delay_s)
@@ -422,6 +430,31 @@ def test_versions_switching_inside_a_segment_and_across_an_abort_are_kept_per_to
     assert rollout.output_ids == list(range(11, 19))
     assert rollout.token_versions == ["1", "1", "2", "2", "2", "3", "3", "3"]
     assert (rollout.finish_reason, rollout.continuations) == ("length", 1)
+
+
+def test_top_logprobs_of_every_segment_follow_the_output_tokens() -> None:
+    """K top log-probs asked for every segment; an abort after 3 tokens, a zero-token abort
+    (SGLang's waiting queue), then the rest: one row per output token, each from the answer
+    that sampled it (the scripted log-probs carry the version)."""
+    script = Script(abort_after=3, aborts=1)
+
+    async def body(script: Script) -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls, top_logprobs=2)) as client:
+            return await client.generate([10, 20], sampling(6))
+
+    rollout = asyncio.run(body(script))
+    assert [entry["top_logprobs_num"] for entry in script.log] == [2, 2]
+    top = rollout.top_logprobs
+    assert top.ids.tolist() == [[t, t + 1] for t in range(21, 27)]
+    versions = [1] * 3 + [2] * 3
+    assert (
+        top.log_probs.tolist()
+        == np.float32([[-0.5 - v / 100, -1.5 - v / 100] for v in versions]).tolist()
+    )
+    waiting = Script(abort_after=0, aborts=1)
+    assert asyncio.run(body(waiting)).top_logprobs.tokens == 6
+    with pytest.raises(MalformedResponse, match=r"output_top_logprobs: expected 6 lists"):
+        asyncio.run(body(Script(malformed="top_short")))
 
 
 def test_version_spans_missing_a_token_are_malformed_and_not_retried() -> None:

@@ -14,6 +14,7 @@ import torch
 from megatron_fr.parallel.vocab_parallel import (
     chunk_tokens,
     chunked_vocab_parallel_log_probs,
+    chunked_vocab_parallel_scores,
     loss_path_extra_memory,
     vocab_parallel_log_probs,
 )
@@ -157,14 +158,47 @@ def test_bfloat16_weights_score_in_float32_and_keep_their_gradient_dtype():
     torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-6)
 
 
-def test_loss_path_peak_memory_is_under_a_quarter_of_the_full_fp32_logits():
+@pytest.mark.parametrize("top_k", [0, 64])
+def test_loss_path_peak_memory_is_under_a_quarter_of_the_full_fp32_logits(top_k):
     """At Qwen3's vocabulary (151,936) and 4,096 tokens: the most memory the loss path holds
     at once beyond its inputs and the gradients it returns, over the 2.5 GB the fp32 logits of
-    the micro-batch would take (measured by counting live tensors)."""
+    the micro-batch would take (measured by counting live tensors); the same bound when it
+    also scores the top-K gate's ids at the largest K."""
     vocab, tokens, hidden = 151_936, 4096, 16
     h, w, targets = _hidden_inputs(torch.float32, tokens, hidden, vocab)
+    ids = torch.randint(0, vocab, (tokens, top_k)) if top_k else None
     assert chunk_tokens(vocab) < tokens
-    assert 0 < loss_path_extra_memory(h, w, targets) <= 0.25
+    assert 0 < loss_path_extra_memory(h, w, targets, ids) <= 0.25
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_scores_of_more_ids_are_log_softmax_of_the_logits_and_change_nothing_else(
+    chunk, temperature
+):
+    """The top-K gate's ids scored in the loss path: log_softmax(h @ W.T / T) at those ids
+    (detached), while the targets' log-probs, entropies and gradients stay bit-identical to
+    the path without ids."""
+    h, w, targets = _hidden_inputs(torch.float64)
+    ids = torch.stack([torch.randperm(13, generator=torch.Generator().manual_seed(t))[:4]
+                       for t in range(targets.numel())]).to(torch.int32)  # fmt: skip
+    mine = [h.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    log_probs, entropy, id_log_probs = chunked_vocab_parallel_scores(
+        *mine, targets, temperature=temperature, with_entropy=True, ids=ids, chunk=chunk
+    )
+    log_probs.sum().backward()
+    ref = [h.clone().requires_grad_(True), w.clone().requires_grad_(True)]
+    plain, plain_entropy = chunked_vocab_parallel_log_probs(
+        *ref, targets, temperature=temperature, with_entropy=True, chunk=chunk
+    )
+    plain.sum().backward()
+    assert torch.equal(log_probs, plain) and torch.equal(entropy, plain_entropy)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(mine, ref, strict=True))
+    expected = torch.log_softmax(h @ w.t() / temperature, -1).gather(-1, ids.long())
+    torch.testing.assert_close(id_log_probs, expected, rtol=0, atol=1e-12)
+    assert not id_log_probs.requires_grad
+    with pytest.raises(ValueError, match=r"ids must be token ids in \[0, 13\)"):
+        chunked_vocab_parallel_scores(h, w, targets, ids=ids + 13)
 
 
 def test_live_tensor_bytes_counts_new_storage_once_and_frees_it():
