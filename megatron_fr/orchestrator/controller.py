@@ -1,9 +1,12 @@
 """The training loop of a run, on every learner rank (one process each, under torchrun).
 
-    first rank only:  RolloutService (engines, buffer + prompt cursor, episodes, eval) and
-                      RunReport (metrics.jsonl, TensorBoard, batches.jsonl); None elsewhere
-    every rank:       get batch (the first rank waits on the buffer, broadcasts)
-                      ─► Learner.train_step ─► version += 1
+    first rank only:  RolloutProcess (a process of its own running the RolloutService:
+                      engines, buffer + prompt cursor, episodes, eval) and RunReport
+                      (metrics.jsonl, TensorBoard, batches.jsonl); None elsewhere
+    every rank:       the step's plan and its DP share's trajectories (the rollout process
+                      sends each (DP, PP) stage leader its share; the leader broadcasts it
+                      within its TP x CP ranks: learner/delivery.py)
+                      ─► Learner.train_share ─► version += 1
                       ─► WeightSync (pause, buckets, version, continue; collectives)
                       ─► first rank: buffer version, report, eval ─► checkpoint
 
@@ -17,21 +20,21 @@ same command resumes from the newest complete checkpoint (orchestrator/checkpoin
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from megatron_fr.config.run import RunConfig
+from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
-from megatron_fr.orchestrator.setup import (
-    build_rollout_service,
-    connect_weight_sync,
-    eval_sets,
-)
+from megatron_fr.orchestrator.rollout_process import RolloutProcess
+from megatron_fr.orchestrator.setup import connect_weight_sync
+from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
-from megatron_fr.rollout.service import RolloutService
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
 STOP_FILE = "STOP"
@@ -57,64 +60,80 @@ def train(config: RunConfig, run_dir: Path) -> None:
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())
-    service = report = weight_sync = None
+    rollout = report = weight_sync = None
     try:
         if first:
             for path in ckpt.discard_after_latest(run_dir):
                 print(f"deleted {path}: written after the last complete checkpoint", flush=True)
-            service = build_rollout_service(config, hf_dir, run_dir)
+            address = data_path_address(config, learner)
+            rollout = RolloutProcess(config, hf_dir, run_dir, address)
             if resume_from is not None:
-                service.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
+                rollout.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
                 print(f"resumed from {resume_from} (step {learner.steps_done})", flush=True)
             report = RunReport(config, run_dir, learner.steps_done)
-        urls, pad_id = broadcast_from_rank0(
-            (service.engines.urls, service.producer.pad_id) if service else None
+        urls, pad_id, address = broadcast_from_rank0(
+            (rollout.hello.urls, rollout.hello.pad_id, address) if rollout else None
+        )
+        replay = learner.routing_replay
+        receiver = ShareReceiver(
+            learner.groups, address, None if replay is None else replay.stage_layers
         )
         weight_sync = connect_weight_sync(config, urls, spec)
         weight_sync.sync(learner.module, learner.steps_done)  # engines serve the learner's weights
-        if service is not None:
-            service.start()
-        _loop(config, run_dir, learner, weight_sync, pad_id, service, report)
+        if rollout is not None:
+            rollout.start()
+        _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, report)
     except Exception as error:
-        if service is not None:
-            service.explain(error)  # a dead engine is named, not the socket it broke
+        if rollout is not None:
+            rollout.explain(error)  # a dead engine is named, not the socket it broke
         raise
     finally:
         if weight_sync is not None:
             weight_sync.close()  # the senders leave the weight-update groups
-        if service is not None:
-            service.close()
+        if rollout is not None:
+            rollout.close()
         if report is not None:
             report.close()
 
 
-def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> None:
+def data_path_address(config: RunConfig, learner) -> DataPathAddress:
+    """Where the rollout process hosts the data group: this node (loopback when the whole
+    learner is on it), a free port, one member per (DP rank, PP stage). Its waits are the
+    learner's collective timeout: a stage leader waits there for each batch."""
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
+    host = "127.0.0.1" if one_node else socket.gethostname()
+    leaders = learner.groups.dp.size() * learner.groups.pp.size()
+    return DataPathAddress(host, free_port(), leaders, config.parallel.timeout_minutes * 60.0)
+
+
+def _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, report) -> None:
     step = learner.steps_done
     stop_file = run_dir / STOP_FILE
     telemetry = GpuTelemetry()
-    if service is not None:
+    if rollout is not None:
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
         if step == 0:
-            evaluate(config, service, report, step)
+            evaluate(rollout, report, step)
     while step < config.steps:
         started = time.monotonic()
-        batch = broadcast_from_rank0(service.next_batch(step) if service else None)
-        metrics = learner.train_step(batch, pad_id=pad_id)
+        summaries = rollout.next_batch(step) if rollout else None
+        plan, shard = receiver.receive()
+        metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
         step += 1
         sync = weight_sync.sync(learner.module, step)
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
-        if service is not None:
-            service.set_version(step)
+        if rollout is not None:
+            rollout.set_version(step)
             seconds = time.monotonic() - started
-            report.step(step, batch, metrics | gpus, sync.seconds, service.stats(), seconds)
+            report.step(step, summaries, metrics | gpus, sync.seconds, rollout.stats(), seconds)
             if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
-                evaluate(config, service, report, step)
-        stop = broadcast_from_rank0(stop_file.exists() if service else None)
+                evaluate(rollout, report, step)
+        stop = broadcast_from_rank0(stop_file.exists() if rollout else None)
         if last or stop or step % config.checkpoint.every_steps == 0:
-            save_checkpoint(config, run_dir, learner, service, step)
+            save_checkpoint(config, run_dir, learner, rollout, step)
         if stop and not last:
-            if service is not None:
+            if rollout is not None:
                 stop_file.unlink(missing_ok=True)
                 print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
             return
@@ -131,20 +150,18 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
             for key, value in part.items()}  # fmt: skip
 
 
-def evaluate(config: RunConfig, service: RolloutService, report: RunReport, step: int) -> None:
+def evaluate(rollout: RolloutProcess, report: RunReport, step: int) -> None:
     """avg@k on every held-out set, at the eval's own sampling temperature."""
-    sampling = service.producer.sampling(config.eval.temperature, config.eval.top_p)
-    results = service.evaluate(eval_sets(config, service.producer), sampling,
-                               config.eval.timeout_s)  # fmt: skip
-    report.evaluation(step, results, service.stats()["rollouts_total"])
+    results, rollouts_total = rollout.evaluate()
+    report.evaluation(step, results, rollouts_total)
 
 
-def save_checkpoint(config: RunConfig, run_dir: Path, learner, service, step: int) -> None:
+def save_checkpoint(config: RunConfig, run_dir: Path, learner, rollout, step: int) -> None:
     directory = ckpt.step_dir(run_dir, step)
     learner.save(str(directory / "learner"))
     ckpt.save_rng(directory, dist.get_rank())
-    if service is not None:
-        ckpt.save_controller_state(directory, {"step": step, "rollout": service.state_dict()})
+    if rollout is not None:
+        ckpt.save_controller_state(directory, {"step": step, "rollout": rollout.state_dict()})
     dist.barrier()
-    if service is not None:
+    if rollout is not None:
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)

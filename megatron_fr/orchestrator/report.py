@@ -59,6 +59,7 @@ class RunReport:
                 acceptance_rate=learner["acceptance_rate"],
                 clip_fraction=learner["clip_fraction"],
                 padding_fraction=learner["padding_fraction"],
+                dp_imbalance=learner["dp_imbalance"],
                 sequence_kl_mean=learner["sequence_kl_mean"],
                 lag_mean=statistics.fmean(lags),
                 lag_max=max(lags),

@@ -58,7 +58,11 @@ class RolloutProcess:
         )  # fmt: skip
         self.process.start()
         child.close()
-        self.hello: Hello = self._call("hello", timeout_s=START_TIMEOUT_S)
+        try:
+            self.hello: Hello = self._call("hello", timeout_s=START_TIMEOUT_S)
+        except BaseException:
+            self.close()  # no handle is returned to close it later
+            raise
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         try:
@@ -168,8 +172,10 @@ class _Server:
     def _hello(self) -> Hello:
         from megatron_fr.orchestrator.setup import build_rollout_service
 
-        threading.Thread(target=self._connect, name="share-sender", daemon=True).start()
         self.service = build_rollout_service(self.config, self.hf_dir, self.run_dir)
+        # The stage leaders join the data group once rank 0 has this answer (the engines may
+        # take minutes to start first: the group's wait begins only now).
+        threading.Thread(target=self._connect, name="share-sender", daemon=True).start()
         return Hello(self.service.engines.urls, self.service.producer.pad_id)
 
     def _connect(self) -> None:

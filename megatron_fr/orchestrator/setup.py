@@ -1,7 +1,9 @@
 """Building a run's parts from its config: the rollout service and the weight sync (the
 starting model and the episodes: orchestrator/workload.py).
 
-Kept apart from the training loop (controller.py) so the loop reads like the data flow.
+Kept apart from the training loop (controller.py) so the loop reads like the data flow. The
+rollout process (rollout_process.py) imports it too: nothing here may import megatron at the
+top.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from megatron_fr.engine.client import RolloutClientConfig
 from megatron_fr.engine.protocol import RoutedExpertsLayout
 from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.parallel.spawn import free_port
-from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
@@ -75,6 +76,10 @@ def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet
 def connect_weight_sync(config: RunConfig, urls: list[str], spec) -> WeightSync:
     """Every learner rank: the weight sync to the run's engines, its groups formed. Port 0
     in the recipe means a free port picked by the first rank (single-node runs)."""
+    # Imported here: megatron comes with it, and the rollout process, which builds its service
+    # from this module, has no use for megatron (nor its CPU shims).
+    from megatron_fr.parallel.state import broadcast_from_rank0
+
     port = config.weights.master_port or broadcast_from_rank0(
         free_port() if dist.get_rank() == 0 else None
     )

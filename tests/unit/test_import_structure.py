@@ -91,3 +91,16 @@ def test_loading_a_recipe_imports_only_the_config_package() -> None:
     loaded = json.loads(result.stdout)
     outside = [m for m in loaded if not m.startswith(("megatron_fr.config", "megatron_fr.utils"))]
     assert outside == ["megatron_fr"], outside
+
+
+def test_the_rollout_process_does_not_import_megatron() -> None:
+    """The rollout process builds its service from these modules; megatron there would need
+    the CPU shims of the learner's entry point (and its memory) for nothing."""
+    code = (
+        "import sys; import megatron_fr.orchestrator.rollout_process, "
+        "megatron_fr.orchestrator.setup, megatron_fr.learner.step_plan; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, check=True)  # fmt: skip
+    assert result.stdout.strip() == "[]"
