@@ -79,11 +79,11 @@ def assert_row_matches_the_engine(result: EpisodeResult, requests: dict | None =
     expected = [False] * t.length
     for turn in result.turns:
         span = slice(turn.start, turn.start + len(turn.output_ids))
-        assert t.token_ids[span] == turn.output_ids
+        assert t.token_ids[span].tolist() == turn.output_ids
         expected[span] = [True] * len(turn.output_ids)
         if requests is not None:
-            assert requests[tuple(t.token_ids[: turn.start])] == turn.output_ids
-    assert t.action_mask == expected
+            assert requests[tuple(t.token_ids[: turn.start].tolist())] == turn.output_ids
+    assert t.action_mask.tolist() == expected
     for masked, version, logprob in zip(
         t.action_mask, t.token_versions, t.behavior_log_probs, strict=True
     ):
@@ -196,6 +196,6 @@ def test_random_model_on_the_cpu_engine_survives_every_environment(
         assert result.finish in ("done", "max_turns"), result.finish
         assert result.reward == 0.0
         assert_row_matches_the_engine(result)
-        assert set(result.trajectory.token_versions) == {NON_POLICY_VERSION, 0}
+        assert set(result.trajectory.token_versions.tolist()) == {NON_POLICY_VERSION, 0}
         if env_name == "alfworld":  # garbage commands: the game answers, the episode goes on
             assert (result.finish, len(result.turns)) == ("max_turns", 3)
