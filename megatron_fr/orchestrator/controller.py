@@ -32,6 +32,7 @@ from megatron_fr.orchestrator.setup import (
 )
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.service import RolloutService
+from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
 STOP_FILE = "STOP"
@@ -78,13 +79,10 @@ def train(config: RunConfig, run_dir: Path) -> None:
         if service is not None:
             service.explain(error)  # a dead engine is named, not the socket it broke
         raise
-    finally:
-        if weight_sync is not None:
-            weight_sync.close()  # the senders leave the weight-update groups
-        if service is not None:
-            service.close()
-        if report is not None:
-            report.close()
+    finally:  # the senders leave the weight-update groups; a failure to close hides nothing
+        close_in_order([("weight sync", weight_sync and weight_sync.close),
+                        ("rollout service", service and service.close),
+                        ("run report", report and report.close)])  # fmt: skip
 
 
 def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> None:
