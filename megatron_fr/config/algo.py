@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from megatron_fr.config.base import StrictModel
 
 
-class FlashReinforceConfig(BaseModel):
+class FlashReinforceConfig(StrictModel):
     """The sequence-level Bernoulli-KL trust region and the optional negative-token filter."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    delta: float = 3e-3
+    delta: float = Field(default=3e-3, allow_inf_nan=True)
     """Gate threshold on the mean per-token Bernoulli KL of a trajectory; inf disables the gate.
     Paper settings: 3e-3 default, 1e-3 tool use and ALFWorld, 5e-3 R1-Distill at lag 4,
     1e-2 for the Qwen3-30B-A3B comparison."""
@@ -29,11 +29,9 @@ class FlashReinforceConfig(BaseModel):
         return value
 
 
-class PPOClipConfig(BaseModel):
+class PPOClipConfig(StrictModel):
     """The clipped-ratio loss of the PPO family (GRPO, Dr. GRPO, RLOO baselines); the ratio is
     taken against the behaviour log-probs the engine reported (parallel/ppo_loss.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     eps_low: float = Field(default=0.2, ge=0)
     eps_high: float = Field(default=0.2, ge=0)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
+from megatron_fr.config.base import StrictModel
 
 ESTIMATOR_LOSSES: dict[str, tuple[str, str | None]] = {
     "flash_reinforce": ("flash_reinforce", None),
@@ -18,9 +19,7 @@ ESTIMATOR_LOSSES: dict[str, tuple[str, str | None]] = {
 """Each estimator with the loss it is known by: (policy loss, PPO-clip aggregation)."""
 
 
-class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class LearnerConfig(StrictModel):
     estimator: Literal["flash_reinforce", "grpo", "dr_grpo", "rloo", "reinforce_baseline"] = (
         "flash_reinforce"
     )

@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from megatron_fr.config.base import StrictModel, describe
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
@@ -24,11 +25,7 @@ from megatron_fr.config.tasks import TaskConfig
 from megatron_fr.config.weights import WeightSyncConfig
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSettings(_Strict):
+class ModelSettings(StrictModel):
     hf_dir: str = Field(min_length=1)
     """The starting HF checkpoint: config.json, safetensors, the tokenizer with its chat
     template (and generation_config.json, where the model says when to stop). Relative to
@@ -36,12 +33,12 @@ class ModelSettings(_Strict):
     `megatron-fr demo prepare RECIPE` (megatron_fr/demo/)."""
 
 
-class CheckpointSettings(_Strict):
+class CheckpointSettings(StrictModel):
     every_steps: int = Field(default=10, ge=1)
     keep: int = Field(default=2, ge=1)
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     steps: int = Field(ge=1)
     """Optimizer steps (policy versions) to train."""
     seed: int = 0
@@ -123,7 +120,10 @@ def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
     together; paths given as overrides are relative to the working directory, as on any
     command line."""
     data = _resolve_paths(read_recipe(recipe), Path(recipe).resolve().parent)
-    return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+    try:
+        return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+    except ValidationError as error:
+        raise ValueError(f"recipe {recipe}: {describe(error)}") from None
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:
