@@ -61,6 +61,9 @@ class LearnerConfig(StrictModel):
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
     adam_eps: float = Field(default=1e-8, gt=0)
+    max_nonfinite_steps: int = Field(default=5, ge=1)
+    """A step whose loss or gradient is not finite is skipped (no update, nothing sent to the
+    engines, counted as skipped_steps_total); this many in a row end the run, naming it."""
 
     @model_validator(mode="before")
     @classmethod

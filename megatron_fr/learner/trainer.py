@@ -39,6 +39,7 @@ from megatron_fr.learner.micro_batches import (
     micro_batches_for_rank,
     plan_micro_batches,
 )
+from megatron_fr.learner.nonfinite import nonfinite_cause
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.parallel.cpu_shims import cpu_device_mode
@@ -315,7 +316,8 @@ class Learner:
     def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict:
         """One optimizer step on the whole batch (every rank passes the same batch): scalar
         metrics, plus per trajectory (lists in batch order) advantages, admitted and the
-        gate's sequence_kl."""
+        gate's sequence_kl. metrics["nonfinite"]: None, or "loss" / "gradient" when that was
+        not finite and the step was skipped (no weight, optimizer or schedule change)."""
         from megatron.core import parallel_state as ps
 
         dp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -327,10 +329,17 @@ class Learner:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             per_micro = self._schedule(micros, score, False, self.routing_replay)
-            updated, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+            # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
+            nonfinite = nonfinite_cause(per_micro, self.module)
+            if nonfinite is None:
+                updated, grad_norm, _ = self.optimizer.step()
+            else:
+                updated, grad_norm = False, None
+        if nonfinite is None:
+            self.scheduler.step(increment=1)
         self.steps_done += 1
         metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
+        metrics["nonfinite"] = nonfinite
         metrics["advantages"] = global_batch.advantages.tolist()
         metrics["padding_fraction"] = plan.padding_fraction
         return metrics

@@ -93,18 +93,22 @@ def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> Non
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
         if step == 0:
             evaluate(config, service, report, step)
+    skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=service is not None)
     while step < config.steps:
         started = time.monotonic()
         batch = broadcast_from_rank0(service.next_batch(step) if service else None)
         metrics = learner.train_step(batch, pad_id=pad_id)
         step += 1
-        sync = weight_sync.sync(learner.module, step)
+        if skipped.count(step, metrics):  # no weight changed: the engines keep theirs
+            sync_s = 0.0
+        else:
+            sync_s = weight_sync.sync(learner.module, step).seconds
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if service is not None:
             service.set_version(step)
             seconds = time.monotonic() - started
-            report.step(step, batch, metrics | gpus, sync.seconds, service.stats(), seconds)
+            report.step(step, batch, metrics | gpus, sync_s, service.stats(), seconds)
             if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
                 evaluate(config, service, report, step)
         stop = broadcast_from_rank0(stop_file.exists() if service else None)
@@ -115,6 +119,37 @@ def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> Non
                 stop_file.unlink(missing_ok=True)
                 print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
             return
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+class SkippedSteps:
+    """The steps the learner skipped for a non-finite loss or gradient (learner/nonfinite.py):
+    each is said and counted (metrics' step_skipped, skipped_steps_total), and `limit` in a
+    row end the run: the weights never change, so nothing would."""
+
+    def __init__(self, limit: int, say: bool) -> None:
+        self.limit, self.say = limit, say
+        self.in_a_row = self.total = 0
+
+    def count(self, step: int, metrics: dict) -> bool:
+        """Whether the step was skipped (sets its metrics); NonFiniteSteps at the limit."""
+        cause = metrics["nonfinite"]
+        self.in_a_row = self.in_a_row + 1 if cause else 0
+        self.total += bool(cause)
+        metrics.update(step_skipped=float(bool(cause)), skipped_steps_total=self.total)
+        if cause and self.in_a_row >= self.limit:
+            raise NonFiniteSteps(
+                f"the last {self.in_a_row} steps (to step {step}) had a non-finite {cause}: "
+                f"none updated the weights (learner.max_nonfinite_steps={self.limit}); lower "
+                "learner.lr or look for non-finite rewards or log-probs in the batches"
+            )
+        if cause and self.say:
+            print(f"step {step} skipped: its {cause} is not finite (no weight changed, none "
+                  f"sent; {self.in_a_row} in a row)", flush=True)  # fmt: skip
+        return bool(cause)
 
 
 def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:

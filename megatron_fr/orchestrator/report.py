@@ -78,6 +78,8 @@ class RunReport:
                 abandoned_total=rollout["abandoned_total"],
                 groups_failed_total=rollout["groups_failed_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
+                step_skipped=learner["step_skipped"],
+                skipped_steps_total=learner["skipped_steps_total"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
                 **episode_metrics(batch),
             )
