@@ -11,7 +11,8 @@ What waits on what: the learner waits only for a fresh batch (buffer.get_batch);
 only on the buffer's admission budget ((max_lag + 1) * B, buffer/lag_buffer.py), which the
 version bump after each sync opens again. A failure anywhere in the rollout service (a dead
 engine, a bug in a reward) wakes that wait with its cause and ends the run. A restart with the
-same command resumes from the newest complete checkpoint (orchestrator/checkpoints.py).
+same command resumes from the newest checkpoint whose files are all readable
+(orchestrator/resume.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
+from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.setup import (
     build_rollout_service,
     connect_weight_sync,
@@ -49,7 +51,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
     first = dist.get_rank() == 0
     hf_dir = Path(config.model.hf_dir)  # checked by the preflight (orchestrator/check.py)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    resume_from = ckpt.latest_checkpoint(run_dir)
+    resume_from, set_aside = settled_resume_point(run_dir)
     # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.
     learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
                       init_hf_dir=None if resume_from else str(hf_dir),
@@ -66,7 +68,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
             if resume_from is not None:
                 service.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
                 print(f"resumed from {resume_from} (step {learner.steps_done})", flush=True)
-            report = RunReport(config, run_dir, learner.steps_done)
+            report = RunReport(config, run_dir, learner.steps_done, set_aside)
         urls, pad_id = broadcast_from_rank0(
             (service.engines.urls, service.producer.pad_id) if service else None
         )
@@ -150,6 +152,18 @@ class SkippedSteps:
             print(f"step {step} skipped: its {cause} is not finite (no weight changed, none "
                   f"sent; {self.in_a_row} in a row)", flush=True)  # fmt: skip
         return bool(cause)
+
+
+def settled_resume_point(run_dir: Path) -> tuple[Path | None, int]:
+    """Every rank: the checkpoint to resume from (None: a fresh start) and how many newer ones
+    were set aside as unusable. The first rank checks the files and decides before any rank
+    loads one (orchestrator/resume.py), so no rank meets a bad file inside a collective load;
+    when none is usable every rank raises the same error."""
+    decision = settle_resume_point(run_dir) if dist.get_rank() == 0 else None
+    path, set_aside, error = broadcast_from_rank0(decision)
+    if error is not None:
+        raise NoUsableCheckpoint(error)
+    return (Path(path) if path else None), set_aside
 
 
 def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:

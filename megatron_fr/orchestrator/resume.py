@@ -1,0 +1,208 @@
+"""Which checkpoint a restarted run resumes from, decided from its files before any rank loads
+one: the newest whose files are all readable.
+
+A checkpoint is written whole before `latest` names it (orchestrator/checkpoints.py), but a
+file can still be damaged afterwards: a disk that filled, a copy cut short, a node that lost
+power with writes in its cache (a file of the right size full of zeros). Loading such a file
+fails inside the ranks' collective load, some ranks raising and the others waiting on them; so
+the first rank checks the candidates file by file, without reading the tensors:
+
+    controller.json         JSON of this step's controller state
+    learner/metadata.json   megatron's checkpoint description
+    learner/.metadata       torch's checkpoint index, readable; every shard it lists is a
+                            regular file long enough for its items, and each item starts and
+                            ends as the torch.save archive torch writes it as (a zero-filled or
+                            overwritten file does not)
+    rng/rank<r>.pt          each readable (rank 0's present)
+
+and every rank resumes from what it chose (controller.settle: the choice is broadcast). A bad
+checkpoint newer than the chosen one is named with its file and the reason, moved to
+checkpoints/corrupt/ (not deleted: the reason may be worth a look) and counted in the run's
+metrics; when no checkpoint is usable the run stops, naming each, and nothing is moved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from megatron_fr.orchestrator.checkpoints import LATEST, checkpoint_root, step_number
+
+CORRUPT_DIR = "corrupt"
+ARCHIVE_HEAD, ARCHIVE_END = b"PK\x03\x04", b"PK\x05\x06"
+"""A torch.save archive (a zip file): its first local header, and its end-of-directory record
+22 bytes before its end (torch writes no zip comment)."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """The run directory has checkpoints and none can be resumed from."""
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the run cannot resume from the checkpoint `path`, naming the file; None if it can."""
+    for check in (_controller_problem, _megatron_problem, _shards_problem, _rng_problem):
+        problem = check(path)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _read_json(file: Path) -> tuple[object, str | None]:
+    if not file.is_file():
+        return None, f"{file}: missing"
+    try:
+        return json.loads(file.read_text()), None
+    except (OSError, ValueError) as error:
+        return None, f"{file}: not readable JSON ({error})"
+
+
+def _controller_problem(path: Path) -> str | None:
+    state, problem = _read_json(path / "controller.json")
+    rollout = state.get("rollout") if isinstance(state, dict) else None
+    if problem is None and (state.get("step") != step_number(path) or not _is_rollout(rollout)):
+        problem = f"{path / 'controller.json'}: not this checkpoint's controller state"
+    return problem
+
+
+def _is_rollout(state: object) -> bool:
+    return isinstance(state, dict) and {"buffer", "completed", "failures"} <= state.keys()
+
+
+def _megatron_problem(path: Path) -> str | None:
+    file = path / "learner" / "metadata.json"
+    description, problem = _read_json(file)
+    if problem is None and not (isinstance(description, dict) and "sharded_backend" in description):
+        problem = f"{file}: not a megatron checkpoint description"
+    return problem
+
+
+def _shards_problem(path: Path) -> str | None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    index = path / "learner" / ".metadata"
+    if not index.is_file():
+        return f"{index}: missing"
+    try:
+        items = FileSystemReader(str(index.parent)).read_metadata().storage_data.values()
+        by_file = defaultdict(list)
+        for item in items:
+            by_file[item.relative_path].append(item)
+    except Exception as error:  # whatever unpickling damaged bytes raises
+        return f"{index}: unreadable ({type(error).__name__}: {error})"
+    for name, file_items in sorted(by_file.items()):
+        problem = _shard_problem(index.parent / name, file_items, index)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _shard_problem(shard: Path, items: list, index: Path) -> str | None:
+    if not shard.is_file():
+        return f"{shard}: missing (listed in {index})"
+    size = shard.stat().st_size
+    needed = max(item.offset + item.length for item in items)
+    if size < needed:
+        return f"{shard}: {size} bytes, shorter than the {needed} its items need (cut short?)"
+    with open(shard, "rb") as handle:
+        for item in items:
+            if item.transform_descriptors:
+                continue  # stored transformed (e.g. compressed): no archive to recognise
+            handle.seek(item.offset)
+            head = handle.read(4)
+            handle.seek(item.offset + item.length - 22)
+            if head != ARCHIVE_HEAD or handle.read(4) != ARCHIVE_END:
+                return (f"{shard}: the item at byte {item.offset} is not a torch.save archive "
+                        "(zero-filled or overwritten?)")  # fmt: skip
+    return None
+
+
+def _rng_problem(path: Path) -> str | None:
+    if not (path / "rng" / "rank0.pt").is_file():
+        return f"{path / 'rng' / 'rank0.pt'}: missing"
+    for file in sorted((path / "rng").glob("rank*.pt")):
+        try:
+            torch.load(file, weights_only=False)
+        except Exception as error:  # whatever unpickling damaged bytes raises
+            return f"{file}: unreadable ({type(error).__name__}: {error})"
+    return None
+
+
+def _pointed(run_dir: Path) -> tuple[int | None, str | None]:
+    """The step `latest` names, or why it names none (it exists)."""
+    pointer = checkpoint_root(run_dir) / LATEST
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        return None, f"{pointer}: unreadable ({error})"
+    target = checkpoint_root(run_dir) / name
+    if os.sep in name or step_number(target) is None:
+        return None, f"{pointer}: names {name[:80]!r}, not a step directory of {target.parent}"
+    return step_number(target), None
+
+
+def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint to resume from (None: a fresh start, or none usable) and each newer one
+    that cannot be used, with why, newest first. Considered: `latest`'s step directory and
+    the older ones, newest first; every step directory when `latest` is unusable; nothing
+    without `latest` (no checkpoint was ever completed)."""
+    root = checkpoint_root(run_dir)
+    if not (root / LATEST).exists():
+        return None, []
+    newest, problem = _pointed(run_dir)
+    bad = [] if problem is None else [(root / LATEST, problem)]
+    steps = {path: step_number(path) for path in root.iterdir()}
+    candidates = sorted((s, p) for p, s in steps.items() if s is not None and
+                        (newest is None or s <= newest))  # fmt: skip
+    if newest is not None and newest not in {s for s, _ in candidates}:
+        bad.append((root / LATEST, f"{root / LATEST}: names step {newest}, which is missing"))
+    for _, path in reversed(candidates):
+        why = checkpoint_problem(path)
+        if why is None:
+            return path, bad
+        bad.append((path, why))
+    return None, bad
+
+
+def settle_resume_point(run_dir: Path) -> tuple[str | None, int, str | None]:
+    """The first rank's decision, to broadcast: (checkpoint to resume from, how many were set
+    aside, the error when none is usable). Bad checkpoints newer than the chosen one are
+    reported and moved to checkpoints/corrupt/, and `latest` then names the chosen one."""
+    chosen, bad = resume_point(run_dir)
+    skipped = sum(path.name != LATEST for path, _ in bad)
+    if chosen is None and bad:
+        reasons = "; ".join(why for _, why in bad)
+        return None, skipped, (f"no checkpoint of {run_dir} can be resumed from: {reasons} "
+                                "(remove the checkpoints directory to start afresh)")  # fmt: skip
+    for path, why in bad:
+        if path.name == LATEST:
+            print(f"{why}; {LATEST} will name {chosen.name}", flush=True)
+        else:
+            moved = _set_aside(path)
+            print(f"checkpoint {path} cannot be resumed from: {why}; moved to {moved}", flush=True)
+    if bad:
+        _point_at(chosen)
+    return (str(chosen) if chosen else None), skipped, None
+
+
+def _set_aside(path: Path) -> Path:
+    destination = path.parent / CORRUPT_DIR / path.name
+    suffix = 1
+    while destination.exists():
+        destination, suffix = path.parent / CORRUPT_DIR / f"{path.name}.{suffix}", suffix + 1
+    destination.parent.mkdir(exist_ok=True)
+    shutil.move(str(path), str(destination))
+    return destination
+
+
+def _point_at(checkpoint: Path) -> None:
+    pointer = checkpoint.parent / LATEST
+    if pointer.is_dir():
+        shutil.rmtree(pointer)
+    partial = pointer.with_suffix(".partial")
+    partial.write_text(checkpoint.name + "\n")
+    os.replace(partial, pointer)
