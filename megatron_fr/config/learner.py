@@ -65,6 +65,12 @@ class LearnerConfig(StrictModel):
     """A step whose loss or gradient is not finite is skipped (no update, nothing sent to the
     engines, counted as skipped_steps_total); this many in a row end the run, naming it."""
 
+    @model_validator(mode="after")
+    def _schedule_bounds(self) -> LearnerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g})")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _pair_estimator_and_loss(cls, data: Any) -> Any:

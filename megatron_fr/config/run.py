@@ -67,6 +67,29 @@ class RunConfig(StrictModel):
         return self
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    one silently, so a recipe would not say what it runs)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> object:
+    """`text` as YAML (safe, no duplicate keys); yaml.YAMLError, or RecursionError for
+    nesting deeper than the parser can follow."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """A copy of data with each ``a.b.c=value`` set (value parsed as YAML)."""
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
@@ -75,9 +98,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise ValueError(f"override {override!r} is not of the form dotted.key=value")
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ValueError(f"override {override!r}: the value is not YAML ({error})") from None
+            value = parse_yaml(text)
+        except (yaml.YAMLError, RecursionError) as error:
+            problem = getattr(error, "problem", None) or error
+            raise ValueError(f"override {override!r}: the value is not YAML ({problem})") from None
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
@@ -99,7 +123,9 @@ def read_recipe(recipe: str | Path) -> dict:
             f"recipe {path} is not a file (a YAML recipe, e.g. examples/cpu_demo.yaml)"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
+    except RecursionError:
+        raise ValueError(f"recipe {path}: nested deeper than YAML can be read") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
