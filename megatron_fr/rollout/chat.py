@@ -162,7 +162,13 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return ()
-    value = json.loads(path.read_text()).get("eos_token_id")
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    value = value.get("eos_token_id")
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
         raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
