@@ -16,7 +16,6 @@ Prints a one-screen summary; raises CheckFailed naming the first problem found.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
@@ -44,20 +43,18 @@ def check_recipe(
 
 
 def _model(config: RunConfig, lines: list[str]):
-    from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.orchestrator.workload import check_hf_dir
 
     try:
-        hf_dir = check_hf_dir(config)
-    except FileNotFoundError as error:
+        hf_dir, spec = check_hf_dir(config)
+    except (OSError, ValueError) as error:
         raise CheckFailed(str(error)) from None
-    spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    context = json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings")
+    context = spec.max_position_embeddings
     lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
                  f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
     task = config.task
     budget = (task.agent or task.single_turn_agent()).max_episode_tokens
-    if context is not None and budget > context:
+    if budget > context:
         raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
                           f"context {context} (max_position_embeddings)")  # fmt: skip
     return spec
@@ -94,6 +91,10 @@ def _rendered(config: RunConfig, samples: list) -> str:
         episode = environment.start(samples[0])
         length = len(chat.prompt_ids(episode.messages, episode.tools))
         episode.close()
+    if dropped == len(samples):
+        limit = task.max_prompt_tokens
+        raise CheckFailed(f"task.max_prompt_tokens={limit}: every prompt is longer (the "
+                          f"first: {length} tokens), so none would be played")  # fmt: skip
     return (f"; first prompt {length} tokens; {dropped} over max_prompt_tokens="
             f"{task.max_prompt_tokens} would be dropped")  # fmt: skip
 
@@ -102,9 +103,27 @@ def _key(what: str) -> str:
     return "train" if what == "train" else "eval_sets." + what.split(" ", 1)[1]
 
 
+def _micro_batch_fits_a_row(config: RunConfig) -> None:
+    """The longest row the task can make fits one micro-batch, as the learner plans them (it
+    refuses a longer trajectory when one comes, and ends the run)."""
+    from megatron_fr.learner.micro_batches import plan_micro_batches
+
+    row = (config.task.agent or config.task.single_turn_agent()).max_episode_tokens
+    p, budget = config.parallel, config.learner.micro_batch_tokens
+    sequence_parallel = p.tensor if p.sequence_parallel else 1
+    try:
+        plan_micro_batches([row], dp_size=1, token_budget=budget,
+                           pack=config.learner.pack_sequences, cp_size=p.context,
+                           sequence_parallel_size=sequence_parallel)  # fmt: skip
+    except ValueError as error:
+        raise CheckFailed(f"learner.micro_batch_tokens={budget}: a row may reach {row} tokens "
+                          f"(task), and {error}") from None  # fmt: skip
+
+
 def _layout(config, spec, world_size: int, gpu_mem_gb: float | None, lines) -> None:
     from megatron_fr.launch.plan import LayoutError, plan_layout
 
+    _micro_batch_fits_a_row(config)
     learner = config.learner
     try:
         plan = plan_layout(

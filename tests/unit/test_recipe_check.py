@@ -77,7 +77,7 @@ def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "recipe OK (nothing was started)" in result.stdout
-    assert "TP4 PP1 CP1 EP8 ETP1 DP4" in result.stdout
+    assert "TP4 PP1 CP2 EP8 ETP1 DP2" in result.stdout
     assert not run_dir.exists()
 
 

@@ -129,7 +129,7 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert "nodes     4: rollout nodes 1-2, learner nodes 3-4; 8 GPU(s) per node" in out
     assert "servers   4 (2 per rollout node, sglang engine, 4 GPU(s) each (SGLang TP4))" in out
     assert "learner   16 ranks = 2 node(s) x 8" in out
-    assert "TP4 PP1 CP1 EP8 ETP1 (DP4, EDP2, SP) on 16 ranks" in out
+    assert "TP4 PP1 CP2 EP8 ETP1 (DP2, EDP2, SP) on 16 ranks" in out
     assert "fits 80.00 GiB: yes without recompute" in out
     assert "USR1 600s before the time limit (04:00:00)" in out
     assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
