@@ -15,8 +15,7 @@ import socket
 import string
 from pathlib import Path
 
-import pytest
-from fuzz_harness import REPO, Case, Started, assert_sound, report, run_case
+from fuzz_harness import Case, assert_sound, report, run_case
 
 SEED = 30
 INTS = ["steps", "learner_ranks", "task.max_prompt_tokens", "task.max_new_tokens",
@@ -303,38 +302,9 @@ def corpus(ws: Path, seed: int) -> list[Case]:
             *good_cases(ws, rng)]  # fmt: skip
 
 
-def workspace(root: Path) -> Path:
-    """A tiny model, a few prompts and the CPU demo recipe pointing at them."""
-    from agent_fixtures import chat_model_dir
-
-    chat_model_dir(root / "model")
-    (root / "data").mkdir()
-    rows = (REPO / "examples" / "data" / "cpu_math" / "train.jsonl").read_text().splitlines()
-    (root / "data" / "train.jsonl").write_text("\n".join(rows[:6]) + "\n")
-    (root / "data" / "eval.jsonl").write_text("\n".join(rows[6:9]) + "\n")
-    recipe = (REPO / "examples" / "cpu_demo.yaml").read_text()
-    recipe = recipe.replace("../runs/models/cpu_demo", "model").replace("data/cpu_math/", "data/")
-    (root / "recipe.yaml").write_text(recipe)
-    return root
-
-
-@pytest.fixture
-def no_torchrun(monkeypatch):
-    """Where `train` would start torchrun, the case ends: it accepted its input."""
-    from megatron_fr.orchestrator import train_cli
-
-    def started(*_args) -> None:
-        raise Started
-
-    monkeypatch.setattr(train_cli, "_exec_torchrun", started)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-
-def test_fuzz_train_cli_and_recipes(tmp_path, no_torchrun, monkeypatch):
+def test_fuzz_train_cli_and_recipes(workspace, no_torchrun):
     from megatron_fr.cli import main
 
     seed = int(os.environ.get("FUZZ_SEED", SEED))
-    ws = workspace(tmp_path)
-    monkeypatch.chdir(ws)
-    results = [run_case(case, main) for case in corpus(ws, seed)]
+    results = [run_case(case, main) for case in corpus(workspace, seed)]
     assert_sound(report("train CLI + recipes", seed, results))
