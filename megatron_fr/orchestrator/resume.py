@@ -8,11 +8,8 @@ fails inside the ranks' collective load, some ranks raising and the others waiti
 the first rank checks the candidates file by file, without reading the tensors:
 
     controller.json         JSON of this step's controller state
-    learner/metadata.json   megatron's checkpoint description
-    learner/.metadata       torch's checkpoint index, readable; every shard it lists is a
-                            regular file long enough for its items, and each item starts and
-                            ends as the torch.save archive torch writes it as (a zero-filled or
-                            overwritten file does not)
+    learner/                megatron's checkpoint files, readable and whole
+                            (convert/dcp_files.py)
     rng/rank<r>.pt          each readable (rank 0's present)
 
 and every rank resumes from what it chose (controller.settle: the choice is broadcast). A bad
@@ -23,20 +20,16 @@ metrics; when no checkpoint is usable the run stops, naming each, and nothing is
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from megatron_fr.convert.dcp_files import megatron_checkpoint_problem, read_json
 from megatron_fr.orchestrator.checkpoints import LATEST, checkpoint_root, step_number
 
 CORRUPT_DIR = "corrupt"
-ARCHIVE_HEAD, ARCHIVE_END = b"PK\x03\x04", b"PK\x05\x06"
-"""A torch.save archive (a zip file): its first local header, and its end-of-directory record
-22 bytes before its end (torch writes no zip comment)."""
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -45,24 +38,15 @@ class NoUsableCheckpoint(RuntimeError):
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why the run cannot resume from the checkpoint `path`, naming the file; None if it can."""
-    for check in (_controller_problem, _megatron_problem, _shards_problem, _rng_problem):
+    for check in (_controller_problem, _learner_problem, _rng_problem):
         problem = check(path)
         if problem is not None:
             return problem
     return None
 
 
-def _read_json(file: Path) -> tuple[object, str | None]:
-    if not file.is_file():
-        return None, f"{file}: missing"
-    try:
-        return json.loads(file.read_text()), None
-    except (OSError, ValueError) as error:
-        return None, f"{file}: not readable JSON ({error})"
-
-
 def _controller_problem(path: Path) -> str | None:
-    state, problem = _read_json(path / "controller.json")
+    state, problem = read_json(path / "controller.json")
     rollout = state.get("rollout") if isinstance(state, dict) else None
     if problem is None and (state.get("step") != step_number(path) or not _is_rollout(rollout)):
         problem = f"{path / 'controller.json'}: not this checkpoint's controller state"
@@ -73,52 +57,8 @@ def _is_rollout(state: object) -> bool:
     return isinstance(state, dict) and {"buffer", "completed", "failures"} <= state.keys()
 
 
-def _megatron_problem(path: Path) -> str | None:
-    file = path / "learner" / "metadata.json"
-    description, problem = _read_json(file)
-    if problem is None and not (isinstance(description, dict) and "sharded_backend" in description):
-        problem = f"{file}: not a megatron checkpoint description"
-    return problem
-
-
-def _shards_problem(path: Path) -> str | None:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    index = path / "learner" / ".metadata"
-    if not index.is_file():
-        return f"{index}: missing"
-    try:
-        items = FileSystemReader(str(index.parent)).read_metadata().storage_data.values()
-        by_file = defaultdict(list)
-        for item in items:
-            by_file[item.relative_path].append(item)
-    except Exception as error:  # whatever unpickling damaged bytes raises
-        return f"{index}: unreadable ({type(error).__name__}: {error})"
-    for name, file_items in sorted(by_file.items()):
-        problem = _shard_problem(index.parent / name, file_items, index)
-        if problem is not None:
-            return problem
-    return None
-
-
-def _shard_problem(shard: Path, items: list, index: Path) -> str | None:
-    if not shard.is_file():
-        return f"{shard}: missing (listed in {index})"
-    size = shard.stat().st_size
-    needed = max(item.offset + item.length for item in items)
-    if size < needed:
-        return f"{shard}: {size} bytes, shorter than the {needed} its items need (cut short?)"
-    with open(shard, "rb") as handle:
-        for item in items:
-            if item.transform_descriptors:
-                continue  # stored transformed (e.g. compressed): no archive to recognise
-            handle.seek(item.offset)
-            head = handle.read(4)
-            handle.seek(item.offset + item.length - 22)
-            if head != ARCHIVE_HEAD or handle.read(4) != ARCHIVE_END:
-                return (f"{shard}: the item at byte {item.offset} is not a torch.save archive "
-                        "(zero-filled or overwritten?)")  # fmt: skip
-    return None
+def _learner_problem(path: Path) -> str | None:
+    return megatron_checkpoint_problem(path / "learner")
 
 
 def _rng_problem(path: Path) -> str | None:
