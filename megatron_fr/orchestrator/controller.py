@@ -159,7 +159,8 @@ def settled_resume_point(run_dir: Path) -> tuple[Path | None, int]:
     were set aside as unusable. The first rank checks the files and decides before any rank
     loads one (orchestrator/resume.py), so no rank meets a bad file inside a collective load;
     when none is usable every rank raises the same error."""
-    decision = settle_resume_point(run_dir) if dist.get_rank() == 0 else None
+    first = dist.get_rank() == 0
+    decision = settle_resume_point(run_dir, dist.get_world_size()) if first else None
     path, set_aside, error = broadcast_from_rank0(decision)
     if error is not None:
         raise NoUsableCheckpoint(error)

@@ -83,12 +83,12 @@ def check_run_dir(run_dir: Path) -> None:
                          "step it is on; this one would stop every start): remove it")  # fmt: skip
 
 
-def check_resume(run_dir: Path) -> None:
+def check_resume(run_dir: Path, world_size: int) -> None:
     """A run directory with checkpoints has one to resume from (which one, and setting the
     unusable newer ones aside, is the first rank's job: orchestrator/resume.py)."""
     from megatron_fr.orchestrator.resume import resume_point
 
-    chosen, bad = resume_point(run_dir)
+    chosen, bad = resume_point(run_dir, world_size)
     if chosen is None and bad:
         reasons = "; ".join(why for _, why in bad)
         raise ValueError(f"--run-dir {run_dir}: no checkpoint can be resumed from: {reasons} "

@@ -10,7 +10,7 @@ the first rank checks the candidates file by file, without reading the tensors:
     controller.json         JSON of this step's controller state
     learner/                megatron's checkpoint files, readable and whole
                             (convert/dcp_files.py)
-    rng/rank<r>.pt          each readable (rank 0's present)
+    rng/rank<r>.pt          one per rank of the run, each readable
 
 and every rank resumes from what it chose (controller.settle: the choice is broadcast). A bad
 checkpoint newer than the chosen one is named with its file and the reason, moved to
@@ -36,10 +36,11 @@ class NoUsableCheckpoint(RuntimeError):
     """The run directory has checkpoints and none can be resumed from."""
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the run cannot resume from the checkpoint `path`, naming the file; None if it can."""
-    for check in (_controller_problem, _learner_problem, _rng_problem):
-        problem = check(path)
+def checkpoint_problem(path: Path, world_size: int) -> str | None:
+    """Why a run of `world_size` ranks cannot resume from the checkpoint `path`, naming the
+    file; None if it can."""
+    for problem in (_controller_problem(path), megatron_checkpoint_problem(path / "learner"),
+                    _rng_problem(path, world_size)):  # fmt: skip
         if problem is not None:
             return problem
     return None
@@ -57,14 +58,11 @@ def _is_rollout(state: object) -> bool:
     return isinstance(state, dict) and {"buffer", "completed", "failures"} <= state.keys()
 
 
-def _learner_problem(path: Path) -> str | None:
-    return megatron_checkpoint_problem(path / "learner")
-
-
-def _rng_problem(path: Path) -> str | None:
-    if not (path / "rng" / "rank0.pt").is_file():
-        return f"{path / 'rng' / 'rank0.pt'}: missing"
-    for file in sorted((path / "rng").glob("rank*.pt")):
+def _rng_problem(path: Path, world_size: int) -> str | None:
+    for rank in range(world_size):
+        file = path / "rng" / f"rank{rank}.pt"
+        if not file.is_file():
+            return f"{file}: missing (each of the run's {world_size} ranks loads its own)"
         try:
             torch.load(file, weights_only=False)
         except Exception as error:  # whatever unpickling damaged bytes raises
@@ -85,7 +83,7 @@ def _pointed(run_dir: Path) -> tuple[int | None, str | None]:
     return step_number(target), None
 
 
-def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+def resume_point(run_dir: Path, world_size: int) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The checkpoint to resume from (None: a fresh start, or none usable) and each newer one
     that cannot be used, with why, newest first. Considered: `latest`'s step directory and
     the older ones, newest first; every step directory when `latest` is unusable; nothing
@@ -101,18 +99,18 @@ def resume_point(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     if newest is not None and newest not in {s for s, _ in candidates}:
         bad.append((root / LATEST, f"{root / LATEST}: names step {newest}, which is missing"))
     for _, path in reversed(candidates):
-        why = checkpoint_problem(path)
+        why = checkpoint_problem(path, world_size)
         if why is None:
             return path, bad
         bad.append((path, why))
     return None, bad
 
 
-def settle_resume_point(run_dir: Path) -> tuple[str | None, int, str | None]:
+def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int, str | None]:
     """The first rank's decision, to broadcast: (checkpoint to resume from, how many were set
     aside, the error when none is usable). Bad checkpoints newer than the chosen one are
     reported and moved to checkpoints/corrupt/, and `latest` then names the chosen one."""
-    chosen, bad = resume_point(run_dir)
+    chosen, bad = resume_point(run_dir, world_size)
     skipped = sum(path.name != LATEST for path, _ in bad)
     if chosen is None and bad:
         reasons = "; ".join(why for _, why in bad)
@@ -120,7 +118,7 @@ def settle_resume_point(run_dir: Path) -> tuple[str | None, int, str | None]:
                                 "(remove the checkpoints directory to start afresh)")  # fmt: skip
     for path, why in bad:
         if path.name == LATEST:
-            print(f"{why}; {LATEST} will name {chosen.name}", flush=True)
+            print(f"cannot use {why}; {LATEST} now names {chosen.name}", flush=True)
         else:
             moved = _set_aside(path)
             print(f"checkpoint {path} cannot be resumed from: {why}; moved to {moved}", flush=True)

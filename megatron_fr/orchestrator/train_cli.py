@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         # before any process: everything, once (the ranks repeat only what is quick)
         check_recipe(config, world, gpu_mem_gb=None, render=launched is None)
         if launched is None:
-            preflight.check_resume(args.run_dir)
+            preflight.check_resume(args.run_dir, world)
             preflight.check_engines(config)
     except (ValueError, OSError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)

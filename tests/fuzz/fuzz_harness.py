@@ -5,7 +5,7 @@ must do: be refused with an error that names `names` (a key, file or field), or 
 is run in this process through the command's own main() with stderr captured, unless it needs
 a process of its own (an environment of launcher variables). Its outcome is one of
 
-    clear      refused: non-zero exit, no traceback, an "error" line naming what it must name
+    clear      refused: non-zero exit, no traceback, an error line naming what it must name
     vague      refused without a traceback, but the error does not name what it must
     traceback  an exception escaped main(), or a traceback was printed
     hang       no answer within the case's deadline
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -33,6 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FAILURES = ("traceback", "hang", "silent", "refused")
+ERROR_LINE = re.compile(r"error|cannot", re.IGNORECASE)
+"""A line that says what is wrong ("error: ...", "checkpoint ... cannot be resumed from")."""
 
 
 class Started(Exception):
@@ -104,7 +107,7 @@ def judge(case: Case, code, output: str, raised: str | None) -> str:
         return "ok" if accepted else "refused"
     if accepted:
         return "silent"
-    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    errors = [line for line in output.splitlines() if ERROR_LINE.search(line)]
     named = any(case.names.lower() in line.lower() for line in errors)
     return "clear" if named else "vague"
 

@@ -68,7 +68,7 @@ CORRUPTIONS = [
     ("controller.json of another step", "controller.json",
      lambda p: p.write_text(json.dumps({"step": 7, "rollout": {}})), "not this checkpoint's"),
     ("truncated RNG file", "rng/rank1.pt", truncate, "unreadable"),
-    ("missing RNG file", "rng/rank0.pt", Path.unlink, "missing"),
+    ("missing RNG file", "rng/rank1.pt", Path.unlink, "missing (each of the run's 2 ranks"),
 ]  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def test_a_corrupt_newest_checkpoint_is_named_and_the_one_before_used(
 ):
     newest = ckpt.step_dir(run_dir, 20)
     corrupt(newest / file)
-    chosen, bad = resume_point(run_dir)
+    chosen, bad = resume_point(run_dir, 2)
     assert chosen == ckpt.step_dir(run_dir, 10)
     ((path, why),) = bad
     assert path == newest and str(newest / file) in why and reason in why, why
@@ -87,27 +87,27 @@ def test_a_corrupt_newest_checkpoint_is_named_and_the_one_before_used(
 
 def test_a_complete_newest_checkpoint_is_used_and_an_older_bad_one_is_not_looked_at(run_dir):
     zero_fill(ckpt.step_dir(run_dir, 10) / SHARD)
-    assert resume_point(run_dir) == (ckpt.step_dir(run_dir, 20), [])
-    assert checkpoint_problem(ckpt.step_dir(run_dir, 20)) is None
+    assert resume_point(run_dir, 2) == (ckpt.step_dir(run_dir, 20), [])
+    assert checkpoint_problem(ckpt.step_dir(run_dir, 20), 2) is None
 
 
 def test_settling_sets_the_bad_one_aside_and_points_latest_at_the_one_used(run_dir, capsys):
     newest = ckpt.step_dir(run_dir, 20)
     truncate(newest / SHARD)
-    assert settle_resume_point(run_dir) == (str(ckpt.step_dir(run_dir, 10)), 1, None)
+    assert settle_resume_point(run_dir, 2) == (str(ckpt.step_dir(run_dir, 10)), 1, None)
     assert (
         not newest.exists() and (ckpt.checkpoint_root(run_dir) / "corrupt" / newest.name).is_dir()
     )
     assert ckpt.latest_checkpoint(run_dir) == ckpt.step_dir(run_dir, 10)
     out = capsys.readouterr().out
     assert f"{newest} cannot be resumed from: {newest / SHARD}" in out
-    assert settle_resume_point(run_dir) == (str(ckpt.step_dir(run_dir, 10)), 0, None)
+    assert settle_resume_point(run_dir, 2) == (str(ckpt.step_dir(run_dir, 10)), 0, None)
 
 
 @pytest.mark.parametrize("pointer", ["", "step_00000099\n", "../../etc\n", "\x00\xff"])
 def test_an_unusable_latest_pointer_is_named_and_the_newest_complete_one_used(run_dir, pointer):
     (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).write_text(pointer, errors="surrogateescape")
-    chosen, bad = resume_point(run_dir)
+    chosen, bad = resume_point(run_dir, 2)
     assert chosen == ckpt.step_dir(run_dir, 20)
     ((path, why),) = bad
     assert path == ckpt.checkpoint_root(run_dir) / ckpt.LATEST and "latest" in why
@@ -116,7 +116,7 @@ def test_an_unusable_latest_pointer_is_named_and_the_newest_complete_one_used(ru
 def test_no_usable_checkpoint_is_an_error_naming_each_and_nothing_is_moved(run_dir):
     for step in (10, 20):
         zero_fill(ckpt.step_dir(run_dir, step) / SHARD)
-    path, skipped, error = settle_resume_point(run_dir)
+    path, skipped, error = settle_resume_point(run_dir, 2)
     assert path is None and skipped == 2
     assert "step_00000020" in error and "step_00000010" in error and "\n" not in error
     assert ckpt.step_dir(run_dir, 20).is_dir()
@@ -125,8 +125,8 @@ def test_no_usable_checkpoint_is_an_error_naming_each_and_nothing_is_moved(run_d
 
 
 def test_a_fresh_run_directory_has_nothing_to_resume(tmp_path):
-    assert resume_point(tmp_path) == (None, [])
-    assert settle_resume_point(tmp_path) == (None, 0, None)
+    assert resume_point(tmp_path, 2) == (None, [])
+    assert settle_resume_point(tmp_path, 2) == (None, 0, None)
 
 
 def test_random_byte_damage_to_the_newest_is_caught_or_harmless(run_dir):
@@ -142,7 +142,7 @@ def test_random_byte_damage_to_the_newest_is_caught_or_harmless(run_dir):
         for _ in range(rng.randint(1, 8)):
             damaged[rng.randrange(len(damaged))] = rng.randrange(256)
         file.write_bytes(bytes(damaged))
-        chosen, bad = resume_point(run_dir)
+        chosen, bad = resume_point(run_dir, 2)
         assert chosen in (ckpt.step_dir(run_dir, 20), ckpt.step_dir(run_dir, 10))
         assert all(str(file) in why for _, why in bad), bad
         file.write_bytes(original)
