@@ -86,13 +86,11 @@ def check_run_dir(run_dir: Path) -> None:
 def check_resume(run_dir: Path, world_size: int) -> None:
     """A run directory with checkpoints has one to resume from (which one, and setting the
     unusable newer ones aside, is the first rank's job: orchestrator/resume.py)."""
-    from megatron_fr.orchestrator.resume import resume_point
+    from megatron_fr.orchestrator.resume import none_usable, resume_point
 
     chosen, bad = resume_point(run_dir, world_size)
     if chosen is None and bad:
-        reasons = "; ".join(why for _, why in bad)
-        raise ValueError(f"--run-dir {run_dir}: no checkpoint can be resumed from: {reasons} "
-                         "(move the checkpoints directory away to start afresh)")  # fmt: skip
+        raise ValueError(f"--run-dir: {none_usable(run_dir, bad)}")
 
 
 def check_engines(config: RunConfig, timeout_s: float = 10.0) -> None:

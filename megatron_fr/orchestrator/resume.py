@@ -71,7 +71,7 @@ def _rng_problem(path: Path, world_size: int) -> str | None:
 
 
 def _pointed(run_dir: Path) -> tuple[int | None, str | None]:
-    """The step `latest` names, or why it names none (it exists)."""
+    """The step `latest` names (a step directory there), or why it names none."""
     pointer = checkpoint_root(run_dir) / LATEST
     try:
         name = pointer.read_text().strip()
@@ -96,14 +96,19 @@ def resume_point(run_dir: Path, world_size: int) -> tuple[Path | None, list[tupl
     steps = {path: step_number(path) for path in root.iterdir()}
     candidates = sorted((s, p) for p, s in steps.items() if s is not None and
                         (newest is None or s <= newest))  # fmt: skip
-    if newest is not None and newest not in {s for s, _ in candidates}:
-        bad.append((root / LATEST, f"{root / LATEST}: names step {newest}, which is missing"))
     for _, path in reversed(candidates):
         why = checkpoint_problem(path, world_size)
         if why is None:
             return path, bad
         bad.append((path, why))
     return None, bad
+
+
+def none_usable(run_dir: Path, bad: list[tuple[Path, str]]) -> str:
+    """The error of a run directory with checkpoints, none of which can be resumed from."""
+    reasons = "; ".join(why for _, why in bad)
+    return (f"no checkpoint of {run_dir} can be resumed from: {reasons} (move the checkpoints "
+            "directory away to start afresh)")  # fmt: skip
 
 
 def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int, str | None]:
@@ -113,9 +118,7 @@ def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int
     chosen, bad = resume_point(run_dir, world_size)
     skipped = sum(path.name != LATEST for path, _ in bad)
     if chosen is None and bad:
-        reasons = "; ".join(why for _, why in bad)
-        return None, skipped, (f"no checkpoint of {run_dir} can be resumed from: {reasons} "
-                                "(remove the checkpoints directory to start afresh)")  # fmt: skip
+        return None, skipped, none_usable(run_dir, bad)
     for path, why in bad:
         if path.name == LATEST:
             print(f"cannot use {why}; {LATEST} now names {chosen.name}", flush=True)
