@@ -1,10 +1,10 @@
 """`megatron-fr train RECIPE --run-dir DIR [dotted.key=value ...]` (also `python -m megatron_fr`).
 
 Started by hand, the command re-executes itself under torchrun with `learner_ranks` processes
-(same PID, so stopping it stops the run); started by torchrun or srun (RANK and WORLD_SIZE
-set, and TORCHELASTIC_RUN_ID), each process is one learner rank and runs the training loop;
-launcher variables set by hand are refused (orchestrator/preflight.py). The same command resumes
-a run that was stopped.
+(same PID, so stopping it stops the run); started by torchrun (RANK, WORLD_SIZE and
+TORCHELASTIC_RUN_ID set; the Slurm job starts torchrun on each learner node), each process is
+one learner rank and runs the training loop; launcher variables set by hand are refused
+(orchestrator/preflight.py). The same command resumes a run that was stopped.
 """
 
 from __future__ import annotations
