@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
@@ -93,17 +94,29 @@ def check_resume(run_dir: Path, world_size: int) -> None:
         raise ValueError(f"--run-dir: {none_usable(run_dir, bad)}")
 
 
-def check_engines(config: RunConfig, timeout_s: float = 10.0) -> None:
-    """Every engine the recipe names answers GET /health (the run would wait for them)."""
+def check_engines(config: RunConfig, poll_s: float = 1.0) -> None:
+    """Every engine the recipe names answers GET /health within
+    rollout.engine.start_timeout_s (one still starting is waited for, as the run would); a
+    URL that cannot be one is refused at once."""
     from megatron_fr.engine.http import EngineRequestError, get_json
     from megatron_fr.engine.protocol import HEALTH_PATH
 
-    for url in config.rollout.engine.urls:
-        try:
-            get_json(url, HEALTH_PATH, timeout_s)
-        except (EngineRequestError, ValueError) as error:
-            raise ValueError(f"rollout.engine.urls: {url} does not answer GET {HEALTH_PATH} "
-                             f"({error})") from None  # fmt: skip
+    settings = config.rollout.engine
+    deadline = time.monotonic() + settings.start_timeout_s
+    for url in settings.urls:
+        while True:
+            try:
+                get_json(url, HEALTH_PATH, min(10.0, settings.start_timeout_s))
+                break
+            except ValueError as error:  # urllib: not a URL
+                raise ValueError(f"rollout.engine.urls: {url!r} is not a URL ({error})") from None
+            except EngineRequestError as error:
+                if time.monotonic() >= deadline:
+                    raise ValueError(
+                        f"rollout.engine.urls: {url} has not answered GET {HEALTH_PATH} within "
+                        f"rollout.engine.start_timeout_s={settings.start_timeout_s:g} s ({error})"
+                    ) from None
+            time.sleep(poll_s)
 
 
 def describe_storage_error(error: BaseException, run_dir: Path) -> str | None:

@@ -248,6 +248,7 @@ def run_dir_cases(ws: Path) -> list[Case]:
             ws,
             ws / "runs" / "fresh_1",
             f"rollout.engine.urls=[http://127.0.0.1:{port}]",
+            "rollout.engine.start_timeout_s=2",
             names="rollout.engine.urls",
         ),
         start(

@@ -91,3 +91,50 @@ def test_arguments_out_of_range_are_refused():
 def test_a_run_directory_gets_a_probe_file_that_does_not_stay(tmp_path: Path):
     preflight.check_run_dir(tmp_path / "new" / "run")
     assert list(tmp_path.iterdir()) == []
+
+
+def engine_config(*overrides: str):
+    from megatron_fr.config.run import load_run_config
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+    return load_run_config(recipe, list(overrides))
+
+
+def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatch):
+    """One still starting is waited for (the run would wait too); one that never answers is
+    refused at the deadline, naming the URL and the setting; a URL that is none, at once."""
+    import http.server
+    import threading
+    import time
+
+    from megatron_fr.parallel.spawn import free_port
+
+    port = free_port()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+    server: list = []
+
+    def serve_late() -> None:
+        time.sleep(1.5)
+        server.append(http.server.HTTPServer(("127.0.0.1", port), Health))
+        server[0].serve_forever()
+
+    threading.Thread(target=serve_late, daemon=True).start()
+    url = f"rollout.engine.urls=[http://127.0.0.1:{port}]"
+    try:
+        preflight.check_engines(engine_config(url, "rollout.engine.start_timeout_s=30"), 0.2)
+    finally:
+        if server:
+            server[0].shutdown()
+    silent = f"rollout.engine.urls=[http://127.0.0.1:{free_port()}]"
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"has not answered GET /health within .*=1 s"):
+        preflight.check_engines(engine_config(silent, "rollout.engine.start_timeout_s=1"), 0.2)
+    assert time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="'nonsense' is not a URL"):
+        preflight.check_engines(engine_config("rollout.engine.urls=[nonsense]"), 0.2)
