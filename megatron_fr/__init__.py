@@ -1,10 +1,22 @@
-"""megatron-fr: FlashREINFORCE (critic-free, single-rollout, asynchronous RL) on Megatron-core.
+"""megatron-fr: FlashREINFORCE (critic-free, single-rollout, asynchronous RL) on Megatron-core
+learners and SGLang inference servers.
 
-Packages, with imports flowing one way (config is imported by everything, imports nothing):
-  config/    typed configuration schemas (no torch, no megatron)
-  algo/      advantages, FlashREINFORCE and baseline losses, rollout corrections (pure torch)
-  parallel/  megatron parallel_state wrapper, vocab-parallel log-probs, the parallel loss path,
-             the CPU compatibility shims for megatron-core
+The packages, top to bottom; a package imports only packages below it, and packages on one
+line do not import each other (pyproject.toml [tool.importlinter], checked by the tests):
+
+    cli                                   the `megatron-fr` command
+    demo                                  the CPU demos' models (beside the production path)
+    sim                                   the run simulator
+    orchestrator                          the training loop, checks, checkpoints, metrics
+    rollout | learner | weights | launch  rollout service; megatron learner; weight sync;
+                                          layout planner and Slurm renderer
+    envs | buffer | convert               environments; trajectories and the lag-aware buffer;
+                                          HF <-> megatron conversion
+    engine | models                       the SGLang boundary (and the CPU engine); models
+    parallel                              parallel state, parallel losses, CPU shims
+    algo                                  advantages and losses, pure torch
+    config                                typed configuration (no torch)
+    utils
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
-megatron-fr serve --model-path D --port P [...]          one inference server (foreground)
+megatron-fr serve --engine cpu|sglang --model-path D --port P   one inference server
 megatron-fr demo prepare RECIPE [key=value ...]          make a CPU demo recipe's tiny model
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
@@ -12,6 +12,7 @@ megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -56,7 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
+    if runs_megatron(args):
+        from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+        install_cpu_shims()
     return args.run(args)
+
+
+def runs_megatron(args: argparse.Namespace) -> bool:
+    """Whether this process runs megatron: a learner rank of `train` (started by torchrun or
+    srun; the command started by hand only checks the recipe and re-executes itself under
+    torchrun) and checkpoint conversion. Those install the CPU shims megatron
+    needs without CUDA first (a no-op with CUDA), here at the program's entry point."""
+    if args.command == "train":
+        return "WORLD_SIZE" in os.environ and not args.check
+    return args.command == "convert"
 
 
 if __name__ == "__main__":

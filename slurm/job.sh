@@ -22,6 +22,7 @@ set -euo pipefail
 : "${MFR_RUN_DIR:?}" "${MFR_RECIPE:?}" "${MFR_PYTHON:?}" "${MFR_REPO:?}" "${MFR_HF_DIR:?}"
 : "${MFR_ROLLOUT_NODES:?}" "${MFR_LEARNER_NODES:?}" "${MFR_PROCS_PER_NODE:?}"
 : "${MFR_ENGINE:?}" "${MFR_SERVERS_PER_NODE:?}" "${MFR_SERVER_GPUS:?}" "${MFR_SERVER_THREADS:?}"
+: "${MFR_ROUTED_EXPERTS:?}"
 : "${MFR_PORT_BASE:?}" "${MFR_HEALTH_TIMEOUT_S:?}"
 DRY_RUN=${MFR_DRY_RUN:-0}
 JOB_ID=${SLURM_JOB_ID:-dryrun}
@@ -126,23 +127,35 @@ join_by() {
 # --- the programs each step runs (sent to the nodes as text: `declare -f`) -------------------
 
 # One rollout node: its servers (GPU group i for server i), until SIGTERM stops them all.
+# Server i gets entries i*g..i*g+g-1 of the GPUs Slurm gave the step (its CUDA_VISIBLE_DEVICES,
+# which on a shared node are not 0..N-1), or of 0..N-1 where Slurm sets none. routed=1 (the
+# recipe's learner.routing_replay) makes every server return routed experts.
 serve_node() {
-    local log_dir=$1 python=$2 model=$3 engine=$4 count=$5 gpus=$6 threads=$7 port=$8
-    shift 8
-    local pids=() i extra=()
+    local log_dir=$1 python=$2 model=$3 engine=$4 count=$5 gpus=$6 threads=$7 routed=$8 port=$9
+    shift 9
+    local pids=() i extra=() flags=() visible=()
+    [ "$routed" = 1 ] && flags=(--enable-return-routed-experts)
     [ $# -gt 0 ] && extra=(-- "$@")
+    if [ "$gpus" -gt 0 ]; then
+        IFS=, read -r -a visible <<<"${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((count * gpus - 1)))}"
+        if [ "${#visible[@]}" -lt $((count * gpus)) ]; then
+            echo "error: $count server(s) x $gpus GPU(s), but the step sees ${#visible[@]}:" \
+                "${CUDA_VISIBLE_DEVICES:-}" >&2
+            return 1
+        fi
+    fi
     trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' TERM INT
     for ((i = 0; i < count; i++)); do
         (
             if [ "$gpus" -gt 0 ]; then
-                CUDA_VISIBLE_DEVICES=$(seq -s, $((i * gpus)) $((i * gpus + gpus - 1)))
+                CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${visible[*]:i*gpus:gpus}")
                 export CUDA_VISIBLE_DEVICES
             fi
             echo "server $i on $SLURMD_NODENAME port $((port + i))" \
                 "gpus ${CUDA_VISIBLE_DEVICES:-none}"
             exec "$python" -m megatron_fr serve --model-path "$model" --port $((port + i)) \
                 --host 0.0.0.0 --engine "$engine" --tp "$((gpus > 0 ? gpus : 1))" \
-                --threads "$threads" "${extra[@]}"
+                --threads "$threads" "${flags[@]}" "${extra[@]}"
         ) >>"$log_dir/server-$SLURMD_NODENAME-$i.log" 2>&1 &
         pids+=($!)
     done
@@ -185,7 +198,8 @@ start_servers() {
         done
         spawn srun_on "${ROLLOUT[index]}" bash -c "$(program serve_node)" serve_node \
             "$LOG_DIR" "$MFR_PYTHON" "$MFR_HF_DIR" "$MFR_ENGINE" "$MFR_SERVERS_PER_NODE" \
-            "$MFR_SERVER_GPUS" "$MFR_SERVER_THREADS" "$port" "${MFR_SERVER_ARGS[@]}"
+            "$MFR_SERVER_GPUS" "$MFR_SERVER_THREADS" "$MFR_ROUTED_EXPERTS" "$port" \
+            "${MFR_SERVER_ARGS[@]}"
         SERVER_PIDS+=("$LAST_PID")
     done
     log "servers: ${URLS[*]}"

@@ -77,6 +77,12 @@ class ScriptedEngine:
     routed: bool = False
     """Act as a MoE with 2 layers, top-2 of 4 experts: routed_experts reports position p of a
     request, holding token t, in layer l as experts (t + l) % 4 and (t + l + 1) % 4."""
+    context_length: int = 2**20
+    dtype: str = "float32"
+
+    @property
+    def return_routed_experts(self) -> bool:
+        return self.routed
 
     def generate(
         self,
@@ -84,6 +90,7 @@ class ScriptedEngine:
         sampling: Sampling,
         rid: str,
         routed_experts_start: int | None = None,
+        top_logprobs: int = 0,
     ) -> Output:
         if routed_experts_start is not None and not self.routed:
             raise RequestError("return_routed_experts: a scripted policy has no MoE router")
@@ -101,6 +108,9 @@ class ScriptedEngine:
         if routed_experts_start is not None:
             fed = (list(input_ids) + ids[:-1])[routed_experts_start:]
             output.routed_experts = torch.tensor(scripted_routing(fed), dtype=torch.int32)
+        if top_logprobs:
+            output.top_logprobs = [scripted_top(token, lp, top_logprobs)
+                                   for token, lp in zip(ids, logprobs, strict=True)]  # fmt: skip
         return output
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
@@ -111,6 +121,13 @@ class ScriptedEngine:
 def scripted_routing(tokens: list[int]) -> list[list[list[int]]]:
     """ScriptedEngine's routed experts of positions holding `tokens`: [position][layer][k]."""
     return [[[(t + layer) % 4, (t + layer + 1) % 4] for layer in range(2)] for t in tokens]
+
+
+def scripted_top(token: int, log_prob: float, k: int) -> tuple[list[float], list[int]]:
+    """ScriptedEngine's top-k of an output token sampled with `log_prob`: the token itself,
+    then tokens token + 1, token + 2, ... (mod the vocabulary) at log-probs -5, -6, ..."""
+    ids = [(token + j) % VOCAB_SIZE for j in range(k)]
+    return [log_prob] + [-4.0 - j for j in range(1, k)], ids
 
 
 @contextlib.asynccontextmanager

@@ -211,6 +211,7 @@ def direct_rows(args: argparse.Namespace, hf: Path, config: dict, size: int) -> 
 
 
 FIXED_COST = (
+    "from megatron_fr.parallel.cpu_shims import install_cpu_shims; install_cpu_shims();"
     "from megatron_fr.parallel import state; state.initialize_single_process();"
     "from megatron.core import dist_checkpointing"
 )

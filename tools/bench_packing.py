@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lengths = lognormal_lengths(args)
     layout = dict(
-        dp_size=args.dp, token_budget=args.budget, cp_size=args.cp,
+        dp_size=args.dp, micro_batch_tokens=args.budget, cp_size=args.cp,
         sequence_parallel_size=args.tp if args.sequence_parallel else 1,
     )  # fmt: skip
     result = {

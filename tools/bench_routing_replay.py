@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
+from megatron_fr.engine.routing import RoutedExperts
 
 DELTAS = (3e-3, 1e-3)
 """Gate thresholds reported: the demo's, and the tool-use / ALFWorld setting."""
@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_routing_replay"),
                         help="where the warm-started model is kept")  # fmt: skip
     args = parser.parse_args(argv)
+    from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # this process runs the learner: megatron without CUDA
     rows = run(args)
     print(table(rows))
     return 0

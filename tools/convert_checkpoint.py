@@ -9,6 +9,8 @@ python tools/convert_checkpoint.py verify --hf-dir D --megatron-dir O --tp 2 --e
 import sys
 
 from megatron_fr.convert.cli import main
+from megatron_fr.parallel.cpu_shims import install_cpu_shims
 
 if __name__ == "__main__":
+    install_cpu_shims()  # megatron without CUDA (a no-op with CUDA)
     sys.exit(main())

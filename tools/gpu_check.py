@@ -3,8 +3,8 @@
 
     python tools/gpu_check.py plan                 # the steps; imports every part (CPU is fine)
     python tools/gpu_check.py probe single|cluster # exit 0: the tier can run; 4: skipped (why)
-    python tools/gpu_check.py parity --out DIR     # tiny Qwen3-MoE: megatron on CUDA vs HF
-    python tools/gpu_check.py throughput --out DIR # Qwen3-30B-A3B slice: tokens/s, TFLOP/s
+    python tools/gpu_check.py parity --out DIR     # tiny Qwen3-MoE, every layer spec vs HF
+    python tools/gpu_check.py bench --out DIR      # torch vs local spec TFLOP/s; the slice
     python tools/gpu_check.py train --out DIR      # 3 steps of the loop, disk weight update
     python tools/gpu_check.py sglang --out DIR     # SGLang + NCCL weight update, GB/s/bucket
 
@@ -14,7 +14,6 @@ Every step prints its figures as `name: value` lines; a failed check exits 1 wit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -27,18 +26,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SKIPPED, FAILED = 4, 1
 PARTS = (
-    "megatron_fr.models.gpt", "megatron_fr.convert.checkpoint", "megatron_fr.parallel.state",
-    "megatron_fr.parallel.vocab_parallel", "megatron_fr.weights.sync",
+    "megatron_fr.models.gpt", "megatron_fr.models.torch_spec", "megatron_fr.convert.checkpoint",
+    "megatron_fr.parallel.state", "megatron_fr.parallel.vocab_parallel", "megatron_fr.weights.sync",
     "megatron_fr.engine.launcher", "megatron_fr.engine.protocol", "megatron_fr.utils.gpu_telemetry",
     "megatron_fr.demo.tiny_models",
 )  # fmt: skip
 STEPS = {
     "single": [
-        ("parity", "tiny Qwen3-MoE learner on CUDA in bf16 (TE spec when present), inputs on "
-                   "the device: log-probs vs transformers on the same GPU"),
-        ("throughput", "forward + backward of the learner's model and loss on a slice of "
-                       "Qwen3-30B-A3B (real shapes: 128 experts, top-8): tokens/s, model "
-                       "TFLOP/s, peak memory (GPU telemetry)"),
+        ("parity", "tiny Qwen3-MoE learner on CUDA in bf16, every layer spec this machine has "
+                   "(te with transformer-engine, torch, local): log-probs vs transformers on "
+                   "the same GPU, and a packed row of two sequences vs each alone"),
+        ("bench", "tools/bench_learner.py: the local and the torch spec on a 4-layer "
+                  "Qwen3-30B-A3B slice at 4,096 tokens (their TFLOP/s ratio), then the torch "
+                  "spec on the 8-layer slice at 16,384 packed tokens (128 experts, top-8): "
+                  "tokens/s, model TFLOP/s, peak memory, where the time goes, loss path memory"),
         ("train", "3 steps of `megatron-fr train` (1 rank on this GPU, the CPU engine on the "
                   "host, disk weight update in SGLang's loader layout)"),
     ],
@@ -107,8 +108,9 @@ def tiny_checkpoint(directory: Path, seed: int) -> Path:
     return directory
 
 
-def megatron_learner(hf_dir: Path, megatron_dir: Path):
-    """(spec, bf16 megatron model on this GPU) holding hf_dir's weights; one rank."""
+def megatron_learner(hf_dir: Path, megatron_dir: Path, spec_kind: str | None = None):
+    """(spec, bf16 megatron model of layer spec `spec_kind` on this GPU) holding hf_dir's
+    weights; one rank."""
     import torch
 
     from megatron_fr.config.parallel import ParallelConfig
@@ -121,22 +123,44 @@ def megatron_learner(hf_dir: Path, megatron_dir: Path):
     if not megatron_dir.exists():
         hf_to_megatron_checkpoint(hf_dir, megatron_dir, progress=False)
     spec = load_hf_config(hf_dir)
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16, initialize=False)
+    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16, initialize=False,
+                            spec_kind=spec_kind)  # fmt: skip
     load_megatron_checkpoint(model, megatron_dir)
     return spec, model.eval()
 
 
-def learner_log_probs(model, tokens, prompt_len: int):
+def learner_log_probs(model, tokens, prompt_len: int, packed_seq_params=None, positions=None):
     """Log-probs of tokens[prompt_len:] by the megatron model (inputs on its device)."""
     import torch
 
     ids = torch.tensor([tokens], device="cuda")
-    positions = torch.arange(len(tokens), device="cuda").unsqueeze(0)
+    if positions is None:
+        positions = torch.arange(len(tokens), device="cuda").unsqueeze(0)
     with torch.no_grad():
-        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True)
+        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True,
+                       packed_seq_params=packed_seq_params)  # fmt: skip
     log_probs = torch.log_softmax(logits[0].float(), dim=-1)
     targets = torch.tensor(tokens[prompt_len:], device="cuda")
     return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
+
+
+def packed_row_difference(model, first: list[int], second: list[int]) -> float:
+    """Max |log-prob| difference between two sequences packed in one row (THD) and each
+    alone: the spec's packed-row attention (varlen or masked SDPA, TE's, the local one)."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    n, m = len(first), len(second)
+    cu = torch.tensor([0, n, n + m], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             max_seqlen_q=max(n, m), max_seqlen_kv=max(n, m))  # fmt: skip
+    positions = torch.cat([torch.arange(n), torch.arange(m)]).to("cuda")[None]
+    together = learner_log_probs(model, first + second, 1, params, positions)
+    alone = torch.cat([learner_log_probs(model, first, 1), learner_log_probs(model, second, 1)])
+    keep = torch.ones_like(together, dtype=torch.bool)
+    keep[n - 1] = False  # the first sequence's last token would predict the second's first
+    return (together[keep] - alone).abs().max().item()
 
 
 def parity(args: argparse.Namespace) -> int:
@@ -146,85 +170,55 @@ def parity(args: argparse.Namespace) -> int:
     from megatron_fr.models.gpt import use_transformer_engine
 
     hf_dir = tiny_checkpoint(args.out / "tiny_hf", seed=0)
-    _, model = megatron_learner(hf_dir, args.out / f"tiny_megatron_{os.getpid()}")
     reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda().eval()
-    tokens = torch.randint(
-        0, reference.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1)
-    ).tolist()
-    mine = learner_log_probs(model, tokens, 1)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, reference.config.vocab_size, (48,), generator=generator).tolist()
     with torch.no_grad():
         logits = reference(torch.tensor([tokens], device="cuda")).logits
     theirs = torch.log_softmax(logits[0].float(), -1)[:-1].gather(
         -1, torch.tensor(tokens[1:], device="cuda")[:, None]
     )[:, 0]
-    diff = (mine - theirs).abs().max().item()
-    figure("layer spec", "transformer-engine" if use_transformer_engine() else "megatron local")
-    figure("max |log-prob megatron - transformers| (bf16, 47 tokens)", f"{diff:.4f}")
-    if diff > args.tolerance:
-        print(f"FAILED: log-probs differ by {diff:.4f} > {args.tolerance}")
+    worst = 0.0
+    for kind in ("te", "torch", "local") if use_transformer_engine() else ("torch", "local"):
+        _, model = megatron_learner(hf_dir, args.out / f"tiny_megatron_{os.getpid()}", kind)
+        diff = (learner_log_probs(model, tokens, 1) - theirs).abs().max().item()
+        packed = packed_row_difference(model, tokens[:20], tokens[20:])
+        figure(f"max |log-prob {kind} spec - transformers| (bf16, 47 tokens)", f"{diff:.4f}")
+        figure(f"max |log-prob packed row - alone| ({kind} spec)", f"{packed:.4f}")
+        worst = max(worst, diff, packed)
+    if worst > args.tolerance:
+        print(f"FAILED: log-probs differ by {worst:.4f} > {args.tolerance}")
         return FAILED
     return 0
 
 
-def model_flops_per_token(spec, seq_len: int) -> float:
-    """6 x the parameters a token passes through (non-expert weights, top-k of the experts,
-    the output layer; not the embedding lookup) + causal attention's 6 x L x s x q_dim."""
-    h, q, kv = (
-        spec.hidden_size,
-        spec.num_attention_heads * spec.head_dim,
-        spec.num_key_value_heads * spec.head_dim,
-    )
-    attention_weights = h * (q + 2 * kv) + q * h
-    experts = spec.num_experts_per_tok * 3 * h * spec.moe_intermediate_size
-    router = spec.num_experts * h
-    per_layer = attention_weights + experts + router
-    matmul_params = spec.num_layers * per_layer + spec.vocab_size * h
-    attention = 6 * spec.num_layers * seq_len * q  # QK^T and AV: 4 s q per token fwd, x3, causal /2
-    return 6 * matmul_params + attention
+SMALL = ["--layers", "4", "--tokens", "4096"]
+BENCH_RUNS = (  # (label, tools/bench_learner.py arguments)
+    ("local spec, 4 layers, 4,096 tokens", ["--spec", "local", *SMALL]),
+    ("torch spec, 4 layers, 4,096 tokens", ["--spec", "torch", *SMALL]),
+    ("torch spec, 8 layers, 16,384 tokens", ["--spec", "torch"]),
+)
 
 
-def throughput(args: argparse.Namespace) -> int:
-    import torch
-
-    from megatron_fr.config.parallel import ParallelConfig
-    from megatron_fr.models.gpt import build_gpt_model
-    from megatron_fr.models.hf_config import load_hf_config
-    from megatron_fr.parallel.state import initialize_single_process
-    from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
-    from megatron_fr.utils.gpu_telemetry import GpuTelemetry
-
-    initialize_single_process(ParallelConfig(), seed=0)
-    spec = dataclasses.replace(load_hf_config("qwen3-30b-a3b"), num_layers=args.layers)
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16)
-    telemetry = GpuTelemetry()
-    seq = args.tokens
-    ids = torch.randint(0, spec.vocab_size, (1, seq + 1), device="cuda")
-    positions = torch.arange(seq, device="cuda").unsqueeze(0)
-
-    def step() -> None:
-        logits = model(ids[:, :-1], positions, attention_mask=None)
-        log_probs, _ = vocab_parallel_log_probs(logits.float(), ids[:, 1:])
-        (-log_probs.mean()).backward()
-
-    for _ in range(2):  # warm-up: allocator, kernels' autotuning
-        step()
-    torch.cuda.synchronize()
-    telemetry.sample()  # resets the peak: the next sample is the timed steps'
-    started = time.perf_counter()
-    for _ in range(args.iterations):
-        step()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / args.iterations
-    tokens_per_s = seq / seconds
-    figure(
-        "slice",
-        f"Qwen3-30B-A3B shapes, {args.layers} layers, {spec.num_experts} experts, "
-        f"top-{spec.num_experts_per_tok}, {seq} tokens per step",
-    )
-    figure("learner tokens/s (fwd+bwd, 1 GPU)", f"{tokens_per_s:,.0f}")
-    figure("model TFLOP/s", f"{tokens_per_s * model_flops_per_token(spec, seq) / 1e12:.1f}")
-    for name, value in telemetry.sample().items():
-        figure(name, f"{value:.2f}")
+def bench(args: argparse.Namespace) -> int:
+    """tools/bench_learner.py on the Qwen3-30B-A3B slice, a fresh process per run."""
+    tflops = {}
+    for label, extra in BENCH_RUNS:
+        command = [sys.executable, str(REPO / "tools" / "bench_learner.py"), "--shape", "slice",
+                   *extra]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        print(f"  [{label}]")
+        for line in result.stdout.splitlines():
+            print(f"    {line}", flush=True)
+            if line.startswith("model TFLOP/s"):
+                tflops[label] = float(line.split()[-1])
+        if result.returncode:
+            print(f"FAILED: {label}: exit {result.returncode}\n{result.stderr[-3000:]}")
+            return FAILED
+    local, mine, slice_ = (tflops[label] for label, _ in BENCH_RUNS)
+    figure("model TFLOP/s torch / local spec (4 layers, 4,096 tokens)",
+           f"{mine:.1f} / {local:.1f} = {mine / local:.1f} x")  # fmt: skip
+    figure("model TFLOP/s torch spec (8 layers, 16,384 tokens)", f"{slice_:.1f}")
     return 0
 
 
@@ -364,15 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     probe_parser = sub.add_parser("probe", help="can this tier run here?")
     probe_parser.add_argument("tier", choices=sorted(STEPS))
     probe_parser.set_defaults(run=probe)
-    for name, run in (("parity", parity), ("throughput", throughput), ("train", train),
+    for name, run in (("parity", parity), ("bench", bench), ("train", train),
                       ("sglang", sglang)):  # fmt: skip
         step = sub.add_parser(name, help=dict(STEPS["single"] + STEPS["cluster"])[name])
         step.add_argument("--out", type=Path, required=True, help="work directory")
         step.add_argument("--tolerance", type=float, default=0.05,
                           help="largest |log-prob difference| accepted (bf16)")  # fmt: skip
-        step.add_argument("--layers", type=int, default=4, help="throughput: layers of the slice")
-        step.add_argument("--tokens", type=int, default=4096, help="throughput: tokens per step")
-        step.add_argument("--iterations", type=int, default=5, help="throughput: timed steps")
         step.add_argument("--port", type=int, default=31000, help="sglang: server port")
         step.add_argument("--bucket-mib", type=int, default=1, help="sglang: bucket size")
         step.set_defaults(run=run)
@@ -381,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()  # the steps run megatron in this process (`plan` too, on a CPU)
     if getattr(args, "out", None) is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     return args.run(args)

@@ -2,9 +2,11 @@
 # The GPU path end to end, in two tiers, printing figures (the steps: tools/gpu_check.py).
 #   tools/gpu_check.sh [--out DIR] [--dry-run]
 # Single-GPU tier (one H100/H200; torch, transformers and megatron-core from wheels, no
-# network; about 8 min): the tiny Qwen3-MoE learner on CUDA in bf16 against transformers, the
-# learner's tokens/s and model TFLOP/s on a slice of Qwen3-30B-A3B's shapes, and 3 steps of the
-# training loop with a disk weight update. Cluster tier (transformer-engine, SGLang and >= 2
+# network; meant to take under 8 min, not yet timed with these steps): the tiny Qwen3-MoE learner on CUDA in bf16 against transformers with
+# every layer spec the machine has (packed rows too); tools/bench_learner.py's torch and local
+# specs on a 4-layer Qwen3-30B-A3B slice at 4,096 tokens (their model TFLOP/s and ratio), the
+# torch spec on the 8-layer slice at 16,384 packed tokens; 3 steps of the training loop with a
+# disk weight update. Cluster tier (transformer-engine, SGLang and >= 2
 # GPUs): the parity check with TE's layer spec, then a real SGLang server updated over NCCL,
 # its log-probs against the learner's, GB/s per bucket. A tier that cannot run here says why
 # and is skipped. --dry-run prints the plan and checks that the Python parts import (no GPU).
@@ -22,7 +24,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --out) out=$2; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
-        -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -65,8 +67,8 @@ run_tier() {
 
 single_tier() {
     step parity 120
-    step throughput 240
-    step train 300
+    step bench 300
+    step train 240
 }
 
 cluster_tier() {

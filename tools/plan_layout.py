@@ -8,8 +8,10 @@ has the formulas and their sources).
         --gpu-mem-gb 80 --json                           # every layout that fits, best first
 
 Any of --tp/--pp/--cp/--ep/--etp selects check mode (the others default to 1, ETP to TP as in
-megatron). Exit status: 0 valid (and fits, with or without recompute, when --gpu-mem-gb is
-given), 2 invalid layout (the reason is printed), 3 valid but too big / nothing fits.
+megatron). Exit status: 0 valid (and fits with --recompute when --gpu-mem-gb is given; when
+enumerating, some layout fits with some recompute setting), 2 invalid layout (the reason is
+printed; --row-tokens: its micro-batches cannot hold the rows), 3 valid but too big /
+nothing fits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.launch.plan import (
     DEFAULT_RESERVE_GIB,
+    RECOMPUTE,
     LayoutError,
     describe,
     enumerate_layouts,
@@ -49,13 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--micro-batch-tokens", type=int,
         default=LearnerConfig.model_fields["micro_batch_tokens"].default,
-        help="tokens per micro-batch of one replica (LearnerConfig.micro_batch_tokens)",
+        help="tokens of a micro-batch per GPU (LearnerConfig.micro_batch_tokens)",
     )  # fmt: skip
+    parser.add_argument(
+        "--recompute", choices=RECOMPUTE, default=LearnerConfig.model_fields["recompute"].default,
+        help="activation recompute the learner runs with (LearnerConfig.recompute): check mode "
+        "judges the fit with it",
+    )  # fmt: skip
+    parser.add_argument("--row-tokens", type=int,
+                        help="the recipe's longest row: layouts whose micro-batches cannot hold "
+                        "it are refused")  # fmt: skip
     parser.add_argument("--params-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument(
         "--entropies", action="store_true",
         help="the loss computes token entropies (negative_token_fraction < 1): one more "
-        "fp32 logits-sized buffer on the last stage",
+        "fp32 buffer of a loss chunk's logits on the last stage",
     )  # fmt: skip
     for flag in LAYOUT_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help=f"{flag.upper()} size (check mode)")
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(
         micro_batch_tokens=args.micro_batch_tokens, params_dtype=args.params_dtype,
         gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, entropies=args.entropies,
+        row_tokens=args.row_tokens,
     )  # fmt: skip
     if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _check(spec, world, args, options)
@@ -102,7 +114,7 @@ def _check(spec, world: int, args: argparse.Namespace, options: dict) -> int:
         print(f"plan_layout: invalid layout: {error}{hint}", file=sys.stderr)
         return INVALID
     print(json.dumps(plan.to_dict() | {"valid": True}, indent=2) if args.json else describe(plan))
-    return TOO_BIG if plan.fits(recompute=True) is False else 0
+    return TOO_BIG if plan.fits(args.recompute) is False else 0
 
 
 if __name__ == "__main__":

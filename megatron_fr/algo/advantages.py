@@ -10,10 +10,10 @@ keyed by the name a config selects (compute_advantages dispatches). With G rollo
     rloo                 A = R - (sum_g R - R) / (G - 1)            leave-one-out mean
     reinforce_baseline   A = whiten_batch(R - mean_g)        whiten: population std
 
-Token-level estimators return [B, T] advantages, zero off policy tokens:
-reinforce_plus_plus_advantages (KL-shaped token rewards, discounted return, batch-whitened) and
-gae_advantages (PPO's GAE; it needs a value per token, i.e. a critic, which this project does
-not train: it is here for comparison runs that bring their own values).
+Every estimator is selectable as learner.estimator (config/learner.py). There are no token-level
+estimators: GAE needs a critic's values and REINFORCE++'s KL-shaped token rewards a reference
+model's log-probs, and this learner trains neither (FlashREINFORCE is critic-free and
+reference-free); REINFORCE++'s group-baseline form is reinforce_baseline.
 
 Advantages are constants of the policy loss, so every estimator returns a detached tensor.
 Statistics are computed in float64 and cast back to the rewards' dtype: in float32 the mean
@@ -163,121 +163,3 @@ def compute_advantages(
             f"unknown advantage estimator {estimator!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
         )
     return ADVANTAGE_ESTIMATORS[estimator](rewards, group_index, eps)
-
-
-def _check_token_inputs(action_mask: Tensor, **tensors: Tensor) -> None:
-    checks.check_action_mask(action_mask)
-    checks.check_float(**tensors)
-    checks.check_same_shape("action_mask", action_mask, **tensors)
-    checks.check_same_dtype(**tensors)
-
-
-def _check_finite_on_tokens(action_mask: Tensor, **tensors: Tensor) -> None:
-    for name, tensor in tensors.items():
-        if not torch.isfinite(tensor.detach()[action_mask]).all():
-            raise ValueError(f"{name} has non-finite values on policy tokens")
-
-
-def _check_unit_interval(**values: float) -> None:
-    for name, value in values.items():
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}")
-
-
-def _discounted_return(token_rewards: Tensor, action_mask: Tensor, gamma: float) -> Tensor:
-    """G_t = r_t + gamma * G_(next policy token), over policy tokens only.
-
-    Tokens that are not the policy's (tool output between turns, padding) are skipped: they
-    neither earn reward nor count as a discount step. Zero off policy tokens.
-    """
-    rewards = torch.where(action_mask, token_rewards, 0)
-    if gamma == 1.0:
-        # Undiscounted: the return is a reverse cumulative sum, no scan over T needed.
-        returns = rewards.flip(1).cumsum(1).flip(1)
-        return torch.where(action_mask, returns, 0)
-    returns = torch.zeros_like(rewards)
-    running = rewards.new_zeros(rewards.shape[0])
-    for t in reversed(range(rewards.shape[1])):
-        running = torch.where(action_mask[:, t], rewards[:, t] + gamma * running, running)
-        returns[:, t] = torch.where(action_mask[:, t], running, 0)
-    return returns
-
-
-def _last_policy_token(action_mask: Tensor) -> Tensor:
-    """Column index [B] of each row's last policy token."""
-    positions = torch.arange(action_mask.shape[1], device=action_mask.device)
-    return torch.where(action_mask, positions, -1).amax(dim=1)
-
-
-def reinforce_plus_plus_advantages(
-    rewards: Tensor,
-    log_probs: Tensor,
-    ref_log_probs: Tensor,
-    action_mask: Tensor,
-    *,
-    kl_coef: float,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-) -> Tensor:
-    """REINFORCE++ token advantages [B, T]: whitened discounted return of KL-shaped rewards.
-
-    Token reward on policy tokens: -kl_coef * (log_probs - ref_log_probs), plus R_i on the
-    LAST policy token of row i. The return-to-go runs over policy tokens (discount gamma per
-    policy token), then is whitened (population std) over all policy tokens of the batch:
-    the batch, not a group, is the baseline. Zero off policy tokens.
-    """
-    _check_token_inputs(action_mask, log_probs=log_probs, ref_log_probs=ref_log_probs)
-    checks.check_log_probs("log_probs", log_probs, action_mask)
-    checks.check_log_probs("ref_log_probs", ref_log_probs, action_mask)
-    checks.check_rewards(rewards, action_mask.shape[0])
-    if not (kl_coef >= 0 and math.isfinite(kl_coef)):
-        raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef}")
-    _check_unit_interval(gamma=gamma)
-    _check_eps(eps)
-
-    kl = torch.where(action_mask, log_probs.detach() - ref_log_probs.detach(), 0).double()
-    token_rewards = -kl_coef * kl
-    rows = torch.arange(action_mask.shape[0], device=action_mask.device)
-    token_rewards[rows, _last_policy_token(action_mask)] += rewards.detach().double()
-    returns = _discounted_return(token_rewards, action_mask, gamma)
-    whitened = _whiten(returns[action_mask], eps)
-    advantages = torch.zeros_like(returns).masked_scatter_(action_mask, whitened)
-    return advantages.to(log_probs.dtype)
-
-
-def gae_advantages(
-    token_rewards: Tensor,
-    values: Tensor,
-    action_mask: Tensor,
-    *,
-    gamma: float,
-    lam: float,
-) -> tuple[Tensor, Tensor]:
-    """PPO's generalized advantage estimation over policy tokens: (advantages, returns) [B, T].
-
-    delta_t = r_t + gamma * V_(next policy token) - V_t, with V = 0 after the last policy
-    token; A_t = delta_t + gamma * lam * A_(next policy token); returns = A + V (the critic's
-    regression target). The outcome reward belongs in token_rewards at the last policy token.
-    Tokens that are not the policy's are skipped (their rewards and values are ignored, as in
-    the discounted return above) and are zero in both outputs. ``values`` come from a critic,
-    which this project does not train (FlashREINFORCE is critic-free): GAE is offered for
-    comparison runs that bring their own values.
-    """
-    _check_token_inputs(action_mask, token_rewards=token_rewards, values=values)
-    _check_finite_on_tokens(action_mask, token_rewards=token_rewards, values=values)
-    _check_unit_interval(gamma=gamma, lam=lam)
-
-    rewards = token_rewards.detach()
-    value = values.detach()
-    advantages = torch.zeros_like(rewards)
-    next_value = rewards.new_zeros(rewards.shape[0])
-    next_advantage = rewards.new_zeros(rewards.shape[0])
-    for t in reversed(range(rewards.shape[1])):
-        policy = action_mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - value[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        next_advantage = torch.where(policy, advantage, next_advantage)
-        next_value = torch.where(policy, value[:, t], next_value)
-        advantages[:, t] = torch.where(policy, advantage, 0)
-    returns = torch.where(action_mask, advantages + value, 0)
-    return advantages, returns

@@ -91,3 +91,15 @@ def check_non_negative(**values: float) -> None:
     for name, value in values.items():
         if math.isnan(value) or value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_segment_ids(segment_ids: Tensor, policy: Tensor, num_trajectories: int) -> None:
+    """Every policy token's segment id is a trajectory of the batch, in [0, B)."""
+    if segment_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"segment_ids must be integer trajectory ids, got {segment_ids.dtype}")
+    used = segment_ids[policy]
+    if used.numel() and (used.min() < 0 or used.max() >= num_trajectories):
+        raise ValueError(
+            f"segment_ids of policy tokens must be trajectory ids in [0, {num_trajectories}); "
+            f"got [{used.min().item()}, {used.max().item()}]"
+        )

@@ -1,41 +1,37 @@
-"""Rollout corrections for the train / inference mismatch, multiplied into a per-token loss.
+"""Rollout corrections for the train / inference mismatch: which policy tokens a loss keeps.
 
 The inference engine samples with behaviour log-probs mu that differ from the learner's
 log-probs pi of the same weights (other kernels, precision, MoE routing) and, asynchronously,
-from older weights. Each correction turns the per-token log-ratio pi - mu into a [B, T]
-weight to multiply into a per-token policy loss (ppo_clip_loss's correction_weights):
+from older weights. A correction drops the tokens where that mismatch, not the policy,
+dominates the gradient (PPOClipConfig.correction selects one for the PPO-clip loss):
 
-    truncated_importance_weights   min(exp(pi - mu), cap)                       (TIS)
-    token_mask_outside             1 if low <= exp(pi - mu) <= high else 0      (IcePop)
-    sequence_mask                  the whole row is 1 if low <= exp(S_i) <= high else 0,
-                                   S_i = sum (mode "sum") or mean ("mean") of pi - mu over
-                                   the row's policy tokens
+    token_mask            keep a policy token if low <= exp(pi - mu) <= high      (IcePop)
+    sequence_mask_sum     keep trajectory i whole if low <= exp(S_i) <= high, S_i the sum of
+                          pi - mu over its policy tokens (the whole trajectory's ratio)
+    sequence_mask_mean    the same with S_i their mean (a per-token geometric mean, independent
+                          of length)
 
-Every output is DETACHED (a correction reweights the gradient, it is not differentiated) and
-zero off policy tokens. Comparisons are made on the log-ratio against log(low) and log(high),
-so a ratio that would overflow exp (a long sequence's sum) still gets the right decision.
+Written over segments like the losses (algo/flash_reinforce.py): every token carries the id of
+its trajectory, so packed rows and context-parallel slices go through the same code, and a
+``reduce_segments`` hook sums the per-trajectory partials of S_i over the ranks that share a
+trajectory before the decision (every rank then keeps the same trajectories). Comparisons are
+made on the log-ratio against log(low) and log(high), so a ratio that would overflow exp (a
+long trajectory's sum) still gets the right decision. Masks are decided on detached values:
+a correction selects tokens, it is not differentiated.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from megatron_fr.algo import checks
+CORRECTIONS = ("none", "token_mask", "sequence_mask_sum", "sequence_mask_mean")
 
 
-def _log_ratio(log_probs: Tensor, behavior_log_probs: Tensor, action_mask: Tensor) -> Tensor:
-    """Validated, detached pi - mu, zero off policy tokens."""
-    checks.check_policy_log_probs(
-        action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
-    )
-    return torch.where(action_mask, log_probs.detach() - behavior_log_probs.detach(), 0)
-
-
-def _log_bounds(low: float, high: float) -> tuple[float, float]:
+def log_bounds(low: float, high: float) -> tuple[float, float]:
     """(log low, log high) of a ratio interval with 0 <= low <= high, high > 0 (inf allowed)."""
     if math.isnan(low) or math.isnan(high) or low < 0 or high <= 0 or low > high:
         raise ValueError(
@@ -45,61 +41,40 @@ def _log_bounds(low: float, high: float) -> tuple[float, float]:
     return (math.log(low) if low > 0 else -math.inf), math.log(high)
 
 
-def truncated_importance_weights(
-    log_probs: Tensor, behavior_log_probs: Tensor, action_mask: Tensor, *, cap: float
-) -> Tensor:
-    """min(exp(pi - mu), cap) on policy tokens (truncated importance sampling).
-
-    Truncating from above bounds the variance a few tokens with pi >> mu would add; tokens
-    with pi < mu keep their full down-weighting. cap must be finite and > 0.
-    """
-    if not (cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"cap must be a finite number > 0, got {cap}")
-    log_ratio = _log_ratio(log_probs, behavior_log_probs, action_mask)
-    # An exp that overflows to inf is truncated to cap like any other large ratio.
-    return torch.where(action_mask, log_ratio.exp().clamp_max(cap), 0)
-
-
-def token_mask_outside(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    action_mask: Tensor,
+def correction_keep_mask(
+    log_ratio: Tensor,
+    policy: Tensor,
+    segment_ids: Tensor,
+    num_trajectories: int,
     *,
+    correction: str,
     low: float,
     high: float,
+    reduce_segments: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """1 on policy tokens with low <= exp(pi - mu) <= high, 0 elsewhere (IcePop).
+    """Bool mask of the policy tokens `correction` keeps (every one for "none").
 
-    Tokens outside the interval are dropped outright rather than reweighted: their gradient
-    is where the mismatch, not the policy, dominates.
+    log_ratio: pi - mu (any shape, detached here); policy: bool, the policy tokens given;
+    segment_ids: each token's trajectory (global id in [0, num_trajectories), -1 off policy
+    tokens); reduce_segments: sums a [2, B] table of per-trajectory partials (sum of the
+    log-ratio, token count) over the ranks holding parts of the same trajectories.
     """
-    log_low, log_high = _log_bounds(low, high)
-    log_ratio = _log_ratio(log_probs, behavior_log_probs, action_mask)
-    keep = action_mask & (log_ratio >= log_low) & (log_ratio <= log_high)
-    return keep.to(log_probs.dtype)
-
-
-def sequence_mask(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    action_mask: Tensor,
-    *,
-    low: float,
-    high: float,
-    mode: Literal["sum", "mean"],
-) -> Tensor:
-    """1 on every policy token of rows whose sequence ratio lies in [low, high], else 0.
-
-    The sequence ratio is exp(S_i) with S_i the sum ("sum": the importance ratio of the whole
-    trajectory) or the mean ("mean": its per-token geometric mean, independent of length) of
-    pi - mu over row i's policy tokens. A row is kept or dropped whole.
-    """
-    if mode not in ("sum", "mean"):
-        raise ValueError(f"unknown sequence_mask mode {mode!r}; known: ['mean', 'sum']")
-    log_low, log_high = _log_bounds(low, high)
-    log_ratio = _log_ratio(log_probs, behavior_log_probs, action_mask)
-    statistic = log_ratio.sum(dim=1)
-    if mode == "mean":
-        statistic = statistic / action_mask.sum(dim=1)
-    keep = (statistic >= log_low) & (statistic <= log_high)
-    return (action_mask & keep[:, None]).to(log_probs.dtype)
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown correction {correction!r}; known: {list(CORRECTIONS)}")
+    if correction == "none":
+        return policy
+    log_low, log_high = log_bounds(low, high)
+    detached = log_ratio.detach()
+    if correction == "token_mask":
+        return policy & (detached >= log_low) & (detached <= log_high)
+    segment = segment_ids[policy]
+    totals = torch.zeros(2, num_trajectories, dtype=torch.float64, device=log_ratio.device)
+    totals[0].index_add_(0, segment, detached[policy].double())
+    totals[1].index_add_(0, segment, torch.ones_like(segment, dtype=torch.float64))
+    if reduce_segments is not None:
+        totals = reduce_segments(totals)
+    statistic = totals[0] if correction == "sequence_mask_sum" else (
+        totals[0] / totals[1].clamp_min(1)
+    )  # fmt: skip
+    inside = (statistic >= log_low) & (statistic <= log_high)
+    return policy & inside[segment_ids.clamp_min(0)]

@@ -1,7 +1,9 @@
 """The FlashREINFORCE policy loss (docs/algorithm.md), in one segment-based core.
 
     L = -(1/B) sum_i (m_i A_i / T_i) sum_t rho_{i,t} pi_{i,t},   rho = exp(pi - mu) detached,
-    m_i = [ max(0, mean_t d_{i,t}) <= delta ],  d = Bernoulli KL(exp(mu) || exp(pi)) per token.
+    m_i = [ max(0, mean_t d_{i,t}) <= delta ],  d = Bernoulli KL(exp(mu) || exp(pi)) per token
+    (the paper's gate; optionally d = the top-K KL over the engine's K most likely tokens and a
+    tail bucket, topk_kl, which is not the paper's).
 
 Everything is written over *segments*: each token carries the id of the trajectory it belongs
 to (-1 for none). A plain [B, T] batch is the special case "segment = row"
@@ -26,7 +28,8 @@ from megatron_fr.algo import checks
 from megatron_fr.algo.advantages import flash_reinforce_advantages
 
 PROBABILITY_CLAMP = 1e-6
-"""p = exp(mu) and q = exp(pi) are clamped to [1e-6, 1 - 1e-6] inside the Bernoulli KL."""
+"""p = exp(mu) and q = exp(pi) are clamped to [1e-6, 1 - 1e-6] inside the Bernoulli KL (and
+every bucket of the top-K KL)."""
 
 
 class RatioOverflowError(FloatingPointError):
@@ -57,6 +60,22 @@ def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
     return p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
 
 
+def topk_kl(behavior_top: Tensor, current_top: Tensor) -> Tensor:
+    """Per-token KL(mu || pi) over K + 1 buckets: the engine's K most likely tokens, and the
+    rest of the vocabulary as one tail bucket (1 - the head's mass), both distributions'
+    bucket probabilities clamped to [1e-6, 1 - 1e-6] like the Bernoulli proxy's (with K = 1
+    it IS the Bernoulli proxy, of the top token). behavior_top, current_top: [..., K]
+    log-probs of the same ids under mu (as the engine reported them) and pi."""
+    low, high = PROBABILITY_CLAMP, 1.0 - PROBABILITY_CLAMP
+
+    def buckets(log_probs: Tensor) -> Tensor:
+        tail = -torch.expm1(torch.logsumexp(log_probs, dim=-1, keepdim=True))
+        return torch.cat([log_probs.exp(), tail], dim=-1).clamp(low, high)
+
+    p, q = buckets(behavior_top), buckets(current_top)
+    return (p * (p.log() - q.log())).sum(dim=-1)
+
+
 def trust_region_gate(
     log_probs: Tensor,
     behavior_log_probs: Tensor,
@@ -72,8 +91,22 @@ def trust_region_gate(
     must return its sum over every rank holding tokens of the same trajectories (context
     parallelism); by default the tokens given are the whole trajectories.
     """
-    tokens = action_mask & (segment_ids >= 0)
     kl = bernoulli_kl(behavior_log_probs.detach(), log_probs.detach())
+    return sequence_gate(kl, action_mask, segment_ids, num_trajectories, delta, reduce_segments)
+
+
+def sequence_gate(
+    token_kl: Tensor,
+    action_mask: Tensor,
+    segment_ids: Tensor,
+    num_trajectories: int,
+    delta: float,
+    reduce_segments: Callable[[Tensor], Tensor] | None = None,
+) -> GateResult:
+    """m_i from any per-token KL d (detached): D_i = max(0, mean of d over trajectory i's
+    policy tokens), admitted iff D_i <= delta; reduce_segments as for trust_region_gate."""
+    tokens = action_mask & (segment_ids >= 0)
+    kl = token_kl.detach()
     segment = segment_ids[tokens]
     partial = torch.zeros(2, num_trajectories, dtype=kl.dtype, device=kl.device)
     partial[0].index_add_(0, segment, kl[tokens])

@@ -1,149 +1,155 @@
-"""The PPO / GRPO clipped-ratio policy loss, the baseline FlashREINFORCE is compared against.
+"""The PPO-clip loss of the baselines FlashREINFORCE is compared with (GRPO, Dr. GRPO, RLOO,
+REINFORCE-baseline), in one segment-based core: the learner's only PPO-clip loss.
 
-Per policy token, with ratio r = exp(log_probs - old_log_probs) and advantage A:
+Per policy token t of trajectory i, with r = exp(pi - mu) taken against the BEHAVIOUR
+log-probs mu the engine reported (asynchronous PPO takes the ratio against the policy that
+sampled) and the trajectory's advantage A_i:
 
-    loss_t = -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A) * w_t
+    l_t = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i)     on the tokens the rollout
+                                                                  correction keeps (corrections.py)
 
-where w_t are optional rollout-correction weights (megatron_fr.algo.corrections), then
-aggregated as a token mean (every policy token of the batch weighs the same: GRPO as
-DAPO / Dr. GRPO write it) or a sample mean (every trajectory weighs the same: the original
-GRPO). The gradient flows through log_probs only; it is -A r w_t / normaliser where the
-unclipped branch is the minimum and 0 where the clipped one is.
+aggregated with every normaliser taken over the WHOLE batch (B trajectories, T_i policy
+tokens each, counted before any split), so that the sum over micro-batches and ranks is the
+loss of the batch (PPOClipConfig.aggregation):
+
+    token_mean       sum_i sum_t l_t / sum_i T_i          every policy token weighs the same
+                                                          (DAPO, verl's token-mean)
+    sequence_mean    (1/B) sum_i (1/T_i) sum_t l_t        every trajectory weighs the same
+                                                          (GRPO as published)
+    token_sum_norm   (1/B) sum_i (1/T_max) sum_t l_t      Dr. GRPO: token sums over one
+                                                          constant, no per-length weighting
+                     (Dr. GRPO's constant is its generation budget; here it is T_max, the
+                     batch's longest trajectory's policy tokens)
+
+The gradient flows through pi only: -A_i r w_i on a token whose unclipped branch is the
+minimum, 0 where the clipped one is. Written over segments like the FlashREINFORCE loss
+(algo/flash_reinforce.py): each token carries its trajectory's global id, a plain [B, T]
+batch is the case "segment = row", and the parallel learner (parallel/loss.py) passes packed
+rows, context-parallel slices and micro-batches with a ``reduce_segments`` hook for the
+per-trajectory sums (the sequence corrections, the diagnostic KL).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from megatron_fr.algo import checks
-from megatron_fr.algo.flash_reinforce import RatioOverflowError
+from megatron_fr.algo.corrections import correction_keep_mask
+from megatron_fr.algo.flash_reinforce import RatioOverflowError, trust_region_gate
+from megatron_fr.config.algo import PPOClipConfig
 
-Aggregation = Literal["token_mean", "sample_mean"]
-
-
-def _check_advantages(advantages: Tensor, action_mask: Tensor) -> None:
-    """[B] (one per trajectory, broadcast over its tokens) or [B, T]; finite where used."""
-    batch = action_mask.shape[0]
-    if advantages.shape not in (torch.Size([batch]), action_mask.shape):
-        raise ValueError(
-            f"advantages must be [B] = [{batch}] or [B, T] = {list(action_mask.shape)}, "
-            f"got shape {tuple(advantages.shape)}"
-        )
-    used = advantages if advantages.dim() == 1 else advantages[action_mask]
-    if not torch.isfinite(used).all():
-        raise ValueError("advantages has non-finite values")
+AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum_norm")
 
 
-def _check_correction_weights(weights: Tensor, action_mask: Tensor) -> None:
-    checks.check_float(correction_weights=weights)
-    checks.check_same_shape("action_mask", action_mask, correction_weights=weights)
-    used = weights.detach()[action_mask]
-    if not (torch.isfinite(used).all() and (used >= 0).all()):
-        raise ValueError("correction_weights must be finite and >= 0 on policy tokens")
+def token_weights(token_counts: Tensor, aggregation: str) -> Tensor:
+    """[B] float64: the factor each token of trajectory i is summed with (module doc)."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; known: {list(AGGREGATIONS)}")
+    counts = token_counts.to(torch.float64)
+    trajectories = counts.numel()
+    if aggregation == "token_mean":
+        return torch.full_like(counts, 1.0 / max(counts.sum().item(), 1.0))
+    if aggregation == "sequence_mean":
+        return 1.0 / (trajectories * counts.clamp_min(1))
+    return torch.full_like(counts, 1.0 / (trajectories * max(counts.max().item(), 1.0)))
 
 
-def _check_inputs(
-    log_probs: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    action_mask: Tensor,
-    eps_low: float,
-    eps_high: float,
-    aggregation: str,
-    correction_weights: Tensor | None,
-) -> None:
-    checks.check_policy_log_probs(action_mask, log_probs=log_probs, old_log_probs=old_log_probs)
-    checks.check_float(advantages=advantages)
-    _check_advantages(advantages, action_mask)
-    checks.check_non_negative(eps_low=eps_low, eps_high=eps_high)
-    if aggregation not in ("token_mean", "sample_mean"):
-        raise ValueError(
-            f"unknown aggregation {aggregation!r}; known: ['sample_mean', 'token_mean']"
-        )
-    if correction_weights is not None:
-        _check_correction_weights(correction_weights, action_mask)
-
-
-def _ratio(log_probs: Tensor, old_log_probs: Tensor, action_mask: Tensor) -> Tensor:
-    """exp(log_probs - old_log_probs) on policy tokens, 1 elsewhere; raises on overflow.
-
-    Padding may hold anything: masking the log-ratio BEFORE exp keeps its values out of the
-    loss and its gradient. An overflowing ratio on a policy token would turn the gradient into
-    NaN (0 * inf through the clipped branch), so it is reported instead.
-    """
-    log_ratio = torch.where(action_mask, log_probs - old_log_probs.detach(), 0)
-    ratio = log_ratio.exp()
-    if not torch.isfinite(ratio.detach()).all():
+def _log_ratio(log_probs: Tensor, behavior_log_probs: Tensor, policy: Tensor) -> Tensor:
+    """pi - mu on policy tokens, 0 elsewhere (so padding never meets exp); raises where exp
+    would overflow: the gradient there would be NaN (0 * inf through the clipped branch)."""
+    log_ratio = torch.where(policy, log_probs - behavior_log_probs.detach(), 0)
+    if not torch.isfinite(log_ratio.detach().exp()).all():
         worst = log_ratio.detach().max().item()
         raise RatioOverflowError(
-            f"ratio exp(log_probs - old_log_probs) overflows on a policy token (log-ratio "
-            f"{worst:.4g}); old_log_probs do not come from a policy close to this one"
+            f"ratio exp(pi - mu) overflows on a policy token (log-ratio {worst:.4g}); the "
+            "behaviour log-probs do not come from a policy close to this one"
         )
-    return ratio
+    return log_ratio
 
 
-def _aggregate(token_loss: Tensor, action_mask: Tensor, aggregation: Aggregation) -> Tensor:
-    mask = action_mask.to(token_loss.dtype)
-    if aggregation == "token_mean":
-        return token_loss.sum() / mask.sum()
-    return (token_loss.sum(dim=1) / mask.sum(dim=1)).mean()
-
-
-def _metrics(ratio: Tensor, clipped: Tensor, action_mask: Tensor) -> dict[str, Tensor]:
-    """Diagnostics over policy tokens, unweighted by any correction."""
-    ratios = ratio.detach()[action_mask]
-    return {
-        "clip_fraction": clipped[action_mask].to(ratios.dtype).mean(),
-        # k3 = (r - 1) - log r >= 0: an unbiased, low-variance estimate of KL(old || new).
-        "approx_kl": ((ratios - 1) - ratios.log()).mean(),
-        "ratio_mean": ratios.mean(),
-        "ratio_max": ratios.max(),
-    }
+def _check_inputs(log_probs, behavior, advantages, action_mask, segment_ids, token_counts):
+    checks.check_float(log_probs=log_probs, behavior_log_probs=behavior)
+    checks.check_same_shape("log_probs", log_probs, behavior_log_probs=behavior,
+                            action_mask=action_mask, segment_ids=segment_ids)  # fmt: skip
+    checks.check_same_dtype(log_probs=log_probs, behavior_log_probs=behavior)
+    if action_mask.dtype != torch.bool:
+        raise ValueError(f"action_mask must be torch.bool, got {action_mask.dtype}")
+    policy = action_mask & (segment_ids >= 0)
+    if not torch.isfinite(log_probs.detach()[policy]).all():
+        raise ValueError("log_probs has non-finite values on policy tokens")
+    checks.check_log_probs("behavior_log_probs", behavior, policy)
+    checks.check_rewards(advantages, name="advantages")
+    if token_counts.shape != advantages.shape:
+        raise ValueError(
+            f"token_counts has shape {tuple(token_counts.shape)}, expected "
+            f"{tuple(advantages.shape)} (one per trajectory, like advantages)"
+        )
+    checks.check_segment_ids(segment_ids, policy, advantages.numel())
 
 
 def ppo_clip_loss(
     log_probs: Tensor,
-    old_log_probs: Tensor,
+    behavior_log_probs: Tensor,
     advantages: Tensor,
     action_mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    aggregation: Aggregation = "token_mean",
-    correction_weights: Tensor | None = None,
+    segment_ids: Tensor,
+    token_counts: Tensor,
+    config: PPOClipConfig,
+    reduce_segments: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped-ratio loss over a [B, T] batch; returns (loss, metrics).
+    """The share of the batch's PPO-clip loss carried by the tokens given, and its metrics.
 
-    log_probs: current-policy log-probs (carries the gradient); old_log_probs: those of the
-    policy the ratio is taken against (the behaviour policy, or the learner's own at the
-    start of the step); advantages: [B] or [B, T]; action_mask: bool [B, T], True on policy
-    tokens; correction_weights: [B, T] rollout-correction weights or masks, used detached.
-    metrics: clip_fraction (share of policy tokens where the clipped branch is the minimum,
-    i.e. whose gradient is zeroed), approx_kl, ratio_mean, ratio_max.
+    log_probs (carries the gradient), behavior_log_probs, action_mask (bool, True on policy
+    tokens), segment_ids (each token's trajectory in [0, B), -1 for padding): same shape, any
+    layout; advantages and token_counts: [B], the whole batch's (T_i counted over all of a
+    trajectory's tokens, wherever they are). config.aggregation must be resolved (not None).
+    Metrics: clipped_tokens and policy_tokens (counts here), ratio_max, admitted [B] (kept a
+    token here), present [B] (has a policy token here), sequence_kl [B] (the FlashREINFORCE
+    gate's D_i, as a diagnostic: it gates nothing).
     """
-    _check_inputs(
-        log_probs,
-        old_log_probs,
-        advantages,
-        action_mask,
-        eps_low,
-        eps_high,
-        aggregation,
-        correction_weights,
-    )
-    ratio = _ratio(log_probs, old_log_probs, action_mask)
-    # Zero everything off policy tokens first, so whatever padding holds never meets the loss.
-    advantage = advantages.detach()
-    if advantage.dim() == 1:
-        advantage = advantage[:, None]
-    advantage = torch.where(action_mask, advantage, 0)
+    _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids,
+                  token_counts)  # fmt: skip
+    if config.aggregation is None:
+        raise ValueError("ppo_clip.aggregation is unset (LearnerConfig resolves it)")
+    num_trajectories = advantages.numel()
+    policy = action_mask & (segment_ids >= 0)
+    log_ratio = _log_ratio(log_probs, behavior_log_probs, policy)
+    ratio = log_ratio.exp()
+    segment = segment_ids.clamp_min(0)
+    advantage = torch.where(policy, advantages.detach().to(log_probs.dtype)[segment], 0)
     unclipped = ratio * advantage
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantage
-    token_loss = -torch.minimum(unclipped, clipped)
-    if correction_weights is not None:
-        token_loss = token_loss * torch.where(action_mask, correction_weights.detach(), 0)
-    loss = _aggregate(token_loss, action_mask, aggregation)
-    return loss, _metrics(ratio, (clipped < unclipped).detach(), action_mask)
+    clipped = ratio.clamp(1 - config.eps_low, 1 + config.eps_high) * advantage
+    kept = correction_keep_mask(
+        log_ratio, policy, segment_ids, num_trajectories, correction=config.correction,
+        low=config.correction_low, high=config.correction_high, reduce_segments=reduce_segments,
+    )  # fmt: skip
+    weight = token_weights(token_counts, config.aggregation).to(log_probs.dtype)[segment]
+    loss = -torch.where(kept, torch.minimum(unclipped, clipped) * weight, 0).sum()
+    return loss, _metrics(log_probs, behavior_log_probs, policy, kept, ratio,
+                          clipped < unclipped, segment_ids, num_trajectories,
+                          reduce_segments)  # fmt: skip
+
+
+def _metrics(log_probs, behavior, policy, kept, ratio, clipped, segment_ids, trajectories,
+             reduce_segments) -> dict[str, Tensor]:  # fmt: skip
+    present = torch.zeros(trajectories, dtype=torch.bool, device=policy.device)
+    present[segment_ids[policy]] = True
+    admitted = torch.zeros_like(present)
+    admitted[segment_ids[kept]] = True
+    ratios = ratio.detach()[policy]
+    # The gate's per-trajectory KL, as a diagnostic only: the comparison of methods reports
+    # the same engine-learner mismatch for every loss.
+    mismatch = trust_region_gate(log_probs, behavior, policy, segment_ids, trajectories,
+                                 math.inf, reduce_segments=reduce_segments)  # fmt: skip
+    return {
+        "sequence_kl": mismatch.sequence_kl,
+        "admitted": admitted,
+        "present": present,
+        "clipped_tokens": (clipped & policy).sum().detach(),
+        "policy_tokens": policy.sum(),
+        "ratio_max": ratios.max() if ratios.numel() else ratios.new_tensor(math.nan),
+    }

@@ -7,9 +7,10 @@ next-token shift; `to_tensors` documents where that shift happens.
 
 Validation runs where trajectories enter the buffer, so a bad rollout is counted and reported
 with the field at fault instead of surfacing later as a NaN or a shape error in the loss.
-That includes the MoE routing a trajectory may carry for routing replay (buffer/routing.py):
+That includes the MoE routing a trajectory may carry for routing replay (engine/routing.py):
 one record per position the learner feeds, every id a valid expert, no expert twice in a
-token's top-k.
+token's top-k; and the engine's top-K log-probs it may carry for the top-K gate
+(engine/top_logprobs.py): one row per policy token, distinct ids, log-probs of a distribution.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megatron_fr.buffer.routing import STORAGE_DTYPES, RoutedExperts
+from megatron_fr.config.algo import MAX_GATE_TOP_K
+from megatron_fr.engine.routing import STORAGE_DTYPES, RoutedExperts
+from megatron_fr.engine.top_logprobs import ID_DTYPE, LOG_PROB_DTYPE, TopLogProbs
 
 NON_POLICY_VERSION = -1
 """token_versions entry of a token the policy did not generate (prompt, observation)."""
+TOP_K_MASS_TOLERANCE = 1e-3
+"""How far above 1 the probabilities of a token's top-K may sum (float32 rounding) before the
+record is refused as not coming from one distribution."""
 
 
 class InvalidTrajectory(ValueError):
@@ -63,6 +69,10 @@ class Trajectory:
     routed_experts: RoutedExperts | None = None
     """The experts the engine routed positions 0 .. length - 2 to, for MoE routing replay
     (learner.routing_replay); None when the engines were not asked for them."""
+    top_logprobs: TopLogProbs | None = None
+    """The engine's top-K ids and log-probs of every policy token's sampling distribution, one
+    row per policy token in order, for the top-K gate (learner.flash_reinforce.gate_kl = topk);
+    None when the engines were not asked for them."""
 
     @property
     def length(self) -> int:
@@ -83,16 +93,20 @@ class Trajectory:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints)."""
-        data = asdict(replace(self, routed_experts=None))
+        data = asdict(replace(self, routed_experts=None, top_logprobs=None))
         if self.routed_experts is not None:
             data["routed_experts"] = self.routed_experts.to_dict()
+        if self.top_logprobs is not None:
+            data["top_logprobs"] = self.top_logprobs.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
-        routing = data.get("routed_experts")
+        routing, top = data.get("routed_experts"), data.get("top_logprobs")
         if routing is not None:
             data = {**data, "routed_experts": RoutedExperts.from_dict(routing)}
+        if top is not None:
+            data = {**data, "top_logprobs": TopLogProbs.from_dict(top)}
         return cls(**data)
 
 
@@ -208,6 +222,52 @@ def _check_routing(t: Trajectory) -> None:
         )
 
 
+def _check_top_logprobs(t: Trajectory) -> None:
+    """The top-K record, when present: [policy tokens, K] int32 ids and float32 log-probs, K in
+    [1, MAX_GATE_TOP_K], ids >= 0 and distinct within a token, log-probs finite and <= 0, and
+    a token's K probabilities summing to at most 1 (they are of one distribution)."""
+    top = t.top_logprobs
+    if top is None:
+        return
+    arrays = (getattr(top, "ids", None), getattr(top, "log_probs", None))
+    if not isinstance(top, TopLogProbs) or not all(isinstance(a, np.ndarray) for a in arrays):
+        raise InvalidTrajectory("top_logprobs", "is not a TopLogProbs of arrays", repr(top))
+    ids, log_probs = arrays
+    if ids.dtype != ID_DTYPE or log_probs.dtype != LOG_PROB_DTYPE:
+        raise InvalidTrajectory("top_logprobs", "dtypes are not int32 ids and float32 log-probs",
+                                f"{ids.dtype}, {log_probs.dtype}")  # fmt: skip
+    if ids.ndim != 2 or ids.shape != log_probs.shape or not 1 <= ids.shape[1] <= MAX_GATE_TOP_K:
+        raise InvalidTrajectory(
+            "top_logprobs", f"is not [policy tokens, K] with K in [1, {MAX_GATE_TOP_K}]",
+            f"ids {ids.shape}, log_probs {log_probs.shape}",
+        )  # fmt: skip
+    if ids.shape[0] != t.num_policy_tokens:
+        detail = f"{ids.shape[0]} rows, {t.num_policy_tokens} policy tokens"
+        raise InvalidTrajectory("top_logprobs", "rows differ from the policy tokens", detail)
+    _check_top_values(ids, log_probs)
+
+
+def _check_top_values(ids: np.ndarray, log_probs: np.ndarray) -> None:
+    for bad, problem in (
+        (ids < 0, "holds a negative id"),
+        (~np.isfinite(log_probs) | (log_probs > 0), "log-prob not finite or positive"),
+    ):
+        if bad.any():
+            index = np.argwhere(bad)[0].tolist()
+            raise InvalidTrajectory("top_logprobs", problem, f"[policy token, k] {index}")
+    ordered = np.sort(ids, axis=1)
+    repeated = np.argwhere((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if repeated.size:
+        raise InvalidTrajectory("top_logprobs", "repeats a token within a top-K",
+                                f"policy token {int(repeated[0][0])}")  # fmt: skip
+    mass = np.exp(log_probs.astype(np.float64)).sum(axis=1)
+    over = np.argwhere(mass > 1 + TOP_K_MASS_TOLERANCE)
+    if over.size:
+        row = int(over[0][0])
+        raise InvalidTrajectory("top_logprobs", "probabilities of a top-K sum above 1",
+                                f"policy token {row}: {mass[row]:.6g}")  # fmt: skip
+
+
 def validate_trajectory(t: Trajectory) -> Trajectory:
     """Return `t` unchanged if the learner can train on it; raise InvalidTrajectory otherwise."""
     _check_episode(t)
@@ -215,6 +275,7 @@ def validate_trajectory(t: Trajectory) -> Trajectory:
     _check_tokens(t)
     _check_policy_values(t)
     _check_routing(t)
+    _check_top_logprobs(t)
     return t
 
 

@@ -10,9 +10,17 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_fr.config.base import StrictModel
 
+MAX_GATE_TOP_K = 64
+"""The largest K of the top-K gate: its trajectories carry K x TOP_K_ENTRY_BYTES = 512 bytes
+per policy token at most."""
+TOP_K_ENTRY_BYTES = 8
+"""One top-K entry a trajectory carries per policy token: an int32 token id and the float32
+log-prob the engine sampled it with."""
+
 
 class FlashReinforceConfig(StrictModel):
-    """The sequence-level Bernoulli-KL trust region and the optional negative-token filter."""
+    """The sequence-level trust region (the paper's Bernoulli-KL gate, or the optional top-K
+    gate) and the optional negative-token filter."""
 
     delta: float = Field(default=3e-3, allow_inf_nan=True)
     """Gate threshold on the mean per-token Bernoulli KL of a trajectory; inf disables the gate.
@@ -20,6 +28,17 @@ class FlashReinforceConfig(StrictModel):
     1e-2 for the Qwen3-30B-A3B comparison."""
     negative_token_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
     """q: a failed trajectory keeps only its ceil(q * T) highest-entropy policy tokens (1 = off)."""
+    gate_kl: Literal["bernoulli", "topk"] = "bernoulli"
+    """The per-token KL the gate averages. bernoulli (the paper's): the Bernoulli proxy of the
+    sampled token's probability. topk (optional, not the paper's; docs/algorithm.md): the KL
+    between the engine's and the learner's distributions over the engine's top gate_top_k
+    tokens plus one bucket for the rest of the vocabulary, which sees a shift of the mass
+    among the likely tokens that the sampled token alone can miss."""
+    gate_top_k: int = Field(default=8, ge=1, le=MAX_GATE_TOP_K)
+    """K of the topk gate. The engines return the top-K log-probs of every generated token
+    (SGLang's top_logprobs_num) and each trajectory carries them: K x 8 bytes per policy token
+    (an int32 id and a float32 log-prob each; 64 bytes at K = 8, 512 at the bound K = 64),
+    nothing for other tokens. Unused by the bernoulli gate."""
 
     @field_validator("delta")
     @classmethod
@@ -31,7 +50,7 @@ class FlashReinforceConfig(StrictModel):
 
 class PPOClipConfig(StrictModel):
     """The clipped-ratio loss of the PPO family (GRPO, Dr. GRPO, RLOO baselines); the ratio is
-    taken against the behaviour log-probs the engine reported (parallel/ppo_loss.py)."""
+    taken against the behaviour log-probs the engine reported (algo/ppo.py)."""
 
     eps_low: float = Field(default=0.2, ge=0)
     eps_high: float = Field(default=0.2, ge=0)
@@ -39,8 +58,9 @@ class PPOClipConfig(StrictModel):
     aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = None
     """token_mean: every policy token of the batch weighs the same (DAPO, verl's token-mean);
     sequence_mean: each trajectory's token mean, then the mean over the batch (GRPO as
-    published); token_sum_norm: token sums divided by the longest trajectory's token count
-    (Dr. GRPO). None: the estimator's own (LearnerConfig resolves it)."""
+    published); token_sum_norm: token sums over one constant, no per-length weighting (Dr.
+    GRPO, whose constant is its generation budget; here the batch's longest trajectory's
+    policy tokens). None: the estimator's own (LearnerConfig resolves it)."""
     correction: Literal["none", "token_mask", "sequence_mask_sum", "sequence_mask_mean"] = "none"
     """Asynchronous rollout correction: drop tokens (token_mask, IcePop) or whole trajectories
     (by the sum or mean of their log-ratio) whose ratio pi / mu lies outside

@@ -1,13 +1,21 @@
-"""The learner's optimisation settings: loss, estimator, optimizer, schedule, micro-batching."""
+"""The learner's optimisation settings: loss, estimator, optimizer, schedule, micro-batching,
+and the one rule for how long a trajectory a micro-batch can hold (longest_row), which the
+learner's packing, the layout planner and `train --check` all apply."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.config.base import StrictModel
+
+LOSS_CHUNK_BYTES = 128 * 2**20
+"""fp32 logits per chunk of the learner's loss path (parallel/vocab_parallel.py): 220 tokens at
+Qwen3's vocabulary (151,936, TP1), a whole micro-batch for a small one. The layout planner
+counts the loss path's memory with it."""
 
 ESTIMATOR_LOSSES: dict[str, tuple[str, str | None]] = {
     "flash_reinforce": ("flash_reinforce", None),
@@ -38,6 +46,14 @@ class LearnerConfig(StrictModel):
     """Router load-balancing loss during RL; None keeps the checkpoint's router_aux_loss_coef.
     Off by default: RL fine-tunes a balanced pretrained router, and the extra loss is not part
     of the policy-gradient objective."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation, megatron's own (TransformerConfig.recompute_*): none keeps
+    every layer's activations for the backward pass; selective keeps the attention's and
+    re-runs each layer's MoE block (dense models: its MLP) in the backward (granularity
+    "selective", module moe / mlp); full keeps only each layer's input and re-runs the whole
+    layer (granularity "full", method "uniform", one layer per unit). The step is the same
+    either way; routing replay routes the recomputation as the engine did. The layout
+    planner and `train --check` judge memory with this setting."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner's routers use the experts the engine routed each
     position to (carried by the trajectories) instead of their own top-k, so expert choices
@@ -45,8 +61,10 @@ class LearnerConfig(StrictModel):
     inflate the train-inference mismatch the gate measures. Needs a MoE model and engines that
     return routed experts (SGLang: --enable-return-routed-experts); refused otherwise."""
     micro_batch_tokens: int = Field(default=4096, ge=1)
-    """Token budget of one micro-batch per data-parallel replica (rows x width) before the
-    context-parallel split: each CP rank holds 1/CP of it."""
+    """Tokens of one micro-batch on each GPU of a data-parallel replica's context-parallel
+    group: a micro-batch (rows x width, before the CP split) holds micro_batch_tokens x CP, so
+    its longest row does too (longest_row: less the CP and SP padding, plus the last token,
+    which is only a target)."""
     pack_sequences: bool = True
     """Pack several trajectories per micro-batch row (THD / cu_seqlens on GPU, a
     block-diagonal causal mask on CPU); False: one right-padded trajectory per row."""
@@ -71,6 +89,14 @@ class LearnerConfig(StrictModel):
             raise ValueError(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g})")
         return self
 
+    @property
+    def top_logprobs(self) -> int:
+        """The top-K log-probs every policy token of a trajectory must carry for this learner's
+        loss: the topk gate's K (flash_reinforce.gate_top_k), else 0 (none asked for)."""
+        gate = self.flash_reinforce
+        topk = self.policy_loss == "flash_reinforce" and gate.gate_kl == "topk"
+        return gate.gate_top_k if topk else 0
+
     @model_validator(mode="before")
     @classmethod
     def _pair_estimator_and_loss(cls, data: Any) -> Any:
@@ -86,3 +112,25 @@ class LearnerConfig(StrictModel):
         if ppo.get("aggregation") is None:
             ppo["aggregation"] = aggregation or "token_mean"
         return {**data, "ppo_clip": ppo}
+
+
+def width_multiple(context: int, sequence_parallel_size: int) -> int:
+    """What every micro-batch row's width divides by: megatron's zigzag CP split cuts each
+    sequence into 2 x CP chunks, and sequence parallelism splits the row again over TP."""
+    return (2 * context if context > 1 else 1) * sequence_parallel_size
+
+
+def longest_row(micro_batch_tokens: int, context: int, sequence_parallel_size: int = 1) -> int:
+    """The longest trajectory (tokens) a micro-batch can hold: its row is at most
+    micro_batch_tokens x CP tokens wide, rounded down to the width multiple; a trajectory of
+    n tokens feeds n - 1 of them to the model (the last is only a target), padded up to a
+    multiple of 2 x CP under CP (which the width multiple is)."""
+    multiple = width_multiple(context, sequence_parallel_size)
+    return micro_batch_tokens * context // multiple * multiple + 1
+
+
+def micro_batch_tokens_for(row: int, context: int, sequence_parallel_size: int = 1) -> int:
+    """The least micro_batch_tokens whose micro-batch holds trajectories of `row` tokens."""
+    multiple = width_multiple(context, sequence_parallel_size)
+    width = math.ceil((row - 1) / multiple) * multiple
+    return math.ceil(width / context)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from megatron_fr.config.base import StrictModel
@@ -11,8 +13,13 @@ class EngineSettings(StrictModel):
     """Which inference engines a run uses and how they are watched."""
 
     urls: list[str] = Field(default_factory=list)
-    """Running inference servers; empty: start one engine (SGLang with CUDA, else the CPU
-    engine) on the first learner rank's node."""
+    """Running inference servers (each says what it is on GET /server_info, and is refused
+    before any step if it cannot serve the run); empty: start one engine of `kind` on the
+    first learner rank's node."""
+    kind: Literal["sglang", "cpu"] = "sglang"
+    """The engine started here: SGLang (CUDA GPUs; refused on a machine without them) or the
+    project's CPU engine (SGLang's protocol on transformers, for CPU machines). Never chosen
+    by what the machine has."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the engine started here (0: a free one)."""
     threads: PositiveInt = 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -31,6 +32,11 @@ class ModelSettings(StrictModel):
     template (and generation_config.json, where the model says when to stop). Relative to
     the recipe file when written in one. The CPU demos' tiny models are made by
     `megatron-fr demo prepare RECIPE` (megatron_fr/demo/)."""
+    spec: Literal["te", "torch", "local"] | None = None
+    """The learner's megatron layer spec (models/gpt.py): te, transformer-engine's; torch,
+    megatron's local spec on torch's fused attention and grouped-GEMM experts (no TE needed);
+    local, megatron's local spec (the reference). None: te where transformer-engine imports,
+    else torch on a GPU, else local. Every spec reads and writes the same checkpoints."""
 
 
 class CheckpointSettings(StrictModel):

@@ -18,20 +18,24 @@ config.json, verbatim) so that converting back needs nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.convert.dcp_files import megatron_checkpoint_problem
-from megatron_fr.convert.hf_files import HFCheckpointReader
 from megatron_fr.convert.parallel_export import export_hf_from_model
 from megatron_fr.convert.parallel_load import load_hf_into_model
 from megatron_fr.convert.qwen import megatron_to_hf
 from megatron_fr.models.hf_config import HFModelSpec, spec_from_dict
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
+from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 HF_CONFIG_NAME = "hf_config.json"
 
@@ -43,7 +47,7 @@ class ConversionReport:
     dtype: torch.dtype
 
 
-def _tp1_model(spec: HFModelSpec, dtype: torch.dtype, *, meta: bool = False):
+def _tp1_model(spec: HFModelSpec, dtype: torch.dtype, *, meta: bool = False) -> GPTModel:
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.parallel import state
 
@@ -133,12 +137,12 @@ def use_legacy_keys(request: dict, megatron_dir: Path) -> None:
             entry.key = LEGACY_KEYS[entry.key]
 
 
-def _mismatch(kind: str, keys) -> str:
+def _mismatch(kind: str, keys: Iterable[str]) -> str:
     keys = sorted(k for k in keys if not k.endswith(OPTIONAL_KEY_SUFFIX))
     return f"{kind} {keys[:8]}{' ...' if len(keys) > 8 else ''}" if keys else ""
 
 
-def load_megatron_checkpoint(model: torch.nn.Module, megatron_dir: str | Path) -> None:
+def load_megatron_checkpoint(model: GPTModel, megatron_dir: str | Path) -> None:
     """Load a torch_dist checkpoint into this rank's model (megatron reshards to its layout).
 
     Every tensor the model asks for must be in the checkpoint and vice versa, except the

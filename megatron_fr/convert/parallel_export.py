@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.convert.hf_files import (
     WEIGHT_SUFFIXES,
     ShardedSafetensorsWriter,
@@ -87,7 +86,7 @@ def _assemble(index: int, name: str, param: torch.nn.Parameter) -> torch.Tensor 
     shards = [torch.empty_like(param) for _ in range(size)] if rank == owner else None
     dst = dist.get_global_rank(group, owner)
     dist.gather(param.detach().contiguous(), shards, dst=dst, group=group)
-    return unshard_tensor(shards, param, name) if rank == owner else None
+    return None if shards is None else unshard_tensor(shards, param, name)
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ class _Target:
 
 
 def _write_part(
-    model, spec: HFModelSpec, writer: ShardedSafetensorsWriter, target: _Target
+    model: torch.nn.Module, spec: HFModelSpec, writer: ShardedSafetensorsWriter, target: _Target
 ) -> tuple[list[WrittenShard], str | None]:
     """This rank's share of the HF tensors, into its own files. Takes part in every gather
     even after a write failed (peers wait on them); returns (files, the first fault)."""
@@ -111,8 +110,13 @@ def _write_part(
     layout = MegatronNames.of(names)
     global_names = global_parameter_names(model, spec.num_experts)
     fault = None
-    bar = tqdm(total=len(names), desc="model -> hf", unit="tensor", file=sys.stderr,
-               disable=not target.progress or _rank() != 0)  # fmt: skip
+    bar = tqdm(
+        total=len(names),
+        desc="model -> hf",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not target.progress or _rank() != 0,
+    )
     with bar, torch.no_grad():
         for index, (name, param) in enumerate(names.items()):
             bar.update()
@@ -169,9 +173,13 @@ def export_hf_from_model(
     """
     started = time.monotonic()
     target = _Target(
-        Path(out), config_text, Path(files_from) if files_from else None, max_shard_bytes, dtype,
+        Path(out),
+        config_text,
+        Path(files_from) if files_from else None,
+        max_shard_bytes,
+        dtype,
         progress,
-    )  # fmt: skip
+    )
     directory = ExitStack()  # rank 0 holds the partial directory open in it
     try:
         writer = _write_into(directory, model, spec, target)
@@ -188,7 +196,7 @@ def export_hf_from_model(
 
 
 def _write_into(
-    directory: ExitStack, model, spec: HFModelSpec, target: _Target
+    directory: ExitStack, model: torch.nn.Module, spec: HFModelSpec, target: _Target
 ) -> ShardedSafetensorsWriter:
     """Every step before the final rename, the verdict agreed between ranks after each."""
     partial, fault = None, None

@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
-from megatron_fr.convert.hf_files import HFCheckpointReader
-from megatron_fr.convert.qwen import HFRows, MegatronNames, hf_row_sources, hf_tensor_names
+from megatron_fr.convert.qwen import MegatronNames, hf_row_sources, hf_tensor_names
 from megatron_fr.convert.shard import (
     global_parameter_names,
+    partition_dim,
     partition_stride,
     shard_group,
     shard_ranges,
 )
 from megatron_fr.models.hf_config import HFModelSpec
+from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,21 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class _Rows:
+    """qwen.HFRows with its row count known (a whole tensor's from the parameter's shape)."""
+
+    name: str
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
 class _Plan:
     """How one parameter of this rank is read: its HF sources and the part it holds."""
 
     name: str
     param: torch.nn.Parameter
-    sources: list[HFRows]
+    sources: list[_Rows]
     dim: int
     """The partition dim (0 when the parameter is not split)."""
     full_shape: tuple[int, ...]
@@ -62,9 +71,15 @@ class _Plan:
     """[start, stop) ranges of the full tensor's `dim` this rank holds, in order."""
 
 
-def _plan(name: str, param, global_name: str, spec: HFModelSpec, names: MegatronNames) -> _Plan:
+def _plan(
+    name: str,
+    param: torch.nn.Parameter,
+    global_name: str,
+    spec: HFModelSpec,
+    names: MegatronNames,
+) -> _Plan:
     group = shard_group(name, param)
-    dim = 0 if group is None else param.partition_dim
+    dim = 0 if group is None else partition_dim(param)
     shape = list(param.shape)
     if group is None:
         ranges = [(0, shape[0])]
@@ -72,9 +87,10 @@ def _plan(name: str, param, global_name: str, spec: HFModelSpec, names: Megatron
         rank, size = group
         shape[dim] *= size
         ranges = shard_ranges(shape[dim], size, partition_stride(name, param), rank)
-    sources = hf_row_sources(spec, global_name, names)
-    if len(sources) == 1 and sources[0].count is None:
-        sources = [HFRows(sources[0].name, 0, shape[0])]
+    sources = [  # only a lone source, a whole tensor, has no count
+        _Rows(rows.name, rows.start, shape[0] if rows.count is None else rows.count)
+        for rows in hf_row_sources(spec, global_name, names)
+    ]
     if dim != 0 and len(sources) > 1:
         raise NotImplementedError(f"{global_name}: a fused tensor split along dim {dim}")
     return _Plan(name, param, sources, dim, tuple(shape), ranges)
@@ -174,9 +190,15 @@ def load_hf_into_model(
         show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
         with (
             torch.no_grad(),
-            tqdm(total=total, desc="hf -> model", unit="B", unit_scale=True, file=sys.stderr,
-                 disable=not show) as bar,
-        ):  # fmt: skip
+            tqdm(
+                total=total,
+                desc="hf -> model",
+                unit="B",
+                unit_scale=True,
+                file=sys.stderr,
+                disable=not show,
+            ) as bar,
+        ):
             for plan in plans:
                 _load(reader, plan)
                 bar.update(plan.param.numel() * plan.param.element_size())

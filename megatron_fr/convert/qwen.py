@@ -25,32 +25,40 @@ from megatron_fr.models.hf_config import HFModelSpec
 
 Tensors = dict[str, Tensor]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"\.experts\.linear_fc[12]\.weight\d+$")
 
 
 @dataclass(frozen=True)
 class MegatronNames:
-    """Where a layer's tensors live in megatron: the local and TE specs differ in the norms
-    (TE fuses them into the following linear) and in expert naming (grouped GEMM)."""
+    """Where a layer's tensors live in megatron, which depends on the layer spec: TE fuses the
+    norms into the following linears (fused_norms); TE's and the torch spec's grouped experts
+    name expert e's weights linear_fc1.weight{e} (grouped_experts), the local spec's
+    sequential ones local_experts.{e}.linear_fc1.weight."""
 
-    te_spec: bool = False
+    fused_norms: bool = False
+    grouped_experts: bool = False
 
     @classmethod
     def of(cls, parameter_names: Iterable[str]) -> MegatronNames:
-        """The naming a built model uses (TE fuses the input norm into linear_qkv)."""
-        return cls(te_spec=any(".linear_qkv.layer_norm_weight" in n for n in parameter_names))
+        """The naming a built model uses, from its parameter names."""
+        names = list(parameter_names)
+        return cls(
+            fused_norms=any(".linear_qkv.layer_norm_weight" in n for n in names),
+            grouped_experts=any(_GROUPED_EXPERT.search(n) for n in names),
+        )
 
     def input_norm(self, layer: str) -> str:
-        if self.te_spec:
+        if self.fused_norms:
             return f"{layer}.self_attention.linear_qkv.layer_norm_weight"
         return f"{layer}.input_layernorm.weight"
 
     def pre_mlp_norm(self, layer: str, moe: bool) -> str:
-        if self.te_spec and not moe:
+        if self.fused_norms and not moe:
             return f"{layer}.mlp.linear_fc1.layer_norm_weight"
         return f"{layer}.pre_mlp_layernorm.weight"
 
     def expert(self, layer: str, expert: int, linear: str) -> str:
-        if self.te_spec:
+        if self.grouped_experts:
             return f"{layer}.mlp.experts.{linear}.weight{expert}"
         return f"{layer}.mlp.experts.local_experts.{expert}.{linear}.weight"
 
@@ -238,7 +246,9 @@ def megatron_tensor_to_hf(
     }
 
 
-def megatron_layer_names(spec: HFModelSpec, index: int, names: MegatronNames = MegatronNames()):
+def megatron_layer_names(
+    spec: HFModelSpec, index: int, names: MegatronNames = MegatronNames()
+) -> list[str]:
     """Every megatron tensor name of decoder layer `index` (global expert indices)."""
     layer = f"decoder.layers.{index}.self_attention"
     qkv = [f"{layer}.linear_qkv.weight"] + ([f"{layer}.linear_qkv.bias"] if spec.qkv_bias else [])

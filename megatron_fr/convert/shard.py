@@ -10,11 +10,13 @@ parallel group, everything else over TP; local expert j on EP rank r is global r
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -65,7 +67,27 @@ def partition_stride(name: str, param: torch.nn.Parameter) -> int:
     weights stride 1; so for fc1 the name decides, elsewhere the parameter's own stride."""
     if _GATED_FC1.search(name):
         return 2
+    return _own_stride(param)
+
+
+def _own_stride(param: torch.nn.Parameter) -> int:
+    """The stride megatron recorded on the parameter (1 unless it interleaves parts)."""
     return getattr(param, "partition_stride", 1)
+
+
+def partition_dim(param: torch.nn.Parameter) -> int:
+    """The dim megatron splits a tensor-parallel `param` along: an attribute its parallel
+    layers set on the parameter (set_tensor_model_parallel_attributes)."""
+    dim = getattr(param, "partition_dim", None)
+    if not isinstance(dim, int):
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has no partition_dim")
+    return dim
+
+
+def stage_layer_numbers(model: GPTModel) -> list[int]:
+    """The global 0-based index of each of this pipeline stage's decoder layers, in module
+    order: megatron numbers a stage's layers from 0 and records layer_number (1-based)."""
+    return [layer.layer_number - 1 for layer in model.decoder.layers]
 
 
 def shard_ranges(length: int, size: int, stride: int, rank: int) -> list[tuple[int, int]]:
@@ -80,7 +102,7 @@ def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
     group = shard_group(name, param)
     if group is None:
         return full
-    dim, (rank, size) = param.partition_dim, group
+    dim, (rank, size) = partition_dim(param), group
     ranges = shard_ranges(full.shape[dim], size, partition_stride(name, param), rank)
     return torch.cat([full.narrow(dim, start, stop - start) for start, stop in ranges], dim=dim)
 
@@ -92,17 +114,17 @@ def unshard_tensor(
     Pass the parameter's `name` so that a gated fc1's layout is known (partition_stride)."""
     if len(shards) == 1 or not getattr(param, "tensor_model_parallel", False):
         return shards[0]
-    dim = param.partition_dim
-    stride = param.partition_stride if name is None else partition_stride(name, param)
+    dim = partition_dim(param)
+    stride = _own_stride(param) if name is None else partition_stride(name, param)
     pieces = [shard.chunk(stride, dim=dim) for shard in shards]
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def global_parameter_names(model: torch.nn.Module, num_experts: int) -> dict[str, str]:
+def global_parameter_names(model: GPTModel, num_experts: int) -> dict[str, str]:
     """This rank's parameter names -> their TP1/EP1/PP1 names: the global layer index on any
     pipeline stage (megatron numbers a stage's layers from 0 and records layer_number) and
     the global expert index."""
-    offsets = {str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)}
+    offsets = {str(i): str(number) for i, number in enumerate(stage_layer_numbers(model))}
     names = {}
     for name, _ in model.named_parameters():
         full = global_name(name, num_experts)

@@ -13,12 +13,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,12 @@ class VerifyJob:
     parallel: ParallelConfig
     tokens: torch.Tensor
     hf_dir: str | None = None
+
+    def hf_source(self) -> str:
+        """hf_dir, which a job without megatron_dir loads from."""
+        if self.hf_dir is None:
+            raise ValueError("a verify job needs megatron_dir or hf_dir")
+        return self.hf_dir
 
 
 def verify_layout(
@@ -72,7 +81,9 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-def pipeline_logits(model, tokens: torch.Tensor, parallel: ParallelConfig):
+def pipeline_logits(
+    model: GPTModel, tokens: torch.Tensor, parallel: ParallelConfig
+) -> torch.Tensor | None:
     """Logits on the last stage (full vocab, [b, s, V]); None on the other stages."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -94,11 +105,11 @@ def pipeline_logits(model, tokens: torch.Tensor, parallel: ParallelConfig):
 
 def _source_dtype(job: VerifyJob) -> torch.dtype:
     from megatron_fr.convert.checkpoint import hf_dtype, megatron_dtype
-    from megatron_fr.convert.hf_files import HFCheckpointReader
+    from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
     if job.megatron_dir is not None:
         return megatron_dtype(Path(job.megatron_dir))
-    with HFCheckpointReader(job.hf_dir) as reader:
+    with HFCheckpointReader(job.hf_source()) as reader:
         return hf_dtype(reader)
 
 
@@ -119,7 +130,7 @@ def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -
             spec, job.parallel, params_dtype=_source_dtype(job), initialize=False
         )
         if job.megatron_dir is None:
-            load_hf_into_model(model, job.hf_dir, spec, progress=False)
+            load_hf_into_model(model, job.hf_source(), spec, progress=False)
         else:
             load_megatron_checkpoint(model, job.megatron_dir)
         model = model.float().eval()

@@ -114,7 +114,7 @@ def _unit_hash(keys: np.ndarray, base: int, seed: int) -> np.ndarray:
     """
     code, pair = np.divmod(keys, np.uint64(base * base))
     a, b = np.divmod(pair, np.uint64(base))
-    x = (a << np.uint64(12)) | (b << np.uint64(2)) | code  # a, b < 1024
+    x: np.ndarray = (a << np.uint64(12)) | (b << np.uint64(2)) | code  # a, b < 1024
     x = x ^ (np.uint64(seed & 0xFFFFFFFF) << np.uint64(32))
     with np.errstate(over="ignore"):  # splitmix64 relies on wrap-around multiplication
         x = x + np.uint64(0x9E3779B97F4A7C15)

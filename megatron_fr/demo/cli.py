@@ -15,8 +15,9 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    prepare = actions.add_parser("prepare", help="make a demo recipe's model (model.hf_dir)",
-                                 description=__doc__)  # fmt: skip
+    prepare = actions.add_parser(
+        "prepare", help="make a demo recipe's model (model.hf_dir)", description=__doc__
+    )
     prepare.add_argument("recipe", help="a CPU demo recipe, e.g. examples/cpu_demo.yaml")
     prepare.add_argument("overrides", nargs="*", help="dotted.key=value; demo.key=value")
 

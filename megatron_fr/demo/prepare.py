@@ -13,12 +13,22 @@ A model made with the same settings is reused; the directory is written whole or
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from pydantic import BaseModel
 
 from megatron_fr.config.run import RunConfig
-from megatron_fr.demo.config import DemoModelConfig
+from megatron_fr.demo.config import DemoModelConfig, WarmStartConfig
 from megatron_fr.envs.base import Sample
 from megatron_fr.envs.datasets import load_dataset
 from megatron_fr.envs.registry import environment_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_fr.demo.warm_start import WarmStartReport
+
+EnvConfig = TypeVar("EnvConfig", bound=BaseModel)
 
 
 def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
@@ -31,56 +41,90 @@ def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
     tokenizer = _task_tokenizer(config, demo, samples)
     tool_demos = task.name == "python_tool" and all("code" in sample for sample in samples)
     if demo.warm_start is not None and tool_demos:
-        return str(_warm_start_tool_demos(config, demo, hf_dir, samples, tokenizer))
+        return str(_warm_start_tool_demos(config, demo.warm_start, hf_dir, samples, tokenizer))
     return _random_model(config, hf_dir, tokenizer)
 
 
-def _warm_start_text_math(config: RunConfig, demo: DemoModelConfig, hf_dir: Path):
+def _env_config(config: RunConfig, name: str, kind: type[EnvConfig]) -> EnvConfig:
+    """task.env validated as environment `name`'s settings, which the demo reads as `kind`."""
+    settings = environment_config(name, config.task.env)
+    if not isinstance(settings, kind):  # `name` resolved to another class than the built-in
+        raise TypeError(f"environment {name!r}: its settings are not {kind.__name__}")
+    return settings
+
+
+def _warm_start_text_math(
+    config: RunConfig, demo: DemoModelConfig, hf_dir: Path
+) -> WarmStartReport:
     from megatron_fr.demo.text_math import TextMathConfig, build_text_math_task
     from megatron_fr.demo.tiny_models import tiny_chat_model_config
     from megatron_fr.demo.warm_start import warm_start
+    from megatron_fr.envs.math_env import MathEnvConfig
 
     if demo.warm_start is None:
         raise ValueError("demo.warm_start: the math demo needs a warm start")
-    environment = environment_config("math", config.task.env)
+    environment = _env_config(config, "math", MathEnvConfig)
     text = TextMathConfig(problems=demo.warm_start.problems, environment=environment)
     with build_text_math_task(text, demo.tokenizer_vocab) as task:
-        return warm_start(hf_dir, task, tiny_chat_model_config(task.tokenizer), demo.warm_start,
-                          tokenizer=task.tokenizer)  # fmt: skip
+        return warm_start(
+            hf_dir,
+            task,
+            tiny_chat_model_config(task.tokenizer),
+            demo.warm_start,
+            tokenizer=task.tokenizer,
+        )
 
 
-def _task_tokenizer(config: RunConfig, demo: DemoModelConfig, samples: list[Sample]):
+def _task_tokenizer(
+    config: RunConfig, demo: DemoModelConfig, samples: list[Sample]
+) -> PreTrainedTokenizerFast:
     """A BPE tokenizer trained on the task's own text: the system prompt, every problem and,
     for samples with a reference program, the tool call and answer a solver would write."""
     from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
     from megatron_fr.demo.tool_demos import answer_text, tool_call_text
 
     system = getattr(environment_config(config.task.name, config.task.env), "system_prompt", None)
-    chats = [[{"role": "system", "content": system or ""},
-              {"role": "user", "content": str(sample.get("problem", sample))},
-              *([{"role": "assistant", "content": tool_call_text(sample["code"])},
-                 {"role": "assistant", "content": answer_text(str(sample["answer"]))}]
-                if "code" in sample else [])]
-             for sample in samples]  # fmt: skip
+    chats = [
+        [
+            {"role": "system", "content": system or ""},
+            {"role": "user", "content": str(sample.get("problem", sample))},
+            *(
+                [
+                    {"role": "assistant", "content": tool_call_text(sample["code"])},
+                    {"role": "assistant", "content": answer_text(str(sample["answer"]))},
+                ]
+                if "code" in sample
+                else []
+            ),
+        ]
+        for sample in samples
+    ]
     return build_chat_tokenizer(chats, vocab_size=demo.tokenizer_vocab)
 
 
-def _warm_start_tool_demos(config: RunConfig, demo: DemoModelConfig, hf_dir: Path,
-                           samples: list[Sample], tokenizer):  # fmt: skip
+def _warm_start_tool_demos(
+    config: RunConfig,
+    warm: WarmStartConfig,
+    hf_dir: Path,
+    samples: list[Sample],
+    tokenizer: PreTrainedTokenizerFast,
+) -> WarmStartReport:
     from megatron_fr.demo.tiny_models import tiny_chat_model_config
     from megatron_fr.demo.tool_demos import ToolDemonstrations
     from megatron_fr.demo.warm_start import warm_start
+    from megatron_fr.envs.python_tool import PythonToolConfig
 
-    task = ToolDemonstrations(samples, environment_config("python_tool", config.task.env),
-                              tokenizer)  # fmt: skip
+    environment = _env_config(config, "python_tool", PythonToolConfig)
+    task = ToolDemonstrations(samples, environment, tokenizer)
     try:
-        return warm_start(hf_dir, task, tiny_chat_model_config(tokenizer), demo.warm_start,
-                          tokenizer=tokenizer)  # fmt: skip
+        return warm_start(
+            hf_dir, task, tiny_chat_model_config(tokenizer), warm, tokenizer=tokenizer
+        )
     finally:
         task.close()
 
 
-def _random_model(config: RunConfig, hf_dir: Path, tokenizer) -> str:
+def _random_model(config: RunConfig, hf_dir: Path, tokenizer: PreTrainedTokenizerFast) -> str:
     import torch
 
     from megatron_fr.demo.tiny_models import (

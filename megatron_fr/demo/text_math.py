@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     `problems`), the held-out ones from the eval split."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_fr.demo.text_math",
-                                     description=main.__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_fr.demo.text_math", description=main.__doc__
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--train", type=int, default=4096, help="training prompts")
     parser.add_argument("--eval", type=int, default=200, help="held-out prompts")
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         problems=ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", args.train), ("eval", args.eval)):
+    splits: tuple[tuple[Split, int], ...] = (("train", args.train), ("eval", args.eval))
+    for split, count in splits:
         print(write_rows(args.out_dir / f"{split}.jsonl", config, split, count, seed=0))
 
 

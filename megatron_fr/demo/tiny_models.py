@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from megatron_fr.demo.chat_tokenizer import END_OF_TURN, PAD_TOKEN, build_chat_tokenizer
 
 if TYPE_CHECKING:
-    import torch
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 VOCAB_MULTIPLE = 64
 """The model's vocabulary is the tokenizer's rounded up to this (as Qwen pads 151,665 tokens to
@@ -31,7 +30,7 @@ VOCAB_MULTIPLE = 64
 
 def build_model(
     model_config: dict[str, Any], stop_token_ids: Sequence[int] = ()
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A freshly initialised fp32 HF model of `model_config` (a config.json dict), with a
     generation config that stops at `stop_token_ids` (default: the config's eos_token_id)."""
     import torch
@@ -53,7 +52,8 @@ def build_model(
 def chat_stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """<|im_end|> (end of turn) then <|endoftext|>: the order of Qwen instruct models'
     generation_config.json."""
-    return tuple(tokenizer.convert_tokens_to_ids([END_OF_TURN, PAD_TOKEN]))
+    # A list of tokens gives a list of ids; transformers types either call as int | list[int].
+    return tuple(cast("list[int]", tokenizer.convert_tokens_to_ids([END_OF_TURN, PAD_TOKEN])))
 
 
 def tiny_model_config(vocab_size: int) -> dict:
@@ -107,7 +107,7 @@ def tiny_chat_model_config(tokenizer: PreTrainedTokenizerBase, **overrides: Any)
 
 
 def save_chat_model(
-    directory: str | Path, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    directory: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> Path:
     """Write `model` (with its generation config) and `tokenizer` into `directory`."""
     directory = Path(directory)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,8 +51,9 @@ class ToolDemonstrations:
 
     name = "tool_demonstrations"
 
-    def __init__(self, samples: list[Sample], config: PythonToolConfig,
-                 tokenizer: PreTrainedTokenizerBase) -> None:  # fmt: skip
+    def __init__(
+        self, samples: list[Sample], config: PythonToolConfig, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
         from megatron_fr.demo.tiny_models import chat_stop_token_ids
         from megatron_fr.rollout.chat import chat_format
 
@@ -64,14 +66,17 @@ class ToolDemonstrations:
         self.environment = PythonToolEnvironment(config)
         self._demos = {key: demo for sample in samples for key, demo in self._render(sample)}
 
-    def _render(self, sample: Sample):
+    def _render(self, sample: Sample) -> Iterator[tuple[str, _Demo]]:
         episode = self.environment.start(sample)
         messages, tools = list(episode.messages), episode.tools
         episode.close()
         call = tool_call_text(sample["code"])
         first = self.chat.prompt_ids(messages, tools)
-        conversation = [*messages, {"role": "assistant", "content": call},
-                        {"role": "tool", "content": str(sample["answer"])}]  # fmt: skip
+        conversation = [
+            *messages,
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": str(sample["answer"])},
+        ]
         second = self.chat.prompt_ids(conversation, tools)
         slip = answer_text(_off_by_one(str(sample["answer"])))
         yield f"{sample['id']}#0", _Demo(first, call, call)

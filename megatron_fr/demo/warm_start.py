@@ -50,7 +50,7 @@ import torch
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from megatron_fr.demo.arithmetic import Problem
+from megatron_fr.demo.arithmetic import Problem, Split
 from megatron_fr.demo.config import WarmStartConfig
 from megatron_fr.demo.tiny_models import build_model
 from megatron_fr.utils.atomic_dir import atomic_directory
@@ -65,15 +65,23 @@ class Task(Protocol):
     """What the warm start trains on: problems whose prompts are token ids, the ids of a
     right answer and of a slip, and a reward for generated ids."""
 
-    name: str
-    config: BaseModel
-    pad_id: int
-    stop_token_ids: tuple[int, ...]
+    # Read-only (properties), so a task may hold a narrower type: its own config class.
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> BaseModel: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
 
     @property
     def max_new_tokens(self) -> int: ...
 
-    def problems(self, split: str, count: int, seed: int | None = None) -> list[Problem]: ...
+    def problems(self, split: Split, count: int, seed: int | None = None) -> list[Problem]: ...
 
     def target_ids(self, problem: Problem) -> list[int]: ...
 

@@ -1,4 +1,5 @@
 """The SGLang boundary in one place: SGLang's wire format (protocol), the load-balancing
 client, the server launcher, the weight-update HTTP calls (http) and process-group setup
-(group), and the SGLang-protocol CPU engine that stands in for SGLang where there is no GPU
-(cpu_engine, cpu_server, serve_cli). Nothing here knows about buffers, learners or tasks."""
+(group), the compact record of SGLang's routed experts (routing), and the SGLang-protocol CPU
+engine that stands in for SGLang where there is no GPU (cpu_engine, cpu_server, serve_cli).
+Nothing here knows about buffers, learners or tasks."""

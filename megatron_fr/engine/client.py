@@ -14,9 +14,15 @@ continuation after an abort, both carry the version of the weights that sampled 
 Routed experts (MoE routing replay, config.routed_experts): each segment asks for the positions
 not reported yet (routed_experts_start_len = the first of them), so the segments of a call, and
 the calls of a multi-turn row (generate's routed_experts_from), tile the row's positions once,
-each with the routing the engine used when it first fed that position. A server that sends
-none although asked ends the run (RoutedExpertsUnavailable): it is misconfigured, and a retry
-would not help.
+each with the routing the engine used when it first fed that position. A request a weight
+sync aborts while it is still in SGLang's waiting queue comes back with no token and no routed
+experts (TokenizerManager._handle_abort_req attaches none): it reported nothing, so it is
+continued like any abort. A server that sends none for a segment that did generate ends the
+run (RoutedExpertsUnavailable): it is misconfigured, and a retry would not help.
+
+Top-K log-probs (config.top_logprobs = K, for the top-K gate): every segment asks for them
+(SGLang's top_logprobs_num) and the Rollout carries one row per output token, the segments'
+rows in order, so a continued rollout's rows are those of the engines that sampled each token.
 
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
@@ -33,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -44,7 +51,7 @@ from pydantic import (
     field_validator,
 )
 
-from megatron_fr.buffer.routing import RoutedExperts
+from megatron_fr.config.algo import MAX_GATE_TOP_K
 from megatron_fr.engine.protocol import (
     GENERATE_PATH,
     HEALTH_PATH,
@@ -57,6 +64,8 @@ from megatron_fr.engine.protocol import (
     generate_request,
     parse_generate_response,
 )
+from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 
 
 class RolloutClientConfig(BaseModel):
@@ -82,6 +91,9 @@ class RolloutClientConfig(BaseModel):
     """Ask the servers for the routed experts of every position (MoE routing replay in the
     learner), checked against this layout of the model; None: not asked. SGLang sends them
     only when launched with --enable-return-routed-experts."""
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_GATE_TOP_K)
+    """K: ask for the K most likely tokens, with their log-probs, of every generated token's
+    distribution (the top-K gate's input; SGLang's top_logprobs_num); 0: not asked."""
 
     @field_validator("urls")
     @classmethod
@@ -117,6 +129,9 @@ class Rollout:
     attempts: int
     """POST /generate sent for this rollout, over all segments and retries."""
     continuations: int
+    top_logprobs: TopLogProbs | None = None
+    """The top-K ids and log-probs of each output token's distribution, one row per output
+    token; None unless the config asks for them."""
 
 
 @dataclass
@@ -227,6 +242,7 @@ class RolloutClient:
         logprobs: list[float] = []
         versions: list[str] = []
         routed: list[RoutedExperts] = []
+        tops: list[TopLogProbs] = []
         attempts = continuations = 0
         while True:
             budget = sampling.max_new_tokens - len(output_ids)
@@ -240,8 +256,10 @@ class RolloutClient:
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
-            if self.config.routed_experts is not None:
-                routed.append(self._segment_routing(out, len(fed), start, server))
+            if out.top_logprobs is not None:
+                tops.append(out.top_logprobs)
+            if (layout := self.config.routed_experts) is not None:
+                routed.append(self._segment_routing(out, layout, len(fed), start, server))
             finish = self._overall_finish(out.finish_reason, output_ids, sampling)
             if finish != "abort" or continuations == self.config.max_continuations:
                 break
@@ -258,6 +276,7 @@ class RolloutClient:
             server=server,
             attempts=attempts,
             continuations=continuations,
+            top_logprobs=TopLogProbs.concatenate(tops) if tops else None,
         )
 
     @staticmethod
@@ -275,11 +294,19 @@ class RolloutClient:
         return "abort"
 
     def _segment_routing(
-        self, out: GenerateOutput, fed: int, start: int, server: str
+        self,
+        out: GenerateOutput,
+        layout: RoutedExpertsLayout,
+        fed: int,
+        start: int,
+        server: str,
     ) -> RoutedExperts:
         """A segment's routed experts: positions [start, fed + output - 1), as SGLang returns
-        them; none when the segment generated nothing (it may have fed nothing)."""
-        layout = self.config.routed_experts
+        them; none when the segment generated nothing (it may have fed nothing), and none at
+        all from an abort in SGLang's waiting queue (module docstring)."""
+        if out.routed_experts is None and not out.output_ids and out.finish_reason == "abort":
+            empty = np.zeros((0, layout.num_layers, layout.top_k), dtype=np.int32)
+            return RoutedExperts.compact(empty, layout.num_experts)
         if out.routed_experts is None:
             raise RoutedExpertsUnavailable(
                 f"{server} sent no meta_info.routed_experts although asked: SGLang must run "
@@ -317,6 +344,7 @@ class RolloutClient:
                 sampling,
                 rid=f"{rid}.{attempt}",
                 routed_experts_start_len=routing_start if self.config.routed_experts else None,
+                top_logprobs_num=self.config.top_logprobs,
             )
             try:
                 out = await self._post_generate(server, body)
@@ -359,7 +387,8 @@ class RolloutClient:
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
-            return parse_generate_response(await self._post_json(server.url, body))
+            answer = await self._post_json(server.url, body)
+            return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
             raise exc.from_server(server.url) from exc

@@ -17,28 +17,46 @@ the pause mode and however an update races with the request. What else the engin
   the new weights. Requests arriving while paused wait for /continue_generation (abort_all
   and a later "abort" pause leave them waiting, as in SGLang); an aborted request (by rid,
   abort_all, or its client disconnecting) ends at its next step.
-- Routed experts (SGLang's return_routed_experts, MoE models): forward hooks on every layer's
-  router record the top-k expert ids of each position as it is fed; a request gets those of
-  positions [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k]
-  int32 like SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A
-  retracted request re-encodes its prefix, so its record restarts with the new routing.
+- A request aborted before its first decoding step (waiting for the step lock, as a request
+  waits in SGLang's waiting queue) ends with no token and finish message "Abort in waiting
+  queue", and carries no routed experts: SGLang answers those from
+  TokenizerManager._handle_abort_req, which attaches none (cpu_wire answers in that shape).
+- Routed experts (SGLang's return_routed_experts, MoE models), when the engine runs with
+  return_routed_experts (SGLang's --enable-return-routed-experts; without it, as SGLang, a
+  request asking for them gets none): forward hooks on every layer's router record the top-k
+  expert ids of each position as it is fed; a request gets those of positions
+  [routed_experts_start_len, prompt + output - 1), as [positions, layers, top_k] int32 like
+  SGLang's (zeros for a layer without router, as in SGLang's capture buffer). A retracted
+  request re-encodes its prefix, so its record restarts with the new routing.
+- Top-K log-probs (SGLang's top_logprobs_num = K): for every output token, the K most likely
+  tokens of the distribution it was drawn from and their log-probs, in descending order, -inf
+  clamped to the float's smallest value as SGLang's logprob processor does (SGLang takes them
+  before top-p/top-k truncation; training refuses truncated sampling, where the two agree).
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
 from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
 PAUSE_MODES = ("abort", "retract", "in_place")
+WAITING_ABORT_MESSAGE = "Abort in waiting queue"
+"""SGLang's finish message for a request aborted before it was scheduled
+(TokenizerManager._handle_abort_req)."""
 
 
 @dataclass
@@ -71,7 +89,13 @@ class Output:
     produced by `weight_version` (an engine whose weights never change mid-request)."""
     routed_experts: torch.Tensor | None = None
     """int32 [positions, layers, top_k]: the experts of the positions asked for (module doc);
-    None when not asked."""
+    None when not asked, not enabled, or aborted while waiting."""
+    waiting_abort: bool = False
+    """Aborted before its first step: SGLang's waiting-queue abort (module doc)."""
+    top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    """(log-probs, ids) of each output token's top K (module doc); None when not asked."""
+    e2e_latency: float = 0.0
+    """Seconds from arrival to the answer (SGLang's meta_info.e2e_latency)."""
 
 
 class Aborted(Exception):
@@ -103,12 +127,12 @@ class RouterCapture:
     threads). transformers' MoE routers (e.g. Qwen3MoeTopKRouter) return
     (router_logits, routing_weights, expert_indices [tokens, top_k])."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: PreTrainedModel):
         config = model.config
         self.num_layers = config.num_hidden_layers
         self.top_k = getattr(config, "num_experts_per_tok", 0)
         self._local = threading.local()
-        self.layers = []
+        self.layers: list[int] = []
         for index, layer in enumerate(getattr(getattr(model, "model", None), "layers", [])):
             gate = getattr(getattr(layer, "mlp", None), "gate", None)
             if self.top_k and isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):
@@ -119,8 +143,8 @@ class RouterCapture:
     def available(self) -> bool:
         return bool(self.layers)
 
-    def _hook(self, layer: int):
-        def record(_module, _args, output) -> None:
+    def _hook(self, layer: int) -> Callable[[torch.nn.Module, object, tuple], None]:
+        def record(_module: torch.nn.Module, _args: object, output: tuple) -> None:
             picks = getattr(self._local, "picks", None)
             if picks is not None:
                 picks.append((layer, output[2]))
@@ -131,7 +155,8 @@ class RouterCapture:
     def recording(self, positions: int) -> Iterator[list[torch.Tensor]]:
         """Record one forward over `positions` positions; the list receives their
         [positions, layers, top_k] int32 routing when the block ends."""
-        self._local.picks, result = [], []
+        result: list[torch.Tensor] = []
+        self._local.picks = []
         try:
             yield result
             routing = torch.zeros((positions, self.num_layers, self.top_k), dtype=torch.int32)
@@ -150,10 +175,14 @@ class CpuEngine:
         model_path: str | Path,
         dtype: torch.dtype = torch.float32,
         context_length: int | None = None,
+        return_routed_experts: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
         self.model_path = str(model_path)
+        self.dtype = dtype
+        self.return_routed_experts = return_routed_experts
+        """SGLang's --enable-return-routed-experts (module doc)."""
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         self.tokenizer = _optional_tokenizer(model_path)
         if context_length is not None and context_length < 2:
@@ -181,12 +210,16 @@ class CpuEngine:
         sampling: Sampling,
         rid: str,
         routed_experts_start: int | None = None,
+        top_logprobs: int = 0,
     ) -> Output:
         """Decode one request to a stop token, its token budget, or an abort; with
-        routed_experts_start, report the routed experts from that position on (module doc)."""
+        routed_experts_start, report the routed experts from that position on, with
+        top_logprobs = K, every token's top K (module doc)."""
+        arrived = time.monotonic()
         budget = self._token_budget(input_ids, sampling)
         self._check_routing_request(input_ids, routed_experts_start)
-        asked = routed_experts_start is not None
+        self._check_top_logprobs(top_logprobs)
+        asked = routed_experts_start is not None and self.return_routed_experts
         generator = torch.Generator()
         seed = sampling.sampling_seed
         generator.manual_seed(seed if seed is not None else _fresh_seed())
@@ -194,6 +227,7 @@ class CpuEngine:
         logprobs: list[float] = []
         versions: list[str] = []
         routed: list[torch.Tensor] = []
+        tops: list[tuple[list[float], list[int]]] = []
         finish: dict = {"type": "length", "length": budget}
         self._enter(rid)
         try:
@@ -203,18 +237,15 @@ class CpuEngine:
                 if seen != retractions:  # retracted while paused: re-encode with new weights
                     cache, feed, retractions = None, list(input_ids) + ids, seen
                     routed.clear()
-                record = self.routers.recording(len(feed)) if asked else nullcontext([])
-                with self.weights.step() as version, record as step:
-                    result = self.model(
-                        input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
-                    )
+                logits, cache, version, step = self._forward(rid, feed, cache, asked)
                 routed += step
                 versions.append(version)
-                cache = getattr(result, self._cache_arg)
-                log_probs = sampling_log_probs(result.logits[0, -1], sampling)
+                log_probs = sampling_log_probs(logits, sampling)
                 token = _pick(log_probs, sampling, generator)
                 ids.append(token)
                 logprobs.append(log_probs[token].item())
+                if top_logprobs:
+                    tops.append(_top(log_probs, top_logprobs))
                 feed = [token]
                 if token in sampling.stop_token_ids or (
                     token in self._eos and not sampling.ignore_eos
@@ -222,27 +253,53 @@ class CpuEngine:
                     finish = {"type": "stop", "matched": token}
                     break
         except Aborted:
-            finish = {"type": "abort", "message": "aborted"}
+            message = "aborted" if versions else WAITING_ABORT_MESSAGE
+            finish = {"type": "abort", "message": message}
         finally:
             self._leave(rid)
         output = Output(ids, logprobs, finish, self.weight_version, len(input_ids), versions)
-        if asked:
+        output.waiting_abort = finish["type"] == "abort" and not versions
+        output.e2e_latency = time.monotonic() - arrived
+        output.top_logprobs = tops if top_logprobs else None
+        if asked and not output.waiting_abort:
             fed = torch.cat(routed) if routed else self._no_routing()
             output.routed_experts = fed[routed_experts_start:]
         return output
+
+    def _forward(
+        self, rid: str, feed: list[int], cache: object, record_routing: bool
+    ) -> tuple[torch.Tensor, object, str, list[torch.Tensor]]:
+        """One decoding step under the weights' lock: the last position's logits, the KV cache,
+        the weights' version, and the fed positions' routing when recorded. Aborted when the
+        request was aborted while it waited for the lock."""
+        record: AbstractContextManager[list[torch.Tensor]] = (
+            self.routers.recording(len(feed)) if record_routing else nullcontext([])
+        )
+        with self.weights.step() as version, record as routing:
+            self._raise_if_aborted(rid)
+            result = self.model(
+                input_ids=torch.tensor([feed]), use_cache=True, **{self._cache_arg: cache}
+            )
+        return result.logits[0, -1], getattr(result, self._cache_arg), version, routing
 
     def _check_routing_request(self, input_ids: list[int], start: int | None) -> None:
         """Refused as SGLang refuses it (start in [0, prompt length]), and on a model without
         MoE routers, which has no routed experts to report."""
         if start is None:
             return
-        if not self.routers.available:
+        if self.return_routed_experts and not self.routers.available:
             raise RequestError("return_routed_experts: this model has no MoE router")
         if not 0 <= start <= len(input_ids):
             raise RequestError(
                 f"routed_experts_start_len={start} must be in [0, {len(input_ids)}] (the number "
                 "of input tokens)"
             )
+
+    def _check_top_logprobs(self, count: int) -> None:
+        """K in [0, the vocabulary] (SGLang's torch.topk fails beyond it)."""
+        vocab = self.model.config.vocab_size
+        if not 0 <= count <= vocab:
+            raise RequestError(f"top_logprobs_num={count} must be in [0, {vocab}] (the vocabulary)")
 
     def _no_routing(self) -> torch.Tensor:
         return torch.zeros((0, self.routers.num_layers, self.routers.top_k), dtype=torch.int32)
@@ -258,10 +315,7 @@ class CpuEngine:
             raise RequestError(f"input_ids outside the vocabulary [0, {vocab})")
         count, limit = len(input_ids), self.context_length
         if count >= limit:
-            raise RequestError(
-                f"The input ({count} tokens) is longer than the model's context length "
-                f"({limit} tokens)."
-            )
+            raise RequestError(prompt_too_long(count, limit))
         if sampling.max_new_tokens is None:
             return limit - count
         if count + sampling.max_new_tokens > limit:
@@ -286,6 +340,11 @@ class CpuEngine:
             self._admitting.discard(rid)
             self._aborted.discard(rid)
             self._state.notify_all()
+
+    def _raise_if_aborted(self, rid: str) -> None:
+        with self._state:
+            if rid in self._aborted:
+                raise Aborted(rid)
 
     def _wait_while_paused(self, rid: str) -> int:
         """Block while paused; raise Aborted if `rid` was aborted; the retraction count."""
@@ -316,7 +375,7 @@ class CpuEngine:
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         with self._state:
-            targets = self._active - self._admitting if abort_all else {rid} & self._active
+            targets = self._active - self._admitting if abort_all else self._active & {rid}
             self._aborted |= targets
             self._state.notify_all()
             return len(targets)
@@ -347,23 +406,34 @@ class CpuEngine:
         self.weights.set_version(version)
 
 
+def prompt_too_long(count: int, limit: int) -> str:
+    """SGLang's refusal of a prompt that leaves no room in the context (tokenizer manager)."""
+    return f"The input ({count} tokens) is longer than the model's context length ({limit} tokens)."
+
+
 def _pick(log_probs: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
     if sampling.temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(log_probs))
     return int(torch.multinomial(log_probs.exp(), 1, generator=generator))
 
 
+def _top(log_probs: torch.Tensor, count: int) -> tuple[list[float], list[int]]:
+    """The `count` largest log-probs, descending, and their ids; -inf clamped as SGLang does."""
+    values, ids = torch.topk(log_probs.clamp_min(torch.finfo(log_probs.dtype).min), count)
+    return values.tolist(), ids.tolist()
+
+
 def _fresh_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)))
 
 
-def _as_list(value) -> list[int]:
+def _as_list(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
+def _cache_argument(model: PreTrainedModel) -> str:
     """The name transformers gives the KV cache, in the forward's arguments and its output:
     "cache" in recent releases (the installed 5.25 warns that "past_key_values" will be removed
     in 5.40), "past_key_values" in older ones."""
@@ -371,7 +441,7 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _config_context_length(config) -> int:
+def _config_context_length(config: PreTrainedConfig) -> int:
     length = getattr(config, "max_position_embeddings", None)
     if not isinstance(length, int) or length < 2:
         raise ValueError(
@@ -380,7 +450,7 @@ def _config_context_length(config) -> int:
     return length
 
 
-def _optional_tokenizer(model_path: str | Path):
+def _optional_tokenizer(model_path: str | Path) -> PreTrainedTokenizerBase | None:
     """The tokenizer if the directory has one; None serves input_ids-only requests (like
     SGLang's --skip-tokenizer-init)."""
     path = Path(model_path)

@@ -3,7 +3,9 @@
     python -m megatron_fr.engine.cpu_server --model-path HF_DIR --host 127.0.0.1 --port 30000
 
 Speaks the subset of SGLang's HTTP API that RL training uses (field names as in SGLang's
-io_struct): /health, /model_info, /generate (single and batched, input_ids or text),
+io_struct): /health, /model_info, /server_info (SGLang's fields for a one-process server, and
+"engine": "megatron-fr-cpu": engine/server_info.py), /generate (single and batched,
+input_ids or text),
 /get_weight_version, /pause_generation, /continue_generation, /flush_cache, /abort_request,
 /init_weights_update_group (backend "gloo"), /begin_weight_update and /end_weight_update
 (the session SGLang requires around /update_weights_from_distributed),
@@ -15,27 +17,37 @@ token); a model directory without tokenizer files serves input_ids requests.
 A /generate response carries SGLang's per-token version spans, meta_info.weight_versions =
 [{"version", "start", "end"}, ...] over the output tokens, and meta_info.weight_version = the
 last span's version (srt/utils/weight_versions.py). Hostile or broken clients cannot wedge it:
-bodies are bounded (413), malformed requests get a 400 naming the field (cpu_wire), prompts
-are checked against the context length, and a client that disconnects ends its generation.
+bodies are bounded in size, arrival time and depth before they are parsed (cpu_requests: 413,
+408, 400), a /generate in prompts, tokens and characters before any tokenising (cpu_wire,
+400 naming the field), a weight-group join in time (--weight-group-timeout-s, on a thread of
+its own), a disk load to regular files; a client that disconnects ends its generation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 from aiohttp import web
 
 from megatron_fr.engine.cpu_engine import CpuEngine, Output
-from megatron_fr.engine.cpu_weights import WeightsFault
+from megatron_fr.engine.cpu_requests import (
+    READ_TIMEOUT_S,
+    ClientGone,
+    errors_as_json,
+    json_object,
+    unless_disconnected,
+)
 from megatron_fr.engine.cpu_wire import (
     DTYPES,
     BadRequest,
     GenerateJob,
+    PromptLimits,
     bool_flags,
     bucket_metadata,
     field,
@@ -43,29 +55,32 @@ from megatron_fr.engine.cpu_wire import (
     parse_generate,
     version_field,
 )
-from megatron_fr.engine.sglang_source import DistributedReceiver, SglangSourceMissing
+from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD
+from megatron_fr.engine.sglang_source import DistributedReceiver, JoinArgs, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
+T = TypeVar("T")
 
 DEFAULT_MAX_REQUEST_MIB = 16
 """Largest request body accepted (a 131 072-token prompt of six-digit token ids is 0.92 MiB of
 JSON)."""
-DISCONNECT_POLL_S = 0.1
-"""How often a waiting /generate checks whether its client is still connected."""
+DEFAULT_MAX_BATCH_PROMPTS = 1024
+"""Prompts one /generate may carry (the rollout client sends one)."""
+DEFAULT_READ_TIMEOUT_S = 60.0
+"""How long a request's headers and body may take to arrive."""
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+"""How long joining a weight-update group may wait for its master (and its other ranks)."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
-
-
-class ClientGone(Exception):
-    """The HTTP client of a /generate disconnected before its answer."""
 
 
 class CpuServer:
     """HTTP handlers around one CpuEngine; blocking work runs in a thread pool.
 
     What it uses of the engine (a stand-in must offer the same): model_path, tokenizer,
-    weight_version, active_requests, running_requests,
-    generate(input_ids, sampling, rid, routed_experts_start=None) -> Output,
+    dtype, context_length, return_routed_experts, weight_version, active_requests,
+    running_requests,
+    generate(input_ids, sampling, rid, routed_experts_start=None, top_logprobs=0) -> Output,
     abort(rid, abort_all) (also on client disconnect), pause(mode), resume(), and
     weights (cpu_weights.ServedWeights) for the weight-update endpoints."""
 
@@ -74,27 +89,37 @@ class CpuServer:
         engine: CpuEngine,
         max_concurrency: int = 32,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_MIB * 2**20,
+        max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
     ):
         self.engine = engine
+        self.max_concurrency = max_concurrency
         self.max_request_bytes = max_request_bytes
+        self.read_timeout_s, self.join_timeout_s = read_timeout_s, join_timeout_s
+        self.limits = PromptLimits.of(engine.tokenizer, engine.context_length, max_batch_prompts)
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency)
         # Weight updates get threads of their own: requests waiting out a pause hold every
-        # generation thread, and the update that would end the pause must still run.
+        # generation thread, and the update that would end the pause must still run. Group
+        # joins get a thread each (DistributedReceiver.start_join), answered 400 after
+        # join_timeout_s: a master that never answers holds neither.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _control(self, fn, *args):
+    async def _control(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.control_pool, fn, *args)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[errors_as_json])
+        app[READ_TIMEOUT_S] = self.read_timeout_s
         get = {
             "/health": self.health,
             "/health_generate": self.health,
             "/model_info": self.model_info,
+            "/server_info": self.server_info,
             "/get_weight_version": self.get_weight_version,
         }
         post = {
@@ -130,16 +155,40 @@ class CpuServer:
             }
         )
 
+    async def server_info(self, _request: web.Request) -> web.Response:
+        """SGLang's /server_info fields (ServerArgs names) for this one-process server, so the
+        one reader (engine/server_info.py) sizes and checks it as it does SGLang."""
+        engine = self.engine
+        return web.json_response(
+            {
+                "model_path": engine.model_path,
+                "skip_tokenizer_init": engine.tokenizer is None,
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "context_length": engine.context_length,
+                "max_running_requests": self.max_concurrency,
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
+                "attn_dp_size": 1,
+                "ep_size": 1,
+                "nnodes": 1,
+                "enable_dp_attention": False,
+                "enable_return_routed_experts": engine.return_routed_experts,
+                ENGINE_FIELD: CPU_ENGINE,
+            }
+        )
+
     async def get_weight_version(self, _request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.engine.weight_version})
 
     # --- generation ---------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
-        jobs, batched = parse_generate(await _json_object(request))
+        body = await json_object(request)
+        jobs, batched = await asyncio.to_thread(parse_generate, body, self.limits)
         futures = [asyncio.ensure_future(self._run(self._generate_one, job)) for job in jobs]
         try:
-            outputs = await _unless_disconnected(request, asyncio.gather(*futures))
+            outputs = await unless_disconnected(request, asyncio.gather(*futures))
         except BaseException as error:
             # A client gone, a cancelled handler or a refused prompt of a batch: nothing more
             # of this request is worth computing.
@@ -162,19 +211,19 @@ class CpuServer:
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
             prompt = self.engine.tokenizer.encode(prompt)
-        return self.engine.generate(
-            prompt, job.sampling, job.rid, routed_experts_start=job.routed_experts_start
-        )
+        return self.engine.generate(prompt, job.sampling, job.rid,
+                                    routed_experts_start=job.routed_experts_start,
+                                    top_logprobs=job.top_logprobs_num)  # fmt: skip
 
     # --- control ------------------------------------------------------------------------
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_object(request, empty_ok=True)
+        body = await json_object(request, empty_ok=True)
         self.engine.pause(field(body, "mode", str, "abort"))
         return web.json_response({"success": True, "message": "paused"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await _json_object(request, empty_ok=True)
+        await json_object(request, empty_ok=True)
         self.engine.resume()
         return web.json_response({"success": True, "message": "continued"})
 
@@ -185,7 +234,7 @@ class CpuServer:
         return web.Response(text="Cache flushed.")
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_object(request, empty_ok=True)
+        body = await json_object(request, empty_ok=True)
         rid = field(body, "rid", str, None)
         count = self.engine.abort(rid, abort_all=field(body, "abort_all", bool, False))
         return web.json_response({"success": True, "aborted": count})
@@ -194,33 +243,42 @@ class CpuServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
-        body = await _json_object(request)
+        body = await json_object(request)
         name = field(body, "group_name", str, "weight_update_group")
-        args = (
-            field(body, "master_address", str), field(body, "master_port", int),
-            field(body, "rank_offset", int), field(body, "world_size", int), name,
+        args: JoinArgs = (
+            field(body, "master_address", str),
+            field(body, "master_port", int),
+            field(body, "rank_offset", int),
+            field(body, "world_size", int),
+            name,
             field(body, "backend", str, "gloo"),
-        )  # fmt: skip
+        )
+        joined = self.receiver.start_join(args, timeout_s=self.join_timeout_s)
         try:
-            rank = await self._control(self.receiver.join, *args)
+            rank = await asyncio.wait_for(asyncio.wrap_future(joined), self.join_timeout_s)
         except SglangSourceMissing as error:
             message = f"the CPU engine joins weight groups with SGLang's code: {error}"
             raise BadRequest(message) from error
+        except (RuntimeError, TimeoutError) as error:  # torch's store and group errors
+            raise BadRequest(
+                f"joining {name} with master {args[0]}:{args[1]} failed or got no answer "
+                f"within {self.join_timeout_s:g} s (--weight-group-timeout-s): {error}"
+            ) from error
         return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await _json_object(request, empty_ok=True)
+        await json_object(request, empty_ok=True)
         self.engine.weights.begin_update()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        await _json_object(request, empty_ok=True)
+        await json_object(request, empty_ok=True)
         count = await self._control(self.engine.weights.end_update)
         return web.json_response({"success": True, "message": f"applied {count} tensors"})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         try:  # a bucket refused for any reason makes the session's end discard all of it
-            body = await _json_object(request)
+            body = await json_object(request)
             if not self.engine.weights.session_open:  # checked first, as SGLang 0.5.23 does
                 raise BadRequest(
                     "update_weights_from_distributed must run between begin_weight_update() "
@@ -256,7 +314,7 @@ class CpuServer:
         return web.json_response({"success": True, "message": f"received {count} tensors"})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         path = field(body, "model_path", str)
         version = version_field(body, "weight_version", None)
         bool_flags(body, "flush_cache", "abort_all_requests")
@@ -270,7 +328,7 @@ class CpuServer:
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         version = version_field(body, "new_version")
         if field(body, "abort_all_requests", bool, True):  # SGLang's default, before relabeling
             self.engine.abort(abort_all=True)
@@ -278,14 +336,14 @@ class CpuServer:
         return web.json_response({"success": True, "message": version})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         name = field(body, "group_name", str, "weight_update_group")
         if not await self._control(self.receiver.destroy, name):
             raise BadRequest(f"no weight update group {name!r} to destroy")
         return web.json_response({"success": True, "message": "destroyed"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+        body = await json_object(request)
         name = field(body, "name", str)
         size = field(body, "truncate_size", int, 100)
         if size < 0:
@@ -294,112 +352,98 @@ class CpuServer:
         return web.json_response(tensor.float().flatten()[:size].tolist())
 
 
-async def _json_object(request: web.Request, empty_ok: bool = False) -> dict:
-    """The request body as a JSON object (BadRequest otherwise); {} for an empty body where
-    the endpoint has only optional fields."""
-    raw = await request.read()
-    if not raw.strip() and empty_ok:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as error:  # not JSON, or not UTF-8
-        raise BadRequest(f"the body is not JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-async def _unless_disconnected(request: web.Request, work: asyncio.Future):
-    """The result of `work`, or ClientGone as soon as the client has disconnected (aiohttp
-    cancels the handler on disconnect only when the runner is built with handler_cancellation;
-    polling the transport works either way)."""
-
-    async def disconnected() -> None:
-        while request.transport is not None and not request.transport.is_closing():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if work not in done:
-        work.cancel()
-        work.add_done_callback(lambda future: future.cancelled() or future.exception())
-        raise ClientGone()
-    return work.result()
-
-
-def _error(status: int, message: str) -> web.Response:
-    """SGLang's error body: {"error": {"message": ...}}."""
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler):
-    """Bad input -> 400 naming the field, a body over the limit -> 413, an unknown path -> 404,
-    half-loaded weights -> 503; always a JSON reason, and the server lives on."""
-    try:
-        return await handler(request)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        message = error.text or ""
-        if message in ("", f"{error.status}: {error.reason}"):  # aiohttp's bare default
-            message = f"{error.reason}: {request.method} {request.path}"
-        return _error(error.status, message)
-    except KeyError as error:  # a tensor name the model does not have
-        return _error(400, str(error.args[0]) if error.args else "unknown key")
-    except ValueError as error:  # BadRequest, RequestError, malformed JSON, ...
-        return _error(400, str(error))
-    except WeightsFault as error:
-        return _error(503, str(error))
-    except Exception as error:
-        log.exception("%s %s failed", request.method, request.path)
-        return _error(500, f"internal error: {type(error).__name__}: {error}")
-
-
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", required=True, help="HF model directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--max-concurrency", type=int, default=32)
-    parser.add_argument(
+    add = parser.add_argument
+    add("--model-path", required=True, help="HF model directory")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=30000)
+    add("--dtype", choices=sorted(DTYPES), default="float32")
+    add("--threads", type=int, default=None, help="torch intra-op threads")
+    add("--max-concurrency", type=int, default=32)
+    add(
         "--context-length",
         type=int,
         default=None,
         help="longest prompt + max_new_tokens accepted (as SGLang's flag; default: the "
         "config's max_position_embeddings)",
     )
-    parser.add_argument(
+    add(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as SGLang's flag: requests may ask for their routed experts (MoE routing replay)",
+    )
+    add(
         "--max-request-mib",
         type=float,
         default=DEFAULT_MAX_REQUEST_MIB,
-        help="largest request body accepted; larger ones get HTTP 413",
+        help="largest request body accepted; larger ones get HTTP 413, before being read",
     )
-    parser.add_argument(
+    add(
+        "--max-batch-prompts",
+        type=int,
+        default=DEFAULT_MAX_BATCH_PROMPTS,
+        help="prompts one /generate may carry",
+    )
+    add(
+        "--read-timeout-s",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="a request whose body has not arrived by then gets HTTP 408 (one stalled in its "
+        "headers is closed)",
+    )
+    add(
+        "--weight-group-timeout-s",
+        type=float,
+        default=DEFAULT_JOIN_TIMEOUT_S,
+        help="how long /init_weights_update_group waits for the group's master and ranks",
+    )
+    add(
         "--parent-pid",
         type=int,
         default=None,
-        help="exit when this process is gone (the launcher runs the engine in its own session, "
-        "so a killed trainer would otherwise leave it behind)",
+        help="exit when this process is gone (the launcher runs the engine in its own "
+        "session, so a killed trainer would otherwise leave it behind)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = CpuEngine(args.model_path, DTYPES[args.dtype], args.context_length)
+    engine = CpuEngine(
+        args.model_path,
+        DTYPES[args.dtype],
+        args.context_length,
+        return_routed_experts=args.enable_return_routed_experts,
+    )
     log.info(
         "serving %s on http://%s:%d (context length %d)",
-        args.model_path, args.host, args.port, engine.context_length,
-    )  # fmt: skip
-    server = CpuServer(engine, args.max_concurrency, int(args.max_request_mib * 2**20))
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+        args.model_path,
+        args.host,
+        args.port,
+        engine.context_length,
+    )
+    server = CpuServer(
+        engine,
+        args.max_concurrency,
+        int(args.max_request_mib * 2**20),
+        args.max_batch_prompts,
+        args.read_timeout_s,
+        args.weight_group_timeout_s,
+    )
+    web.run_app(
+        server.app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        keepalive_timeout=args.read_timeout_s,
+    )
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from megatron_fr.convert.hf_files import HFCheckpointReader
+from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -178,13 +178,15 @@ class ServedWeights:
             return _target_slice(dict(self.model.named_parameters()), name, None).detach().clone()
 
 
-def _target_slice(params: dict, name: str, shape: torch.Size | list | None) -> torch.Tensor:
+def _target_slice(
+    params: dict[str, torch.nn.Parameter], name: str, shape: Sequence[int] | None
+) -> torch.Tensor:
     """The live tensor a checkpoint-named tensor (save_pretrained names) is written into.
 
     transformers keeps a MoE layer's experts fused in memory (experts.gate_up_proj [E, 2I, H]
     with gate first, experts.down_proj [E, H, I]); per-expert names map to their slices.
     Unknown names and wrong shapes raise, naming the tensor."""
-    target = params.get(name)
+    target: torch.Tensor | None = params.get(name)
     match = _EXPERT.match(name)
     if match:
         prefix, expert, which = match.group(1), int(match.group(2)), match.group(3)

@@ -12,9 +12,20 @@ them: meta_info.routed_experts = base64 of the C-order int32 array [positions, l
 (srt/managers/detokenizer_manager.py: _b64_encode_per_request), one flag and start for every
 prompt of a batch (GenerateReqInput.__getitem__ copies them to each item).
 
+Top-K log-probs (top_logprobs_num = K > 0, at most TOP_LOGPROBS_LIMIT) are answered as SGLang's
+tokenizer manager writes them without return_flat_raw_output_top_logprobs
+(add_logprob_to_meta_info): meta_info.output_top_logprobs = per output token, K entries
+[logprob, token_id, null], and meta_info.input_top_logprobs = [] (logprob_start_len -1 asks
+for no prompt position).
+
 The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
 add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
-tiling the output tokens, and meta_info.weight_version = the last span's version.
+tiling the output tokens, and meta_info.weight_version = the last span's version. A request
+aborted before its first step gets the answer SGLang gives one aborted in its waiting queue
+(waiting_abort_response: no token, no routed experts).
+
+What one request may cost is bounded before any prompt is tokenised or read token by token
+(PromptLimits: prompts per request, tokens of a prompt, characters of a text prompt).
 """
 
 from __future__ import annotations
@@ -23,16 +34,26 @@ import base64
 import math
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_fr.engine.cpu_engine import Output, Sampling
+from megatron_fr.engine.cpu_engine import Output, Sampling, prompt_too_long
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Tensor dtypes a weight-update bucket may carry (torch attribute names, as SGLang sends)."""
+TEXT_MARGIN = 4
+"""Text prompts are refused above context x longest token x this many characters, before
+tokenising (a normaliser may merge characters, hence the margin)."""
 SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 """SGLang's SamplingParams.verify bounds."""
+TOP_LOGPROBS_LIMIT = 128
+"""The most top log-probs per token one request may ask for: what SGLang's disaggregated
+serving carries per token (srt/disaggregation/utils.py: max_top_logprobs_num = 128), and what
+bounds the answer's size (K entries per output token)."""
 
 GENERATE_FIELDS = (
     "text",
@@ -41,6 +62,7 @@ GENERATE_FIELDS = (
     "rid",
     "return_routed_experts",
     "routed_experts_start_len",
+    "top_logprobs_num",
 )
 """/generate fields the engine implements."""
 GENERATE_IGNORED = {
@@ -52,7 +74,6 @@ GENERATE_IGNORED = {
 """/generate fields of any value of this type that change nothing the engine returns."""
 GENERATE_DEFAULT_ONLY = {
     "logprob_start_len": -1,
-    "top_logprobs_num": 0,
     "stream": False,
     "return_hidden_states": False,
 }
@@ -81,6 +102,29 @@ class BadRequest(ValueError):
 
 
 @dataclass(frozen=True)
+class PromptLimits:
+    """What one /generate may carry, checked before any prompt is tokenised or read token by
+    token: a request never costs more than the server can serve."""
+
+    max_prompts: int
+    """Prompts per request (a batch)."""
+    context_length: int
+    """A prompt of this many tokens or more is refused (the model's context)."""
+    max_text_chars: int
+    """A text prompt longer than this cannot fit the context, whatever its tokenisation."""
+
+    @classmethod
+    def of(
+        cls, tokenizer: PreTrainedTokenizerBase | None, context_length: int, max_prompts: int
+    ) -> PromptLimits:
+        """The limits of a model: the longest entry of the tokenizer's vocabulary bounds the
+        characters one token stands for (byte-level vocabularies write one character per
+        byte), TEXT_MARGIN times over."""
+        longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer else 1
+        return cls(max_prompts, context_length, context_length * longest * TEXT_MARGIN)
+
+
+@dataclass(frozen=True)
 class GenerateJob:
     """One prompt of a /generate request: token ids, or text the server tokenizes."""
 
@@ -89,6 +133,8 @@ class GenerateJob:
     rid: str
     routed_experts_start: int | None = None
     """The first position whose routed experts the answer carries; None: not asked."""
+    top_logprobs_num: int = 0
+    """K: the answer carries every output token's top K log-probs; 0: not asked."""
 
 
 def is_int(value: object) -> bool:
@@ -195,17 +241,21 @@ def _check_sampling(s: Sampling) -> None:
         raise BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {s.sampling_seed}")
 
 
-def _token_ids(value: list, where: str) -> list[int]:
+def _token_ids(value: list, where: str, limits: PromptLimits | None = None) -> list[int]:
+    """`value` checked to be token ids; a prompt (`limits` given) also shorter than the
+    context, before a single id is looked at."""
+    if limits is not None and len(value) >= limits.context_length:
+        raise BadRequest(prompt_too_long(len(value), limits.context_length))
     for i, token in enumerate(value):
         if not is_int(token):
             raise BadRequest(f"{where}[{i}] must be an int token id, got {token!r:.80}")
     return value
 
 
-def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
+def parse_generate(body: dict, limits: PromptLimits) -> tuple[list[GenerateJob], bool]:
     """The jobs of a /generate body (one per prompt) and whether it was a batch."""
     _check_names(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_DEFAULT_ONLY, "field")
-    prompts, batched = _prompts(body)
+    prompts, batched = _prompts(body, limits)
     count = len(prompts)
     params = body.get("sampling_params")
     if isinstance(params, list):
@@ -216,9 +266,18 @@ def parse_generate(body: dict) -> tuple[list[GenerateJob], bool]:
     else:
         samplings = [parse_sampling(params)] * count
     rids = _rids(body.get("rid"), count, batched)
-    routing = _routed_experts_start(body)
-    jobs = [GenerateJob(*job, routing) for job in zip(prompts, samplings, rids, strict=True)]
+    routing, top = _routed_experts_start(body), _top_logprobs_num(body)
+    jobs = [GenerateJob(*job, routing, top) for job in zip(prompts, samplings, rids, strict=True)]
     return jobs, batched
+
+
+def _top_logprobs_num(body: dict) -> int:
+    """top_logprobs_num in [0, TOP_LOGPROBS_LIMIT]; the vocabulary bounds it too (the engine's
+    to check)."""
+    count = field(body, "top_logprobs_num", int, 0)
+    if not 0 <= count <= TOP_LOGPROBS_LIMIT:
+        raise BadRequest(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_LIMIT}], got {count}")
+    return count
 
 
 def _routed_experts_start(body: dict) -> int | None:
@@ -230,26 +289,48 @@ def _routed_experts_start(body: dict) -> int | None:
     return start if field(body, "return_routed_experts", bool, False) else None
 
 
-def _prompts(body: dict) -> tuple[list[list[int] | str], bool]:
+def _prompts(body: dict, limits: PromptLimits) -> tuple[list[list[int] | str], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise BadRequest("send exactly one of input_ids or text")
     if text is not None:
-        if isinstance(text, str):
-            return [text], False
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return list(text), True
-        raise BadRequest("text must be a string or a non-empty list of strings")
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        _check_count(len(texts), limits)
+        for i, prompt in enumerate(texts):
+            _check_text_length(prompt, limits, f"text[{i}]" if batched else "text")
+        prompts: list[list[int] | str] = list(texts)
+        return prompts, batched
     if not isinstance(ids, list) or not ids:
         raise BadRequest("input_ids must be a non-empty list of token ids (or of such lists)")
     if not isinstance(ids[0], list):
-        return [_token_ids(ids, "input_ids")], False
+        return [_token_ids(ids, "input_ids", limits)], False
+    _check_count(len(ids), limits)
     prompts = []
     for i, prompt in enumerate(ids):
         if not isinstance(prompt, list) or not prompt:
             raise BadRequest(f"input_ids[{i}] must be a non-empty list of token ids")
-        prompts.append(_token_ids(prompt, f"input_ids[{i}]"))
+        prompts.append(_token_ids(prompt, f"input_ids[{i}]", limits))
     return prompts, True
+
+
+def _check_count(count: int, limits: PromptLimits) -> None:
+    if count > limits.max_prompts:
+        raise BadRequest(
+            f"a batch of {count} prompts: this server takes at most {limits.max_prompts} per "
+            "request (--max-batch-prompts)"
+        )
+
+
+def _check_text_length(text: str, limits: PromptLimits, where: str) -> None:
+    if len(text) > limits.max_text_chars:
+        raise BadRequest(
+            f"{where} has {len(text)} characters: no tokenisation of it fits the model's "
+            f"context length ({limits.context_length} tokens; at most {limits.max_text_chars} "
+            "characters are tokenised)"
+        )
 
 
 def _rids(rid: object, count: int, batched: bool) -> list[str]:
@@ -302,8 +383,10 @@ def version_spans(output: Output) -> list[dict]:
     return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
 
 
-def generate_response(output: Output, rid: str, tokenizer) -> dict:
+def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBase | None) -> dict:
     """SGLang's /generate answer for one finished request."""
+    if output.waiting_abort:
+        return waiting_abort_response(output, rid)
     text = tokenizer.decode(output.output_ids) if tokenizer else ""
     spans = version_spans(output)
     meta = {
@@ -317,8 +400,40 @@ def generate_response(output: Output, rid: str, tokenizer) -> dict:
         ],
         "weight_version": spans[-1]["version"],
         "weight_versions": spans,
+        "e2e_latency": output.e2e_latency,
     }
     if output.routed_experts is not None:
         experts = output.routed_experts.numpy().astype("<i4", copy=False)
         meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("ascii")
+    meta.update(top_logprobs_meta(output))
     return {"text": text, "output_ids": output.output_ids, "meta_info": meta}
+
+
+def top_logprobs_meta(output: Output) -> dict:
+    """SGLang's input_top_logprobs and output_top_logprobs of an answer (module doc); nothing
+    when they were not asked for."""
+    if output.top_logprobs is None:
+        return {}
+    rows = [[[value, token, None] for value, token in zip(values, ids, strict=True)]
+            for values, ids in output.top_logprobs]  # fmt: skip
+    return {"input_top_logprobs": [], "output_top_logprobs": rows}
+
+
+def waiting_abort_response(output: Output, rid: str) -> dict:
+    """SGLang's answer to a request aborted in its waiting queue, as
+    TokenizerManager._handle_abort_req builds it for a request with return_logprob (the CPU
+    engine always returns log-probs): no token, no prompt_tokens, no routed experts."""
+    spans = version_spans(output)
+    meta = {
+        "id": rid,
+        "finish_reason": output.finish_reason,
+        "weight_version": spans[-1]["version"],
+        "e2e_latency": output.e2e_latency,
+        "weight_versions": spans,
+        "input_token_logprobs": [],
+        "output_token_logprobs": [],
+        "output_token_logprobs_length": 0,
+        **top_logprobs_meta(output),
+        "completion_tokens": 0,
+    }
+    return {"text": "", "output_ids": [], "meta_info": meta}

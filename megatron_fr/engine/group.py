@@ -14,14 +14,26 @@ SGLang's own function, read from the installed package, in separate processes.
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 import socket
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    _new_process_group_helper,
+    _world,
+)
 
 BACKENDS = ("gloo", "nccl")
+NCCL_CUMEM = "NCCL_CUMEM_ENABLE"
+SGLANG_NCCL_CUMEM = "0"
+"""What SGLang sets NCCL_CUMEM_ENABLE to for itself when it is unset (srt/entrypoints/engine.py:
+_set_envs_and_config, without --enable-symm-mem or the KV-shard gather)."""
 
 
 @dataclass
@@ -42,6 +54,17 @@ class WeightUpdateGroup:
         dist.destroy_process_group(self.group)
 
 
+def match_sglang_nccl_env(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Give NCCL_CUMEM_ENABLE the value SGLang gives itself when it is unset, and return it.
+
+    Both ends of the weight-update NCCL group must run with the same setting (a communicator
+    whose ranks disagree on cuMem buffers fails or hangs), and SGLang sets its own when the
+    variable is unset. Called at the start of `train`, before this process or its torchrun
+    children create any NCCL communicator; engines started from here inherit it, and a value
+    the user set is kept (SGLang keeps it too)."""
+    return environ.setdefault(NCCL_CUMEM, SGLANG_NCCL_CUMEM)
+
+
 def create_weight_update_group(
     master_address: str,
     master_port: int,
@@ -57,14 +80,25 @@ def create_weight_update_group(
         raise ValueError(f"weight-update backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=True, timeout=timeout,
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
         wait_for_workers=False,
-    )  # fmt: skip
+    )
     prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
     group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), prefixed, group_name=group_name,
-        backend_options=None, timeout=timeout, device_id=None,
-    )  # fmt: skip
+        world_size,
+        0,
+        [],
+        Backend(backend),
+        prefixed,
+        group_name=GroupName(group_name),
+        backend_options=None,
+        timeout=timeout,
+        device_id=None,
+    )
     # SGLang registers the group's ranks as identity so dist.* calls may name them directly.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return WeightUpdateGroup(group, store, 0, world_size, group_name)
@@ -79,3 +113,13 @@ def address_towards(host: str) -> str:
         except OSError as error:
             raise OSError(f"no route from this host to engine host {host!r}: {error}") from error
         return probe.getsockname()[0]
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` is this machine: a loopback address, or one the kernel routes to from
+    this machine's own address of that name (no packet is sent)."""
+    try:
+        address = socket.gethostbyname(host)
+        return ipaddress.ip_address(address).is_loopback or address_towards(address) == address
+    except (OSError, ValueError):
+        return False

@@ -1,5 +1,6 @@
-"""Starting, health-checking and stopping one inference server process (SGLang on GPUs, the
-project's SGLang-protocol CPU engine elsewhere).
+"""Starting, health-checking and stopping one inference server process: SGLang (GPUs) or the
+project's SGLang-protocol CPU engine, as the config names it (never chosen by what the machine
+has: a GPU recipe on a machine without CUDA is refused, not served by the CPU engine).
 
     launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log,
                                CUDA_VISIBLE_DEVICES narrowed to the server's GPUs)
@@ -76,10 +77,10 @@ class ServerLaunchConfig(BaseModel):
     log_dir: Path = Path("logs")
     """Where server-<port>.log goes."""
     return_routed_experts: bool = False
-    """SGLang: capture each request's routed experts so that requests may ask for them (MoE
-    routing replay); the CPU engine always can."""
-    engine: Literal["auto", "sglang", "cpu"] = "auto"
-    """auto: SGLang when CUDA is available, else the CPU engine."""
+    """--enable-return-routed-experts: capture each request's routed experts so that requests
+    may ask for them (MoE routing replay); both engines take the flag."""
+    engine: Literal["sglang", "cpu"] = "sglang"
+    """SGLang (CUDA GPUs), or the project's CPU engine."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
     gpu_ids: tuple[NonNegativeInt, ...] = ()
@@ -129,6 +130,8 @@ def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
+        if not cfg.dist_init_addr:  # the validator refused it already, unless model_construct()
+            raise ValueError(f"dist_init_addr is required for nnodes {cfg.nnodes}")
         cmd += ["--dist-init-addr", cfg.dist_init_addr]
     if cfg.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
@@ -157,27 +160,33 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
     if unsupported:
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
-    command = [
-        sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", cfg.model_path,
-        "--host", cfg.host, "--port", str(cfg.port), "--threads", str(cfg.cpu_threads),
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_fr.engine.cpu_server"]
+    command += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
+    command += ["--threads", str(cfg.cpu_threads)]
+    if cfg.return_routed_experts:
+        command.append("--enable-return-routed-experts")
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
 
 
-def resolve_engine(cfg: ServerLaunchConfig) -> Literal["sglang", "cpu"]:
-    if cfg.engine != "auto":
-        return cfg.engine
-    import torch  # here, so building configs and commands never pays for it
-
-    return "sglang" if torch.cuda.is_available() else "cpu"
-
-
 def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
-    """argv of the server `cfg` resolves to; watch_parent as in cpu_engine_command (SGLang's
-    own processes are stopped through their process group instead)."""
-    if resolve_engine(cfg) == "sglang":
+    """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's own
+    processes are stopped through their process group instead)."""
+    if cfg.engine == "sglang":
         return sglang_command(cfg)
     return cpu_engine_command(cfg, watch_parent)
+
+
+def check_engine_device(engine: str, where: str = "engine", remedy: str = "use 'cpu'") -> None:
+    """Refuse SGLang on a machine without CUDA, naming the setting and the remedy."""
+    if engine != "sglang":
+        return
+    import torch  # here, so building configs and commands never pays for it
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{where} is 'sglang', which needs CUDA GPUs, and this machine has none: {remedy} "
+            "(the project's CPU engine)"
+        )
 
 
 def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
@@ -205,7 +214,7 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     """The server's environment: this one without the launcher's rank variables, and for
     SGLang CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
     env = standalone_env()
-    if resolve_engine(cfg) != "sglang":
+    if cfg.engine != "sglang":
         return env
     import torch
 
@@ -246,8 +255,14 @@ class ServerProcess:
         self._stopped = False
 
     @classmethod
-    def start(cls, command: list[str], host: str, port: int, log_dir: Path,
-              env: dict[str, str] | None = None) -> ServerProcess:  # fmt: skip
+    def start(
+        cls,
+        command: list[str],
+        host: str,
+        port: int,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> ServerProcess:
         """Run `command` in its own process group, output appended to log_dir/server-<port>.log;
         `env`: its environment (default: this one without the launcher's rank variables)."""
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -339,7 +354,8 @@ class ServerProcess:
 
 
 def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
-    """Start the server `cfg` describes (engine resolved now); call wait_healthy next."""
+    """Start the server `cfg` describes; call wait_healthy next."""
+    check_engine_device(cfg.engine)
     return ServerProcess.start(
         server_command(cfg), cfg.host, cfg.port, cfg.log_dir, env=server_env(cfg)
     )

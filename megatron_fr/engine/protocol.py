@@ -6,7 +6,9 @@ srt/managers/io_struct.py); tests/unit/test_rollout_protocol.py checks that agai
 source. The response is validated strictly because the learner trusts it blindly: a behavior
 log-prob paired with the wrong token, or a positive "log-prob", silently corrupts the importance
 ratio, so a response that breaks the contract is refused with the offending field named
-(`meta_info.output_token_logprobs[3][1]`), never repaired.
+(`meta_info.output_token_logprobs[3][1]`), never repaired. The same holds for the top-K
+log-probs asked for with top_logprobs_num (the top-K gate's input): exactly K entries
+[logprob, token_id, text|null] per output token, as SGLang's tokenizer manager writes them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
+
+from megatron_fr.engine.top_logprobs import TopLogProbs
 
 GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
@@ -124,12 +128,14 @@ def _optional_version(value: str | int | None) -> str | None:
     return None if value is None else _version_str(value, "weight_version")
 
 
-def _check_prompt(ids: object, name: str) -> None:
+def _check_prompt(ids: object, name: str) -> list[int]:
+    """`ids` itself, once it is a non-empty list of token ids (else a ValueError)."""
     if not isinstance(ids, list) or not ids:
         raise ValueError(f"{name} must be a non-empty list of token ids")
     for i, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"{name}[{i}] must be a non-negative int, got {token!r}")
+    return ids
 
 
 def generate_request(
@@ -138,6 +144,7 @@ def generate_request(
     *,
     rid: str | list[str] | None = None,
     routed_experts_start_len: int | None = None,
+    top_logprobs_num: int = 0,
 ) -> dict[str, object]:
     """Body of POST /generate for one prompt or a batch (a list of prompts), token in, token out.
 
@@ -146,15 +153,16 @@ def generate_request(
     str `rid` for a batch is a prefix SGLang expands per item, a list must give one per prompt.
     `routed_experts_start_len` (None: not asked) asks for the routed experts of positions
     [start, prompt + output - 1): SGLang's return_routed_experts with its start position, which
-    must not exceed the prompt's length."""
+    must not exceed the prompt's length. `top_logprobs_num` = K > 0 asks for the K most likely
+    tokens of every output token's distribution, with their log-probs (SGLang's field; the
+    answer's meta_info.output_top_logprobs)."""
     batched = bool(input_ids) and isinstance(input_ids[0], list)
     if batched:
-        for b, ids in enumerate(input_ids):
-            _check_prompt(ids, f"input_ids[{b}]")
+        prompts = [_check_prompt(ids, f"input_ids[{b}]") for b, ids in enumerate(input_ids)]
         if isinstance(rid, list) and len(rid) != len(input_ids):
             raise ValueError(f"rid has {len(rid)} ids for a batch of {len(input_ids)} prompts")
     else:
-        _check_prompt(input_ids, "input_ids")
+        prompts = [_check_prompt(input_ids, "input_ids")]
         if isinstance(rid, list):
             raise ValueError("rid must be a str for a single prompt, got a list")
     body: dict[str, object] = {
@@ -165,13 +173,17 @@ def generate_request(
         "return_routed_experts": routed_experts_start_len is not None,
     }
     if routed_experts_start_len is not None:
-        shortest = min(map(len, input_ids)) if batched else len(input_ids)
+        shortest = min(map(len, prompts))
         if not 0 <= routed_experts_start_len <= shortest:
             raise ValueError(
                 f"routed_experts_start_len {routed_experts_start_len} must be in [0, {shortest}] "
                 "(the prompt's length)"
             )
         body["routed_experts_start_len"] = routed_experts_start_len
+    if top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
     if rid is not None:
         body["rid"] = rid
     return body
@@ -210,6 +222,9 @@ class GenerateOutput:
     """SGLang's routed-experts payload as received (base64 text; decode_routed_experts reads
     it, knowing the rows asked for); None when the server sent none."""
     prompt_tokens: int | None
+    top_logprobs: TopLogProbs | None = None
+    """The top-K ids and log-probs of each output token's distribution (one row per output
+    token), when they were asked for (top_logprobs_num > 0); None otherwise."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -263,6 +278,41 @@ def _parse_logprobs(meta: dict, output_ids: list[int], prefix: str) -> list[floa
             raise MalformedResponse(f"{path}[{i}][2]", f"expected str or null, got {text!r}")
         logprobs.append(float(logprob))
     return logprobs
+
+
+def _parse_top_logprobs(meta: dict, output_ids: list[int], k: int, prefix: str) -> TopLogProbs:
+    """SGLang's meta_info.output_top_logprobs for top_logprobs_num = k: one list per output
+    token of exactly k entries [logprob, token_id, text|null] (tokenizer_manager.py:
+    detokenize_top_logprobs_tokens; JSON turns its tuples into lists), log-probs finite and
+    <= 0 (SGLang clamps -inf to the float's smallest value), token ids in int32's range."""
+    path = _join(prefix, "output_top_logprobs")
+    if not output_ids and "output_top_logprobs" not in meta:
+        return TopLogProbs.of([], [], k)  # some of SGLang's abort paths add no log-probs
+    rows = _require(meta, "output_top_logprobs", prefix)
+    if not isinstance(rows, list) or len(rows) != len(output_ids):
+        got = f"{len(rows)} entries" if isinstance(rows, list) else type(rows).__name__
+        raise MalformedResponse(path, f"expected {len(output_ids)} lists (one per output token), "
+                                f"got {got}")  # fmt: skip
+    ids, log_probs = [], []
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != k:
+            raise MalformedResponse(f"{path}[{i}]", f"expected {k} entries, got {row!r:.80}")
+        for j, entry in enumerate(row):
+            where = f"{path}[{i}][{j}]"
+            if not isinstance(entry, list) or len(entry) != 3:
+                raise MalformedResponse(where, "expected [logprob, token_id, text|null]")
+            logprob, token, _ = entry
+            if (
+                isinstance(logprob, bool)
+                or not isinstance(logprob, int | float)
+                or not (math.isfinite(logprob) and logprob <= 0)
+            ):
+                raise MalformedResponse(f"{where}[0]", f"expected finite <= 0, got {logprob!r}")
+            if not _is_int(token) or not 0 <= token < 2**31:
+                raise MalformedResponse(f"{where}[1]", f"expected a token id, got {token!r}")
+            ids.append(token)
+            log_probs.append(logprob)
+    return TopLogProbs.of(ids, log_probs, k)
 
 
 def _parse_finish_reason(meta: dict, prefix: str) -> FinishReason:
@@ -328,7 +378,7 @@ def _parse_version_spans(meta: dict, count: int, version: str, prefix: str) -> l
     return versions
 
 
-def _parse_one(body: object, prefix: str) -> GenerateOutput:
+def _parse_one(body: object, prefix: str, top_logprobs_num: int = 0) -> GenerateOutput:
     if not isinstance(body, dict):
         raise MalformedResponse(prefix or "response", "expected a JSON object")
     output_ids = _parse_output_ids(body, prefix)
@@ -352,6 +402,9 @@ def _parse_one(body: object, prefix: str) -> GenerateOutput:
         token_versions=_parse_version_spans(meta, len(output_ids), version, meta_prefix),
         routed_experts=meta.get("routed_experts"),
         prompt_tokens=prompt_tokens,
+        top_logprobs=_parse_top_logprobs(meta, output_ids, top_logprobs_num, meta_prefix)
+        if top_logprobs_num
+        else None,
     )
 
 
@@ -383,9 +436,10 @@ def decode_routed_experts(
     return experts
 
 
-def parse_generate_response(body: object) -> GenerateOutput:
-    """Validate one finished, non-streamed /generate response; raises MalformedResponse."""
-    return _parse_one(body, "")
+def parse_generate_response(body: object, top_logprobs_num: int = 0) -> GenerateOutput:
+    """Validate one finished, non-streamed /generate response, asked for `top_logprobs_num`
+    top log-probs per token (0: none); raises MalformedResponse."""
+    return _parse_one(body, "", top_logprobs_num)
 
 
 def parse_generate_responses(body: object, count: int) -> list[GenerateOutput]:

@@ -1,9 +1,11 @@
-"""`megatron-fr serve --model-path D --port P [...] [-- extra sglang flags]`: one inference
-server in the foreground, for launchers that place servers themselves (Slurm steps).
+"""`megatron-fr serve --engine sglang|cpu --model-path D --port P [...] [-- extra sglang flags]`:
+one inference server in the foreground, for launchers that place servers themselves (Slurm
+steps).
 
-The process becomes the server (exec), so the launcher's SIGTERM reaches it directly; SGLang
-on GPUs, the project's CPU engine elsewhere (or as chosen by --engine). /health answers once
-the model is loaded.
+The process becomes the server (exec), so the launcher's SIGTERM reaches it directly. The
+engine is named, never guessed from the machine: SGLang (CUDA GPUs) or the project's CPU
+engine. --enable-return-routed-experts goes to either (MoE routing replay needs it). /health
+answers once the model is loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all)")
     parser.add_argument(
-        "--engine", choices=("auto", "sglang", "cpu"), default="auto",
-        help="auto: SGLang when CUDA is available, else the CPU engine",
-    )  # fmt: skip
+        "--engine",
+        choices=("sglang", "cpu"),
+        required=True,
+        help="sglang (CUDA GPUs) or the project's CPU engine",
+    )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="requests may ask for their routed experts (MoE routing replay)",
+    )
     parser.add_argument("--tp", type=int, default=1, help="SGLang tensor-parallel size")
     parser.add_argument("--ep", type=int, default=1, help="SGLang expert-parallel size")
     parser.add_argument("--mem-fraction-static", type=float, default=0.7)
@@ -31,19 +40,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_fr.engine.launcher import ServerLaunchConfig, server_command
+    from megatron_fr.engine.launcher import ServerLaunchConfig, check_engine_device, server_command
 
     extra = tuple(arg for arg in args.extra if arg != "--")
     try:
         config = ServerLaunchConfig(
-            model_path=args.model_path, host=args.host, port=args.port, engine=args.engine,
-            tp_size=args.tp, ep_size=args.ep, mem_fraction_static=args.mem_fraction_static,
-            cpu_threads=args.threads, extra_args=extra,
-        )  # fmt: skip
+            model_path=args.model_path,
+            host=args.host,
+            port=args.port,
+            engine=args.engine,
+            tp_size=args.tp,
+            ep_size=args.ep,
+            mem_fraction_static=args.mem_fraction_static,
+            cpu_threads=args.threads,
+            extra_args=extra,
+            return_routed_experts=args.enable_return_routed_experts,
+        )
+        check_engine_device(config.engine, "--engine", "use --engine cpu")
         command = server_command(config, watch_parent=False)
     except ValueError as error:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)
         return 2
     print(" ".join(command), flush=True)
-    os.execv(command[0], command)
-    return 0  # not reached: exec replaced the process
+    os.execv(command[0], command)  # replaces this process: no return

@@ -92,9 +92,15 @@ class AlfWorldEpisode(Episode):
 
         self._env = env
         infos = textworld.EnvInfos(
-            admissible_commands=True, won=True, lost=True, score=True, max_score=True,
-            objective=True, feedback=True, policy_commands=True,
-        )  # fmt: skip
+            admissible_commands=True,
+            won=True,
+            lost=True,
+            score=True,
+            max_score=True,
+            objective=True,
+            feedback=True,
+            policy_commands=True,
+        )
         alfworld = game_file.suffix == ".tw-pddl"
         wrappers = alfworld_wrappers(env.config.alfworld_dir) if alfworld else []
         with env.lock:
@@ -166,7 +172,9 @@ class TextWorldEnvironment(AlfWorldEnvironment):
     agent: ClassVar[AgentConfig | None] = AgentConfig(max_turns=20)
 
 
-def alfworld_samples(data_path: str | Path, task_types: tuple[int, ...] = (1, 2, 3, 4, 5, 6)):
+def alfworld_samples(
+    data_path: str | Path, task_types: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+) -> list[dict[str, str]]:
     """Samples for the ALFWorld games under `data_path` (e.g. $ALFWORLD_DATA/json_2.1.1/train
     after `alfworld-download`), found by alfworld's own AlfredTWEnv rules (traj_data.json +
     a solvable game.tw-pddl, of the given ALFRED task types)."""

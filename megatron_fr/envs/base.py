@@ -72,6 +72,10 @@ class Environment(ABC):
     the environment is played one turn at a time (one response of task.max_new_tokens)."""
 
     @abstractmethod
+    def __init__(self, config: BaseModel) -> None:
+        """From its own Config, validated (registry.build_environment builds it so)."""
+
+    @abstractmethod
     def start(self, sample: Sample) -> Episode:
         """A fresh episode for `sample`."""
 

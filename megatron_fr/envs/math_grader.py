@@ -155,15 +155,18 @@ class _Worker:
             env=env,
             bufsize=0,
         )
+        if self.proc.stdin is None or self.proc.stdout is None:  # both opened as pipes above
+            raise RuntimeError("the math-verify worker's stdin and stdout are not pipes")
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
         self._buffer = b""
 
     def send(self, request: object) -> None:
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self._stdin.write(json.dumps(request).encode() + b"\n")
 
     def receive(self, timeout_s: float) -> object:
         """The next answer; TimeoutError after `timeout_s`, EOFError if the worker died."""
         deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
+        fd = self._stdout.fileno()
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
@@ -179,8 +182,8 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.proc.stdin.close()
-        self.proc.stdout.close()
+        self._stdin.close()
+        self._stdout.close()
 
 
 class MathGrader:

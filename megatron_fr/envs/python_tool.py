@@ -144,6 +144,7 @@ class PythonToolEnvironment(Environment):
     @property
     def sandbox_report(self) -> dict[str, object]:
         """How isolated the calls are, for each tool step's info (module docstring)."""
+        isolation: str  # the sandbox's Isolation, or "unavailable"
         try:
             isolation, weaker = self.sandbox.isolation, self.sandbox.weaknesses
         except Exception as error:  # the calls said so already: never fail the step for it

@@ -285,7 +285,7 @@ class Sandbox:
                     "report_fd": report_write,
                     "cgroup_procs": cgroup.procs_file if cgroup else None,
                 }
-                proc = self._start(boot_config, payload, root)
+                proc = self._start(boot_config, payload, root, report_write)
                 os.close(report_write)
                 report_write = -1
                 result = self._supervise(proc, isolation, uid, cgroup, time.monotonic())
@@ -301,8 +301,11 @@ class Sandbox:
             raise SandboxError(f"{isolation} sandbox could not be built: {failure}")
         return result
 
-    def _start(self, boot_config: dict[str, object], payload: bytes, root: str) -> subprocess.Popen:
-        """The supervisor, with the code in an anonymous file as its stdin."""
+    def _start(
+        self, boot_config: dict[str, object], payload: bytes, root: str, report_fd: int
+    ) -> subprocess.Popen:
+        """The supervisor, with the code in an anonymous file as its stdin; it inherits
+        `report_fd` (the report pipe's write end, boot_config's report_fd)."""
         code_file = _code_file(payload)
         try:
             return subprocess.Popen(
@@ -313,7 +316,7 @@ class Sandbox:
                 cwd=root,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 start_new_session=True,
-                pass_fds=(boot_config["report_fd"],),
+                pass_fds=(report_fd,),
             )
         finally:
             os.close(code_file)
@@ -369,6 +372,8 @@ class Sandbox:
         cgroup: CallCgroup | None,
         start: float,
     ) -> SandboxResult:
+        if proc.stdout is None or proc.stderr is None:  # _start opens both as pipes
+            raise SandboxError("the supervisor's stdout and stderr are not pipes")
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         streams = {out_fd: bytearray(), err_fd: bytearray()}
         status = self._read(proc, streams, start + self.config.wall_timeout_s)

@@ -46,6 +46,8 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 SETUP_FAILED = 125
 
@@ -64,13 +66,19 @@ SYSTEM_FILES = ("/etc/ld.so.cache",)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _check(result, what):
+Config = dict[str, Any]
+"""The parent's CONFIG_JSON (megatron_fr.envs.sandbox builds it)."""
+
+
+def _check(result: int, what: str) -> None:
     if result != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _mount(source, target, fstype, flags, data=None):
+def _mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
     _check(
         _libc.mount(
             source.encode() if source else None,
@@ -83,14 +91,14 @@ def _mount(source, target, fstype, flags, data=None):
     )
 
 
-def _die_with_parent(parent_alive):
+def _die_with_parent(parent_alive: Callable[[], bool]) -> None:
     """SIGKILL this process when its parent exits (and now, if it already has)."""
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
     if not parent_alive():
         os._exit(SETUP_FAILED)
 
 
-def _writer_alive(read_end):
+def _writer_alive(read_end: int) -> bool:
     """Whether a process still holds the write end of this pipe (we closed our copy)."""
     try:
         return os.read(read_end, 1) != b""
@@ -98,19 +106,19 @@ def _writer_alive(read_end):
         return True
 
 
-def _exit_like(status):
+def _exit_like(status: int) -> NoReturn:
     """Exit as the waited-for process did: its code, or 128 + the signal that killed it."""
     if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status))
 
 
-def _bind_read_only(source, target):
+def _bind_read_only(source: str, target: str) -> None:
     _mount(source, target, None, MS_BIND | MS_REC)
     _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _mirror(path, root):
+def _mirror(path: str, root: str) -> None:
     """Make `path` (a directory, file or symlink of the host) appear read-only at root+path."""
     target = root + path
     if os.path.islink(path):
@@ -125,7 +133,7 @@ def _mirror(path, root):
         _bind_read_only(path, target)
 
 
-def _build_root(cfg):
+def _build_root(cfg: Config) -> None:
     """The new root: a tmpfs holding read-only views of the system and the interpreter, a fresh
     /proc of this pid namespace, and the writable /sandbox and /tmp (the tmpfs size bounds them)."""
     root = cfg["root_dir"]
@@ -149,11 +157,11 @@ def _build_root(cfg):
     os.chdir(cfg["workdir"])
 
 
-def _limit(kind, value):
+def _limit(kind: int, value: int) -> None:
     resource.setrlimit(kind, (value, value))
 
 
-def _become_runner(cfg, runner_source, parent_alive):
+def _become_runner(cfg: Config, runner_source: str, parent_alive: Callable[[], bool]) -> NoReturn:
     """Drop privileges, set the limits, exec the fresh interpreter (the code is on stdin)."""
     if os.geteuid() == 0:
         os.setgroups([])
@@ -181,7 +189,7 @@ def _become_runner(cfg, runner_source, parent_alive):
     os.execve(cfg["python"], argv, env)
 
 
-def _init(cfg, runner_source):
+def _init(cfg: Config, runner_source: str) -> NoReturn:
     """pid 1 of the sandbox: build the root, start the runner, reap until the runner ends."""
     _build_root(cfg)
     runner = os.fork()
@@ -193,7 +201,7 @@ def _init(cfg, runner_source):
             _exit_like(status)  # leaving pid 1 kills whatever is left in the namespace
 
 
-def _start_runner(cfg, runner_source, parent_alive):
+def _start_runner(cfg: Config, runner_source: str, parent_alive: Callable[[], bool]) -> NoReturn:
     try:
         _become_runner(cfg, runner_source, parent_alive)
     except BaseException as error:  # exec failed: report, never fall through to the caller
@@ -201,9 +209,10 @@ def _start_runner(cfg, runner_source, parent_alive):
     os._exit(SETUP_FAILED)
 
 
-def _children():
+def _children() -> list[int]:
     """PIDs whose parent is this process (orphans of the tree come here: we are its reaper)."""
-    me, found = os.getpid(), []
+    me = os.getpid()
+    found: list[int] = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
@@ -216,13 +225,13 @@ def _children():
     return found
 
 
-def _kill_children(*_):
+def _kill_children(*_: object) -> None:
     for pid in _children():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
 
-def _reap_everything():
+def _reap_everything() -> None:
     """Kill and reap every remaining descendant (each one ends up our child, being our
     subreaper's orphan, until none is left)."""
     while True:
@@ -235,7 +244,7 @@ def _reap_everything():
         time.sleep(0.005)
 
 
-def _supervise(cfg, runner_source):
+def _supervise(cfg: Config, runner_source: str) -> NoReturn:
     """The parent's child: one child (init, or the runner itself in "rlimits" mode), every
     orphan of the tree reaped here, SIGUSR1 from the parent = kill it all now. Exits, with
     the child's status, only once nothing of the tree is left: the parent never has to kill
@@ -274,12 +283,12 @@ def _supervise(cfg, runner_source):
     _exit_like(status)
 
 
-def _report(cfg, message):
+def _report(cfg: Config, message: str) -> None:
     with contextlib.suppress(OSError):
         os.write(cfg["report_fd"], message.encode(errors="replace")[:4000])
 
 
-def main():
+def main() -> None:
     signal.signal(signal.SIGUSR1, _kill_children)  # first: the parent may ask at any time
     cfg = json.loads(sys.argv[1])
     os.set_inheritable(cfg["report_fd"], False)  # close-on-exec: the runner's exec drops it

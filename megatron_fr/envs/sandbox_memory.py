@@ -138,7 +138,7 @@ def _own_cgroups() -> dict[str, str]:
 def _cgroup_mounts() -> dict[str, tuple[str, str]]:
     """(mount point, root inside the hierarchy) of the cgroup2 mount (key "") and of each v1
     controller's mount, from /proc/self/mountinfo."""
-    mounts = {}
+    mounts: dict[str, tuple[str, str]] = {}
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields, _, tail = line.partition(" - ")
         fstype, _, options = tail.split(" ", 2)
@@ -209,7 +209,7 @@ class MemoryBound:
                 except OSError as error:
                     reasons.append(f"{parent}: {error}")
                     continue
-                bound = cls(f"cgroup{version}", limit_bytes, parent)
+                bound = cls("cgroup2" if version == 2 else "cgroup1", limit_bytes, parent)
                 log.info(
                     "sandbox memory bound: %d bytes per call, cgroup v%d under %s",
                     *(limit_bytes, version, parent),

@@ -23,13 +23,24 @@ imported by the project.
 import json
 import os
 import sys
+from typing import Any
 
 WRITE_EVENTS = frozenset(
     {
-        "os.chmod", "os.chown", "os.link", "os.mkdir", "os.remove", "os.rename", "os.rmdir",
-        "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile",
+        "os.chmod",
+        "os.chown",
+        "os.link",
+        "os.mkdir",
+        "os.remove",
+        "os.rename",
+        "os.rmdir",
+        "os.symlink",
+        "os.truncate",
+        "os.utime",
+        "shutil.rmtree",
+        "shutil.copyfile",
     }
-)  # fmt: skip
+)
 READ_EVENTS = frozenset({"os.listdir", "os.scandir", "os.chdir", "glob.glob"})
 PROGRAM_EVENTS = frozenset(
     {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "pty.spawn"}
@@ -41,32 +52,32 @@ INTROSPECTION_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_
 """How code finds this hook's closure (and flips its re-entrancy flag to switch it off)."""
 
 
-def _under(path, roots):
+def _under(path: str, roots: list[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
-def install_hook(read_roots, write_roots):
+def install_hook(read_roots: list[str], write_roots: list[str]) -> None:
     """Refuse, from Python, what the sandbox policy refuses (see the module docstring)."""
     import socket
 
-    busy = []
+    busy: list[bool] = []
 
-    def resolve(path):
+    def resolve(path: Any) -> str:
         if isinstance(path, bytes):
             path = os.fsdecode(path)
         return os.path.realpath(os.fspath(path))
 
-    def refuse(what):
+    def refuse(what: str) -> None:
         raise PermissionError(f"sandbox: {what} is not allowed")
 
-    def check_path(event, path, writing):
+    def check_path(event: str, path: Any, writing: bool) -> None:
         if path is None or isinstance(path, int):
             return  # an already open descriptor
         real = resolve(path)
         if not _under(real, write_roots if writing else read_roots + write_roots):
             refuse(f"{'writing' if writing else 'reading'} {path!s} ({event})")
 
-    def is_network(event, args):
+    def is_network(event: str, args: tuple[Any, ...]) -> bool:
         """A socket that is not AF_UNIX (created, connected, bound, sent on) or a DNS lookup."""
         if event == "socket.__new__":
             return args[1] != socket.AF_UNIX
@@ -74,7 +85,7 @@ def install_hook(read_roots, write_roots):
             return args[0].family != socket.AF_UNIX
         return event in NAME_EVENTS
 
-    def hook(event, args):
+    def hook(event: str, args: tuple[Any, ...]) -> None:
         if busy:  # the hook's own realpath() calls
             return
         busy.append(True)
@@ -103,7 +114,7 @@ def install_hook(read_roots, write_roots):
     sys.addaudithook(hook)
 
 
-def run(code):
+def run(code: str) -> None:
     """Execute `code` as __main__; an uncaught exception prints the model's frames, exits 1."""
     import linecache
     import traceback
@@ -127,7 +138,7 @@ def run(code):
         sys.exit(1)
 
 
-def read_code():
+def read_code() -> str:
     """The model's code, from stdin; stdin is /dev/null afterwards (the code reads nothing)."""
     code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -136,7 +147,7 @@ def read_code():
     return code
 
 
-def main():
+def main() -> None:
     policy = json.loads(sys.argv[1])
     code = read_code()
     if policy["enabled"]:

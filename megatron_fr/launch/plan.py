@@ -43,24 +43,36 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
   Flash attention never stores the a s^2 softmax tensors (the part Korthikanti's selective
   recompute drops), so the estimate depends on tokens only.
   Sequence parallelism is assumed whenever TP > 1 (megatron requires it for MoE with TP > 1),
-  so every term is divided by TP, and CP divides the tokens; a GPU holds T / (TP x CP) tokens
-  of a micro-batch of T tokens (LearnerConfig.micro_batch_tokens). 1F1B: stage s keeps PP - s
-  micro-batches of its L/PP layers in flight. With full recompute only each layer's input (2h
-  per token) is kept, plus one layer's working set while it is recomputed.
+  so every term is divided by TP; a GPU holds T / TP tokens of a micro-batch of
+  T = LearnerConfig.micro_batch_tokens tokens on each CP rank (the micro-batch holds T x CP,
+  split over the CP group). 1F1B: stage s keeps PP - s micro-batches of its L/PP layers in
+  flight. What a layer keeps per token, by LearnerConfig.recompute (megatron's own methods):
+    none       all of the above
+    selective  the attention's terms, the norms' 4h and the MoE block's (dense: MLP block's)
+               input 2h, which megatron's checkpoint keeps to re-run the block
+    full       the layer's input 2h
+  and with recompute, one layer's full working set while it is recomputed.
   Working buffers, once per GPU on top of the kept activations:
     MoE dispatch  2hk (2 + 2 ETP)   [one layer at a time: the permuted token copies, the
                               all-to-all output, its ETP all-gather and the expert-sorted copy
                               are alive together]
-    loss path (last stage)  4h + V (b + c + 4 + 4e)         [final-norm and output-layer
-                              inputs; the logits in the params dtype (b = 2 for bf16, 4 for
-                              fp32); the fp32 copy the learner's loss takes of bf16 logits
-                              (c = 4, 0 for fp32 logits); the fp32 softmax buffer that
-                              vocab_parallel_log_probs keeps for the backward (4); with
-                              entropies (negative_token_fraction < 1, e = 1) its fp32
-                              shifted-logits temporary (4)], V / TP of the vocabulary for
-                              each of the T / CP tokens: the same product as above.
+    loss path (last stage)  per token: 2h / TP (final-norm input) + 2h (its output gathered
+                              over TP, which the chunked loss keeps for its backward); once:
+                              its chunk working set, C (1 + e + b) with C the fp32 logits
+                              of one chunk (config/learner.py LOSS_CHUNK_BYTES): the fp32
+                              logits, turned into softmax and gradient in place, with
+                              entropies (e = 1) their shifted copy, for bf16 (b = 1/2) the
+                              bf16 product before its fp32 copy; and the output layer's weight
+                              gradient as it is summed over chunks, (V / TP) h x 4 in fp32,
+                              + 2 for a bf16 weight (one chunk's bf16 part).
+                              The logits of the micro-batch are never held whole
+                              (models/token_scores.py).
   Not counted: the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator
   fragmentation (the `reserve` allowance stands in for the last three).
+
+Rows: a micro-batch holds trajectories of at most config/learner.py's longest_row tokens
+(micro_batch_tokens x CP, less the CP and SP padding), the learner's own rule; plan_layout
+refuses a layout whose micro-batches cannot hold the recipe's longest row.
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
+from megatron_fr.config.learner import LOSS_CHUNK_BYTES, longest_row, micro_batch_tokens_for
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.layout import LayoutError, check_model_layout, divisors
@@ -81,6 +94,8 @@ BYTES_PER_PARAM = {
     "bfloat16": (2, 4, 12),
     "float32": (4, 4, 8),
 }
+RECOMPUTE = ("none", "selective", "full")
+"""LearnerConfig.recompute's settings, least recomputation first."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +117,8 @@ class StagePlan:
     weight_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int
-    """Without recompute."""
-    activation_bytes_recompute: int
-    """With full recompute."""
+    activation_bytes: dict[str, int]
+    """By LearnerConfig.recompute setting."""
 
     @property
     def state_bytes(self) -> int:
@@ -123,6 +136,8 @@ class Plan:
     expert_data_parallel: int
     params_total: int
     micro_batch_tokens: int
+    longest_row: int
+    """The longest trajectory (tokens) a micro-batch holds (config/learner.py)."""
     params_dtype: str
     stages: tuple[StagePlan, ...]
     gpu_mem_bytes: int | None
@@ -132,22 +147,25 @@ class Plan:
     def params_per_gpu(self) -> int:
         return max(stage.params.total for stage in self.stages)
 
-    def peak_bytes(self, recompute: bool) -> int:
-        return max(
-            s.state_bytes + (s.activation_bytes_recompute if recompute else s.activation_bytes)
-            for s in self.stages
-        )
+    def peak_bytes(self, recompute: str) -> int:
+        return max(s.state_bytes + s.activation_bytes[recompute] for s in self.stages)
 
-    def fits(self, recompute: bool) -> bool | None:
-        """None when no GPU memory was given."""
+    def fits(self, recompute: str) -> bool | None:
+        """Whether the layout fits with this LearnerConfig.recompute; None when no GPU memory
+        was given."""
         if self.gpu_mem_bytes is None:
             return None
         return self.peak_bytes(recompute) + self.reserve_bytes <= self.gpu_mem_bytes
 
+    def least_recompute(self) -> str | None:
+        """The least recomputation with which the layout fits (None: it does not fit)."""
+        return next((mode for mode in RECOMPUTE if self.fits(mode) is not False), None)
+
     def to_dict(self) -> dict:
-        """The --json form: integers are parameter counts or bytes."""
+        """The --json form: integers are parameter counts or bytes; per-setting figures are
+        keyed by LearnerConfig.recompute."""
         p = self.parallel
-        peak = max(self.stages, key=lambda s: s.state_bytes + s.activation_bytes)
+        peak = max(self.stages, key=lambda s: s.state_bytes + s.activation_bytes["none"])
         return dict(
             world=self.world,
             layout=dict(
@@ -159,32 +177,38 @@ class Plan:
             params_per_gpu=self.params_per_gpu,
             params_dtype=self.params_dtype,
             micro_batch_tokens=self.micro_batch_tokens,
+            longest_row=self.longest_row,
             per_gpu=dict(
                 stage=peak.stage, dense_params=peak.params.dense, expert_params=peak.params.expert,
                 weight_bytes=peak.weight_bytes, grad_bytes=peak.grad_bytes,
                 optimizer_bytes=peak.optimizer_bytes, state_bytes=peak.state_bytes,
                 activation_bytes=peak.activation_bytes,
-                activation_bytes_recompute=peak.activation_bytes_recompute,
             ),
-            peak_bytes=self.peak_bytes(recompute=False),
-            peak_bytes_recompute=self.peak_bytes(recompute=True),
+            peak_bytes={mode: self.peak_bytes(mode) for mode in RECOMPUTE},
             gpu_mem_bytes=self.gpu_mem_bytes,
             reserve_bytes=self.reserve_bytes,
-            fits=self.fits(recompute=False),
-            fits_recompute=self.fits(recompute=True),
+            fits={mode: self.fits(mode) for mode in RECOMPUTE},
             stages=[asdict(s) | {"state_bytes": s.state_bytes} for s in self.stages],
         )  # fmt: skip
 
 
 def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
-    """Raise LayoutError with the reason if `parallel` cannot run `spec` on `world` GPUs: the
-    world-size rules of ParallelConfig, then the model's rules
-    (models/layout.py, the ones model build enforces)."""
+    """Raise LayoutError with the reason if `parallel` cannot train `spec` on `world` GPUs: the
+    world-size rules of ParallelConfig, the model's rules (models/layout.py, the ones model
+    build enforces), then megatron's training-time rule for MoE with TP > 1: sequence
+    parallelism is required (MoELayer.forward raises it, in training only, at the first
+    forward: far too late to find out)."""
     try:
         parallel.validate_world(world)
     except ValueError as error:
         raise LayoutError(str(error)) from None
     check_model_layout(spec, parallel)
+    if spec.is_moe and parallel.tensor > 1 and not parallel.sequence_parallel:
+        raise LayoutError(
+            f"a MoE model at parallel.tensor={parallel.tensor} needs "
+            "parallel.sequence_parallel=true (megatron refuses MoE with tensor parallelism and "
+            "without sequence parallelism at its first training step)"
+        )
 
 
 def layer_params(spec: HFModelSpec) -> dict[str, int]:
@@ -226,11 +250,16 @@ def stage_params(spec: HFModelSpec, parallel: ParallelConfig, stage: int) -> Par
     return ParamCounts(dense=dense, expert=expert)
 
 
+def attention_bytes_per_token_layer(spec: HFModelSpec) -> int:
+    """What a layer's attention keeps per token (module docstring)."""
+    h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
+    return 3 * h + 4 * q + 4 * kv + (2 * q + 2 * kv if spec.qk_layernorm else 0)
+
+
 def activation_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int = 1) -> int:
     """Bytes one token leaves for the backward in one layer, no recompute (module docstring)."""
-    h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
-    attention = 3 * h + 4 * q + 4 * kv + (2 * q + 2 * kv if spec.qk_layernorm else 0)
-    norms = 4 * h
+    h = spec.hidden_size
+    attention, norms = attention_bytes_per_token_layer(spec), 4 * h
     if not spec.is_moe:
         return attention + norms + 2 * h + 6 * spec.intermediate_size + h
     k = spec.num_experts_per_tok
@@ -240,6 +269,16 @@ def activation_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int = 1) 
     return attention + norms + experts + router + combine
 
 
+def kept_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int, recompute: str) -> int:
+    """What one layer keeps per token for the backward under a recompute setting."""
+    h = spec.hidden_size
+    if recompute == "full":
+        return 2 * h
+    if recompute == "selective":
+        return attention_bytes_per_token_layer(spec) + 4 * h + 2 * h
+    return activation_bytes_per_token_layer(spec, expert_tensor)
+
+
 def moe_dispatch_bytes_per_token(spec: HFModelSpec, expert_tensor: int = 1) -> int:
     """The token-dispatch working set of one MoE layer, per token (module docstring)."""
     if not spec.is_moe:
@@ -247,12 +286,15 @@ def moe_dispatch_bytes_per_token(spec: HFModelSpec, expert_tensor: int = 1) -> i
     return 2 * spec.hidden_size * spec.num_experts_per_tok * (2 + 2 * expert_tensor)
 
 
-def loss_path_bytes_per_token(spec: HFModelSpec, params_dtype: str, entropies: bool) -> int:
-    """The last stage's output layer and loss, per token of its vocabulary share (module
-    docstring): the product with V is per token of T / CP at V / TP, i.e. T / (TP x CP)."""
-    logits = BYTES_PER_PARAM[params_dtype][0]
-    fp32_copy = 4 if logits < 4 else 0
-    return 4 * spec.hidden_size + spec.vocab_size * (logits + fp32_copy + 4 + 4 * entropies)
+def loss_path_bytes(spec: HFModelSpec, tokens: int, tensor: int, params_dtype: str,
+                    entropies: bool) -> int:  # fmt: skip
+    """The last stage's final norm and chunked loss path for a micro-batch of `tokens` on a
+    CP rank, its output layer split over `tensor` ranks (module docstring)."""
+    h, bf16 = spec.hidden_size, params_dtype == "bfloat16"
+    per_token = tokens * (2 * h // tensor + 2 * h)
+    chunk = LOSS_CHUNK_BYTES * (1 + entropies) + (LOSS_CHUNK_BYTES // 2 if bf16 else 0)
+    weight_gradient = spec.vocab_size // tensor * h * (6 if bf16 else 4)
+    return per_token + chunk + weight_gradient
 
 
 def plan_layout(
@@ -265,76 +307,86 @@ def plan_layout(
     gpu_mem_gib: float | None = None,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     entropies: bool = False,
+    row_tokens: int | None = None,
 ) -> Plan:
-    """The figures of a layout; LayoutError if it is invalid (check_layout). `entropies`: the
-    loss computes token entropies (negative_token_fraction < 1)."""
+    """The figures of a layout; LayoutError if it is invalid (check_layout) or, given the
+    recipe's longest row (`row_tokens`), if its micro-batches cannot hold that row.
+    `entropies`: the loss computes token entropies (negative_token_fraction < 1)."""
     check_layout(spec, parallel, world)
-    weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
-    tp, pp, cp = parallel.tensor, parallel.pipeline, parallel.context
-    dp = parallel.data_parallel_size(world)
-    edp = world // (parallel.effective_expert_tensor * parallel.expert * pp)
-    etp = parallel.effective_expert_tensor
-    tokens = micro_batch_tokens / (tp * cp)  # this GPU's share of a micro-batch
-    per_layer = tokens * activation_bytes_per_token_layer(spec, etp)
-    layer_input = tokens * 2 * spec.hidden_size
-    dispatch = tokens * moe_dispatch_bytes_per_token(spec, etp)
-    output = tokens * loss_path_bytes_per_token(spec, params_dtype, entropies)
-    layers = spec.num_layers // pp
-    stages = []
-    for stage in range(pp):
-        params = stage_params(spec, parallel, stage)
-        in_flight = pp - stage
-        last = dispatch + (output if stage == pp - 1 else 0)
-        stages.append(
-            StagePlan(
-                stage=stage,
-                params=params,
-                weight_bytes=params.total * weight_b,
-                grad_bytes=params.total * grad_b,
-                optimizer_bytes=params.dense * optim_b // (dp * cp)
-                + params.expert * optim_b // edp,
-                activation_bytes=int(in_flight * layers * per_layer + last),
-                activation_bytes_recompute=int(in_flight * layers * layer_input + per_layer + last),
-            )
+    tp, cp = parallel.tensor, parallel.context
+    longest = longest_row(micro_batch_tokens, cp, tp)  # SP whenever TP > 1
+    if row_tokens is not None and row_tokens > longest:
+        raise LayoutError(
+            f"rows of {row_tokens} tokens do not fit a micro-batch: learner.micro_batch_tokens "
+            f"{micro_batch_tokens} x parallel.context {cp} holds at most {longest}; at CP{cp} "
+            f"the rows need micro_batch_tokens >= {micro_batch_tokens_for(row_tokens, cp, tp)}"
         )
+    dp = parallel.data_parallel_size(world)
+    edp = world // (parallel.effective_expert_tensor * parallel.pipeline * parallel.expert)
+    stages = tuple(
+        _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropies, dp, edp)
+        for stage in range(parallel.pipeline)
+    )
     return Plan(
         world=world, parallel=parallel, is_moe=spec.is_moe, data_parallel=dp,
-        expert_data_parallel=edp,
-        params_total=total_params(spec), micro_batch_tokens=micro_batch_tokens,
-        params_dtype=params_dtype, stages=tuple(stages),
-        gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
+        expert_data_parallel=edp, params_total=total_params(spec),
+        micro_batch_tokens=micro_batch_tokens, longest_row=longest, params_dtype=params_dtype,
+        stages=stages, gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
+    )  # fmt: skip
+
+
+def _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropies, dp, edp):
+    """One pipeline stage's state and activations by recompute setting (module docstring)."""
+    weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
+    tp, pp, etp = parallel.tensor, parallel.pipeline, parallel.effective_expert_tensor
+    tokens = micro_batch_tokens / tp  # this GPU's share of a micro-batch
+    params = stage_params(spec, parallel, stage)
+    layers, in_flight = spec.num_layers // pp, pp - stage
+    layer = tokens * activation_bytes_per_token_layer(spec, etp)  # one layer's working set
+    buffers = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    if stage == pp - 1:
+        buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
+    activations = {}
+    for mode in RECOMPUTE:
+        kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode)
+        recomputing = 0 if mode == "none" else layer  # the layer being re-run
+        activations[mode] = int(kept + recomputing + buffers)
+    return StagePlan(
+        stage=stage, params=params, weight_bytes=params.total * weight_b,
+        grad_bytes=params.total * grad_b,
+        optimizer_bytes=params.dense * optim_b // (dp * parallel.context)
+        + params.expert * optim_b // edp,
+        activation_bytes=activations,
     )  # fmt: skip
 
 
 def enumerate_layouts(
     spec: HFModelSpec, world: int, gpus_per_node: int, **plan_kwargs
 ) -> list[Plan]:
-    """Every valid layout on `world` GPUs that fits (with or without recompute; all of them
-    when no memory is given), best first: fits without recompute, then least model
-    parallelism (TP x PP: more data parallelism, fewer collectives), then least memory.
+    """Every valid layout on `world` GPUs that fits with some recompute setting (all of them
+    when no memory is given), best first: least recomputation needed, then least model
+    parallelism (TP x CP x PP: more data parallelism, fewer collectives), then least memory.
     TP stays within a node (its all-reduces need NVLink), ETP is 1 or TP (megatron's usual
-    choices), CP is 1 (the learner's only)."""
+    choices); with row_tokens, only layouts whose micro-batches hold the rows."""
     tps = [t for t in divisors(world) if t <= max(gpus_per_node, 1)]
-    pps = divisors(world)
     eps = divisors(world) if spec.is_moe else [1]
     plans = []
-    for tp, pp, ep in itertools.product(tps, pps, eps):
+    for tp, cp, pp, ep in itertools.product(tps, divisors(world), divisors(world), eps):
         for etp in sorted({1, tp}) if spec.is_moe else [None]:
-            parallel = ParallelConfig(
-                tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp, sequence_parallel=tp > 1
-            )
+            parallel = ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep,
+                                      expert_tensor=etp, sequence_parallel=tp > 1)  # fmt: skip
             try:
                 plan = plan_layout(spec, parallel, world, **plan_kwargs)
             except LayoutError:
                 continue
-            if plan.fits(recompute=True) is not False:
+            if plan.least_recompute() is not None:
                 plans.append(plan)
 
     def order(plan: Plan) -> tuple:
         p = plan.parallel
-        return (plan.fits(recompute=False) is False, p.tensor * p.pipeline, p.pipeline,
-                plan.peak_bytes(recompute=False))  # fmt: skip
+        return (RECOMPUTE.index(plan.least_recompute()), p.tensor * p.context * p.pipeline,
+                p.pipeline, plan.peak_bytes("none"))  # fmt: skip
 
     return sorted(plans, key=order)
 
@@ -348,28 +400,22 @@ def describe(plan: Plan) -> str:
         layout += f" EP{p.expert} ETP{p.effective_expert_tensor}"
         extra += f", EDP{plan.expert_data_parallel}"
     layout += f" ({extra}{', SP' if p.tensor > 1 else ''}) on {plan.world} ranks"
+    moe = f" = dense {per['dense_params']:,} + expert {per['expert_params']:,}"
+    by_mode = ", ".join(f"{_gib(d['peak_bytes'][m])} {m}" for m in RECOMPUTE)
     lines = [
         layout,
         f"  params total {plan.params_total:,}; per GPU (max over ranks) {plan.params_per_gpu:,}"
-        + (
-            f" = dense {per['dense_params']:,} + expert {per['expert_params']:,}"
-            if plan.is_moe
-            else ""
-        ),
+        + (moe if plan.is_moe else ""),
         f"  {plan.params_dtype} weights {_gib(per['weight_bytes'])}, grads (fp32)"
         f" {_gib(per['grad_bytes'])}, distributed optimizer {_gib(per['optimizer_bytes'])}"
         f" -> model state {_gib(per['state_bytes'])}",
-        f"  activations at {plan.micro_batch_tokens:,} tokens per micro-batch:"
-        f" {_gib(per['activation_bytes'])} without recompute,"
-        f" {_gib(per['activation_bytes_recompute'])} with full recompute",
-        f"  peak {_gib(d['peak_bytes'])} without recompute, {_gib(d['peak_bytes_recompute'])}"
-        f" with; reserve {_gib(plan.reserve_bytes)}",
+        f"  micro-batches of {plan.micro_batch_tokens:,} tokens per GPU hold rows of up to"
+        f" {plan.longest_row:,} tokens",
+        f"  peak by learner.recompute: {by_mode}; reserve {_gib(plan.reserve_bytes)}",
     ]
     if plan.gpu_mem_bytes is not None:
-        lines.append(
-            f"  fits {_gib(plan.gpu_mem_bytes)}: {'yes' if d['fits'] else 'no'} without"
-            f" recompute, {'yes' if d['fits_recompute'] else 'no'} with full recompute"
-        )
+        verdicts = ", ".join(f"{m} {'yes' if d['fits'][m] else 'no'}" for m in RECOMPUTE)
+        lines.append(f"  fits {_gib(plan.gpu_mem_bytes)}: {verdicts}")
     return "\n".join(lines)
 
 

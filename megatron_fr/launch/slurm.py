@@ -59,8 +59,8 @@ class SlurmOptions(BaseModel):
     """Learner ranks per learner node; None: one per GPU (one without GPUs)."""
     server_gpus: NonNegativeInt | None = None
     """GPUs per inference server (its SGLang TP size); None: all of a node's GPUs."""
-    engine: Literal["auto", "cpu", "sglang"] = "auto"
-    """auto: SGLang on GPU nodes, the CPU engine otherwise."""
+    engine: Literal["cpu", "sglang"] | None = None
+    """The servers' engine; None: the recipe's rollout.engine.kind."""
     server_threads: PositiveInt = 1
     """torch threads of the CPU engine."""
     server_args: tuple[str, ...] = ()
@@ -101,7 +101,8 @@ class SlurmOptions(BaseModel):
     model: str | None = None
     """Preset or HF dir for the planner; None: the recipe's model.hf_dir."""
     gpu_mem_gb: float | None = Field(default=None, gt=0)
-    """GPU memory in GiB: with it the learner layout must fit without recompute."""
+    """GPU memory in GiB: with it the learner layout must fit with the recipe's
+    learner.recompute."""
     reserve_gb: float = Field(default=DEFAULT_RESERVE_GIB, ge=0)
     """GiB per GPU kept free for the CUDA context, NCCL and fragmentation (a rule of thumb)."""
     health_timeout_s: PositiveInt = 1800
@@ -163,21 +164,35 @@ def resolve_job(
         )
     _check_node_share(options, procs)
     server_gpus, servers_per_node = _servers(options)
-    engine = options.engine if options.engine != "auto" else ("sglang" if gpus else "cpu")
+    engine = options.engine or config.rollout.engine.kind
     if engine == "cpu" and server_gpus:
-        raise LaunchError("the CPU engine takes no GPUs (server_gpus must be 0)")
+        raise LaunchError(
+            "the CPU engine (rollout.engine.kind, or --engine) takes no GPUs: server_gpus must "
+            "be 0, or serve with --engine sglang"
+        )
     if engine == "sglang" and not server_gpus:
-        raise LaunchError("SGLang needs GPUs (gpus_per_node is 0)")
+        raise LaunchError(
+            "SGLang needs GPUs and gpus_per_node is 0: give --gpus-per-node, or serve with "
+            "--engine cpu (or rollout.engine.kind=cpu)"
+        )
     last_port = options.port_base + SERVER_PORT_OFFSET + options.rollout_nodes * servers_per_node
     if last_port > 65535:
         raise LaunchError(f"port_base {options.port_base}: server ports would pass 65535")
     plan = _plan(config, options, world)
     python = options.python or ("python" if options.container_image else sys.executable)
     return SlurmJob(
-        recipe=recipe, run_dir=run_dir, overrides=tuple(overrides), options=options,
-        config=config, plan=plan, engine=engine, procs_per_node=procs, server_gpus=server_gpus,
-        servers_per_node=servers_per_node, python=python,
-    )  # fmt: skip
+        recipe=recipe,
+        run_dir=run_dir,
+        overrides=tuple(overrides),
+        options=options,
+        config=config,
+        plan=plan,
+        engine=engine,
+        procs_per_node=procs,
+        server_gpus=server_gpus,
+        servers_per_node=servers_per_node,
+        python=python,
+    )
 
 
 def _check_node_share(options: SlurmOptions, procs: int) -> None:
@@ -228,18 +243,24 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
     spec = model_spec(config, options)
     try:
         plan = plan_layout(
-            spec, config.parallel, world, micro_batch_tokens=config.learner.micro_batch_tokens,
+            spec,
+            config.parallel,
+            world,
+            micro_batch_tokens=config.learner.micro_batch_tokens,
             params_dtype=config.learner.params_dtype,
             gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
             reserve_gib=options.reserve_gb,
             entropies=config.learner.flash_reinforce.negative_token_fraction < 1,
-        )  # fmt: skip
+        )
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None
-    if plan.fits(recompute=False) is False:
+    recompute = config.learner.recompute
+    if plan.fits(recompute) is False:
+        least = plan.least_recompute()
+        remedy = f"learner.recompute={least} fits" if least else "no recompute setting fits"
         raise LaunchError(
-            "the learner layout does not fit in GPU memory without activation recompute "
-            f"(which the learner does not do):\n{describe(plan)}"
+            f"the learner layout does not fit in GPU memory with learner.recompute={recompute} "
+            f"({remedy}):\n{describe(plan)}"
         )
     return plan
 
@@ -262,12 +283,15 @@ def sbatch_directives(job: SlurmJob) -> list[str]:
     if o.exclusive:
         flags += ["--exclusive", "--mem=0"]  # --exclusive alone leaves memory at the default
     else:
-        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_mib(o.mem_per_node_gb)}M"]
+        flags += [f"--cpus-per-task={o.cpus_per_node}", f"--mem={_memory_mib(o)}M"]
     return flags + list(o.sbatch_args)
 
 
-def _mib(gib: float) -> int:
-    return int(gib * 1024)
+def _memory_mib(o: SlurmOptions) -> int:
+    """mem_per_node_gb in MiB: a job that shares its nodes has it (_check_node_share)."""
+    if o.mem_per_node_gb is None:
+        raise LaunchError("a job that shares its nodes needs --mem-per-node-gb")
+    return int(o.mem_per_node_gb * 1024)
 
 
 def container_flags(options: SlurmOptions) -> list[str]:
@@ -286,17 +310,27 @@ def settings(job: SlurmJob) -> dict[str, str | list[str]]:
     """The MFR_* variables slurm/job.sh reads (lists become bash arrays)."""
     o = job.options
     return dict(
-        MFR_REPO=str(REPO_ROOT), MFR_PYTHON=job.python, MFR_RECIPE=str(job.recipe),
-        MFR_RUN_DIR=str(job.run_dir), MFR_OVERRIDES=list(job.overrides),
+        MFR_REPO=str(REPO_ROOT),
+        MFR_PYTHON=job.python,
+        MFR_RECIPE=str(job.recipe),
+        MFR_RUN_DIR=str(job.run_dir),
+        MFR_OVERRIDES=list(job.overrides),
         MFR_HF_DIR=job.config.model.hf_dir,
-        MFR_ROLLOUT_NODES=str(o.rollout_nodes), MFR_LEARNER_NODES=str(o.learner_nodes),
-        MFR_PROCS_PER_NODE=str(job.procs_per_node), MFR_ENGINE=job.engine,
-        MFR_SERVERS_PER_NODE=str(job.servers_per_node), MFR_SERVER_GPUS=str(job.server_gpus),
-        MFR_SERVER_THREADS=str(o.server_threads), MFR_SERVER_ARGS=list(o.server_args),
-        MFR_PORT_BASE=str(o.port_base), MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
+        MFR_ROLLOUT_NODES=str(o.rollout_nodes),
+        MFR_LEARNER_NODES=str(o.learner_nodes),
+        MFR_PROCS_PER_NODE=str(job.procs_per_node),
+        MFR_ENGINE=job.engine,
+        MFR_SERVERS_PER_NODE=str(job.servers_per_node),
+        MFR_SERVER_GPUS=str(job.server_gpus),
+        MFR_SERVER_THREADS=str(o.server_threads),
+        MFR_SERVER_ARGS=list(o.server_args),
+        MFR_ROUTED_EXPERTS=str(int(job.config.learner.routing_replay)),
+        MFR_PORT_BASE=str(o.port_base),
+        MFR_HEALTH_TIMEOUT_S=str(o.health_timeout_s),
         MFR_CPUS_PER_NODE=str(o.cpus_per_node or ""),
-        MFR_CONTAINER=container_flags(o), MFR_ENV=[*NCCL_ENV, *o.env],
-    )  # fmt: skip
+        MFR_CONTAINER=container_flags(o),
+        MFR_ENV=[*NCCL_ENV, *o.env],
+    )
 
 
 def render_script(job: SlurmJob) -> str:
@@ -345,7 +379,7 @@ def summary(job: SlurmJob) -> str:
 def _share(o: SlurmOptions) -> str:
     if o.exclusive:
         return "whole nodes (exclusive)"
-    return f"{o.cpus_per_node} CPU(s) and {_mib(o.mem_per_node_gb)} MiB each"
+    return f"{o.cpus_per_node} CPU(s) and {_memory_mib(o)} MiB each"
 
 
 def _span(first: int, last: int) -> str:

@@ -42,9 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         info = SlurmOptions.model_fields[field]
         parser.add_argument(f"--{flag}", dest=field, help=info.description)
     parser.add_argument("--exclusive", action="store_true", help="whole nodes (sbatch)")
-    for flag, field in (("server-arg", "server_args"), ("env", "env"),
-                        ("sbatch-arg", "sbatch_args")):  # fmt: skip
-        help_text = SlurmOptions.model_fields[field].description + " (repeatable)"
+    for flag, field in (
+        ("server-arg", "server_args"),
+        ("env", "env"),
+        ("sbatch-arg", "sbatch_args"),
+    ):
+        help_text = (SlurmOptions.model_fields[field].description or "") + " (repeatable)"
         parser.add_argument(f"--{flag}", dest=field, action="append", default=[], help=help_text)
     parser.add_argument("--dry-run", action="store_true", help="print the plan, submit nothing")
     parser.add_argument(
@@ -70,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     given = {key: value for key, value in given.items() if value is not None}
     try:
         options = SlurmOptions(
-            **given, exclusive=args.exclusive, server_args=tuple(args.server_args),
-            env=tuple(args.env), sbatch_args=tuple(args.sbatch_args),
-        )  # fmt: skip
+            **given,
+            exclusive=args.exclusive,
+            server_args=tuple(args.server_args),
+            env=tuple(args.env),
+            sbatch_args=tuple(args.sbatch_args),
+        )
         job = resolve_job(args.recipe, args.run_dir, args.overrides, options)
     except (LaunchError, ValueError) as error:
         print(f"slurm/launch.sh: refused: {error}", file=sys.stderr)

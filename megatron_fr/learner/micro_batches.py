@@ -11,16 +11,19 @@ coordination is needed:
     they were opened), a new one when none has room. Room is first the token budget, which
     fixes the number of micro-batches (the most any rank needs); it is then narrowed to the
     least that keeps that number, so that the rows carry little padding. A trajectory
-    stays whole and attends only to itself: on GPU megatron's THD format (PackedSeqParams,
-    cu_seqlens = the span boundaries), on CPU the same boundaries as a block-diagonal causal
-    mask (parallel/cpu_shims.py); RoPE positions restart at 0 in each span (megatron's THD
-    RoPE reads cu_seqlens);
+    stays whole and attends only to itself: megatron's THD format (PackedSeqParams,
+    cu_seqlens = the span boundaries), which TE's attention and torch's varlen attention
+    take as they are and the local spec's as a block-diagonal causal mask
+    (models/attention.py); RoPE positions restart at 0 in each span (megatron's THD RoPE
+    reads cu_seqlens);
   - padded: a micro-batch is `rows` rows of one right-padded trajectory each;
   - every rank runs the SAME number of micro-batches of the SAME shape (MoE expert-parallel
     all-to-alls and pipeline stages need their peers in step), the missing ones being empty
     (segment -1, no policy token: they add nothing to the loss).
-The token budget bounds a micro-batch's tokens (rows x width) before the context-parallel
-split, so each of the CP ranks holds budget / CP of them.
+A micro-batch holds at most micro_batch_tokens tokens on each CP rank: rows x width <=
+micro_batch_tokens x CP before the context-parallel split. A trajectory longer than a row can
+be is refused with config/learner.py's longest_row, the rule the layout planner and
+`train --check` apply before any process starts.
 
 Context parallelism: each row is split over the CP ranks by megatron's zigzag rule
 (parallel/context_parallel.py), which needs every span's length to divide by 2 x CP: a packed
@@ -30,7 +33,8 @@ also divide by TP under sequence parallelism, which splits the sequence again.
 Each token keeps its trajectory's index in the global batch (segment id), which is what the
 parallel loss sums by, so packing and splitting need no other bookkeeping. With routing
 replay, each micro-batch also carries the routed experts of its input positions, packed and
-split exactly like the tokens (learner/routing_replay.py).
+split exactly like the tokens (learner/routing_replay.py); with the top-K gate, the engine's
+top-K ids and log-probs of each target (zeros off policy tokens), likewise.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from torch import Tensor
 
 from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
+from megatron_fr.config.learner import longest_row, width_multiple
 from megatron_fr.learner.routing_replay import padding_routing
 from megatron_fr.parallel.context_parallel import zigzag_indices
 from megatron_fr.parallel.loss import LossBatch
@@ -178,7 +183,7 @@ def plan_micro_batches(
     lengths: Sequence[int],
     *,
     dp_size: int,
-    token_budget: int,
+    micro_batch_tokens: int,
     pack: bool = True,
     cp_size: int = 1,
     sequence_parallel_size: int = 1,
@@ -187,22 +192,23 @@ def plan_micro_batches(
 
     sequence_parallel_size: TP when sequence parallelism is on, else 1 (widths divide by it).
     """
+    shares = deal_to_ranks(lengths, dp_size)
+    _check_fits(max(lengths), micro_batch_tokens, cp_size, sequence_parallel_size)
     model_tokens = [length - 1 for length in lengths]
     span_multiple = 2 * cp_size if cp_size > 1 else 1
-    width_multiple = span_multiple * sequence_parallel_size
-    shares = deal_to_ranks(lengths, dp_size)
+    multiple = width_multiple(cp_size, sequence_parallel_size)
+    capacity = micro_batch_tokens * cp_size // multiple * multiple  # the widest row
     if pack:
         spans = [math.ceil(n / span_multiple) * span_multiple for n in model_tokens]
-        bins = _pack_shares(shares, spans, token_budget, width_multiple)
+        bins = _pack_shares(shares, spans, capacity, multiple)
         fill = max(sum(spans[i] for i in row) for rank in bins for row in rank)
-        width = math.ceil(fill / width_multiple) * width_multiple
+        width = math.ceil(fill / multiple) * multiple
         count = max(len(rank) for rank in bins)
         assignment = [[[row] for row in rank] + [[[]]] * (count - len(rank)) for rank in bins]
         rows = 1
     else:
-        width = math.ceil(max(model_tokens) / width_multiple) * width_multiple
-        _check_fits(width, token_budget, token_budget)
-        rows = token_budget // width
+        width = math.ceil(max(model_tokens) / multiple) * multiple
+        rows = capacity // width
         count = max(math.ceil(len(share) / rows) for share in shares)
         assignment = [
             [
@@ -216,35 +222,35 @@ def plan_micro_batches(
 
 
 def _pack_shares(
-    shares: list[list[int]], spans: list[int], token_budget: int, width_multiple: int
+    shares: list[list[int]], spans: list[int], capacity: int, multiple: int
 ) -> list[list[list[int]]]:
-    """Each DP rank's share packed by first-fit decreasing into as few micro-batches as the
-    budget allows, then into rows as narrow as keeps that count: the smallest room (in steps
-    of width_multiple, found by bisection; checked, so FFD's rare non-monotonicity can only
+    """Each DP rank's share packed by first-fit decreasing into as few micro-batches as rows
+    of `capacity` allow, then into rows as narrow as keeps that count: the smallest room (in
+    steps of `multiple`, found by bisection; checked, so FFD's rare non-monotonicity can only
     leave a row wider, never a count higher) with which no rank needs more micro-batches."""
-    capacity = token_budget // width_multiple * width_multiple
-    _check_fits(max(spans), capacity, token_budget)
 
     def pack(room: int) -> list[list[list[int]]]:
         return [first_fit_decreasing(share, spans, room) for share in shares]
 
     count = max(len(rank) for rank in pack(capacity))
-    low, high = math.ceil(max(spans) / width_multiple), capacity // width_multiple
+    low, high = math.ceil(max(spans) / multiple), capacity // multiple
     while low < high:
         middle = (low + high) // 2
-        if max(len(rank) for rank in pack(middle * width_multiple)) <= count:
+        if max(len(rank) for rank in pack(middle * multiple)) <= count:
             high = middle
         else:
             low = middle + 1
-    return pack(high * width_multiple)
+    return pack(high * multiple)
 
 
-def _check_fits(needed: int, capacity: int, token_budget: int) -> None:
-    if needed > capacity:
+def _check_fits(length: int, micro_batch_tokens: int, cp_size: int, sp_size: int) -> None:
+    longest = longest_row(micro_batch_tokens, cp_size, sp_size)
+    if length > longest:
         raise ValueError(
-            f"the longest trajectory needs {needed} tokens, over the micro-batch token budget "
-            f"{token_budget} (micro_batch_tokens; with context parallelism a trajectory is "
-            f"padded to a multiple of 2 x CP, and widths to a multiple of the SP size)"
+            f"a trajectory of {length} tokens does not fit a micro-batch: "
+            f"learner.micro_batch_tokens {micro_batch_tokens} x parallel.context {cp_size} "
+            f"holds trajectories of at most {longest} tokens (rows padded to a multiple of "
+            f"{width_multiple(cp_size, sp_size)} under CP and SP)"
         )
 
 
@@ -256,14 +262,29 @@ def micro_batches_for_rank(
     cp_rank: int = 0,
     pad_id: int = 0,
     routing: bool = False,
+    top_logprobs: int = 0,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of `plan`, each row split to this CP rank's tokens.
     routing: carry the trajectories' routed experts (every trajectory has them:
-    routing_replay.check_routed_batch)."""
+    routing_replay.check_routed_batch); top_logprobs = K: carry their top-K log-probs, which every
+    trajectory must have, with this K (the top-K gate's)."""
     for trajectory in batch:
         validate_trajectory(trajectory)
-    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing)
+        if top_logprobs:
+            _check_top_k(trajectory, top_logprobs)
+    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing, top_logprobs)
             for rows in plan.assignment[dp_rank]]  # fmt: skip
+
+
+def _check_top_k(trajectory: Trajectory, k: int) -> None:
+    top = trajectory.top_logprobs
+    if top is None or top.k != k:
+        got = "none" if top is None else f"K = {top.k}"
+        raise ValueError(
+            f"learner.flash_reinforce.gate_kl topk with gate_top_k {k} needs every trajectory's "
+            f"top-{k} log-probs; {trajectory.prompt_id} carries {got} (the rollout client asks "
+            "the engines for them: RolloutClientConfig.top_logprobs)"
+        )
 
 
 def _micro_batch(
@@ -273,8 +294,9 @@ def _micro_batch(
     cp_rank: int,
     pad_id: int,
     routing: bool,
+    top_logprobs: int,
 ) -> MicroBatch:
-    built = [_row(batch, plan, indices, pad_id, routing) for indices in rows]
+    built = [_row(batch, plan, indices, pad_id, routing, top_logprobs) for indices in rows]
     boundaries = built[0][1]  # padded rows all have [0, width]; a packed micro-batch is 1 row
     local = zigzag_indices(boundaries, plan.cp_size, cp_rank)
     fields = {key: torch.stack([row[key] for row, _ in built])[:, local] for key in built[0][0]}
@@ -284,6 +306,8 @@ def _micro_batch(
         action_mask=fields["mask"],
         segment_ids=fields["segments"],
         positions=fields["positions"],
+        topk_ids=fields.get("topk_ids"),
+        topk_log_probs=fields.get("topk_log_probs"),
     )
     packed = {}
     if plan.packed:
@@ -294,7 +318,12 @@ def _micro_batch(
 
 
 def _row(
-    batch: list[Trajectory], plan: MicroBatchPlan, indices: list[int], pad_id: int, routing: bool
+    batch: list[Trajectory],
+    plan: MicroBatchPlan,
+    indices: list[int],
+    pad_id: int,
+    routing: bool,
+    top_logprobs: int,
 ) -> tuple[dict[str, Tensor], list[int]]:
     """One row before the CP split, and its span boundaries. Position t of the model's input
     predicts token t + 1 of the same trajectory, so each trajectory brings its tokens but the
@@ -313,6 +342,9 @@ def _row(
         _, layers, top_k = record.experts.shape
         filler = padding_routing((1, width), top_k, record.num_experts)[0]
         row["routing"] = filler.repeat(1, layers, 1)
+    if top_logprobs:
+        row["topk_ids"] = torch.zeros((width, top_logprobs), dtype=torch.long)
+        row["topk_log_probs"] = torch.zeros((width, top_logprobs), dtype=torch.float32)
     boundaries, start = [0], 0
     for index in indices:
         t = batch[index]
@@ -327,6 +359,9 @@ def _row(
         if routing:  # the engine's experts of each input position (n of them: validated)
             experts = torch.from_numpy(t.routed_experts.experts)
             row["routing"][span] = experts.to(row["routing"].dtype)
+        if top_logprobs:  # one record per policy token, in order: the targets under the mask
+            row["topk_ids"][span][mask] = torch.from_numpy(t.top_logprobs.ids).long()
+            row["topk_log_probs"][span][mask] = torch.from_numpy(t.top_logprobs.log_probs)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n
         row["positions"][boundaries[-1] : start] = torch.arange(start - boundaries[-1])
         boundaries.append(start)

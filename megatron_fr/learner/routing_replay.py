@@ -3,7 +3,7 @@
 The learner and the engines route tokens independently, and small numeric differences (bf16
 kernels, expert-parallel layouts, weights a few versions apart) flip top-k choices, which
 inflates the train-inference mismatch the trust-region gate measures. With
-learner.routing_replay the trajectory's routed experts (buffer/routing.py: one record per
+learner.routing_replay the trajectory's routed experts (engine/routing.py: one record per
 position the learner feeds, as the engine reported it) drive megatron's own router replay
 (megatron/core/transformer/moe/router_replay.py, TransformerConfig.moe_enable_routing_replay):
 
@@ -30,6 +30,7 @@ Context parallelism (not in the learner yet) will need the same slicing as its t
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.models.hf_config import HFModelSpec
@@ -67,10 +68,12 @@ def check_routed_batch(batch: list[Trajectory], spec: HFModelSpec) -> None:
 class RoutingReplay:
     """Drives the RouterReplay of this rank's MoE layers through one forward(-backward)."""
 
-    def __init__(self, module: torch.nn.Module, spec: HFModelSpec):
+    def __init__(self, module: torch.nn.Module, spec: HFModelSpec, tp_group: ProcessGroup):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.spec = spec
+        self.tp_group = tp_group
+        """Under sequence parallelism each TP rank routes its own slice of the sequence."""
         self.routers = sorted(
             (m for m in module.modules() if isinstance(m, TopKRouter) and m.router_replay),
             key=lambda router: router.layer_number,
@@ -87,14 +90,12 @@ class RoutingReplay:
 
     def load(self, routing: torch.Tensor) -> None:
         """Before a micro-batch's forward: its routing [rows, width, layers, top_k]."""
-        from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         tokens = routing.transpose(0, 1)  # megatron's [sequence, batch] token order
         if self.sequence_parallel:  # each TP rank routes its own slice of the sequence
-            size = ps.get_tensor_model_parallel_world_size()
-            chunk = tokens.shape[0] // size
-            start = ps.get_tensor_model_parallel_rank() * chunk
+            chunk = tokens.shape[0] // self.tp_group.size()
+            start = self.tp_group.rank() * chunk
             tokens = tokens[start : start + chunk]
         for router in self.routers:
             ids = tokens[:, :, router.layer_number - 1].reshape(-1, tokens.shape[-1]).long()

@@ -16,7 +16,8 @@ scaling (their mean over micro-batches and DP); they are off by default during R
 (LearnerConfig.moe_aux_loss_coeff).
 
 With LearnerConfig.routing_replay, every micro-batch's forward (and its recomputation in the
-backward pass) routes tokens to the experts the engine used (learner/routing_replay.py).
+backward pass, with LearnerConfig.recompute) routes tokens to the experts the engine used
+(learner/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.algo.advantages import compute_advantages
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.learner import LearnerConfig
@@ -41,12 +42,20 @@ from megatron_fr.learner.micro_batches import (
 )
 from megatron_fr.learner.nonfinite import nonfinite_cause
 from megatron_fr.learner.routing_replay import RoutingReplay
+from megatron_fr.models.gpt import resolve_layer_spec
 from megatron_fr.models.hf_config import HFModelSpec
-from megatron_fr.parallel.cpu_shims import cpu_device_mode
+from megatron_fr.models.token_scores import TargetScores
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
-from megatron_fr.parallel.loss import GlobalBatch, agreed_admission, flash_reinforce_parallel_loss
-from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
-from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
+from megatron_fr.parallel.loss import (
+    GlobalBatch,
+    agreed_admission,
+    flash_reinforce_scored_loss,
+    ppo_clip_scored_loss,
+)
+from megatron_fr.parallel.state import process_groups
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -110,12 +119,15 @@ def adam_step_counts(optimizer) -> list[float]:
     return sorted(state_steps or group_steps)
 
 
-def forward_step_on(device: torch.device, score, replay=None, train: bool = True):
+def forward_step_on(device: torch.device, score, scores: TargetScores, replay=None,
+                    train: bool = True):  # fmt: skip
     """megatron's forward_step_func for micro-batches built on the CPU: each micro-batch (its
     model inputs, its loss batch, its routing) moves to the model's device before the
-    forward, and its logits go to score(micro, logits) -> (loss, reported). With `replay`
-    (RoutingReplay), the micro-batch's experts are loaded for the forward and, when
-    training, replayed again in the recomputation of its backward."""
+    forward; the model (its last stage) returns the targets' log-probs and entropies as
+    `scores` asks for them (models/token_scores.py: no logits tensor of the micro-batch), and
+    they go to score(micro, scores) -> (loss, reported). With `replay` (RoutingReplay), the
+    micro-batch's experts are loaded for the forward and, when training, replayed again in
+    the recomputation of its backward."""
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator).to(device)
@@ -124,6 +136,8 @@ def forward_step_on(device: torch.device, score, replay=None, train: bool = True
         output = model(
             micro.input_ids, micro.positions, attention_mask=None,
             packed_seq_params=micro.packed_seq_params(),
+            output_processor=dataclasses.replace(scores, targets=micro.loss_batch.target_ids,
+                                                 ids=micro.loss_batch.topk_ids),
         )  # fmt: skip
         if replay is not None and train:
             replay.replay_in_backward(output)
@@ -133,7 +147,12 @@ def forward_step_on(device: torch.device, score, replay=None, train: bool = True
 
 
 class Learner:
-    """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule."""
+    """This rank's model stage, its DDP wrapper, the distributed optimizer and LR schedule.
+
+    Every process group it uses, and hands to megatron's model, DDP, optimizer, gradient
+    finalisation and schedules, comes from `groups` (megatron's ProcessGroupCollection;
+    parallel/state.process_groups() when not given): nothing in the learner or its loss reads
+    parallel_state's globals."""
 
     def __init__(
         self,
@@ -145,60 +164,85 @@ class Learner:
         init_checkpoint: str | None = None,
         init_hf_dir: str | None = None,
         temperature: float = 1.0,
+        groups: ProcessGroupCollection | None = None,
+        spec_kind: str | None = None,
     ):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from megatron_fr.convert.checkpoint import load_megatron_checkpoint
-        from megatron_fr.convert.parallel_load import load_hf_into_model
-        from megatron_fr.models.gpt import build_gpt_model
 
         if config.moe_aux_loss_coeff is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=config.moe_aux_loss_coeff)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.spec, self.parallel, self.config = spec, parallel, config
+        self.layer_spec = resolve_layer_spec(spec_kind)
+        """model.spec as built: te, torch or local (models/gpt.py)."""
+        self.groups = groups or process_groups()
         self.pack_sequences = config.pack_sequences
         """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
         self.temperature = temperature
         """The rollouts' sampling temperature: the loss's log-probs are those of
         log softmax(logits / temperature), the distribution the engines sampled from and
         report log-probs of (SGLang's sampler and the CPU engine alike)."""
-        dtype = DTYPES[config.params_dtype]
-        with cpu_device_mode():
-            start = init_checkpoint or init_hf_dir
-            self.module = build_gpt_model(spec, parallel, params_dtype=dtype, initialize=not start,
-                                          routing_replay=config.routing_replay)  # fmt: skip
-            if init_checkpoint is not None:
-                load_megatron_checkpoint(self.module, init_checkpoint)
-            elif init_hf_dir is not None:  # every rank reads only its own shards
-                load_hf_into_model(self.module, init_hf_dir, spec, progress=False)
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-            )
-            self.model = DistributedDataParallel(self.module.config, ddp_config, self.module)
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer="adam",
-                    lr=config.lr,
-                    min_lr=config.min_lr,
-                    weight_decay=config.weight_decay,
-                    adam_beta1=config.adam_beta1,
-                    adam_beta2=config.adam_beta2,
-                    adam_eps=config.adam_eps,
-                    clip_grad=config.clip_grad,
-                    bf16=dtype == torch.bfloat16,
-                    params_dtype=dtype,
-                    use_distributed_optimizer=True,
-                ),
-                [self.model],
-            )
-        self.scheduler = OptimizerParamScheduler(
+        self.module = self._build_model(init_checkpoint, init_hf_dir)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
+        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module,
+                                             pg_collection=self.groups)  # fmt: skip
+        self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler(total_steps)
+        self.module.config.finalize_model_grads_func = partial(
+            finalize_model_grads, pg_collection=self.groups
+        )
+        self.module.config.no_sync_func = self.model.no_sync
+        self.routing_replay = (
+            RoutingReplay(self.module, spec, self.groups.tp) if config.routing_replay else None
+        )
+        self.steps_done = 0
+
+    def _build_model(self, init_checkpoint: str | None, init_hf_dir: str | None):
+        """This rank's model stage, with the checkpoint's or the HF directory's weights."""
+        from megatron_fr.convert.checkpoint import load_megatron_checkpoint
+        from megatron_fr.convert.parallel_load import load_hf_into_model
+        from megatron_fr.models.gpt import build_gpt_model
+
+        start = init_checkpoint or init_hf_dir
+        module = build_gpt_model(
+            self.spec, self.parallel, params_dtype=DTYPES[self.config.params_dtype],
+            initialize=not start, routing_replay=self.config.routing_replay,
+            recompute=self.config.recompute, pg_collection=self.groups, spec_kind=self.layer_spec,
+        )  # fmt: skip
+        if init_checkpoint is not None:
+            load_megatron_checkpoint(module, init_checkpoint)
+        elif init_hf_dir is not None:  # every rank reads only its own shards
+            load_hf_into_model(module, init_hf_dir, self.spec, progress=False)
+        return module
+
+    def _build_optimizer(self):
+        """megatron's distributed Adam(W) over the DDP model (a chained dense/expert one)."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config, dtype = self.config, DTYPES[self.config.params_dtype]
+        settings = OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+            weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True,
+        )  # fmt: skip
+        # megatron takes explicit groups only without its extra gloo groups (which it would
+        # otherwise read from parallel_state to gather optimizer state for checkpoints).
+        return get_megatron_optimizer(settings, [self.model], use_gloo_process_groups=False,
+                                      pg_collection=self.groups)  # fmt: skip
+
+    def _build_scheduler(self, total_steps: int):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        config = self.config
+        return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if config.lr_warmup_steps else config.lr,
             max_lr=config.lr,
@@ -211,10 +255,6 @@ class Learner:
             wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant",
         )
-        self.module.config.finalize_model_grads_func = finalize_model_grads
-        self.module.config.no_sync_func = self.model.no_sync
-        self.routing_replay = RoutingReplay(self.module, spec) if config.routing_replay else None
-        self.steps_done = 0
 
     @property
     def device(self) -> torch.device:
@@ -236,30 +276,27 @@ class Learner:
         advantages = advantages.masked_fill(masked, 0.0)
         return GlobalBatch(advantages=advantages.float(), failures=failures, token_counts=counts)
 
-    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, logits):
-        """The configured policy loss of one micro-batch, on the distribution the engines
-        sampled from: log softmax(logits / T) at the rollout temperature T."""
-        from megatron.core import parallel_state as ps
-
-        logits = logits.float() / self.temperature
-        global_batch = global_batch.to(logits.device)
+    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores):
+        """The configured policy loss of one micro-batch from the model's scores of its target
+        tokens ([log-probs; entropies; the top-K gate's log-probs of the engine's top-K ids],
+        on the distribution the engines sampled from: log softmax(logits / T) at the rollout
+        temperature T)."""
+        log_probs, entropies = scores[0], scores[1] if self._needs_entropy else None
+        topk = scores[2:].permute(1, 2, 0) if scores.shape[0] > 2 else None
+        global_batch = global_batch.to(log_probs.device)
         if self.config.policy_loss == "ppo_clip":
-            loss, metrics = ppo_clip_parallel_loss(
-                logits, micro.loss_batch, global_batch, self.config.ppo_clip,
-                tp_group=ps.get_tensor_model_parallel_group(),
-                cp_group=ps.get_context_parallel_group(),
+            loss, metrics = ppo_clip_scored_loss(
+                log_probs, micro.loss_batch, global_batch, self.config.ppo_clip,
+                cp_group=self.groups.cp,
             )  # fmt: skip
         else:
-            loss, metrics = flash_reinforce_parallel_loss(
-                logits, micro.loss_batch, global_batch, self.config.flash_reinforce,
-                tp_group=ps.get_tensor_model_parallel_group(),
-                cp_group=ps.get_context_parallel_group(),
+            loss, metrics = flash_reinforce_scored_loss(
+                log_probs, entropies, micro.loss_batch, global_batch,
+                self.config.flash_reinforce, cp_group=self.groups.cp, topk_log_probs=topk,
             )  # fmt: skip
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
-        reported["clipped"] = metrics.get(
-            "clip_fraction_tokens", torch.zeros((), device=loss.device)
-        )
+        reported["clipped"] = metrics.get("clipped_tokens", torch.zeros((), device=loss.device))
         kl = metrics.get("sequence_kl")
         reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
             metrics["present"], dtype=torch.float64
@@ -271,36 +308,48 @@ class Learner:
     ) -> tuple[MicroBatchPlan, list[MicroBatch]]:
         """The step's plan and this rank's micro-batches: trajectories are dealt over the DP
         ranks, and every row is split over the CP ranks (routing with them, for replay)."""
-        from megatron.core import parallel_state as ps
-
         if replay is not None:
             replay.check(batch)
         plan = plan_micro_batches(
             [t.length for t in batch],
-            dp_size=ps.get_data_parallel_world_size(),
-            token_budget=self.config.micro_batch_tokens,
+            dp_size=self.groups.dp.size(),
+            micro_batch_tokens=self.config.micro_batch_tokens,
             pack=self.pack_sequences,
             cp_size=self.parallel.context,
             sequence_parallel_size=self.parallel.tensor if self.parallel.sequence_parallel else 1,
         )
         micros = micro_batches_for_rank(
-            batch, plan, dp_rank=ps.get_data_parallel_rank(),
-            cp_rank=ps.get_context_parallel_rank(), pad_id=pad_id, routing=replay is not None,
+            batch, plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
+            pad_id=pad_id, routing=replay is not None, top_logprobs=self.config.top_logprobs,
         )  # fmt: skip
         return plan, micros
 
-    def _schedule(
-        self, micros: list[MicroBatch], score, forward_only: bool, replay: RoutingReplay | None
-    ) -> list:
-        """megatron's forward(-backward) schedule over this rank's micro-batches, each
-        micro-batch's output passed to score(micro, logits) -> (loss, reported); with
-        `replay`, each micro-batch routed as its trajectories were by the engine."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+    @property
+    def _needs_entropy(self) -> bool:
+        """The negative-token filter ranks a failed trajectory's tokens by their entropy."""
+        return (
+            self.config.policy_loss == "flash_reinforce"
+            and self.config.flash_reinforce.negative_token_fraction < 1
+        )
 
-        forward_step = forward_step_on(self.device, score, replay, train=not forward_only)
+    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool,
+                  replay: RoutingReplay | None, temperature: float) -> list:  # fmt: skip
+        """megatron's forward(-backward) schedule over this rank's micro-batches, each
+        micro-batch's scores at `temperature` passed to score(micro, scores) -> (loss,
+        reported); with `replay`, each micro-batch routed as its trajectories were by the
+        engine."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        scores = TargetScores(torch.empty(0), temperature, self._needs_entropy)
+        forward_step = forward_step_on(self.device, score, scores, replay, not forward_only)
         rows, width = micros[0].input_ids.shape
+        stages = self.groups.pp.size()
+        pipeline = {} if stages == 1 else {
+            "p2p_communicator": P2PCommunicator(pp_group=self.groups.pp, config=self.module.config)
+        }  # fmt: skip
         try:
-            return get_forward_backward_func()(
+            return get_forward_backward_func(pp_size=stages)(
                 forward_step_func=forward_step,
                 data_iterator=iter(micros),
                 model=[self.model],
@@ -308,6 +357,8 @@ class Learner:
                 seq_length=width * self.parallel.context,  # megatron divides it by CP
                 micro_batch_size=rows,
                 forward_only=forward_only,
+                pg_collection=self.groups,
+                **pipeline,
             )
         finally:
             if replay is not None:
@@ -318,25 +369,22 @@ class Learner:
         metrics, plus per trajectory (lists in batch order) advantages, admitted and the
         gate's sequence_kl. metrics["nonfinite"]: None, or "loss" / "gradient" when that was
         not finite and the step was skipped (no weight, optimizer or schedule change)."""
-        from megatron.core import parallel_state as ps
-
-        dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        dp_group = self.groups.dp_cp
         plan, micros = self._micro_batches(batch, pad_id, self.routing_replay)
         global_batch = self._global_batch(batch)
         # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
-        score = partial(self._loss, len(micros) * ps.get_data_parallel_world_size(), global_batch)
-        with cpu_device_mode():
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            per_micro = self._schedule(micros, score, False, self.routing_replay)
-            # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
-            nonfinite = nonfinite_cause(per_micro, self.module)
-            if nonfinite is None:
-                updated, grad_norm, _ = self.optimizer.step()
-            else:
-                updated, grad_norm = False, None
+        score = partial(self._loss, len(micros) * self.groups.dp.size(), global_batch)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_micro = self._schedule(micros, score, False, self.routing_replay,
+                                   self.temperature)  # fmt: skip
+        # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
+        nonfinite = nonfinite_cause(per_micro, self.module)
         if nonfinite is None:
+            updated, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
+        else:
+            updated, grad_norm = False, None
         self.steps_done += 1
         metrics = self._metrics(per_micro, dp_group, updated, grad_norm, batch)
         metrics["nonfinite"] = nonfinite
@@ -356,7 +404,6 @@ class Learner:
         comparison. routing_replay=False scores with the learner's own routing even when
         replay is configured (what replay changes); None: as configured. Every rank passes the
         same batch and gets the whole result."""
-        from megatron.core import parallel_state as ps
 
         temperature = temperature or self.temperature
         if routing_replay and self.routing_replay is None:
@@ -364,11 +411,8 @@ class Learner:
         replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, dict[int, float]] = {}  # trajectory -> position -> log-prob
 
-        def score(micro: MicroBatch, logits):
-            log_probs, _ = vocab_parallel_log_probs(
-                logits.float() / temperature, micro.loss_batch.target_ids,
-                ps.get_tensor_model_parallel_group(),
-            )  # fmt: skip
+        def score(micro: MicroBatch, scores):
+            log_probs = scores[0]
             segments = micro.loss_batch.segment_ids
             policy = micro.loss_batch.action_mask & (segments >= 0)
             for segment, position, value in zip(
@@ -376,11 +420,11 @@ class Learner:
                 log_probs[policy].tolist(), strict=True,
             ):  # fmt: skip
                 scored.setdefault(segment, {})[position] = value
-            return logits.sum() * 0, {}
+            return scores.sum() * 0, {}
 
-        with cpu_device_mode(), torch.no_grad():
+        with torch.no_grad():
             micros = self._micro_batches(batch, pad_id, replay)[1]
-            self._schedule(micros, score, True, replay)
+            self._schedule(micros, score, True, replay, temperature)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         # each trajectory lives on one DP rank, its tokens spread over that rank's CP group
         dist.all_gather_object(everyone, scored)
@@ -397,15 +441,15 @@ class Learner:
 
         Path(directory).mkdir(parents=True, exist_ok=True)
         keep_writes_in_process()
-        with cpu_device_mode():
-            dist_checkpointing.save(self._sharded_state(), directory)
+        dist_checkpointing.save(self._sharded_state(), directory)
 
     def load(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
 
         from megatron_fr.convert.checkpoint import use_legacy_keys
 
-        with cpu_device_mode(), torch.no_grad():
+        self._check_layer_spec(directory)
+        with torch.no_grad():
             # A fresh torch Adam has no per-parameter state (no "step") for the checkpoint to
             # be loaded into; one step on zero gradients creates it (as megatron does for FSDP
             # with _init_optimizer_states_with_dummy_values). Its effect on the weights is
@@ -421,10 +465,30 @@ class Learner:
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.steps_done = int(loaded["steps_done"])
 
+    def _check_layer_spec(self, directory: str) -> None:
+        """Refuse a run checkpoint of another layer spec: the distributed optimizer's state is
+        laid out in its spec's parameter order (model weights alone load in any spec:
+        init_checkpoint). A checkpoint from before the spec was recorded was written with the
+        default of then: te where transformer-engine imports, else local."""
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        from megatron_fr.models.gpt import use_transformer_engine
+
+        saved = load_common_state_dict(directory).get("layer_spec") or (
+            "te" if use_transformer_engine() else "local"
+        )
+        if saved != self.layer_spec:
+            raise ValueError(
+                f"{directory} was written by a learner with model.spec {saved}, whose optimizer "
+                f"state follows that spec's parameter order: resume it with model.spec {saved} "
+                f"(this learner is {self.layer_spec}); its model weights alone load in any "
+                "spec (a fresh run's init_checkpoint)"
+            )
+
     def _sharded_state(self, loading: bool = False) -> dict:
         """megatron 0.19's default optimizer format (flattened ranges) is refused by its own
         dist_checkpointing; "dp_reshardable" (what Megatron-LM uses by default) resumes in the
-        same TP/PP layout with any DP size."""
+        same TP/PP layout with any DP size, and the same layer spec (_check_layer_spec)."""
         model = self.module.sharded_state_dict()
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         return {
@@ -434,16 +498,16 @@ class Learner:
             ),
             "scheduler": self.scheduler.state_dict(),
             "steps_done": self.steps_done,
+            "layer_spec": self.layer_spec,
         }
 
     def _metrics(self, per_micro, dp_group, updated, grad_norm, batch) -> dict:
-        from megatron.core import parallel_state as ps
-
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
         device = self.device
         size = len(batch)
         values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
-        if ps.is_pipeline_last_stage():
+        pp = self.groups.pp
+        if pp.rank() == pp.size() - 1:
             admitted, present = agreed_admission(per_micro, dp_group)
             sums = torch.stack(
                 [
@@ -457,13 +521,11 @@ class Learner:
             # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
             # group has the whole value): the sum over DP ranks is the batch's
             kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
-            dist.all_reduce(kl, group=ps.get_data_parallel_group())
+            dist.all_reduce(kl, group=self.groups.dp)
             scalars = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
             values = torch.cat([scalars, admitted.double(), kl])
-        if self.parallel.pipeline > 1:
-            group = ps.get_pipeline_model_parallel_group()
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast(values, src=last, group=group)
+        if pp.size() > 1:
+            dist.broadcast(values, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
         steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)], device=device)
         top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)], device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)

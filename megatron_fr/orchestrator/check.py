@@ -5,11 +5,13 @@ before a cluster job is spent on it; nothing is started.
     task         the environment named and its settings (already done by resolve_task)
     model        model.hf_dir: config.json -> the model spec; its tokenizer and chat template;
                  lengths against the model's context
+    rows         the task's longest row against what a micro-batch holds (config/learner.py's
+                 longest_row: the learner's own rule)
     data         every prompt file: readable, its fields where the recipe says; each prompt
                  rendered with the chat template (generation prompt on) and counted against
                  max_prompt_tokens (games, whose prompt the game prints, are not rendered)
     layout       the parallel layout through the planner: valid for the world size, and the
-                 per-GPU memory against --gpu-mem-gb when given
+                 per-GPU memory against --gpu-mem-gb when given, with learner.recompute
 
 Prints a one-screen summary; raises CheckFailed naming the first problem found.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
+from megatron_fr.config.tasks import TaskConfig
 
 
 class CheckFailed(ValueError):
@@ -31,6 +34,7 @@ def check_recipe(
     """The summary; CheckFailed on the first problem. render=False skips rendering every
     prompt with the chat template (the quick preflight `train` runs before starting)."""
     lines = [f"task        {config.task.name}"]
+    _rows(config, lines)  # the recipe alone decides it: before any file is read
     spec = _model(config, lines)
     _data(config, lines, render)
     _layout(config, spec, world_size, gpu_mem_gb, lines)
@@ -52,12 +56,40 @@ def _model(config: RunConfig, lines: list[str]):
     context = spec.max_position_embeddings
     lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
                  f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
-    task = config.task
-    budget = (task.agent or task.single_turn_agent()).max_episode_tokens
+    budget, _ = _row_tokens(config.task)
     if budget > context:
         raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
                           f"context {context} (max_position_embeddings)")  # fmt: skip
     return spec
+
+
+def _row_tokens(task: TaskConfig) -> tuple[int, str]:
+    """The longest row the task can make, and the keys it comes from."""
+    agent = task.agent
+    if agent is not None and agent.max_turns > 1:
+        return agent.max_episode_tokens, f"task.agent.max_episode_tokens {agent.max_episode_tokens}"
+    return task.max_prompt_tokens + task.max_new_tokens, (
+        f"task.max_prompt_tokens {task.max_prompt_tokens} + task.max_new_tokens "
+        f"{task.max_new_tokens}"
+    )
+
+
+def _rows(config: RunConfig, lines: list[str]) -> None:
+    from megatron_fr.config.learner import longest_row, micro_batch_tokens_for
+
+    row, source = _row_tokens(config.task)
+    p, tokens = config.parallel, config.learner.micro_batch_tokens
+    sp = p.tensor if p.sequence_parallel else 1
+    longest = longest_row(tokens, p.context, sp)
+    if row > longest:
+        raise CheckFailed(
+            f"learner.micro_batch_tokens: rows reach {row} tokens ({source}), but a micro-batch "
+            f"of learner.micro_batch_tokens {tokens} x parallel.context {p.context} holds "
+            f"rows of at most {longest}; set learner.micro_batch_tokens >= "
+            f"{micro_batch_tokens_for(row, p.context, sp)} (or raise parallel.context)"
+        )
+    lines.append(f"rows        up to {row} tokens; a micro-batch holds {longest} "
+                 f"({tokens} tokens per GPU x CP{p.context})")  # fmt: skip
 
 
 def _data(config: RunConfig, lines: list[str], render: bool) -> None:
@@ -103,47 +135,32 @@ def _key(what: str) -> str:
     return "train" if what == "train" else "eval_sets." + what.split(" ", 1)[1]
 
 
-def _micro_batch_fits_a_row(config: RunConfig) -> None:
-    """The longest row the task can make fits one micro-batch, as the learner plans them (it
-    refuses a longer trajectory when one comes, and ends the run)."""
-    from megatron_fr.learner.micro_batches import plan_micro_batches
-
-    row = (config.task.agent or config.task.single_turn_agent()).max_episode_tokens
-    p, budget = config.parallel, config.learner.micro_batch_tokens
-    sequence_parallel = p.tensor if p.sequence_parallel else 1
-    try:
-        plan_micro_batches([row], dp_size=1, token_budget=budget,
-                           pack=config.learner.pack_sequences, cp_size=p.context,
-                           sequence_parallel_size=sequence_parallel)  # fmt: skip
-    except ValueError as error:
-        raise CheckFailed(f"learner.micro_batch_tokens={budget}: a row may reach {row} tokens "
-                          f"(task), and {error}") from None  # fmt: skip
-
-
 def _layout(config, spec, world_size: int, gpu_mem_gb: float | None, lines) -> None:
     from megatron_fr.launch.plan import LayoutError, plan_layout
 
-    _micro_batch_fits_a_row(config)
     learner = config.learner
+    rows = _row_tokens(config.task)[0]
     try:
         plan = plan_layout(
             spec, config.parallel, world_size, micro_batch_tokens=learner.micro_batch_tokens,
             params_dtype=learner.params_dtype, gpu_mem_gib=gpu_mem_gb,
-            entropies=learner.flash_reinforce.negative_token_fraction < 1,
+            entropies=learner.flash_reinforce.negative_token_fraction < 1, row_tokens=rows,
         )  # fmt: skip
     except (LayoutError, ValueError) as error:
         raise CheckFailed(f"parallel (world size {world_size}): {error}") from None
-    p = config.parallel
-    peak = plan.peak_bytes(recompute=False) / 2**30
-    verdict = "" if gpu_mem_gb is None else (
-        f" of {gpu_mem_gb:g} GiB: " + ("fits" if plan.fits(recompute=False) else
-                                      "fits with full recompute" if plan.fits(recompute=True)
-                                      else "does NOT fit")
-    )  # fmt: skip
+    p, recompute = config.parallel, learner.recompute
+    peak = plan.peak_bytes(recompute) / 2**30
+    fits = plan.fits(recompute)
+    verdict = (
+        "" if fits is None else f" of {gpu_mem_gb:g} GiB: " + ("fits" if fits else "does NOT fit")
+    )
     params = plan.params_per_gpu / 1e9
     lines.append(f"layout      {world_size} ranks: TP{p.tensor} PP{p.pipeline} CP{p.context} "
                  f"EP{p.expert} ETP{p.effective_expert_tensor} DP{plan.data_parallel}; "
-                 f"{params:.2f} B params and {peak:.1f} GiB per GPU{verdict}")  # fmt: skip
-    if gpu_mem_gb is not None and not plan.fits(recompute=True):
-        raise CheckFailed(f"parallel: the layout needs {peak:.1f} GiB per GPU, more than "
-                          f"{gpu_mem_gb:g} GiB even with full recompute")  # fmt: skip
+                 f"{params:.2f} B params and {peak:.1f} GiB per GPU with learner.recompute "
+                 f"{recompute}{verdict}")  # fmt: skip
+    if fits is False:
+        least = plan.least_recompute()
+        remedy = f"set learner.recompute={least}" if least else "no recompute setting fits"
+        raise CheckFailed(f"learner.recompute: with {recompute} the layout needs {peak:.1f} GiB "
+                          f"per GPU, more than {gpu_mem_gb:g} GiB; {remedy}")  # fmt: skip

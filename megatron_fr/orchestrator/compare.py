@@ -1,22 +1,28 @@
 """Sample efficiency and lag stability, measured: the paper's two claims at the demo's scale.
 
-    megatron-fr compare methods RECIPE --out DIR [--seeds 3] [--steps N] [-- overrides]
-    megatron-fr compare lag RECIPE --out DIR [--seeds 3] [--steps N] [-- overrides]
+    megatron-fr compare methods RECIPE --out DIR [--seeds 3] [--steps N] [--estimators E,..]
+    megatron-fr compare lag RECIPE --out DIR [--estimators flash_reinforce,grpo] [--lags 0,8]
+                                             [--gates bernoulli,topk]
+    (then dotted.key=value overrides for every run)
 
-`methods` trains FlashREINFORCE (one rollout per problem), GRPO and RLOO (G rollouts per
-problem) with the same batch size B and number of steps, so the same number of trained
-rollouts (B per step): FlashREINFORCE sees B problems a step, the group methods B / G. Each
-(method, seed) is one `megatron-fr train` run in DIR/<method>-seed<s>; all start from the
-recipe's model (model.hf_dir), so the methods differ only in how they use their rollouts.
-`lag` trains FlashREINFORCE at max_lag 0, 2 and 8 with the recipe's
-delta, and at max_lag 8 without the gate (delta = inf), each at exactly its max_lag
-(see lag_variants).
+`methods` trains FlashREINFORCE (one rollout per problem) and the group estimators (GRPO, RLOO
+by default; G rollouts per problem) with the same batch size B and number of steps, so the
+same number of trained rollouts (B per step): FlashREINFORCE sees B problems a step, the group
+methods B / G. Each (configuration, seed) is one `megatron-fr train` run in
+DIR/<configuration>-seed<s>; all start from the recipe's model (model.hf_dir), so they differ
+only in how they use their rollouts. `lag` trains every (estimator, max_lag) pair through the
+same lag-aware buffer, each at exactly its max_lag (lag_variants), and FlashREINFORCE also
+without the gate (delta = inf) at the largest lag; with --gates, FlashREINFORCE runs at each lag
+once per trust-region gate (learner.flash_reinforce.gate_kl: the paper's bernoulli keeps its
+name, the optional topk adds "_topk").
 
 A run that already finished is read, not trained again, so an interrupted comparison is
-continued by the same command. Results: DIR/results.md (table: final held-out accuracy
-mean +- std over seeds, the rollouts each method needs to reach GRPO's final accuracy; for
-`lag`: final accuracy, mean acceptance, mean KL, mean lag), DIR/accuracy.png (accuracy against
-trained rollouts, mean over seeds with the spread as a band) and DIR/results.json.
+continued by the same command. Results: DIR/results.md (final held-out accuracy, mean +- std
+over seeds and its 95% bootstrap interval; mean acceptance, KL and lag; for `methods`, the
+rollouts each configuration needs to reach the first group estimator's final accuracy, as a
+share of that estimator's budget with its 95% bootstrap interval: compare_stats.py),
+DIR/accuracy.png (accuracy against trained rollouts, mean over seeds with the spread as a
+band) and DIR/results.json.
 """
 
 from __future__ import annotations
@@ -28,9 +34,15 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
+from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
+from megatron_fr.orchestrator import compare_stats as stats
 from megatron_fr.orchestrator.run_log import read_metrics
+
+GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
+"""learner.flash_reinforce.gate_kl's values: what `compare lag --gates` takes."""
 
 
 @dataclass(frozen=True)
@@ -39,29 +51,67 @@ class Variant:
     overrides: tuple[str, ...]
 
 
-def method_variants(group_size: int) -> list[Variant]:
-    return [
-        Variant("flash_reinforce", ("learner.estimator=flash_reinforce", "buffer.group_size=1")),
-        Variant(f"grpo_g{group_size}",
-                ("learner.estimator=grpo", f"buffer.group_size={group_size}")),
-        Variant(f"rloo_g{group_size}",
-                ("learner.estimator=rloo", f"buffer.group_size={group_size}")),
-    ]  # fmt: skip
+def gate_list(text: str) -> tuple[str, ...]:
+    """--gates: a comma-separated subset of GATES, in the order given."""
+    gates = tuple(dict.fromkeys(gate for gate in text.split(",") if gate))
+    if not gates or any(gate not in GATES for gate in gates):
+        raise argparse.ArgumentTypeError(
+            f"takes a comma-separated subset of {','.join(GATES)}, got {text!r}"
+        )
+    return gates
 
 
-def lag_variants(batch_size: int) -> list[Variant]:
-    """Every run trains at exactly its max_lag (buffer.fill_staleness_budget, with the capacity
-    that needs): where generation is slower than the learner, as on a CPU machine, the lag
-    would otherwise stay near 1 whatever max_lag allows, and the sweep would compare nothing."""
+def gated(variant: Variant, gate: str) -> Variant:
+    """`variant` with FlashREINFORCE's gate set to `gate`: bernoulli (the default) keeps the
+    name and the settings; topk adds "_topk" and learner.flash_reinforce.gate_kl=topk."""
+    if gate == "bernoulli":
+        return variant
+    return Variant(f"{variant.name}_{gate}",
+                   (*variant.overrides, f"learner.flash_reinforce.gate_kl={gate}"))  # fmt: skip
+
+
+def estimator_variant(estimator: str, group_size: int) -> Variant:
+    """A run of `estimator` with its own loss: FlashREINFORCE one rollout per problem, the
+    group estimators G rollouts per problem (the same B, so the same trained rollouts)."""
+    if estimator == "flash_reinforce":
+        return Variant(estimator, ("learner.estimator=flash_reinforce", "buffer.group_size=1"))
+    overrides = (f"learner.estimator={estimator}", f"buffer.group_size={group_size}")
+    return Variant(f"{estimator}_g{group_size}", overrides)
+
+
+def method_variants(estimators: list[str], group_size: int) -> list[Variant]:
+    return [estimator_variant(estimator, group_size) for estimator in estimators]
+
+
+def lag_variants(
+    estimators: list[str],
+    lags: list[int],
+    batch_size: int,
+    group_size: int,
+    gates: tuple[str, ...] = ("bernoulli",),
+) -> list[Variant]:
+    """Every (estimator, lag) pair, each run at exactly its max_lag (buffer.fill_staleness_budget,
+    with the capacity that needs): where generation is slower than the learner, as on a CPU
+    machine, the lag would otherwise stay near 1 whatever max_lag allows, and the sweep would
+    compare nothing. FlashREINFORCE runs once per gate of `gates` at each lag (the group
+    estimators have no gate), and also ungated (delta = inf) at the largest lag."""
 
     def at_lag(lag: int) -> tuple[str, ...]:
         return (f"buffer.max_lag={lag}", "buffer.fill_staleness_budget=true",
                 f"buffer.capacity={(lag + 1) * batch_size}")  # fmt: skip
 
-    return [
-        *(Variant(f"lag{lag}", at_lag(lag)) for lag in (0, 2, 8)),
-        Variant("lag8_no_gate", (*at_lag(8), "learner.flash_reinforce.delta=.inf")),
-    ]
+    variants = []
+    for estimator in estimators:
+        base = estimator_variant(estimator, group_size)
+        own = gates if estimator == "flash_reinforce" else ("bernoulli",)
+        variants += [gated(Variant(f"{base.name}_lag{lag}", base.overrides + at_lag(lag)), gate)
+                     for lag in lags for gate in own]  # fmt: skip
+    if "flash_reinforce" in estimators:
+        top = max(lags)
+        variants.append(Variant(f"flash_reinforce_lag{top}_no_gate",
+                                (*estimator_variant("flash_reinforce", group_size).overrides,
+                                 *at_lag(top), "learner.flash_reinforce.delta=.inf")))  # fmt: skip
+    return variants
 
 
 def train_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str]:
@@ -103,40 +153,45 @@ def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSum
     )  # fmt: skip
 
 
-def mean_curve(runs: list[RunSummary]) -> list[tuple[int, float, float]]:
-    """(rollouts, mean, std over seeds) at the evaluation points all seeds share."""
-    shared = set.intersection(*({x for x, _ in run.curve} for run in runs))
-    out = []
-    for x in sorted(shared):
-        values = [dict(run.curve)[x] for run in runs]
-        out.append((x, statistics.fmean(values), statistics.pstdev(values)))
-    return out
-
-
-def rollouts_to_reach(curve: list[tuple[int, float, float]], target: float) -> int | None:
-    """The first evaluation point whose mean accuracy reaches `target` (None: never)."""
-    return next((x for x, mean, _ in curve if mean >= target), None)
-
-
 def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None) -> str:
-    curves = {name: mean_curve(runs) for name, runs in by_variant.items()}
-    target = curves[reference][-1][1] if reference else None
-    header = "| run | seeds | final accuracy (mean +- std) | mean acceptance | mean KL | mean lag |"
-    lines = [header + (f" rollouts to reach {reference}'s final |" if reference else "")]
-    lines.append("|" + "---|" * (6 + bool(reference)))
+    """One row per configuration: final accuracy (mean +- std over seeds, and its 95%
+    bootstrap interval), mean acceptance, KL and lag; with a reference, the rollouts each
+    needs to reach the reference's final accuracy, as a share of the reference's budget with
+    its 95% bootstrap interval (compare_stats)."""
+    curves = {name: [run.curve for run in runs] for name, runs in by_variant.items()}
+    header = ("| run | seeds | final accuracy (mean +- std) | 95% interval | mean acceptance "
+              "| mean KL | mean lag |")  # fmt: skip
+    if reference:
+        header += f" rollouts to reach {reference}'s final (x its budget, 95% interval) |"
+    lines = [header, "|" + "---|" * (7 + bool(reference))]
     for name, runs in by_variant.items():
-        x, mean, std = curves[name][-1]
+        _, mean, std = stats.mean_curve(curves[name])[-1]
+        interval = _interval(stats.bootstrap_interval([curves[name]], stats.final_accuracy))
         kl = _mean_or_na([r.kl for r in runs], "{:.2e}")
         lag = _mean_or_na([r.lag for r in runs], "{:.2f}")
         acceptance = statistics.fmean(r.acceptance for r in runs)
-        accuracy = f"{mean:.3f} +- {std:.3f}"
-        row = f"| {name} | {len(runs)} | {accuracy} | {acceptance:.3f} | {kl} | {lag} |"
+        row = (f"| {name} | {len(runs)} | {mean:.3f} +- {std:.3f} | {interval} | "
+               f"{acceptance:.3f} | {kl} | {lag} |")  # fmt: skip
         if reference:
-            reach = rollouts_to_reach(curves[name], target)
-            ratio = f" ({reach / x:.2f}x of {x})" if reach else ""
-            row += f" {reach if reach is not None else 'not reached'}{ratio} |"
+            row += f" {_reach(curves[name], curves[reference])} |"
         lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+def _reach(curves: list, reference: list) -> str:
+    ratio = stats.budget_ratio(curves, reference)
+    if ratio is None:
+        return "not reached"
+    budget = stats.mean_curve(reference)[-1][0]
+    interval = _interval(stats.bootstrap_interval([curves, reference], stats.budget_ratio), "x")
+    return f"{ratio * budget:,.0f} ({ratio:.2f}x, {interval})"
+
+
+def _interval(bounds: tuple[float, float] | None, unit: str = "") -> str:
+    if bounds is None:
+        return "n/a (1 seed)"
+    low, high = (f"{b:.3f}{unit}" if b != float("inf") else "not reached" for b in bounds)
+    return f"[{low}, {high}]"
 
 
 def _mean_or_na(values: list[float | None], form: str) -> str:
@@ -152,7 +207,7 @@ def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for name, runs in by_variant.items():
-        curve = mean_curve(runs)
+        curve = stats.mean_curve([run.curve for run in runs])
         xs = [x for x, _, _ in curve]
         means = [m for _, m, _ in curve]
         stds = [s for _, _, s in curve]
@@ -163,22 +218,34 @@ def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None
     axes.set_ylabel("held-out accuracy")
     axes.set_title(title)
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
 
 
+def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
+    estimators = [e for e in args.estimators.split(",") if e] if args.estimators else (
+        ["flash_reinforce", "grpo", "rloo"] if args.mode == "methods" else ["flash_reinforce"]
+    )  # fmt: skip
+    if args.mode == "methods":
+        return method_variants(estimators, args.group_size)
+    lags = [int(lag) for lag in args.lags.split(",")]
+    return lag_variants(estimators, lags, batch_size, args.group_size, args.gates)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "methods" and args.gates != ("bernoulli",):
+        print("compare: --gates applies to `compare lag` (methods compares estimators with the "
+              "recipe's gate; set learner.flash_reinforce.gate_kl to change it)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     overrides = [item for item in args.overrides if item != "--"]
     if args.steps:
         overrides.append(f"steps={args.steps}")
     config = load_run_config(args.recipe, overrides)
-    if args.mode == "methods":
-        variants = method_variants(args.group_size)
-    else:
-        variants = lag_variants(config.buffer.batch_size)
+    variants = variants_for(args, config.buffer.batch_size)
     by_variant: dict[str, list[RunSummary]] = {variant.name: [] for variant in variants}
     # Seed-major, so that an interrupted comparison already covers every configuration.
     for seed in range(args.seeds):
@@ -191,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             summary = summarise(variant.name, seed, run_dir, config.buffer.batch_size)
             by_variant[variant.name].append(summary)
-    reference = variants[1].name if args.mode == "methods" else None
+    reference = _reference(variants) if args.mode == "methods" else None
     table = results_table(by_variant, reference)
     (out / "results.md").write_text(table)
     (out / "results.json").write_text(json.dumps(
@@ -202,13 +269,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference(variants: list[Variant]) -> str | None:
+    """The baseline the others are measured against: the first group estimator."""
+    return next((v.name for v in variants if v.name != "flash_reinforce"), None)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", choices=("methods", "lag"),
-                        help="methods: FlashREINFORCE vs GRPO vs RLOO; lag: max_lag 0/2/8 and "
-                             "no gate at 8")  # fmt: skip
+    parser.add_argument(
+        "mode", choices=("methods", "lag"),
+        help="methods: estimators at equal rollouts; lag: every (estimator, max_lag) pair, "
+             "and FlashREINFORCE ungated at the largest lag",
+    )  # fmt: skip
     parser.add_argument("recipe", type=Path, help="the recipe every run starts from")
     parser.add_argument("--out", type=Path, required=True, help="directory of runs and results")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the recipe's)")
-    parser.add_argument("--group-size", type=int, default=4, help="G of GRPO and RLOO")
+    parser.add_argument("--estimators", default="",
+                        help="comma-separated: flash_reinforce, grpo, dr_grpo, rloo, "
+                             "reinforce_baseline (default: methods flash_reinforce,grpo,rloo; "
+                             "lag flash_reinforce)")  # fmt: skip
+    parser.add_argument("--lags", default="0,2,8", help="lag mode: the max_lag values")
+    parser.add_argument("--gates", type=gate_list, default=("bernoulli",),
+                        help="lag mode: FlashREINFORCE's trust-region gates, comma-separated: "
+                             "bernoulli (the paper's; the run keeps its name), topk (the "
+                             "optional top-K gate; its runs end in _topk)")  # fmt: skip
+    parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run")

@@ -55,7 +55,8 @@ def train(config: RunConfig, run_dir: Path) -> None:
     # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.
     learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
                       init_hf_dir=None if resume_from else str(hf_dir),
-                      temperature=config.rollout.temperature)  # fmt: skip
+                      temperature=config.rollout.temperature,
+                      spec_kind=config.model.spec)  # fmt: skip
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())

@@ -40,6 +40,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
         request_timeout_s=config.rollout.request_timeout_s,
         max_attempts=config.rollout.max_attempts,
         routed_experts=routed,
+        top_logprobs=config.learner.top_logprobs,
     )
     sampling = producer.sampling(config.rollout.temperature)
     if config.rollout.seeded:

@@ -40,10 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
+    from megatron_fr.engine.group import match_sglang_nccl_env
+    from megatron_fr.engine.launcher import check_engine_device
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
+    match_sglang_nccl_env()  # before any NCCL communicator, here or in torchrun's children
     try:
         launched = preflight.launch_environment()  # (rank, world) under torchrun
         _check_arguments(args)
@@ -58,6 +61,9 @@ def main(args: argparse.Namespace) -> int:
         preflight.check_run_dir(args.run_dir)
         # before any process: everything, once (the ranks repeat only what is quick)
         check_recipe(config, world, gpu_mem_gb=None, render=launched is None)
+        if not config.rollout.engine.urls:
+            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls"
+            check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
         if launched is None:
             preflight.check_resume(args.run_dir, world)
             preflight.check_engines(config)

@@ -1,9 +1,3 @@
-"""Parallelism: megatron parallel_state, vocab-parallel log-probs, the parallel loss path.
-
-Importing this package installs the import-time CPU shim megatron-core needs without triton
-(cpu_shims.install_import_shims), so every module below may ``import megatron.core``.
-"""
-
-from megatron_fr.parallel.cpu_shims import install_import_shims
-
-install_import_shims()
+"""Parallelism: megatron parallel_state, vocab-parallel log-probs, the parallel loss path, the
+rank-spawning helper and the CPU shims megatron needs without CUDA (installed by a program's
+entry point, parallel/cpu_shims.py; importing this package has no side effect)."""

@@ -8,8 +8,9 @@ cu_seqlens); a packed row is split sequence by sequence, each over its own bound
 (megatron's per-document balancing, TE's thd_get_partitioned_indices), which is what TE's THD
 attention and megatron's THD RoPE (rope_utils._get_thd_freqs_on_this_cp_rank) expect.
 
-The learner splits its rows with it (learner/micro_batches.py) and the CPU attention stand-in
-(parallel/cpu_shims.py) uses it to know where each gathered key sits.
+The learner splits its rows with it (learner/micro_batches.py), and the attention of the
+local and torch layer specs (models/attention.py) uses it to know where each gathered key
+sits.
 """
 
 from __future__ import annotations

@@ -1,24 +1,25 @@
-"""CPU compatibility shims for megatron-core 0.19 (see shared notes: cpu-megatron).
+"""CPU compatibility shims for megatron-core 0.19.
 
 megatron-core assumes CUDA in a handful of places that have nothing to do with the maths.
-Every shim here covers exactly one megatron function or assumption, is installed only when
-CUDA is absent, and never changes behaviour on a GPU machine. Two kinds:
+Every shim here covers exactly one megatron function or assumption and changes nothing on a
+machine with CUDA. A program installs them ONCE, at its entry point, with install_cpu_shims()
+(the `megatron-fr` command, the rank processes of parallel/spawn.py, the tools, the test
+suite's conftest); nothing installs them as a side effect of an import. Three kinds:
 
-* import shims (install_import_shims): needed before ``import megatron.core`` can succeed;
-* runtime shims (apply_cpu_shims): needed before megatron models, schedules or optimizers run.
-
-One extension is not about the CPU: apply_local_spec_attention gives the local spec's core
-attention the packed rows (THD) and context parallelism that megatron implements in TE only.
-It is installed wherever the local spec runs (no transformer-engine), on CPU and GPU alike.
+* the import shim: ``import megatron.core`` needs triton for one CUDA-only module;
+* runtime shims: megatron functions that call torch.cuda (RNG states, streams, the current
+  device, synchronize) or feed gloo collectives it cannot take;
+* the device mode: megatron's DDP, optimizers, schedules and checkpointing allocate on
+  "cuda", move tensors ``.cuda()`` and check ``param.type()`` against torch.cuda type names
+  in dozens of places; a TorchFunctionMode entered once for the process's main thread (where
+  the learner runs) puts those tensors on the CPU instead.
 
 Each runtime shim replaces one attribute (a torch.cuda function, or a name inside the megatron
-module that calls it) and marks the replacement, so applying them twice is a no-op. What they
+module that calls it) and marks the replacement, so installing twice is a no-op. What they
 replace fails on a CPU-only torch build, or feeds a gloo collective that then fails, so no
-shim changes anything that already worked. Checked (tests/distributed/test_megatron_cpu.py):
-model build, forward and backward of a MoE GPT on the local spec at TP1, TP2+SP, EP2 and
-TP2xEP2, and get_forward_backward_func() at PP=1; packed rows and context parallelism through
-the learner (tests/distributed/test_packing_cp.py: equal to the padded CP1 step). Not yet
-covered: activation recompute, PP>1 schedules, DDP/finalize_model_grads and the optimizers.
+shim changes anything that already worked. Checked by the multi-process tests: model build,
+forward and backward of a MoE GPT on every layout (TP, SP, EP, PP, CP, packed rows), full and
+selective activation recompute, DDP, the distributed optimizer and dist_checkpointing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 _PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
 _SHIM_MARK = "_megatron_fr_cpu_shim"
+_INSTALLED = False
 
 
 def install_import_shims() -> None:
@@ -65,30 +67,41 @@ def cuda_absent() -> bool:
     return not torch.cuda.is_available()
 
 
-def apply_cpu_shims() -> None:
-    """Install the runtime shims when CUDA is absent (idempotent; a no-op on GPU machines)."""
+def install_cpu_shims(*, device_mode: bool = True) -> None:
+    """Everything megatron needs on a machine without CUDA (idempotent; on a CUDA machine only
+    the import shim, and that only when triton is missing). Call it at a program's entry
+    point, in the thread that will run megatron, before megatron is imported.
+
+    device_mode=False leaves the device mode out: for a process that runs megatron's models
+    but not its DDP, optimizers or schedules (the test suite's own process), where the mode
+    would only slow every torch call down (about 1.8x for a tiny model's forward)."""
+    install_import_shims()
     if not cuda_absent():
         return
-    install_import_shims()
     _shim_rng_tracker()  # model_parallel_cuda_manual_seed, weight init
+    _shim_recompute_rng_states()  # activation recompute (full and selective)
     _shim_current_device()  # allocations "on the current device"
+    _shim_synchronize()  # pipeline point-to-point sends
     _shim_torch_norm_sequence_parallel()  # norms under sequence parallelism
     _shim_default_causal_mask()  # attention without an explicit mask
     _shim_cuda_streams()  # MoE alltoall dispatcher's side stream
     _shim_numpy_split_sizes()  # MoE alltoall split sizes
     _shim_uneven_gather()  # MoE alltoall under TP + SP
-    _shim_schedule_cuda_device()  # get_forward_backward_func() at PP=1
     _shim_checkpoint_preload()  # dist_checkpointing.save (torch_dist)
-    _shim_tied_embedding_sync()  # tied embeddings at PP > 1
+    global _INSTALLED
+    _INSTALLED = True
+    if device_mode and _DEVICE_MODE is None:
+        _enter_device_mode()
 
 
-def apply_local_spec_attention() -> None:
-    """Packed rows and CP for the local spec's attention (idempotent; a no-op where the model
-    is built with transformer-engine's spec, whose attention has both)."""
-    from megatron_fr.models.gpt import use_transformer_engine
-
-    if not use_transformer_engine():
-        _shim_local_attention()
+def check_installed() -> None:
+    """Raise, with the remedy, when megatron is about to run without CUDA and without the
+    shims (a program that forgot install_cpu_shims at its entry point)."""
+    if cuda_absent() and not _INSTALLED:
+        raise RuntimeError(
+            "megatron on a machine without CUDA needs the CPU shims: call "
+            "megatron_fr.parallel.cpu_shims.install_cpu_shims() at the program's entry point"
+        )
 
 
 def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -158,6 +171,23 @@ def _cpu_rng_tracker_class(base: type) -> type:
     return CpuRNGStatesTracker
 
 
+def _shim_recompute_rng_states() -> None:
+    """Covers random._get_cuda_rng_state / _set_cuda_rng_state, with which activation
+    recompute (CheckpointFunction for full recompute, CheckpointWithoutOutput for selective,
+    _fork_rng) saves the CUDA generator's state at the forward and restores it before the
+    recomputation. A CPU-only build has no CUDA generator: there is no state to keep (the
+    CPU generator and the tracker's states, which megatron saves and restores beside it, are
+    all the randomness there is), so the state is an empty tensor and setting it a no-op."""
+    from megatron.core.tensor_parallel import random
+
+    _replace(
+        random,
+        "_get_cuda_rng_state",
+        lambda _original: lambda *_args, **_kwargs: torch.empty(0, dtype=torch.uint8),
+    )
+    _replace(random, "_set_cuda_rng_state", lambda _original: lambda *_args, **_kwargs: None)
+
+
 # --- devices and streams: torch.cuda as megatron calls it -------------------------------------
 
 
@@ -166,6 +196,13 @@ def _shim_current_device() -> None:
     attention, tensor_parallel.layers and mappings, the MoE router): what megatron allocates
     "on the current device" lands on the CPU."""
     _replace(torch.cuda, "current_device", lambda _original: lambda: "cpu")
+
+
+def _shim_synchronize() -> None:
+    """Covers torch.cuda.synchronize, which the pipeline's point-to-point communication
+    (p2p_communication._communicate) calls after its sends and receives: the CPU's are
+    complete when they return."""
+    _replace(torch.cuda, "synchronize", lambda _original: lambda *_args, **_kwargs: None)
 
 
 class _NoOpEvent:
@@ -245,90 +282,6 @@ def _shim_default_causal_mask() -> None:
     _replace(fused_softmax, "get_default_causal_mask", make)
 
 
-def _shim_local_attention() -> None:
-    """Covers DotProductAttention (the local spec's core attention), which refuses context
-    parallelism in __init__ and PackedSeqParams in forward: megatron runs both through
-    TEDotProductAttention only (TE needs CUDA, and a GPU may lack it). The replacement computes
-    what TE computes:
-
-    * a packed row (qkv_format "thd", [tokens, heads, dim]) is attended as one row
-      [tokens, 1, heads, dim] under the block-diagonal causal mask of cu_seqlens (TE's
-      padding_causal: a token sees the earlier tokens of its own sequence);
-    * with CP > 1, keys and values are all-gathered over the CP group (backward: their
-      gradients reduce-scattered, megatron's gather_from_sequence_parallel_region) and each
-      local query attends to the gathered keys under the causal mask of their row positions,
-      known from megatron's zigzag split (parallel/context_parallel.py): the algorithm of TE's
-      cp_comm_type "all_gather". A padded row (no PackedSeqParams) is one sequence.
-
-    Everything around the attention product is megatron's own: THD RoPE restarting at each
-    sequence, RoPE's CP slicing, the CP split of the rotary tables, the gradient reductions.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    def make_init(original: Callable[..., None]) -> Callable[..., None]:
-        @functools.wraps(original)
-        def init(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-            if config.context_parallel_size > 1:  # the product itself is CP-agnostic
-                config = copy.copy(config)
-                config.context_parallel_size = 1
-            original(self, config, *args, **kwargs)
-
-        return init
-
-    def make_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def forward(self: Any, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):  # fmt: skip
-            group = _context_parallel_group(self)
-            if packed_seq_params is None and group.size() == 1:
-                return original(self, query, key, value, attention_mask, attn_mask_type,
-                                attention_bias)  # fmt: skip
-            if attention_mask is not None:
-                raise ValueError("packed rows and CP take their mask from the row layout")
-            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-                padded = packed_seq_params.cu_seqlens_q_padded
-                cu = packed_seq_params.cu_seqlens_q if padded is None else padded
-                boundaries = cu.tolist()
-                query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-            else:
-                boundaries = [0, query.size(0) * group.size()]
-            mask = _row_causal_mask(boundaries, group).to(query.device)
-            if group.size() > 1:
-                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-                key, value = (
-                    gather_from_sequence_parallel_region(x.contiguous(), True, group=group)
-                    for x in (key, value)
-                )
-            return original(self, query, key, value, mask, attn_mask_type, attention_bias)
-
-        return forward
-
-    _replace(DotProductAttention, "__init__", make_init)
-    _replace(DotProductAttention, "forward", make_forward)
-
-
-def _context_parallel_group(attention: Any) -> Any:
-    group = getattr(attention.pg_collection, "cp", None)
-    if group is None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_context_parallel_group()
-    return group
-
-
-def _row_causal_mask(boundaries: list[int], group: Any) -> torch.Tensor:
-    """[1, 1, local queries, gathered keys] bool, True where attention is masked (megatron's
-    convention): a key of another sequence, or one later in the row than the query."""
-    from megatron_fr.parallel.context_parallel import segment_of, zigzag_indices
-
-    size, rank = group.size(), group.rank()
-    queries = zigzag_indices(boundaries, size, rank)
-    keys = torch.cat([zigzag_indices(boundaries, size, r) for r in range(size)])
-    other = segment_of(boundaries, queries)[:, None] != segment_of(boundaries, keys)[None, :]
-    return (other | (keys[None, :] > queries[:, None]))[None, None]
-
-
 # --- MoE token dispatcher and its collectives -------------------------------------------------
 
 
@@ -376,7 +329,7 @@ def _shim_uneven_gather() -> None:
     _replace(mappings, "_gather_along_first_dim", make)
 
 
-# --- pipeline schedules: megatron.core.pipeline_parallel.schedules ----------------------------
+# --- the device mode: megatron's DDP, optimizers, schedules, checkpointing -----------------------
 
 
 class _CudaDeviceToCpu(TorchFunctionMode):
@@ -399,46 +352,16 @@ class _CudaDeviceToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def cpu_device_mode():
-    """Context for megatron code that allocates on "cuda" or checks torch.cuda.* tensor types
-    (DDP, the distributed optimizer, grad clipping, finalize_model_grads, checkpointing of
-    optimizer state): on a machine without CUDA those run on the CPU; elsewhere a no-op."""
-    return _CudaDeviceToCpu() if cuda_absent() else contextlib.nullcontext()
+_DEVICE_MODE: _CudaDeviceToCpu | None = None
 
 
-def _shim_schedule_cuda_device() -> None:
-    """Covers schedules.forward_backward_no_pipelining (what get_forward_backward_func returns
-    at PP=1), which counts tokens in ``torch.zeros([], device="cuda")``. The schedule runs
-    under a mode that puts such tensors on the CPU; get_forward_backward_func looks the
-    schedule up by name, so replacing the module attribute is enough."""
-    from megatron.core.pipeline_parallel import schedules
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            with _CudaDeviceToCpu():
-                return original(*args, **kwargs)
-
-        return schedule
-
-    _replace(schedules, "forward_backward_no_pipelining", make)
-
-
-def _shim_tied_embedding_sync() -> None:
-    """Covers LanguageModule.setup_embeddings_and_output_layer, which at PP > 1 with tied
-    embeddings moves the last stage's copy of the embedding ``.cuda()`` before all-reducing it
-    from the first stage; under the mode the copy stays on the CPU and gloo reduces it."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def setup(self: Any, *args: Any, **kwargs: Any) -> Any:
-            with _CudaDeviceToCpu():
-                return original(self, *args, **kwargs)
-
-        return setup
-
-    _replace(LanguageModule, "setup_embeddings_and_output_layer", make)
+def _enter_device_mode() -> None:
+    """Enter the mode for the rest of the process, in the calling thread (torch keeps mode
+    stacks per thread: the learner, its schedules and their backward passes on the CPU all
+    run in the thread that calls them)."""
+    global _DEVICE_MODE
+    _DEVICE_MODE = _CudaDeviceToCpu()
+    _DEVICE_MODE.__enter__()
 
 
 # --- dist_checkpointing: megatron.core.dist_checkpointing.strategies.filesystem_async ---------

@@ -1,19 +1,26 @@
-"""The FlashREINFORCE loss as the learner calls it: one micro-batch on one rank.
+"""The policy losses as the learner calls them: one micro-batch on one rank.
 
-Inputs are this rank's view of a micro-batch: vocab-parallel logits (tensor parallelism),
-a context-parallel slice of each row, rows that may pack several trajectories. Every token
-carries the global id of its trajectory (segment_ids, -1 for padding), so per-trajectory sums
-need no offsets bookkeeping after packing or CP slicing.
+Inputs are this rank's view of a micro-batch: the log-probs pi of its target tokens (and
+their entropies), a context-parallel slice of each row, rows that may pack several
+trajectories. Every token carries the global id of its trajectory (segment_ids, -1 for
+padding), so per-trajectory sums need no offsets bookkeeping after packing or CP slicing.
 
-Order of operations (docs/algorithm.md, "Under parallelism"):
-  1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group;
+Order of operations (docs/algorithm.md, section 5):
+  1. log-probs (and entropies when q < 1) from the vocab shard, reduced over the TP group,
+     before the loss (the model's output, models/token_scores.py, or vocab_parallel.py's
+     functions on logits);
   2. per-trajectory KL sums and token counts, summed over the CP group, then the gate, so
-     every CP rank (and every TP rank) reaches the same m_i;
+     every CP rank (and every TP rank) reaches the same m_i (the per-token KL is the
+     Bernoulli proxy, or with gate_kl = topk the top-K KL from the engine's top-K log-probs
+     and the learner's of the same ids, scored in step 1 with the same reductions);
   3. the negative-token filter on whole trajectories (gathered over CP);
   4. this micro-batch's share of L, divided by the GLOBAL number of trajectories B, so that
      the sum over micro-batches and data-parallel ranks is exactly L.
 Advantages come from the whole batch (GlobalBatch), computed before any split.
 Every TP rank returns the same loss value; megatron's reductions must not average it.
+The PPO-clip loss (ppo_clip_scored_loss) takes the same inputs and the same route: its
+per-trajectory sums (sequence corrections, the diagnostic KL) are reduced over the CP group,
+its normalisers come from the whole batch (algo/ppo.py).
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ from torch import Tensor
 
 from megatron_fr.algo import checks
 from megatron_fr.algo.flash_reinforce import (
+    GateResult,
     gate_metrics,
     negative_token_keep_mask,
     segment_policy_loss,
+    sequence_gate,
+    topk_kl,
     trust_region_gate,
 )
-from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.algo.ppo import ppo_clip_loss
+from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -50,6 +61,11 @@ class LossBatch:
     positions: Tensor
     """Position of each token within its own trajectory (packed rows restart at 0): orders
     tokens for the entropy tie-break."""
+    topk_ids: Tensor | None = None
+    """[rows, S_local, K] the engine's K most likely tokens of each target's distribution (the
+    top-K gate's; 0 off policy tokens); None for the Bernoulli gate."""
+    topk_log_probs: Tensor | None = None
+    """[rows, S_local, K] their log-probs as the engine reported them (0 off policy tokens)."""
 
 
 @dataclass(frozen=True)
@@ -116,18 +132,101 @@ def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
         segment_ids=batch.segment_ids,
         positions=batch.positions,
     )
+    if (batch.topk_ids is None) != (batch.topk_log_probs is None):
+        raise ValueError("topk_ids and topk_log_probs come together (the top-K gate's input)")
+    if batch.topk_ids is not None:
+        checks.check_same_shape("topk_ids", batch.topk_ids, topk_log_probs=batch.topk_log_probs)
+        if batch.topk_ids.shape[:-1] != batch.target_ids.shape:
+            raise ValueError(
+                f"topk_ids has shape {tuple(batch.topk_ids.shape)}, expected "
+                f"{tuple(batch.target_ids.shape)} + [K]"
+            )
     checks.check_action_mask(batch.action_mask, require_tokens=False)
     checks.check_log_probs("behavior_log_probs", batch.behavior_log_probs, batch.action_mask)
     checks.check_rewards(global_batch.advantages, name="advantages")
-    policy_segments = batch.segment_ids[batch.action_mask]
-    if policy_segments.numel() and (
-        policy_segments.min() < 0 or policy_segments.max() >= global_batch.num_trajectories
-    ):
+    checks.check_segment_ids(batch.segment_ids, batch.action_mask, global_batch.num_trajectories)
+
+
+def flash_reinforce_scored_loss(
+    log_probs: Tensor,
+    entropies: Tensor | None,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: FlashReinforceConfig,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    topk_log_probs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's contribution to L and its metrics (per-trajectory ones are [B]).
+
+    log_probs: [rows, S_local], pi of the target tokens (carries the gradient); entropies:
+    their entropies, needed when negative_token_fraction < 1; topk_log_probs: [rows, S_local,
+    K], pi of batch.topk_ids, needed by the top-K gate (config.gate_kl = topk). The
+    contributions of all micro-batches and data-parallel ranks add up to the single-process
+    flash_reinforce_loss of the whole batch, and so do their gradients.
+    """
+    check_loss_inputs(batch, global_batch)
+    checks.check_non_negative(delta=config.delta)
+    fraction = config.negative_token_fraction
+    if fraction < 1.0 and (global_batch.failures is None or entropies is None):
+        raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures and entropies")
+    behavior = batch.behavior_log_probs.to(log_probs.dtype)
+    gate = _gate(log_probs, behavior, batch, global_batch, config, cp_group, topk_log_probs)
+    keep = batch.action_mask & (batch.segment_ids >= 0)
+    if fraction < 1.0:
+        keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
+    advantages = global_batch.advantages.to(log_probs.dtype)
+    loss, ratios, contributing = segment_policy_loss(
+        log_probs, behavior, gate, advantages, keep, batch.segment_ids
+    )
+    metrics = gate_metrics(gate, ratios, contributing)
+    metrics["present"] = gate.present
+    return loss, metrics
+
+
+def _gate(
+    log_probs: Tensor,
+    behavior: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: FlashReinforceConfig,
+    cp_group: dist.ProcessGroup | None,
+    topk_log_probs: Tensor | None,
+) -> GateResult:
+    """The configured gate: the Bernoulli proxy of the target's probability, or the top-K KL
+    of the engine's and the learner's log-probs of the engine's top-K ids."""
+    where = (batch.action_mask, batch.segment_ids, global_batch.num_trajectories, config.delta)
+    if config.gate_kl == "bernoulli":
+        return trust_region_gate(log_probs, behavior, *where, reduce_segments=sum_over(cp_group))
+    if batch.topk_log_probs is None or topk_log_probs is None:
         raise ValueError(
-            f"segment_ids of policy tokens must be trajectory ids in "
-            f"[0, {global_batch.num_trajectories}); got [{policy_segments.min().item()}, "
-            f"{policy_segments.max().item()}]"
+            "gate_kl topk needs the engine's top-K log-probs (LossBatch.topk_log_probs) and the "
+            "learner's of the same ids (topk_log_probs)"
         )
+    checks.check_same_shape("LossBatch.topk_log_probs", batch.topk_log_probs,
+                            topk_log_probs=topk_log_probs)  # fmt: skip
+    token_kl = topk_kl(batch.topk_log_probs.to(log_probs.dtype), topk_log_probs.detach())
+    return sequence_gate(token_kl, *where, reduce_segments=sum_over(cp_group))
+
+
+def ppo_clip_scored_loss(
+    log_probs: Tensor,
+    batch: LossBatch,
+    global_batch: GlobalBatch,
+    config: PPOClipConfig,
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """This micro-batch's share of the batch's PPO-clip loss (algo/ppo.py), and its metrics;
+    log_probs as for flash_reinforce_scored_loss."""
+    check_loss_inputs(batch, global_batch)
+    if global_batch.token_counts is None:
+        raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
+    return ppo_clip_loss(
+        log_probs, batch.behavior_log_probs.to(log_probs.dtype), global_batch.advantages,
+        batch.action_mask, batch.segment_ids, global_batch.token_counts, config,
+        reduce_segments=sum_over(cp_group),
+    )  # fmt: skip
 
 
 def flash_reinforce_parallel_loss(
@@ -139,41 +238,16 @@ def flash_reinforce_parallel_loss(
     tp_group: dist.ProcessGroup | None = None,
     cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """This micro-batch's contribution to L and its metrics (per-trajectory ones are [B]).
-
-    logits: [rows, S_local, V / tp], this rank's vocab shard. The contributions of all
-    micro-batches and data-parallel ranks add up to the single-process flash_reinforce_loss
-    of the whole batch, and so do their gradients.
-    """
-    check_loss_inputs(batch, global_batch)
-    checks.check_non_negative(delta=config.delta)
-    fraction = config.negative_token_fraction
-    if fraction < 1.0 and global_batch.failures is None:
-        raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures")
+    """flash_reinforce_scored_loss for a caller that holds logits: [rows, S_local, V / tp],
+    this rank's vocab shard, scored with vocab_parallel_log_probs; metrics["log_probs"] are
+    the scores. (The learner scores from the hidden states instead: models/token_scores.py.)"""
     log_probs, entropies = vocab_parallel_log_probs(
-        logits, batch.target_ids, tp_group, with_entropy=fraction < 1.0
+        logits, batch.target_ids, tp_group, with_entropy=config.negative_token_fraction < 1
     )
-    behavior = batch.behavior_log_probs.to(log_probs.dtype)
-    gate = trust_region_gate(
-        log_probs,
-        behavior,
-        batch.action_mask,
-        batch.segment_ids,
-        global_batch.num_trajectories,
-        config.delta,
-        reduce_segments=sum_over(cp_group),
+    loss, metrics = flash_reinforce_scored_loss(
+        log_probs, entropies, batch, global_batch, config, cp_group=cp_group
     )
-    keep = batch.action_mask & (batch.segment_ids >= 0)
-    if fraction < 1.0:
-        keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
-    advantages = global_batch.advantages.to(log_probs.dtype)
-    loss, ratios, contributing = segment_policy_loss(
-        log_probs, behavior, gate, advantages, keep, batch.segment_ids
-    )
-    metrics = gate_metrics(gate, ratios, contributing)
-    metrics["present"] = gate.present
-    metrics["log_probs"] = log_probs.detach()
-    return loss, metrics
+    return loss, {**metrics, "log_probs": log_probs.detach()}
 
 
 def agreed_admission(

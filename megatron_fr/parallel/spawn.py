@@ -3,6 +3,8 @@
 Used by the multi-process tests and the CPU tools: every rank runs ``fn(rank, world_size,
 *args)`` after ``init_process_group`` on a free loopback port, and the caller gets back each
 rank's return value in rank order, or a RankFailure carrying every failing rank's traceback.
+A rank is a program's entry point: it installs the CPU shims megatron needs without CUDA
+(parallel/cpu_shims.py) before it runs ``fn``.
 Processes are started with the "spawn" method (safe with torch threads) and, whatever happens,
 stopped by their own handles before this returns.
 """
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_fr.parallel.cpu_shims import install_cpu_shims
 
 
 class RankFailure(RuntimeError):
@@ -75,6 +79,7 @@ def _rank_main(
     )
     torch.set_num_threads(threads)
     try:
+        install_cpu_shims()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:
@@ -96,16 +101,11 @@ def _from_bytes(payload: bytes) -> Any:
 
 
 def _teardown() -> None:
-    """Destroy megatron's groups (if this rank used megatron) and the default group.
-
-    megatron is looked up in sys.modules rather than imported: importing it only to find it
-    unused would cost a rank that never touched it seconds of start-up.
-    """
+    """Destroy megatron's groups (if this rank built them) and the default group."""
     try:
-        if "megatron.core.parallel_state" in sys.modules:
-            from megatron_fr.parallel import state
-
-            state.destroy()
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

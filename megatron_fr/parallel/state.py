@@ -3,7 +3,10 @@
 ``initialize(ParallelConfig)`` is the only place the process groups are created: it starts
 torch.distributed from the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as
 torchrun and srun launchers set them) unless already started, validates the layout against
-the world size, installs the CPU shims when CUDA is absent, and builds megatron's groups.
+the world size and builds megatron's groups. Without CUDA, megatron also needs the CPU shims,
+which the program installs at its entry point (parallel/cpu_shims.py); initialize refuses to
+go on without them. ``process_groups()`` hands the groups to the code that uses them
+(megatron's ProcessGroupCollection), so that nothing else reads parallel_state's globals.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import datetime
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.parallel.cpu_shims import apply_cpu_shims, apply_local_spec_attention
+from megatron_fr.parallel.cpu_shims import check_installed
 
 
 def resolve_backend(config: ParallelConfig) -> str:
@@ -35,8 +39,7 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
             timeout=datetime.timedelta(minutes=config.timeout_minutes),
         )
     config.validate_world(dist.get_world_size())
-    apply_cpu_shims()
-    apply_local_spec_attention()
+    check_installed()
     if torch.cuda.is_available():
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     if parallel_state.model_parallel_is_initialized():
@@ -56,6 +59,13 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         # others from its tracked model-parallel states: seed both, as megatron's training does.
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
+
+
+def process_groups() -> ProcessGroupCollection:
+    """megatron's ProcessGroupCollection of every group ``initialize`` built: what the learner
+    and megatron's model, DDP, optimizer and schedules are given instead of reading
+    parallel_state's globals."""
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def initialize_single_process(config: ParallelConfig | None = None, seed: int | None = None):

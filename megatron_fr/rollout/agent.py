@@ -16,6 +16,8 @@ are never re-tokenised. Everything else (prompt, template scaffolding, observati
 Routed experts (when the client asks for them): each turn asks from the first position not
 reported yet, so an observation is reported by the next turn, which feeds it as prompt; the
 turns tile the row, every position with the routing the engine used when it first fed it.
+Top-K log-probs (when the client asks for them) follow the policy tokens: one row per
+generated token, the turns' rows in order.
 The scaffolding comes from the tokenizer's own chat template: rendering the conversation with
 a placeholder assistant turn and taking what follows the placeholder gives exactly the text
 the template puts between an assistant turn's content and the next generation prompt, for
@@ -38,7 +40,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     NON_POLICY_VERSION,
     InvalidTrajectory,
@@ -48,6 +49,8 @@ from megatron_fr.buffer.trajectory import (
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import Rollout, RolloutClient
 from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 from megatron_fr.envs.base import Episode, Message
 from megatron_fr.rollout.chat import ChatFormat
 
@@ -90,6 +93,8 @@ class _Row:
     versions: list[int] = field(default_factory=list)
     routing: list[RoutedExperts] = field(default_factory=list)
     """Routed experts of positions 0 .. routed_positions - 1, one part per turn."""
+    top_logprobs: list[TopLogProbs] = field(default_factory=list)
+    """Top-K log-probs of the policy tokens, one part per turn."""
 
     @property
     def routed_positions(self) -> int:
@@ -108,14 +113,15 @@ class _Row:
         self.versions += [policy_version(v) for v in rollout.token_versions]
         if rollout.routed_experts is not None:
             self.routing.append(rollout.routed_experts)
+        if rollout.top_logprobs is not None:
+            self.top_logprobs.append(rollout.top_logprobs)
 
     def trimmed(self) -> _Row:
-        """The row up to its last policy token."""
+        """The row up to its last policy token (every policy token and its top-K stay)."""
         end = max((i + 1 for i, m in enumerate(self.mask) if m), default=0)
         routing = [RoutedExperts.concatenate(self.routing).head(end - 1)] if self.routing else []
-        return _Row(
-            self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end], routing
-        )
+        return _Row(self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end],
+                    routing, self.top_logprobs)  # fmt: skip
 
 
 def policy_version(text: str) -> int:
@@ -275,6 +281,9 @@ class _Loop:
                         reward=self.reward,
                         info=info,
                         routed_experts=kept.routing[0] if kept.routing else None,
+                        top_logprobs=TopLogProbs.concatenate(kept.top_logprobs)
+                        if kept.top_logprobs
+                        else None,
                     )
                 )
             except InvalidTrajectory as invalid:

@@ -1,5 +1,10 @@
 """The inference engines of a run, supervised: a dead engine ends the run within seconds.
 
+Before any step every engine (started here or given by URL) says what it is on GET
+/server_info (engine/server_info.py); one that does not, or that cannot give the routed
+experts a routing-replay run needs (SGLang without --enable-return-routed-experts), is
+refused with the reason (EngineRefused) instead of failing the first rollout.
+
 Engines the run started are watched by their process (exit code and the tail of their log
 name the cause); engines given by URL are probed on GET /health, and one that has not answered
 for `unreachable_after_s` counts as dead too. Why end the run rather than continue on the
@@ -18,12 +23,18 @@ from pathlib import Path
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
+from megatron_fr.engine.http import EngineRequestError
 from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, launch_server
 from megatron_fr.engine.protocol import HEALTH_PATH
+from megatron_fr.engine.server_info import ServerInfo, identify
 
 
 class EngineDied(RuntimeError):
     """An inference engine of the run exited or stopped answering."""
+
+
+class EngineRefused(RuntimeError):
+    """An engine that cannot serve this run (unidentified, or missing a capability it needs)."""
 
 
 class EngineSupervisor:
@@ -37,23 +48,43 @@ class EngineSupervisor:
     @classmethod
     def start(cls, settings: EngineSettings, model_path: Path, log_dir: Path, port: int,
               routed_experts: bool = False):  # fmt: skip
-        """Adopt settings.urls, or start one engine serving model_path on `port` (returning
-        routed experts when asked: MoE routing replay)."""
-        if settings.urls:
-            return cls(settings, [])
-        launch = ServerLaunchConfig(
-            model_path=str(model_path), port=port, log_dir=log_dir, cpu_threads=settings.threads,
-            tp_size=settings.tp_size, gpu_ids=settings.gpu_ids,
-            return_routed_experts=routed_experts,
-        )  # fmt: skip
-        process = launch_server(launch)
-        supervisor = cls(settings, [process])
+        """Adopt settings.urls, or start one engine of settings.kind serving model_path on
+        `port` (returning routed experts when asked: MoE routing replay); then check them all
+        (module docstring)."""
+        processes = []
+        if not settings.urls:
+            launch = ServerLaunchConfig(
+                model_path=str(model_path), port=port, log_dir=log_dir, engine=settings.kind,
+                cpu_threads=settings.threads, tp_size=settings.tp_size, gpu_ids=settings.gpu_ids,
+                return_routed_experts=routed_experts,
+            )  # fmt: skip
+            processes.append(launch_server(launch))
+        supervisor = cls(settings, processes)
         try:
-            process.wait_healthy(deadline_s=settings.start_timeout_s)
+            for process in processes:
+                process.wait_healthy(deadline_s=settings.start_timeout_s)
+            for url in supervisor.urls:
+                supervisor.check(url, routed_experts)
         except BaseException:
             supervisor.stop()
             raise
         return supervisor
+
+    def check(self, url: str, routed_experts: bool) -> ServerInfo:
+        """What the engine at `url` is; EngineRefused if it cannot serve this run. An engine
+        given by URL that does not answer yet is waited for up to start_timeout_s."""
+        try:
+            info = identify(url, self.settings.unreachable_after_s, self.settings.start_timeout_s)
+        except EngineRequestError as error:
+            raise EngineRefused(f"inference engine refused: {error}") from None
+        if routed_experts and not info.routed_experts:
+            flag = "--enable-return-routed-experts"
+            raise EngineRefused(
+                f"inference engine {url} refused: learner.routing_replay needs the routed "
+                f"experts of every position, and this {info.kind} server runs without them "
+                f"(/server_info: enable_return_routed_experts is not true): start it with {flag}"
+            )
+        return info
 
     async def watch(self) -> None:
         """Return never; raise EngineDied naming the engine once one is dead."""

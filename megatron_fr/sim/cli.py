@@ -40,22 +40,39 @@ settings (dotted.key=value on the command line, or nested keys in --config YAML)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="simulate_run.py", description=__doc__,
+        prog="simulate_run.py",
+        description=__doc__,
         epilog=EXAMPLES + "\n".join(field_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--config", metavar="YAML", help="settings file (keys as listed below)")
-    parser.add_argument("--nodes", type=int, nargs="+", metavar="N",
-                        help="total nodes (rollout + learner) to simulate; default: the "
-                        "configured cluster")  # fmt: skip
-    parser.add_argument("--rollout-fraction", type=float, default=0.5,
-                        help="share of --nodes given to rollout (default 0.5)")  # fmt: skip
-    parser.add_argument("--suggest", action="store_true",
-                        help="choose the rollout/learner split of each --nodes total")  # fmt: skip
-    parser.add_argument("--target-lag", type=int,
-                        help="max_lag for --suggest (default: scheme.max_lag)")  # fmt: skip
-    parser.add_argument("--max-drop", type=float, default=0.05,
-                        help="--suggest rules out splits dropping more (default 0.05)")  # fmt: skip
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="total nodes (rollout + learner) to simulate; default: the configured cluster",
+    )
+    parser.add_argument(
+        "--rollout-fraction",
+        type=float,
+        default=0.5,
+        help="share of --nodes given to rollout (default 0.5)",
+    )
+    parser.add_argument(
+        "--suggest",
+        action="store_true",
+        help="choose the rollout/learner split of each --nodes total",
+    )
+    parser.add_argument(
+        "--target-lag", type=int, help="max_lag for --suggest (default: scheme.max_lag)"
+    )
+    parser.add_argument(
+        "--max-drop",
+        type=float,
+        default=0.05,
+        help="--suggest rules out splits dropping more (default 0.05)",
+    )
     parser.add_argument("--validate", metavar="RUN_DIR", help="predict vs measure a run")
     parser.add_argument("--plot", metavar="PNG", help="write the figure here")
     parser.add_argument("--json", metavar="FILE", help="write the results here as JSON")
@@ -104,9 +121,14 @@ def _suggest(args: argparse.Namespace, config: SimConfig) -> int:
             if len(args.nodes or []) > 1:
                 out = out.with_name(f"{out.stem}_{total}{out.suffix}")
             print(f"plot: {plot_suggestion(suggestion, out)}")
-        found.append({"total_nodes": total, "chosen": suggestion.chosen.to_dict(),
-                      "reason": suggestion.reason,
-                      "results": [r.to_dict() for r in suggestion.results]})  # fmt: skip
+        found.append(
+            {
+                "total_nodes": total,
+                "chosen": suggestion.chosen.to_dict(),
+                "reason": suggestion.reason,
+                "results": [r.to_dict() for r in suggestion.results],
+            }
+        )
     _write_json(args.json, found)
     return 0
 
@@ -114,11 +136,15 @@ def _suggest(args: argparse.Namespace, config: SimConfig) -> int:
 def _validate(args: argparse.Namespace, config: SimConfig) -> int:
     validation = validate_run(args.validate, config)
     print(format_validation(validation))
-    _write_json(args.json, {
-        "figures": {k: v for k, v in asdict(validation.figures).items() if k != "scheme"},
-        "predicted": validation.predicted.to_dict(), "scale": validation.scale,
-        "identifiable": validation.identifiable,
-    })  # fmt: skip
+    _write_json(
+        args.json,
+        {
+            "figures": {k: v for k, v in asdict(validation.figures).items() if k != "scheme"},
+            "predicted": validation.predicted.to_dict(),
+            "scale": validation.scale,
+            "identifiable": validation.identifiable,
+        },
+    )
     return 0
 
 

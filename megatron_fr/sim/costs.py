@@ -93,6 +93,8 @@ class LearnerCost:
         s = self.settings
         if s.seconds_per_step is not None:
             return s.seconds_per_step
+        if self.spec is None:  # read in __init__ whenever seconds_per_step is unset
+            raise RuntimeError("no model config to count a step's FLOPs with")
         rate = self.gpus * s.peak_tflops_per_gpu * 1e12 * s.mfu
         return s.step_overhead_s + training_flops(self.spec, sequence_lengths) / rate
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
@@ -52,8 +53,12 @@ class Scheme:
 
 def flash_reinforce(settings: SchemeSettings) -> Scheme:
     b, lag = settings.batch_size, settings.max_lag
-    buffer = BufferConfig(batch_size=b, max_lag=lag, capacity=settings.capacity or (lag + 1) * b,
-                          max_in_flight=settings.max_in_flight)  # fmt: skip
+    buffer = BufferConfig(
+        batch_size=b,
+        max_lag=lag,
+        capacity=settings.capacity or (lag + 1) * b,
+        max_in_flight=settings.max_in_flight,
+    )
     return Scheme("flash_reinforce", buffer)
 
 
@@ -81,6 +86,11 @@ class StepRecord:
     """Tokens of the batch, prompts included."""
 
 
+Batch = tuple[float, tuple[int, ...], int]
+"""The batch being trained on and synced, carried by those two events: (time taken, lags,
+tokens)."""
+
+
 class SimulationStalled(RuntimeError):
     """Nothing can happen any more, yet the learner still waits for a batch."""
 
@@ -96,7 +106,7 @@ class Totals:
     completed: int = 0
     dropped: int = 0
     wasted_tokens: int = 0
-    lag_histogram: dict[int, int] | None = None
+    lag_histogram: dict[int, int] = field(default_factory=dict)
 
 
 class Simulation:
@@ -105,8 +115,10 @@ class Simulation:
         self.lengths = lengths or build_sampler(config.lengths, config.seed)
         decode = DecodeModel.from_settings(config.server)
         s = config.server
-        self.servers = [DecodeServer(i, decode, s.max_running_requests, s.prefill_tokens_per_s)
-                        for i in range(config.servers)]  # fmt: skip
+        self.servers = [
+            DecodeServer(i, decode, s.max_running_requests, s.prefill_tokens_per_s)
+            for i in range(config.servers)
+        ]
         self.dispatcher = Dispatcher(self.servers)
         # Problems are only names to the buffer; enough of them that epochs never matter.
         problems = PromptSource([f"q{i}" for i in range(4096)], seed=config.seed)
@@ -132,8 +144,6 @@ class Simulation:
         """Rollouts of complete groups waiting in the buffer's queue."""
         self._learner = "waiting"
         self._ready_s = 0.0
-        self._batch: tuple[float, tuple[int, ...], int] | None = None
-        """(time taken, lags, tokens) of the batch being trained on."""
         self._trained_s = 0.0
         self._aborted: list[Request] = []
         """Requests ended by the pause of the sync in progress, continued after it."""
@@ -213,7 +223,7 @@ class Simulation:
         self._admit()
         self._take_batch()
 
-    def _forget(self, rollout_ids) -> None:
+    def _forget(self, rollout_ids: Iterable[str]) -> None:
         """Rollouts the buffer dropped as too old: their tokens were generated for nothing."""
         for rollout_id in rollout_ids:
             request = self.requests.pop(rollout_id)
@@ -244,24 +254,27 @@ class Simulation:
             self._queued.discard(trajectory.prompt_id)
             lengths.append(request.prompt_tokens + request.response_tokens)
         lags = tuple(self.version - t.oldest_version for t in batch)
-        self._batch = (self.now, lags, sum(lengths))
         self._learner = "training"
-        self._schedule(self.learner.step_seconds(lengths), "trained")
+        taken: Batch = (self.now, lags, sum(lengths))
+        self._schedule(self.learner.step_seconds(lengths), "trained", taken)
         self._admit()  # the batch left the queue: room under capacity, if that was the limit
 
-    def _on_trained(self, _: None) -> None:
+    def _on_trained(self, batch: Batch) -> None:
         self._learner = "syncing"
         self._trained_s = self.now
         for server in self.servers:
             self._aborted.extend(server.abort_all(self.now))
             server.epoch += 1
             self.dispatcher.update(server)
-        self._schedule(self.sync_s, "synced")
+        self._schedule(self.sync_s, "synced", batch)
 
-    def _on_synced(self, _: None) -> None:
-        batch_s, lags, tokens = self._batch
-        self.steps.append(StepRecord(len(self.steps) + 1, self._ready_s, batch_s,
-                                     self._trained_s, self.now, lags, tokens))  # fmt: skip
+    def _on_synced(self, batch: Batch) -> None:
+        batch_s, lags, tokens = batch
+        self.steps.append(
+            StepRecord(
+                len(self.steps) + 1, self._ready_s, batch_s, self._trained_s, self.now, lags, tokens
+            )
+        )
         self.version += 1
         self.buffer.set_version(self.version)
         self._forget_dropped_from_queue()
@@ -300,6 +313,8 @@ class Simulation:
 def _trajectory(request: Request) -> Trajectory:
     """The smallest trajectory the buffer accepts that carries the rollout's oldest version
     (the buffer reads nothing else); token counts live in Simulation.requests."""
+    if request.first_version is None:  # DecodeServer.add sets it; only an abort clears it
+        raise RuntimeError(f"rollout {request.rollout_id} finished without a first version")
     return Trajectory(
         prompt_id=request.rollout_id,
         token_ids=[0, 0],

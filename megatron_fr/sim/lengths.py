@@ -75,17 +75,20 @@ def read_lengths(path: str | Path, default_prompt_tokens: int) -> list[RolloutLe
             raise ValueError(f"{path}:{number}: not JSON ({error})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: expected an object with response_tokens")
-        response = record.get("response_tokens")
-        prompt = record.get("prompt_tokens", default_prompt_tokens)
-        for name, value, least in (("response_tokens", response, 1), ("prompt_tokens", prompt, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(
-                    f"{path}:{number}: {name} must be an int >= {least}, got {value!r}"
-                )
+        response = _count(record, "response_tokens", None, 1, f"{path}:{number}")
+        prompt = _count(record, "prompt_tokens", default_prompt_tokens, 0, f"{path}:{number}")
         lengths.append(RolloutLength(prompt, response))
     if not lengths:
         raise ValueError(f"lengths file {path} holds no lengths")
     return lengths
+
+
+def _count(record: dict, name: str, default: int | None, least: int, where: str) -> int:
+    """record[name] (default when absent), an int >= least; else a ValueError at `where`."""
+    value = record.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{where}: {name} must be an int >= {least}, got {value!r}")
+    return value
 
 
 def build_sampler(settings: LengthSettings, seed: int) -> LengthSampler:

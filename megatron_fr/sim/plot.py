@@ -34,18 +34,31 @@ def plot_sweep(results: list[SimResult], out: str | Path) -> Path:
     for scheme, group in _by_scheme(results).items():
         nodes = [r.rollout_nodes + r.learner_nodes for r in group]
         style, label = STYLE.get(scheme, ":"), LABEL.get(scheme, scheme)
-        util.plot(nodes, [r.rollout_util for r in group], style, marker="o", color="C0",
-                  label=f"rollout decode, {label}")  # fmt: skip
-        util.plot(nodes, [r.learner_util for r in group], style, marker="s", color="C1",
-                  label=f"learner, {label}")  # fmt: skip
-        throughput.plot(nodes, [r.trajectories_per_hour for r in group], style, marker="o",
-                        label=label)  # fmt: skip
+        util.plot(
+            nodes,
+            [r.rollout_util for r in group],
+            style,
+            marker="o",
+            color="C0",
+            label=f"rollout decode, {label}",
+        )
+        util.plot(
+            nodes,
+            [r.learner_util for r in group],
+            style,
+            marker="s",
+            color="C1",
+            label=f"learner, {label}",
+        )
+        throughput.plot(
+            nodes, [r.trajectories_per_hour for r in group], style, marker="o", label=label
+        )
     for index, result in enumerate(r for r in results if r.scheme == "flash_reinforce"):
         total = sum(result.lag_histogram.values())
         xs = sorted(result.lag_histogram)
-        nodes = result.rollout_nodes + result.learner_nodes
+        node_count = result.rollout_nodes + result.learner_nodes
         shares = [result.lag_histogram[x] / total for x in xs]
-        lags.step(xs, shares, where="mid", color=f"C{index}", label=f"{nodes} nodes")
+        lags.step(xs, shares, where="mid", color=f"C{index}", label=f"{node_count} nodes")
     totals = sorted({r.rollout_nodes + r.learner_nodes for r in results})
     for ax in (util, throughput):
         ax.set_xscale("log", base=2)

@@ -58,6 +58,8 @@ def summarize(simulation: Simulation) -> SimResult:
     """The report of a finished simulation (module docstring)."""
     config, scheme = simulation.config, simulation.scheme
     start, end = simulation.warm, simulation.end
+    if start is None or end is None:
+        raise ValueError("summarize needs a simulation that ran to its end (Simulation.run)")
     window = end.time - start.time
     measured = simulation.steps[config.warmup_steps :]
     servers = len(simulation.servers)
@@ -96,7 +98,7 @@ def simulate(config: SimConfig, scheme: Scheme, lengths: LengthSampler | None = 
 
 
 def _difference(end: Totals, start: Totals) -> dict[int, int]:
-    before = start.lag_histogram or {}
+    before = start.lag_histogram
     diff = {lag: n - before.get(lag, 0) for lag, n in end.lag_histogram.items()}
     return {lag: n for lag, n in sorted(diff.items()) if n}
 

@@ -42,8 +42,9 @@ class Request:
 
 
 class DecodeServer:
-    def __init__(self, index: int, decode: DecodeModel, max_running: int,
-                 prefill_tokens_per_s: float | None) -> None:  # fmt: skip
+    def __init__(
+        self, index: int, decode: DecodeModel, max_running: int, prefill_tokens_per_s: float | None
+    ) -> None:
         self.index, self.decode, self.max_running = index, decode, max_running
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.progress = 0.0

@@ -66,15 +66,23 @@ def learner_fits(config: SimConfig, learner_nodes: int) -> bool:
     if learner.gpu_mem_gb is None or learner.seconds_per_step is not None:
         return True
     layouts = enumerate_layouts(
-        load_hf_config(learner.model), learner_nodes * config.cluster.gpus_per_node,
-        config.cluster.gpus_per_node, micro_batch_tokens=learner.micro_batch_tokens,
+        load_hf_config(learner.model),
+        learner_nodes * config.cluster.gpus_per_node,
+        config.cluster.gpus_per_node,
+        micro_batch_tokens=learner.micro_batch_tokens,
         gpu_mem_gib=learner.gpu_mem_gb,
-    )  # fmt: skip
+    )
     return bool(layouts)
 
 
-def suggest(config: SimConfig, total_nodes: int, target_lag: int, *,
-            max_drop_share: float = 0.05, tolerance: float = 0.02) -> Suggestion:  # fmt: skip
+def suggest(
+    config: SimConfig,
+    total_nodes: int,
+    target_lag: int,
+    *,
+    max_drop_share: float = 0.05,
+    tolerance: float = 0.02,
+) -> Suggestion:
     """The split of total_nodes for FlashREINFORCE at max_lag = target_lag (module docstring)."""
     scheme_settings = config.scheme.model_copy(update={"max_lag": target_lag, "capacity": None})
     config = config.model_copy(update={"scheme": scheme_settings})
@@ -121,26 +129,35 @@ def _search(splits: list[int], run: Callable[[int], SimResult]) -> None:
             run(rollout)
 
 
-def _choose(results: list[SimResult], max_drop_share: float, tolerance: float,
-            target_lag: int, budget: int) -> tuple[SimResult, str]:  # fmt: skip
+def _choose(
+    results: list[SimResult], max_drop_share: float, tolerance: float, target_lag: int, budget: int
+) -> tuple[SimResult, str]:
     feasible = [r for r in results if r.drop_share <= max_drop_share]
     note = ""
     if not feasible:  # the lag target and the lengths, more than the split, set the drops then
         least = min(results, key=lambda r: r.drop_share)
         feasible = results
-        note = (f"\nNo split keeps drops under {max_drop_share:.0%}, so they were not used to "
-                f"choose; the least is {least.drop_share:.1%} ({least.rollout_nodes} rollout "
-                f"nodes, {least.trajectories_per_hour:,.0f} trajectories/h). The dropped are the "
-                "long responses, which outlive their staleness budget: a larger target lag or a "
-                "smaller max_new_tokens keeps them.")  # fmt: skip
+        note = (
+            f"\nNo split keeps drops under {max_drop_share:.0%}, so they were not used to "
+            f"choose; the least is {least.drop_share:.1%} ({least.rollout_nodes} rollout "
+            f"nodes, {least.trajectories_per_hour:,.0f} trajectories/h). The dropped are the "
+            "long responses, which outlive their staleness budget: a larger target lag or a "
+            "smaller max_new_tokens keeps them."
+        )
     best = max(r.trajectories_per_hour for r in feasible)
     near = [r for r in feasible if r.trajectories_per_hour >= (1 - tolerance) * best]
     chosen = min(near, key=lambda r: (r.lag_mean, r.rollout_nodes))
     return chosen, _explain(chosen, results, near, target_lag, tolerance, budget) + note
 
 
-def _explain(chosen: SimResult, results: list[SimResult], near: list[SimResult],
-             target_lag: int, tolerance: float, budget: int) -> str:  # fmt: skip
+def _explain(
+    chosen: SimResult,
+    results: list[SimResult],
+    near: list[SimResult],
+    target_lag: int,
+    tolerance: float,
+    budget: int,
+) -> str:
     c = chosen
     lines = [
         f"{c.rollout_nodes} rollout + {c.learner_nodes} learner nodes: "

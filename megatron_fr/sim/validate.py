@@ -1,6 +1,6 @@
 """Check the simulator against a finished run: predict its lag and drops from its own figures.
 
-What a run directory gives today (orchestrator/session.py `log_step`, run_log.py):
+What a run directory gives today (orchestrator/report.py, run_log.py):
     config.yaml     buffer (B, G, max_lag, capacity, max_in_flight), engine urls
     metrics.jsonl   per step: step_s (wait for the batch + train + sync), sync_s, tokens_per_s
                     (batch tokens / step_s), lag_mean, lag_max, rollouts_total, dropped_total
@@ -19,7 +19,8 @@ found; the report says so.
 The servers' batching curve is not fitted, only scaled: give its shape. The CPU engine
 (engine/cpu_server.py) decodes its requests one token each in turn under one lock and serves 32
 at once, i.e. server.single_stream_tokens_per_s = server.peak_tokens_per_s and
-server.max_running_requests=32; the arithmetic task's prompts are 7 tokens (BOS + "23+05=").
+server.max_running_requests=32; the CPU demo's prompts, rendered by its chat template, are 30 or
+31 tokens (lengths.prompt_tokens).
 
 Not logged today, and what would make the check sharp: the time the learner waits for each
 batch and the time it trains, separately (the train-time estimate above is a guess); per
@@ -138,22 +139,30 @@ def run_sim_config(figures: RunFigures, base: SimConfig, scale: float = 1.0) -> 
                 "set lengths.prompt_tokens to the run's prompt length"
             )
         median = response / math.exp(base.lengths.sigma**2 / 2)  # lognormal mean -> median
-        base = base.model_copy(update={
-            "lengths": base.lengths.model_copy(update={"median_tokens": median})})  # fmt: skip
-    server = base.server.model_copy(update={
-        "gpus_per_server": 1,
-        "single_stream_tokens_per_s": base.server.single_stream_tokens_per_s * scale,
-        "peak_tokens_per_s": base.server.peak_tokens_per_s * scale,
-    })  # fmt: skip
-    return base.model_copy(update={
-        "cluster": base.cluster.model_copy(
-            update={"rollout_nodes": figures.servers, "learner_nodes": 1, "gpus_per_node": 1}),
-        "server": server,
-        "learner": base.learner.model_copy(update={"seconds_per_step": max(figures.train_s, 1e-6)}),
-        "sync": base.sync.model_copy(update={"bytes": 0, "latency_s": figures.sync_s}),
-        "steps": figures.steps,
-        "warmup_steps": 0,
-    })  # fmt: skip
+        base = base.model_copy(
+            update={"lengths": base.lengths.model_copy(update={"median_tokens": median})}
+        )
+    server = base.server.model_copy(
+        update={
+            "gpus_per_server": 1,
+            "single_stream_tokens_per_s": base.server.single_stream_tokens_per_s * scale,
+            "peak_tokens_per_s": base.server.peak_tokens_per_s * scale,
+        }
+    )
+    return base.model_copy(
+        update={
+            "cluster": base.cluster.model_copy(
+                update={"rollout_nodes": figures.servers, "learner_nodes": 1, "gpus_per_node": 1}
+            ),
+            "server": server,
+            "learner": base.learner.model_copy(
+                update={"seconds_per_step": max(figures.train_s, 1e-6)}
+            ),
+            "sync": base.sync.model_copy(update={"bytes": 0, "latency_s": figures.sync_s}),
+            "steps": figures.steps,
+            "warmup_steps": 0,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -194,21 +203,22 @@ def format_validation(validation: Validation) -> str:
             "learner-bound run: the step time does not depend on the servers' speed, so it was "
             f"not calibrated (servers x{validation.scale:.3g}, i.e. never the bottleneck)"
         )
+    measured_drops = "n/a" if f.drop_share is None else f"{f.drop_share:.2%}"
     rows = [
         ("step s (mean)", f"{p.step_s_mean:.3f}", f"{f.step_s_mean:.3f}"),
         ("lag mean", f"{p.lag_mean:.3f}", f"{f.lag_mean:.3f}"),
         ("lag max", f"{p.lag_max}", f"{f.lag_max}"),
-        ("dropped / generated", f"{p.drop_share:.2%}",
-         "n/a" if f.drop_share is None else f"{f.drop_share:.2%}"),
-    ]  # fmt: skip
+        ("dropped / generated", f"{p.drop_share:.2%}", measured_drops),
+    ]
     lines = [head, f"{'':24}{'predicted':>12}{'measured':>12}"]
     lines += [f"{name:24}{pred:>12}{meas:>12}" for name, pred, meas in rows]
     lines.append(_histogram_lines(p.lag_histogram, f.lag_histogram, f.histogram_step))
     return "\n".join(lines)
 
 
-def _histogram_lines(predicted: dict[int, int], measured: dict[int, int] | None,
-                     step: int | None) -> str:  # fmt: skip
+def _histogram_lines(
+    predicted: dict[int, int], measured: dict[int, int] | None, step: int | None
+) -> str:
     label = "no checkpoint" if measured is None else f"checkpoint, step {step}"
     lines = [f"lag histogram, share of trained trajectories (measured: {label})"]
     measured = measured or {}

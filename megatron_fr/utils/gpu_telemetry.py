@@ -52,8 +52,9 @@ class GpuTelemetry:
     ):
         """cuda_index: torch's device (default: the current one). nvml, torch_memory: stand-ins
         for pynvml and for (allocated, peak allocated) bytes, for tests."""
-        self._handle = None
-        self._nvml = None
+        self._handle: Any = None
+        """NVML's handle of the device; None: telemetry is off."""
+        self._nvml: Any = None
         self._torch_memory = torch_memory
         try:
             nvml = nvml if nvml is not None else _import_nvml()
@@ -75,7 +76,7 @@ class GpuTelemetry:
     def sample(self) -> dict[str, float]:
         """{gpu_mem_used_gib, gpu_mem_total_gib, gpu_util_pct, gpu_power_w,
         gpu_torch_allocated_gib, gpu_torch_peak_gib}; {} when off."""
-        if self._handle is None:
+        if self._handle is None or self._torch_memory is None:  # both set when on
             return {}
         nvml, handle = self._nvml, self._handle
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)

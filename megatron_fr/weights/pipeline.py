@@ -14,12 +14,18 @@ sender's peers are waiting in the shard exchanges of the later buckets, and ever
 reach the sync point where all of them learn of the failure together (sync._raise_if_any).
 Each send is bounded by the transport's own deadlines (every engine call and broadcast has
 timeout_s), so waiting for one ends; the thread is joined before the loop returns.
+
+The current CUDA device is per thread and starts at 0 in a new one, so the send thread first
+takes the device of the thread that created the sender (a stage's sending rank on GPU 3 would
+otherwise run its NCCL broadcasts and copies on GPU 0).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from megatron_fr.weights.reshard import Bucket
 
@@ -36,7 +42,10 @@ class BucketSender:
 
     def __init__(self, send: SendAttempt, overlap: bool = True):
         self._send = send
-        self._executor = ThreadPoolExecutor(1, THREAD_NAME) if overlap else None
+        self._executor = None
+        if overlap:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+            self._executor = ThreadPoolExecutor(1, THREAD_NAME, _set_device, (device,))
         self._in_flight: Future | None = None
         self.failure: str | None = None
 
@@ -63,7 +72,13 @@ class BucketSender:
     def __enter__(self) -> BucketSender:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         """Join the thread, also when the caller raised (the bucket in flight ends first)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+
+
+def _set_device(device: int | None) -> None:
+    """The send thread's first act: the creating thread's CUDA device (module docstring)."""
+    if device is not None:
+        torch.cuda.set_device(device)

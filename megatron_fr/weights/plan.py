@@ -20,14 +20,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-import megatron_fr.parallel  # noqa: F401  (installs the import shim megatron needs on CPU)
 from megatron_fr.convert.qwen import MegatronNames, megatron_tensor_to_hf, outer_pairs
-from megatron_fr.convert.shard import expert_global_name
+from megatron_fr.convert.shard import expert_global_name, partition_dim, stage_layer_numbers
 from megatron_fr.models.hf_config import HFModelSpec
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -103,25 +106,32 @@ def _groups(has_experts: bool) -> _Groups:
     dense_ranks = [dist.get_global_rank(dense_group, t) for t in range(tp)]
     etp = ps.get_expert_tensor_parallel_world_size() if has_experts else 1
     ep = ps.get_expert_model_parallel_world_size() if has_experts else 1
-    expert_group, expert_ranks = None, {}
+    expert_group: dist.ProcessGroup | None = None
+    expert_ranks: dict[tuple[int, int], int] = {}
     if has_experts:
         expert_group = ps.get_expert_tensor_and_model_parallel_group()
         mine = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank())
-        coordinates = [None] * dist.get_world_size(expert_group)
+        coordinates = [mine] * dist.get_world_size(expert_group)  # all_gather fills each
         dist.all_gather_object(coordinates, mine, group=expert_group)
         expert_ranks = {c: dist.get_global_rank(expert_group, i) for i, c in enumerate(coordinates)}
     return _Groups(
-        dense_ranks, expert_ranks, dense_group, expert_group,
+        dense_ranks,
+        expert_ranks,
+        dense_group,
+        expert_group,
         dense_active=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
         expert_active=has_experts and ps.get_expert_data_parallel_rank() == 0,
-        etp=etp, ep=ep,
-    )  # fmt: skip
+        etp=etp,
+        ep=ep,
+    )
 
 
-def _full_tensors(model: torch.nn.Module, spec: HFModelSpec, groups: _Groups) -> Iterator:
+def _full_tensors(
+    model: GPTModel, spec: HFModelSpec, groups: _Groups
+) -> Iterator[tuple[FullTensor, list[int]]]:
     """(FullTensor, its full shape) for the stage, in parameter order (each expert parameter
     once per EP rank, whose experts it stands for)."""
-    layers = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    layers = dict(enumerate(stage_layer_numbers(model)))
     keep_outer = set(outer_pairs(spec))
     for local_name, param in model.named_parameters():
         name, match = local_name, _LOCAL_LAYER.match(local_name)
@@ -133,14 +143,14 @@ def _full_tensors(model: torch.nn.Module, spec: HFModelSpec, groups: _Groups) ->
         sharded = getattr(param, "tensor_model_parallel", False)
         shape = list(param.shape)
         if not expert:
-            holders = groups.dense_ranks if sharded else groups.dense_ranks[:1]
+            holders = tuple(groups.dense_ranks if sharded else groups.dense_ranks[:1])
             if len(holders) > 1:
-                shape[param.partition_dim] *= len(holders)
-            yield FullTensor(name, local_name, tuple(holders), False), shape
+                shape[partition_dim(param)] *= len(holders)
+            yield FullTensor(name, local_name, holders, False), shape
             continue
         etp = groups.etp if sharded else 1
         if etp > 1:
-            shape[param.partition_dim] *= etp
+            shape[partition_dim(param)] *= etp
         for ep_rank in range(groups.ep):
             holders = tuple(groups.expert_ranks[(t, ep_rank)] for t in range(etp))
             global_name = expert_global_name(name, ep_rank, spec.num_experts // groups.ep)
@@ -155,7 +165,10 @@ def build_plan(model: torch.nn.Module, spec: HFModelSpec, bucket_bytes: int) -> 
     has_experts = any(".experts." in name for name in params)
     groups, names = _groups(has_experts), MegatronNames.of(params)
     sender = _sender(groups, has_experts)
-    buckets, window, hf_names, size, largest = [], [], [], 0, 0
+    buckets: list[BucketPlan] = []
+    window: list[FullTensor] = []  # the open bucket's
+    hf_names: list[str] = []
+    size, largest = 0, 0
     for full, shape in _full_tensors(model, spec, groups):
         meta = torch.empty(shape, dtype=params[full.param].dtype, device="meta")
         for index, (hf_name, tensor) in enumerate(
@@ -173,11 +186,15 @@ def build_plan(model: torch.nn.Module, spec: HFModelSpec, bucket_bytes: int) -> 
     if hf_names:
         buckets.append(BucketPlan(tuple(window), tuple(hf_names), size))
     return ReshardPlan(
-        tuple(buckets), names, dist.get_rank(), sender,
+        tuple(buckets),
+        names,
+        dist.get_rank(),
+        sender,
         dense_group=groups.dense_group if groups.dense_active else None,
         expert_group=groups.expert_group if groups.expert_active else None,
-        bucket_bytes=bucket_bytes, largest_tensor_bytes=largest,
-    )  # fmt: skip
+        bucket_bytes=bucket_bytes,
+        largest_tensor_bytes=largest,
+    )
 
 
 def _sender(groups: _Groups, has_experts: bool) -> int | None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_fr.convert.qwen import megatron_tensor_to_hf
-from megatron_fr.convert.shard import partition_stride, shard_ranges
+from megatron_fr.convert.shard import partition_dim, partition_stride, shard_ranges
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.plan import FullTensor, ReshardPlan, build_plan
 
@@ -57,12 +57,14 @@ def shard_messages(param: torch.nn.Parameter, name: str, holders: int) -> list[T
     tensor (convert/shard.py: shard_ranges), so it travels alone and is received in place;
     split along another dim (a row-parallel weight), the shard travels whole."""
     local = param.detach()
-    if holders > 1 and param.partition_dim == 0:
+    if holders > 1 and partition_dim(param) == 0:
         return list(local.chunk(partition_stride(name, param), dim=0))
     return [local.contiguous()]
 
 
-def _send_shards(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> None:
+def _send_shards(
+    plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict[str, torch.nn.Parameter]
+) -> None:
     """A peer of the sender: every message of its shards in the window, then wait."""
     ops: dict[bool, list[dist.P2POp]] = {False: [], True: []}  # by group: dense, expert
     for full in window:
@@ -73,7 +75,9 @@ def _send_shards(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict
     _post_and_wait(ops)
 
 
-def _gather(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> list[Tensor]:
+def _gather(
+    plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict[str, torch.nn.Parameter]
+) -> list[Tensor]:
     """The sender: the window's full tensors, all their messages posted at once."""
     ops: dict[bool, list[dist.P2POp]] = {False: [], True: []}  # by group: dense, expert
     copies: list[tuple[Tensor, Tensor]] = []
@@ -84,7 +88,13 @@ def _gather(plan: ReshardPlan, window: tuple[FullTensor, ...], params: dict) -> 
     return fulls
 
 
-def _receive_into(plan: ReshardPlan, full: FullTensor, param, ops: dict, copies: list) -> Tensor:
+def _receive_into(
+    plan: ReshardPlan,
+    full: FullTensor,
+    param: torch.nn.Parameter,
+    ops: dict[bool, list[dist.P2POp]],
+    copies: list[tuple[Tensor, Tensor]],
+) -> Tensor:
     """One full tensor: the sender's own whole tensor as it is; else a new tensor its shards'
     messages are received into, in place where they land contiguously (else into a buffer,
     copied in after the wait, as the sender's own shard is)."""
@@ -92,7 +102,7 @@ def _receive_into(plan: ReshardPlan, full: FullTensor, param, ops: dict, copies:
     if full.holders == (plan.rank,):
         return local
     count = len(full.holders)
-    dim = param.partition_dim if count > 1 else 0
+    dim = partition_dim(param) if count > 1 else 0
     stride = partition_stride(full.name, param) if count > 1 else 1
     shape = list(local.shape)
     shape[dim] *= count

@@ -24,7 +24,9 @@ mixed-version tokens into training data.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -89,7 +91,9 @@ class WeightSync:
         self._plan: tuple[torch.nn.Module, ReshardPlan] | None = None
 
     @classmethod
-    def from_config(cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
+    def from_config(
+        cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec
+    ) -> Self:
         return cls(config, engines, spec)
 
     def connect(self) -> None:
@@ -97,9 +101,10 @@ class WeightSync:
         engines); sync() calls it if nobody did."""
         resolved: list[Engine] = []
         failure = self._attempt(
-            dist.get_rank() == 0, "resolve engines",
+            dist.get_rank() == 0,
+            "resolve engines",
             lambda: resolved.extend(resolve_engine(e, self.timeout_s) for e in self.engines),
-        )  # fmt: skip
+        )
         _raise_if_any(failure)
         box = [resolved]
         dist.broadcast_object_list(box, src=0)
@@ -137,7 +142,8 @@ class WeightSync:
         rank0, sender = dist.get_rank() == 0, is_stage_sender()
         _raise_if_any(self._attempt(rank0, "pause", self._pause))
         stage, stages = _stages()
-        counts, kept = [0, 0, 0], []
+        counts = [0, 0, 0]
+        kept: list[tuple[str, torch.Tensor]] = []
         for turn in range(stages):
             failure = None
             if stage == turn:
@@ -145,8 +151,9 @@ class WeightSync:
             _raise_if_any(failure)
         failure = self._attempt(rank0, "commit", lambda: self._commit(version, kept))
         _raise_if_any(failure)
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, (counts, len(kept)) if sender else ([0, 0, 0], 0))
+        nothing: tuple[list[int], int] = ([0, 0, 0], 0)  # a rank that sent nothing
+        per_rank = [nothing] * dist.get_world_size()  # all_gather_object fills every entry
+        dist.all_gather_object(per_rank, (counts, len(kept)) if sender else nothing)
         buckets, tensors, nbytes = (sum(c[i] for c, _ in per_rank) for i in range(3))
         seconds = time.monotonic() - started
         return SyncReport(version, buckets, tensors, nbytes, seconds, per_rank[0][1])
@@ -156,15 +163,21 @@ class WeightSync:
         its stage), by every rank; a layout it refuses makes every rank raise."""
         if self._plan is None or self._plan[0] is not model:
             try:
-                plan, failure = build_plan(model, self.spec, self.bucket_bytes), None
+                plan = build_plan(model, self.spec, self.bucket_bytes)
             except ValueError as error:
-                plan, failure = None, f"rank {dist.get_rank()} at plan: {error}"
-            _raise_if_any(failure)
+                _raise_if_any(f"rank {dist.get_rank()} at plan: {error}")  # raises everywhere
+                raise
+            _raise_if_any(None)
             self._plan = (model, plan)
         return self._plan[1]
 
     def _send_stage(
-        self, model, plan: ReshardPlan, sender: bool, counts: list[int], kept: list
+        self,
+        model: torch.nn.Module,
+        plan: ReshardPlan,
+        sender: bool,
+        counts: list[int],
+        kept: list[tuple[str, torch.Tensor]],
     ) -> str | None:
         """This stage's buckets: every rank of the stage takes part in building them, its
         sender gets them and sends each one while the next is built."""
@@ -180,26 +193,27 @@ class WeightSync:
                 del bucket  # else it stays alive while the next one is built: three in memory
             failure = stream.finish()
         if failure is None:
-            failure = self._attempt(sender, "finish", self.transport.finish_stage)
+            failure = self._attempt(sender, "finish", self._connected().finish_stage)
         return failure
 
     def _send_bucket(self, bucket: Bucket) -> str | None:
-        return self._attempt(True, "send", lambda: self.transport.send(bucket))
+        return self._attempt(True, "send", lambda: self._connected().send(bucket))
 
     def _pause(self) -> None:
         pause = protocol.pause_generation_request(self.config.pause_mode)
         self._post_all(protocol.PAUSE_GENERATION_PATH, pause)
-        if self.transport.needs_session:
+        if self._connected().needs_session:
             self._post_all(
                 protocol.BEGIN_WEIGHT_UPDATE_PATH, protocol.begin_weight_update_request()
             )
 
     def _commit(self, version: str, kept: list[tuple[str, torch.Tensor]]) -> None:
-        self.transport.commit(version)
-        if self.transport.needs_session:
+        transport = self._connected()
+        transport.commit(version)
+        if transport.needs_session:
             self._post_all(protocol.END_WEIGHT_UPDATE_PATH, protocol.end_weight_update_request())
         if self.config.flush_cache:
-            for url in self.transport.urls:
+            for url in transport.urls:
                 flush_cache(url, self.timeout_s)
         self._post_all(
             protocol.UPDATE_WEIGHT_VERSION_PATH, protocol.update_weight_version_request(version)
@@ -207,11 +221,17 @@ class WeightSync:
         self._check(kept)
         self._post_all(protocol.CONTINUE_GENERATION_PATH, protocol.continue_generation_request())
 
-    def _post_all(self, path: str, body: dict) -> None:
+    def _connected(self) -> WeightTransport:
+        """The transport connect() made; every step after connect() goes through it."""
+        if self.transport is None:
+            raise WeightSyncError("the weight sync is not connected (connect() first)")
+        return self.transport
+
+    def _post_all(self, path: str, body: dict[str, object]) -> None:
         post_all([engine.url for engine in self.engines], path, body, self.timeout_s)
 
     @staticmethod
-    def _attempt(this_rank: bool, what: str, call) -> str | None:
+    def _attempt(this_rank: bool, what: str, call: Callable[[], object]) -> str | None:
         """Run call on the ranks it concerns; the failure as a message (None if it worked)."""
         if not this_rank:
             return None
@@ -224,7 +244,7 @@ class WeightSync:
     def _check(self, kept: list[tuple[str, torch.Tensor]]) -> None:
         """Read the first values of a few sent tensors back from every engine, bitwise."""
         for name, expected in kept:
-            for url in self.transport.urls:
+            for url in self._connected().urls:
                 body = {"name": name, "truncate_size": expected.numel()}
                 served = post_json(url, "/get_weights_by_name", body, self.timeout_s)
                 if torch.tensor(served, dtype=torch.float32).tolist() != expected.float().tolist():
@@ -241,7 +261,7 @@ class WeightSync:
 
 def _raise_if_any(failure: str | None) -> None:
     """A sync point of all learner ranks: every rank raises if any rank failed."""
-    failures = [None] * dist.get_world_size()
+    failures: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     messages = [message for message in failures if message]
     if messages:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Qwen3-30B-A3B at lag 8 on 4 nodes x 8 H100 80GB: four SGLang servers (TP4) on nodes 1-2,
-# 16 learner ranks (TP4 + SP, CP2, EP8, ETP1) on nodes 3-4, 16,384 tokens per micro-batch (set
-# in the recipe: one micro-batch holds the longest row, 16,384 tokens; without CP that needs
-# 81.8 GiB of 80, with it (tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8
-# --gpu-mem-gb 80 --tp 4 --cp 2 --ep 8 --etp 1 --micro-batch-tokens 16384) 60.8 + 4 GiB reserve).
+# 16 learner ranks (TP4 + SP, CP2, EP8, ETP1) on nodes 3-4, 9,216 tokens per micro-batch and
+# GPU, selective recompute (set in the recipe): its 18,432-token rows fit the micro-batches
+# (tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem-gb 80
+# --tp 4 --cp 2 --ep 8 --etp 1 --micro-batch-tokens 9216 --row-tokens 18432 --recompute
+# selective: peak 49.83 GiB + 4 GiB reserve).
 #   slurm/recipes/qwen3_30b_a3b_lag8.sh --run-dir DIR [--dry-run] [options] [key=value ...]
 # Options given here can be overridden by repeating them (e.g. --gpu-mem-gb 141 on H200s);
 # slurm/launch.sh --help lists them all. Settings: examples/qwen3_30b_a3b_lag8.yaml.

@@ -14,11 +14,11 @@ from megatron_fr.parallel.spawn import run_on_ranks
 
 # no auxiliary loss, so the gradient is FlashREINFORCE's alone (transformers adds none either)
 CONFIG = dict(TINY["qwen3_moe"], router_aux_loss_coef=0.0)
-LAYOUTS = [  # (ParallelConfig kwargs, per-rank token budget)
+LAYOUTS = [  # (ParallelConfig kwargs, learner.micro_batch_tokens: tokens per GPU)
     (dict(), 10_000),  # DP2, one micro-batch each
     (dict(expert=2), 40),  # EP2 (DP2 for the dense part), several micro-batches
     (dict(tensor=2, sequence_parallel=True), 30),  # TP2+SP, one trajectory per micro-batch
-    (dict(context=2), 24),  # CP2: each packed row split over both ranks, several micro-batches
+    (dict(context=2), 12),  # CP2: each packed row (24 tokens) split over both ranks, several
 ]
 DELTA = 1e-3
 

@@ -9,8 +9,8 @@ clipping, Adam's first update of a parameter is g / (|g| + 1), one-to-one with i
 The padded DP2 layout is megatron's plain causal path (what tests/distributed/test_learner.py
 checks against transformers); packed rows go through megatron's THD path (PackedSeqParams,
 THD RoPE); CP2 through megatron's zigzag split of rows and RoPE tables, and on CPU through
-the local attention's stand-in for TE's CP attention (parallel/cpu_shims.py). The CP split of
-padded rows is also checked against megatron's own get_batch_on_this_cp_rank.
+the local spec's extension of its attention to TE's CP algorithm (models/attention.py). The
+CP split of padded rows is also checked against megatron's own get_batch_on_this_cp_rank.
 
     .venv/bin/python -m pytest tests/distributed/test_packing_cp.py -q
 """
@@ -72,8 +72,8 @@ def check_cp_split_is_megatrons(batch: list[Trajectory]) -> None:
 
     from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 
-    plan = plan_micro_batches([t.length for t in batch], dp_size=1, token_budget=BUDGET,
-                              pack=False, cp_size=2)  # fmt: skip
+    plan = plan_micro_batches([t.length for t in batch], dp_size=1,
+                              micro_batch_tokens=BUDGET // 2, pack=False, cp_size=2)  # fmt: skip
     whole = micro_batches_for_rank(batch, dataclasses.replace(plan, cp_size=1), dp_rank=0)
     mine = micro_batches_for_rank(batch, plan, dp_rank=0, cp_rank=ps.get_context_parallel_rank())
     for full, split in zip(whole, mine, strict=True):
@@ -102,7 +102,8 @@ def learner_runs(rank: int, world_size: int, checkpoints: dict[str, str], batch)
             if parallel.context == 2 and not pack:
                 check_cp_split_is_megatrons(batch)
             config = LearnerConfig(
-                params_dtype="float32", micro_batch_tokens=BUDGET, lr=1.0, adam_eps=1.0,
+                params_dtype="float32", micro_batch_tokens=BUDGET // parallel.context, lr=1.0,
+                adam_eps=1.0,
                 clip_grad=0.0, pack_sequences=pack,
                 flash_reinforce=FlashReinforceConfig(delta=DELTA, negative_token_fraction=fraction),
             )  # fmt: skip

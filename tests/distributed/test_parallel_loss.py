@@ -2,8 +2,9 @@
 
 Each rank builds its own view of one global batch the way a learner would (trajectories split
 over DP ranks and micro-batches, rows packed or not, rows split over CP ranks by megatron's
-own get_batch_on_this_cp_rank, vocab split over TP ranks), runs the parallel loss
-(flash_reinforce_parallel_loss, or ppo_clip_parallel_loss with each aggregation and
+own get_batch_on_this_cp_rank, vocab split over TP ranks), scores its targets from its vocab
+shard of the logits (vocab_parallel_log_probs), runs the parallel loss
+(flash_reinforce_scored_loss, or ppo_clip_scored_loss with each aggregation and
 correction) and backward, and scatters its logits gradient back into the global [B, T, V]
 layout. The test process then checks, against the loss on the whole batch with
 full-vocabulary log-softmax (algo's flash_reinforce_loss; for PPO-clip the formula written
@@ -30,6 +31,7 @@ LAYOUTS = {  # world size -> (tensor, data, context) layouts
     1: [(1, 1, 1)],
     2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
     4: [(2, 2, 1), (2, 1, 2), (1, 2, 2)],
+    8: [(2, 2, 2)],
 }
 VARIANTS = list(
     itertools.product(
@@ -150,14 +152,18 @@ def ppo_clip_reference(log_probs, case: dict, aggregation: str, correction: str)
 def test_ppo_clip_reference_agrees_with_the_algo_function():
     """The written-out reference and algo.ppo_clip_loss are the same loss (second opinion)."""
     from megatron_fr.algo.ppo import ppo_clip_loss
+    from megatron_fr.config.algo import PPOClipConfig
 
     case = make_case(0, torch.float64)
-    for aggregation, algo_name in (("token_mean", "token_mean"), ("sequence_mean", "sample_mean")):
+    mask = case["mask"]
+    segments = torch.where(mask, torch.arange(BATCH)[:, None], -1)
+    for aggregation in ("token_mean", "sequence_mean", "token_sum_norm"):
         log_probs, _ = reference_log_probs(case["logits"], case)
         mine, _ = ppo_clip_reference(log_probs, case, aggregation, "none")
+        config = PPOClipConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=aggregation)
         theirs, _ = ppo_clip_loss(
-            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), case["mask"],
-            eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=algo_name,
+            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), mask, segments,
+            mask.sum(1), config,
         )  # fmt: skip
         assert abs(mine.item() - theirs.item()) <= 1e-12, aggregation
 
@@ -212,9 +218,10 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
         GlobalBatch,
         LossBatch,
         agreed_admission,
-        flash_reinforce_parallel_loss,
+        flash_reinforce_scored_loss,
+        ppo_clip_scored_loss,
     )
-    from megatron_fr.parallel.ppo_loss import ppo_clip_parallel_loss
+    from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
     results = []
     for tp, dp, cp in LAYOUTS[world_size]:
@@ -230,10 +237,8 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
                     eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=setting[0],
                     correction=setting[1], correction_low=LOW, correction_high=HIGH,
                 )  # fmt: skip
-                parallel_loss = ppo_clip_parallel_loss
             else:
                 config = FlashReinforceConfig(delta=case["delta"], negative_token_fraction=setting)
-                parallel_loss = flash_reinforce_parallel_loss
             advantages = case["rewards"] - case["rewards"].mean()
             global_batch = GlobalBatch(
                 advantages=advantages, failures=case["failures"],
@@ -249,14 +254,20 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
                 )
                 logits = rows.pop("logits")[..., shard].clone().requires_grad_(True)
                 token_index = rows.pop("token_index")
-                loss, metrics = parallel_loss(
-                    logits,
-                    LossBatch(**rows),
-                    global_batch,
-                    config,
-                    tp_group=ps.get_tensor_model_parallel_group(),
-                    cp_group=ps.get_context_parallel_group(),
-                )
+                log_probs, entropies = vocab_parallel_log_probs(
+                    logits, rows["target_ids"], ps.get_tensor_model_parallel_group(),
+                    with_entropy=name == "flash_reinforce",
+                )  # fmt: skip
+                cp_group = ps.get_context_parallel_group()
+                if name == "ppo_clip":
+                    loss, metrics = ppo_clip_scored_loss(
+                        log_probs, LossBatch(**rows), global_batch, config, cp_group=cp_group
+                    )
+                else:
+                    loss, metrics = flash_reinforce_scored_loss(
+                        log_probs, entropies, LossBatch(**rows), global_batch, config,
+                        cp_group=cp_group,
+                    )  # fmt: skip
                 loss.backward()
                 loss_sum += loss.item()
                 per_micro.append(metrics)
@@ -284,7 +295,7 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_parallel_loss_equals_single_process_loss(world_size):
-    per_rank = run_on_ranks(run_layouts, world_size, timeout_s=600)
+    per_rank = run_on_ranks(run_layouts, world_size, timeout_s=900)
     references = {}
     for index, (seed, _, _, dtype, loss_spec) in enumerate(
         v for _ in LAYOUTS[world_size] for v in VARIANTS

@@ -3,9 +3,10 @@ over HTTP and the real rollout client asks it for the routed experts; in each ro
 2's row is expert 1's scaled by 1 + 2**-12, below bf16's resolution, so the bf16 engine sees a
 tie the float32 learner does not, and top-k choices flip (the case replay is for). With
 learner.routing_replay, on 2 gloo ranks at EP2 (several micro-batches, padded rows), TP2xEP2
-(sequence parallel, ETP1) and PP2 with activation recomputation (a later micro-batch's forward
-runs before an earlier one's recomputation, which must still replay its own experts:
-megatron's REPLAY_BACKWARD):
+(sequence parallel, ETP1, learner.recompute selective: every MoE block is re-run in the
+backward) and PP2 with learner.recompute full (a later micro-batch's forward runs before an
+earlier one's recomputation, which must still replay its own experts: megatron's
+REPLAY_BACKWARD):
   - the experts megatron's routers choose for every token (forward hooks on them) are the
     engine's, each rank checking the tokens and layers it holds, together covering all;
   - the learner's log-probs, loss, acceptance and gradient norm equal those of transformers'
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 
 import pytest
 import torch
@@ -33,26 +33,26 @@ CONFIG = dict(TINY["qwen3_moe"], router_aux_loss_coef=0.0)
 NEAR_TIE = 1 + 2**-12
 """Expert 2's router row is expert 1's times this (module docstring)."""
 DELTA = 1e-3
-LAYOUTS = [  # (name, ParallelConfig kwargs, per-rank token budget)
-    ("ep2", dict(expert=2), 26),
-    ("tp2xep2", dict(tensor=2, sequence_parallel=True, expert=2, expert_tensor=1), 10_000),
-    ("pp2", dict(pipeline=2), 26),
-]
-RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+LAYOUTS = [  # (name, ParallelConfig kwargs, per-rank token budget, learner.recompute)
+    ("ep2", dict(expert=2), 26, "none"),
+    ("tp2xep2", dict(tensor=2, sequence_parallel=True, expert=2, expert_tensor=1), 10_000,
+     "selective"),
+    ("pp2", dict(pipeline=2), 26, "full"),
+]  # fmt: skip
 PROMPTS = [[3, 17, 42, 5], [9, 8], [100, 2, 64, 31, 7, 7], [11, 12, 13], [50, 60], [1, 2, 3, 4, 5]]
 
 
 async def sample(hf_dir) -> list[Trajectory]:
     """One rollout per prompt from the CPU engine in bf16, routed experts included."""
     from aiohttp import web
+    from trajectory_fixtures import single_turn_trajectory
 
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
     from megatron_fr.engine.cpu_engine import CpuEngine
     from megatron_fr.engine.cpu_server import CpuServer
     from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
-    from megatron_fr.rollout.episodes import single_turn_trajectory
 
-    engine = CpuEngine(hf_dir, torch.bfloat16)
+    engine = CpuEngine(hf_dir, torch.bfloat16, return_routed_experts=True)
     engine.weight_version = "0"  # the learner's version of these weights
     runner = web.AppRunner(CpuServer(engine).app())
     await runner.setup()
@@ -171,29 +171,10 @@ def rank_micro_batches(learner, batch, parallel):
     return learner._micro_batches(batch, 0, learner.routing_replay)[1]
 
 
-def cpu_pipeline_and_recompute() -> None:
-    """What megatron_fr.parallel.cpu_shims does not cover yet, for this rank process only:
-    activation recomputation saves and restores the CUDA RNG state (on CPU the CPU state,
-    which megatron restores as well, is all there is), and the pipeline's point-to-point
-    sends synchronize the CUDA device (nothing to wait for on CPU)."""
-    from megatron.core.tensor_parallel import random
-
-    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    random._set_cuda_rng_state = lambda *args, **kwargs: None
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-
-
-def with_recompute(build_config):
-    """transformer_config with megatron's full activation recomputation, one layer a chunk
-    (the learner has no recompute setting yet; REPLAY_BACKWARD is what it exercises)."""
-    return lambda *args, **kwargs: dataclasses.replace(build_config(*args, **kwargs), **RECOMPUTE)
-
-
 def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajectory], tmp: str):
     import json
     from pathlib import Path
 
-    import megatron_fr.models.gpt as gpt
     from megatron_fr.config import FlashReinforceConfig, LearnerConfig, ParallelConfig
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import load_hf_config
@@ -201,22 +182,19 @@ def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajecto
     from megatron_fr.parallel.state import broadcast_from_rank0
 
     spec = load_hf_config(json.loads((Path(hf_dir) / "config.json").read_text()))
-    build_config = gpt.transformer_config
     state.initialize(ParallelConfig(), seed=0)
     batch = broadcast_from_rank0(batch if rank == 0 else None)  # as the controller hands it out
-    cpu_pipeline_and_recompute()
     results = {}
-    for name, kwargs, budget in LAYOUTS:
+    for name, kwargs, budget, recompute in LAYOUTS:
         parallel = ParallelConfig(**kwargs)
         state.initialize(parallel, seed=0)
         config = LearnerConfig(
             params_dtype="float32", micro_batch_tokens=budget, lr=1e-3, routing_replay=True,
-            flash_reinforce=FlashReinforceConfig(delta=DELTA),
+            flash_reinforce=FlashReinforceConfig(delta=DELTA), recompute=recompute,
         )  # fmt: skip
-        recompute = name == "pp2"
-        gpt.transformer_config = with_recompute(build_config) if recompute else build_config
         learner = Learner(spec, parallel, config, total_steps=4, init_hf_dir=hf_dir)
-        assert learner.module.config.recompute_granularity == ("full" if recompute else None)
+        granularity = learner.module.config.recompute_granularity
+        assert granularity == (None if recompute == "none" else recompute), name
         spy = RouterSpy(learner.module)
         micros = rank_micro_batches(learner, batch, parallel)
         scored = learner.policy_log_probs(batch)
@@ -234,7 +212,6 @@ def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajecto
             again.load(f"{tmp}/step1")
             resumed = (second, again.train_step(batch))
         results[name] = (len(micros), scored, routed, own, first, resumed)
-    gpt.transformer_config = build_config
     return results
 
 

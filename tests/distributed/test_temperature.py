@@ -20,9 +20,10 @@ CONFIG = dict(TINY["qwen3_moe"], router_aux_loss_coef=0.0)
 
 
 async def _sample(url: str, count: int):
+    from trajectory_fixtures import single_turn_trajectory
+
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
     from megatron_fr.engine.protocol import SamplingParams
-    from megatron_fr.rollout.episodes import single_turn_trajectory
 
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=10)
     async with RolloutClient(RolloutClientConfig(urls=[url], request_timeout_s=60)) as client:
@@ -80,7 +81,9 @@ def test_learner_log_probs_at_temperature_equal_the_engines(tmp_path):
     model.save_pretrained(tmp_path / "hf")
     run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     server = launch_server(
-        ServerLaunchConfig(model_path=str(tmp_path / "hf"), port=free_port(), log_dir=tmp_path)
+        ServerLaunchConfig(
+            model_path=str(tmp_path / "hf"), port=free_port(), log_dir=tmp_path, engine="cpu"
+        )
     )
     try:
         server.wait_healthy(deadline_s=120)

@@ -3,6 +3,7 @@ real training command), and its summary arithmetic on run directories written he
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fr.orchestrator import compare
+from megatron_fr.orchestrator import compare_stats as stats
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["buffer.batch_size=8", "buffer.capacity=32", "buffer.max_in_flight=16",
@@ -36,14 +38,19 @@ def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
             write_run(tmp_path / f"{name}{seed}", evals, acceptance=0.9, kl=1e-3)
             summary = compare.summarise(name, seed, tmp_path / f"{name}{seed}", batch_size=10)
             runs.setdefault(name, []).append(summary)
-    curve = compare.mean_curve(runs["fr"])
+    curve = stats.mean_curve([run.curve for run in runs["fr"]])
     assert [x for x, _, _ in curve] == [0, 20, 40]
     assert [v for _, m, s in curve for v in (m, s)] == pytest.approx([0.2, 0, 0.45, 0.05, 0.6, 0])
-    # GRPO ends at 0.45; FlashREINFORCE's mean reaches it at 20 rollouts, half of GRPO's 40
+    # GRPO ends at 0.45; FlashREINFORCE's mean is exactly 0.45 at 20 rollouts: 0.5 x GRPO's 40.
+    # Resampling FR's two seeds gives means 0.5, 0.45 or 0.4 at 20 rollouts (chances 1/4, 1/2,
+    # 1/4): 0.5 crosses 0.45 at 0 + (0.25 / 0.3) x 20 = 16.7 (0.417 x); 0.4 crosses it between
+    # 20 (0.4) and 40 (0.6), at 20 + (0.05 / 0.2) x 20 = 25 (0.625 x).
     table = compare.results_table(runs, reference="grpo")
-    # lags 1, 0, 1, 0 over the four steps: mean 0.5
-    assert "| fr | 2 | 0.600 +- 0.000 | 0.900 | 1.00e-03 | 0.50 | 20 (0.50x of 40) |" in table
-    assert "| grpo | 2 | 0.450 +- 0.000 | 0.900 | 1.00e-03 | 0.50 | 40 (1.00x of 40) |" in table
+    fr_row = next(line for line in table.splitlines() if line.startswith("| fr |"))
+    assert "| 0.600 +- 0.000 | [0.600, 0.600] | 0.900 | 1.00e-03 | 0.50 |" in fr_row
+    assert "20 (0.50x, [0.417x, 0.625x]) |" in fr_row
+    grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo |"))
+    assert "40 (1.00x, [1.000x, 1.000x]) |" in grpo_row
 
 
 @pytest.mark.distributed
@@ -51,13 +58,19 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     """Both modes into one directory, as a user comparing both would, every run from the
     recipe's model. The lag runs take three steps, to see the lag grow to max_lag."""
     out = tmp_path / "compare"
-    modes = {"methods": (1, ["flash_reinforce", "grpo_g4", "rloo_g4"]),
-             "lag": (3, ["lag0", "lag2", "lag8", "lag8_no_gate"])}  # fmt: skip
-    for mode, (steps, names) in modes.items():
+    modes = {
+        "methods": (1, ["--estimators", "flash_reinforce,grpo"], ["flash_reinforce", "grpo_g4"]),
+        "lag": (3, ["--estimators", "flash_reinforce,grpo", "--lags", "0,2",
+                    "--gates", "bernoulli,topk"],
+                ["flash_reinforce_lag0", "flash_reinforce_lag0_topk", "flash_reinforce_lag2",
+                 "flash_reinforce_lag2_topk", "grpo_g4_lag0", "grpo_g4_lag2",
+                 "flash_reinforce_lag2_no_gate"]),
+    }  # fmt: skip
+    for mode, (steps, options, names) in modes.items():
         result = subprocess.run(
             [sys.executable, "-m", "megatron_fr", "compare", mode,
              str(REPO / "examples/cpu_demo.yaml"), "--out", str(out), "--seeds", "1",
-             "--steps", str(steps), *TINY, f"model.hf_dir={demo_model}"],
+             "--steps", str(steps), *options, *TINY, f"model.hf_dir={demo_model}"],
             capture_output=True, text=True, timeout=1500,
             env=os.environ | {"PYTHONPATH": str(REPO)},
         )  # fmt: skip
@@ -68,10 +81,56 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
             config = (out / f"{name}-seed0" / "config.yaml").read_text()
             assert f"hf_dir: {demo_model}" in config  # every run from the one model
         assert (out / "accuracy.png").stat().st_size > 10_000
-    assert "delta: .inf" in (out / "lag8_no_gate-seed0" / "config.yaml").read_text()
+    ungated = (out / "flash_reinforce_lag2_no_gate-seed0" / "config.yaml").read_text()
+    assert "delta: .inf" in ungated
+    topk = (out / "flash_reinforce_lag2_topk-seed0" / "config.yaml").read_text()
+    assert "gate_kl: topk" in topk and "gate_kl: bernoulli" in ungated
+    grpo = (out / "grpo_g4_lag2-seed0" / "config.yaml").read_text()
+    assert "estimator: grpo" in grpo and "group_size: 4" in grpo and "max_lag: 2" in grpo
     # Each lag run trains at its max_lag once it is that many steps in (the buffer waits for a
-    # full staleness budget): batch lags 0, 1, 2 at max_lag 2 and 8, 0 throughout at max_lag 0.
-    for name, lags in {"lag0": [0, 0, 0], "lag2": [0, 1, 2], "lag8": [0, 1, 2]}.items():
-        records = [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
-        assert [r["lag_max"] for r in records if "lag_max" in r] == lags, name
-        assert [r["lag_mean"] for r in records if "lag_mean" in r] == lags, name
+    # full staleness budget): batch lags 0, 1, 2 at max_lag 2, 0 throughout at max_lag 0, for
+    # GRPO's whole groups as for FlashREINFORCE.
+    expected = {"flash_reinforce_lag0": [0, 0, 0], "flash_reinforce_lag2": [0, 1, 2],
+                "flash_reinforce_lag2_topk": [0, 1, 2], "grpo_g4_lag0": [0, 0, 0],
+                "grpo_g4_lag2": [0, 1, 2]}  # fmt: skip
+    for name, lags in expected.items():
+        assert [r["lag_max"] for r in records_of(out, name) if "lag_max" in r] == lags, name
+        assert [r["lag_mean"] for r in records_of(out, name) if "lag_mean" in r] == lags, name
+    # On-policy (lag 0), the engine's top-K log-probs and the learner's of the same ids agree:
+    # the top-K gate's KL is rounding noise and it admits every trajectory.
+    steps = [r for r in records_of(out, "flash_reinforce_lag0_topk") if "acceptance_rate" in r]
+    assert len(steps) == 3 and all(r["acceptance_rate"] == 1.0 for r in steps)
+    assert max(r["sequence_kl_mean"] for r in steps) < 1e-6
+
+
+def records_of(out: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
+
+
+def test_lag_variants_run_flash_reinforce_once_per_gate():
+    """--gates: the Bernoulli run keeps its name and settings, the top-K run adds _topk and
+    the gate; group estimators (no gate) and the ungated run come once; methods refuses it."""
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+
+    def variants(*options: str) -> dict[str, tuple[str, ...]]:
+        args = parser.parse_args(["lag", "r.yaml", "--out", "o", *options])
+        return {v.name: v.overrides for v in compare.variants_for(args, batch_size=16)}
+
+    both = variants("--estimators", "flash_reinforce,grpo", "--lags", "0,8",
+                    "--gates", "topk,bernoulli")  # fmt: skip
+    assert list(both) == [
+        "flash_reinforce_lag0_topk", "flash_reinforce_lag0", "flash_reinforce_lag8_topk",
+        "flash_reinforce_lag8", "grpo_g4_lag0", "grpo_g4_lag8", "flash_reinforce_lag8_no_gate",
+    ]  # fmt: skip
+    assert both["flash_reinforce_lag8_topk"] == (
+        *both["flash_reinforce_lag8"],
+        "learner.flash_reinforce.gate_kl=topk",
+    )
+    assert not any("gate_kl" in override for override in both["flash_reinforce_lag8"])
+    assert list(variants()) == ["flash_reinforce_lag0", "flash_reinforce_lag2",
+                                "flash_reinforce_lag8", "flash_reinforce_lag8_no_gate"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        variants("--gates", "bernoulli,full")
+    methods = parser.parse_args(["methods", "r.yaml", "--out", "o", "--gates", "topk"])
+    assert compare.run(methods) == 2

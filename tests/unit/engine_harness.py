@@ -11,6 +11,7 @@ serves it), a gate on the model's forward calls, and transformers references.
   carried across a switch of weights (what an in-place update does to a running request).
 - `router_top_k`: the experts transformers' own MoE routers pick for each position of a
   sequence, from one forward over it.
+- `until(condition, what)`: wait (asynchronously) until a condition on the engine holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -44,6 +46,13 @@ async def serving(engine: CpuEngine, **server_kwargs) -> AsyncIterator[tuple[str
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", server
     finally:
         await runner.cleanup()
+
+
+async def until(condition, what: str) -> None:
+    deadline = time.monotonic() + HOLD_TIMEOUT_S  # hang guard only
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 def hf_model(model_dir: Path) -> torch.nn.Module:

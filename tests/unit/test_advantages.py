@@ -1,4 +1,4 @@
-"""Advantage estimators against per-group / per-token Python loops written from their formulas."""
+"""Advantage estimators against per-group Python loops written from their formulas."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from typing import get_args
 
 import pytest
 import torch
-from helpers import assert_close, log_sigmoid, random_policy_mask
+from helpers import assert_close
 
 from megatron_fr.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
     compute_advantages,
-    gae_advantages,
-    reinforce_plus_plus_advantages,
 )
 
 GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_baseline"]
@@ -185,168 +183,3 @@ def test_group_estimators_refuse_single_rollout_groups(estimator):
 def test_bad_inputs_are_refused(estimator, rewards, group_index, eps, message):
     with pytest.raises(ValueError, match=message):
         compute_advantages(estimator, rewards, group_index, eps=eps)
-
-
-# --- token-level estimators ------------------------------------------------------------------
-
-
-def token_batch(seed, dtype=torch.float64):
-    """Masks with gaps (multi-turn: tool tokens between turns); padding holds NaN."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = int(torch.randint(1, 6, (1,), generator=gen))
-    length = int(torch.randint(1, 11, (1,), generator=gen))
-    mask = random_policy_mask(gen, batch, length, density=0.6)
-    log_probs = log_sigmoid(torch.randn(batch, length, generator=gen) * 2)
-    ref = log_sigmoid(torch.randn(batch, length, generator=gen) * 2)
-    rewards = torch.randn(batch, generator=gen, dtype=dtype)
-    values = torch.randn(batch, length, generator=gen, dtype=dtype)
-    token_rewards = torch.randn(batch, length, generator=gen, dtype=dtype)
-    nan = torch.tensor(math.nan, dtype=dtype)
-    pad = lambda x: torch.where(mask, x.to(dtype), nan)  # noqa: E731
-    return rewards, pad(log_probs), pad(ref), mask, pad(values), pad(token_rewards)
-
-
-def policy_positions(mask, i):
-    return [t for t in range(mask.shape[1]) if mask[i, t]]
-
-
-def reference_reinforce_pp(rewards, log_probs, ref, mask, kl_coef, gamma, eps=EPS):
-    returns = {}
-    for i in range(mask.shape[0]):
-        policy = policy_positions(mask, i)
-        token_rewards = [-kl_coef * (log_probs[i, t].item() - ref[i, t].item()) for t in policy]
-        token_rewards[-1] += rewards[i].item()
-        running = 0.0
-        for k in reversed(range(len(policy))):
-            running = token_rewards[k] + gamma * running
-            returns[i, policy[k]] = running
-    mean, std = statistics.fmean(returns.values()), statistics.pstdev(returns.values())
-    out = torch.zeros(mask.shape, dtype=torch.float64)
-    for (i, t), value in returns.items():
-        out[i, t] = (value - mean) / (std + eps)
-    return out
-
-
-def reference_gae(token_rewards, values, mask, gamma, lam):
-    advantages = torch.zeros(mask.shape, dtype=torch.float64)
-    returns = torch.zeros(mask.shape, dtype=torch.float64)
-    for i in range(mask.shape[0]):
-        next_value, next_advantage = 0.0, 0.0
-        for t in reversed(policy_positions(mask, i)):
-            delta = token_rewards[i, t].item() + gamma * next_value - values[i, t].item()
-            next_advantage = delta + gamma * lam * next_advantage
-            next_value = values[i, t].item()
-            advantages[i, t] = next_advantage
-            returns[i, t] = next_advantage + next_value
-    return advantages, returns
-
-
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize(("kl_coef", "gamma"), [(0.0, 1.0), (0.05, 1.0), (0.1, 0.9), (1.0, 0.0)])
-def test_reinforce_plus_plus_matches_reference(seed, kl_coef, gamma):
-    rewards, log_probs, ref, mask, *_ = token_batch(seed)
-    advantages = reinforce_plus_plus_advantages(
-        rewards, log_probs, ref, mask, kl_coef=kl_coef, gamma=gamma
-    )
-    expected = reference_reinforce_pp(rewards, log_probs, ref, mask, kl_coef, gamma)
-    assert_close(advantages, expected, atol=1e-10)
-
-
-def test_reinforce_plus_plus_by_hand():
-    """Row 0's return skips its tool token: 1 at t=2, gamma * 1 = 0.5 at t=0 (not 0.25)."""
-    mask = torch.tensor([[True, False, True], [True, True, False]])
-    log_probs = torch.full((2, 3), -1.0, dtype=torch.float64)
-    advantages = reinforce_plus_plus_advantages(
-        torch.tensor([1.0, 0.0]), log_probs, log_probs, mask, kl_coef=0.1, gamma=0.5
-    )
-    returns = [0.5, 1.0, 0.0, 0.0]
-    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
-    expected = [[(0.5 - mean) / (std + EPS), 0.0, (1 - mean) / (std + EPS)]]
-    expected.append([(0 - mean) / (std + EPS)] * 2 + [0.0])
-    assert_close(advantages, torch.tensor(expected, dtype=torch.float64))
-
-
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (0.0, 0.5)])
-def test_gae_matches_reference(seed, gamma, lam):
-    *_, mask, values, token_rewards = token_batch(seed)
-    advantages, returns = gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam)
-    expected_advantages, expected_returns = reference_gae(token_rewards, values, mask, gamma, lam)
-    assert_close(advantages, expected_advantages, atol=1e-12)
-    assert_close(returns, expected_returns, atol=1e-12)
-
-
-def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
-    mask = torch.tensor([[True, True, False, True]])
-    token_rewards = torch.tensor([[1.0, 2.0, 100.0, 4.0]], dtype=torch.float64)
-    values = torch.tensor([[0.5, -1.0, 100.0, 2.0]], dtype=torch.float64)
-    advantages, returns = gae_advantages(token_rewards, values, mask, gamma=1.0, lam=1.0)
-    assert_close(returns, torch.tensor([[7.0, 6.0, 0.0, 4.0]], dtype=torch.float64))
-    assert_close(advantages, torch.tensor([[6.5, 7.0, 0.0, 2.0]]).double())
-
-
-def test_token_estimators_ignore_padding_and_are_detached():
-    rewards, log_probs, ref, mask, values, token_rewards = token_batch(3)
-    log_probs.requires_grad_(True)
-    values.requires_grad_(True)
-    outputs = [
-        reinforce_plus_plus_advantages(rewards, log_probs, ref, mask, kl_coef=0.1),
-        *gae_advantages(token_rewards, values, mask, gamma=0.9, lam=0.9),
-    ]
-    for output in outputs:
-        assert torch.isfinite(output).all() and not output.requires_grad
-        assert torch.count_nonzero(output[~mask]) == 0
-
-
-def _without_first_row(mask):
-    mask = mask.clone()
-    mask[0] = False
-    return mask
-
-
-@pytest.mark.parametrize(
-    ("mutate", "message"),
-    [
-        (lambda a, k: k.update(kl_coef=-0.1), "kl_coef must be a finite number >= 0"),
-        (lambda a, k: k.update(kl_coef=math.inf), "kl_coef must be"),
-        (lambda a, k: k.update(gamma=1.5), r"gamma must be in \[0, 1\]"),
-        (lambda a, k: k.update(eps=0.0), "eps must be a finite number > 0"),
-        (lambda a, k: a.update(rewards=torch.zeros(9)), "expected B ="),
-        (lambda a, k: a.update(ref_log_probs=a["ref_log_probs"] + 5), "ref_log_probs has positive"),
-        (lambda a, k: a.update(log_probs=a["log_probs"].float()), "dtype mismatch"),
-        (lambda a, k: a.update(action_mask=a["action_mask"].int()), "must be torch.bool"),
-        (lambda a, k: a.update(action_mask=_without_first_row(a["action_mask"])), "no policy"),
-    ],
-)
-def test_reinforce_plus_plus_bad_inputs(mutate, message):
-    rewards, log_probs, ref, mask, *_ = token_batch(5)
-    args = dict(rewards=rewards, log_probs=log_probs, ref_log_probs=ref, action_mask=mask)
-    kwargs = {"kl_coef": 0.1}
-    mutate(args, kwargs)
-    with pytest.raises(ValueError, match=message):
-        reinforce_plus_plus_advantages(**args, **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("gamma", "lam", "corrupt", "message"),
-    [
-        (1.1, 0.9, None, r"gamma must be in \[0, 1\]"),
-        (0.9, -0.1, None, r"lam must be in \[0, 1\]"),
-        (0.9, math.nan, None, r"lam must be in \[0, 1\]"),
-        (0.9, 0.9, "values", "values has non-finite values on policy tokens"),
-        (0.9, 0.9, "token_rewards", "token_rewards has non-finite values on policy tokens"),
-        (0.9, 0.9, "shape", "values has shape"),
-        (0.9, 0.9, "int", "token_rewards must be a floating-point tensor"),
-    ],
-)
-def test_gae_bad_inputs(gamma, lam, corrupt, message):
-    *_, mask, values, token_rewards = token_batch(7)
-    if corrupt in ("values", "token_rewards"):
-        bad = {"values": values, "token_rewards": token_rewards}[corrupt]
-        bad[tuple(mask.nonzero()[0].tolist())] = math.inf
-    elif corrupt == "shape":
-        values = values[:, :-1]
-    elif corrupt == "int":
-        token_rewards = torch.zeros(mask.shape, dtype=torch.long)
-    with pytest.raises(ValueError, match=message):
-        gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam)

@@ -1,16 +1,26 @@
 """The agent loop against a scripted engine behind the CPU engine's HTTP server: the row is the
 chat template's rendering of the conversation, the action mask is 1 exactly on the engine's
-output tokens (log-probs and versions with them), and every limit ends the episode cleanly."""
+output tokens (log-probs, versions and top-K log-probs with them), and every limit ends the
+episode cleanly."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import numpy as np
 import pytest
-from agent_fixtures import ScriptedEngine, build_tokenizer, scripted_routing, serving, turn_count
+from agent_fixtures import (
+    ScriptedEngine,
+    build_tokenizer,
+    scripted_routing,
+    scripted_top,
+    serving,
+    turn_count,
+)
 
-from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
+from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
@@ -52,19 +62,20 @@ def counting_policy(conversation: str) -> str:
     return f"I count {turn_count(conversation) + 1}."
 
 
-def play(engine, chat, episode, config=None, max_new_tokens=64) -> EpisodeResult:
-    return timed_play(engine, chat, episode, config, max_new_tokens)[0]
+def play(engine, chat, episode, config=None, max_new_tokens=64, top_k=0) -> EpisodeResult:
+    return timed_play(engine, chat, episode, config, max_new_tokens, top_k)[0]
 
 
-def timed_play(engine, chat, episode, config=None, max_new_tokens=64):
-    """(result, seconds run_episode took); routed experts asked for if the engine has them."""
+def timed_play(engine, chat, episode, config=None, max_new_tokens=64, top_k=0):
+    """(result, seconds run_episode took); routed experts asked for if the engine has them,
+    top-K log-probs with top_k = K."""
     config = config or AgentConfig()
     layout = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4) if engine.routed else None
 
     async def main() -> tuple[EpisodeResult, float]:
         async with serving(engine) as url:
             client_config = RolloutClientConfig(
-                urls=[url], request_timeout_s=30, routed_experts=layout
+                urls=[url], request_timeout_s=30, routed_experts=layout, top_logprobs=top_k
             )
             async with RolloutClient(client_config) as client:
                 sampling = SamplingParams(max_new_tokens=max_new_tokens)
@@ -153,6 +164,27 @@ def test_agent_turns_tile_the_routed_experts_of_the_row(tokenizer, chat, max_epi
     assert t is not None, result.error
     assert t.routed_experts.experts.tolist() == scripted_routing(t.token_ids[:-1])
     assert len(engine.inputs) == len(result.turns) > 1
+
+
+@pytest.mark.parametrize("max_episode_tokens", [10_000, 90])
+def test_agent_rows_carry_one_top_k_record_per_policy_token(tokenizer, chat, max_episode_tokens):
+    """The top-K log-probs asked for follow the policy tokens: one row per generated token, the
+    turns' rows in order (observations get none), each the engine's for that token; a row cut
+    back to its last policy token keeps every one; the record survives a checkpoint."""
+    engine = ScriptedEngine(tokenizer, counting_policy)
+    config = AgentConfig(max_episode_tokens=max_episode_tokens)
+    result = play(engine, chat, CountingEpisode(done_after=3), config, top_k=3)
+    t = result.trajectory
+    assert t is not None, result.error
+    assert len(result.turns) > 1
+    logprobs = [lp for lp, masked in zip(t.behavior_log_probs, t.action_mask, strict=True)
+                if masked]  # fmt: skip
+    policy = [token for token, masked in zip(t.token_ids, t.action_mask, strict=True) if masked]
+    expected = [scripted_top(token, lp, 3) for token, lp in zip(policy, logprobs, strict=True)]
+    assert t.top_logprobs.ids.tolist() == [ids for _, ids in expected]
+    assert t.top_logprobs.log_probs.tolist() == np.float32([lps for lps, _ in expected]).tolist()
+    assert Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert play(engine, chat, CountingEpisode(done_after=3), config).trajectory.top_logprobs is None
 
 
 def test_agent_between_turns_closes_a_turn_cut_by_the_token_limit(tokenizer, chat) -> None:

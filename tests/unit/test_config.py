@@ -8,7 +8,12 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from megatron_fr.config import FlashReinforceConfig, ParallelConfig, WeightSyncConfig
+from megatron_fr.config import (
+    FlashReinforceConfig,
+    LearnerConfig,
+    ParallelConfig,
+    WeightSyncConfig,
+)
 from megatron_fr.config.run import load_run_config
 
 
@@ -48,6 +53,21 @@ def test_parallel_config_rejects_bad_fields(bad):
 def test_flash_reinforce_config_ranges():
     assert FlashReinforceConfig(delta=math.inf).delta == math.inf
     for bad in (dict(delta=-1.0), dict(delta=math.nan), dict(negative_token_fraction=1.1)):
+        with pytest.raises(pydantic.ValidationError):
+            FlashReinforceConfig(**bad)
+
+
+def test_top_k_gate_is_optional_bounded_and_asks_for_k_log_probs_only_when_used():
+    """The paper's Bernoulli gate by default; the top-K gate's K is bounded (its carriage
+    cost, 8 K bytes per policy token), and rollouts carry top-K log-probs only when the
+    FlashREINFORCE loss gates with it."""
+    assert FlashReinforceConfig().gate_kl == "bernoulli"
+    assert LearnerConfig().top_logprobs == 0
+    topk = {"gate_kl": "topk", "gate_top_k": 16}
+    assert LearnerConfig(flash_reinforce=topk).top_logprobs == 16
+    assert LearnerConfig(flash_reinforce={"gate_kl": "topk"}).top_logprobs == 8
+    assert LearnerConfig(estimator="grpo", flash_reinforce=topk).top_logprobs == 0
+    for bad in (dict(gate_top_k=0), dict(gate_top_k=65), dict(gate_kl="full")):
         with pytest.raises(pydantic.ValidationError):
             FlashReinforceConfig(**bad)
 

@@ -151,6 +151,35 @@ def test_log_probs_at_temperature_0_6_are_transformers_logits_over_t(checkpoints
     assert truncated == (top_p < 1)
 
 
+def test_top_logprobs_are_the_k_most_likely_of_transformers_logits_over_t(checkpoints):
+    """top_logprobs_num = K: every output token's K most likely tokens and their log-probs
+    under log softmax(logits / 0.6), in descending order, against transformers' logits; at
+    top_k = 2 the truncated tokens' -inf comes as float32's smallest value (SGLang's clamp);
+    K past the request bound is a 400 naming the field."""
+    k = 5
+
+    async def scenario(client, _engine):
+        plain = await client.post(
+            "/generate", json=body(8, temperature=0.6) | {"top_logprobs_num": k}
+        )
+        cut = await client.post("/generate", json=body(3, top_k=2) | {"top_logprobs_num": 3})
+        huge = await client.post("/generate", json=body(2) | {"top_logprobs_num": 129})
+        return await plain.json(), await cut.json(), huge.status, await huge.text()
+
+    plain, cut, status, refusal = serve(checkpoints / "a", scenario)
+    rows = torch.log_softmax(hf_logits(checkpoints / "a", PROMPT + plain["output_ids"]) / 0.6, -1)
+    top = rows.topk(k, dim=-1)
+    answer = plain["meta_info"]["output_top_logprobs"]
+    assert plain["meta_info"]["input_top_logprobs"] == []
+    assert [[entry[1] for entry in row] for row in answer] == top.indices.tolist()
+    assert all(entry[2] is None for row in answer for entry in row)
+    values = torch.tensor([[entry[0] for entry in row] for row in answer])
+    assert (values - top.values).abs().max() <= 1e-5
+    floor = torch.finfo(torch.float32).min
+    assert [row[2][0] for row in cut["meta_info"]["output_top_logprobs"]] == [floor] * 3
+    assert status == 400 and "top_logprobs_num must be in [0, 128], got 129" in refusal
+
+
 def test_pause_abort_returns_partial_output_and_new_requests_wait_for_continue(checkpoints):
     async def scenario(client, engine):
         long = asyncio.create_task(client.post("/generate", json=body(max_new_tokens=400)))

@@ -44,20 +44,23 @@ class RecordingModel:
     def __init__(self) -> None:
         self.seen: list[tuple[str, torch.device]] = []
 
-    def __call__(self, input_ids, positions, attention_mask=None, packed_seq_params=None):
+    def __call__(self, input_ids, positions, attention_mask=None, packed_seq_params=None,
+                 output_processor=None):  # fmt: skip
         for name, value in [("input_ids", input_ids), ("positions", positions),
+                            ("targets", output_processor.targets),
                             *tensors_of(packed_seq_params)]:  # fmt: skip
             self.seen.append((name, value.device))
-        return torch.empty(*input_ids.shape, 8, device=input_ids.device)
+        return torch.empty(2, *input_ids.shape, device=input_ids.device)
 
 
 def test_forward_step_moves_model_inputs_and_loss_batch_to_the_models_device():
     trajectories = batch()
-    plan = plan_micro_batches([t.length for t in trajectories], dp_size=1, token_budget=64)
+    plan = plan_micro_batches([t.length for t in trajectories], dp_size=1, micro_batch_tokens=64)
     micros = micro_batches_for_rank(trajectories, plan, dp_rank=0)
     assert all(t.device.type == "cpu" for m in micros for _, t in tensors_of(m.loss_batch))
     scored = []
-    forward_step = trainer.forward_step_on(META, lambda micro, logits: scored.append(micro))
+    scores = trainer.TargetScores(torch.empty(0))
+    forward_step = trainer.forward_step_on(META, lambda micro, out: scored.append(micro), scores)
     model = RecordingModel()
     output, score = forward_step(iter(micros), model)
     score(output)
@@ -69,18 +72,16 @@ def test_forward_step_moves_model_inputs_and_loss_batch_to_the_models_device():
 def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
     seen = {}
 
-    def recording_loss(logits, loss_batch, global_batch, config, **groups):
+    def recording_loss(log_probs, entropies, loss_batch, global_batch, config, **groups):
         seen.update({name: t.device for name, t in tensors_of(global_batch)})
-        present = torch.zeros(3, dtype=torch.bool, device=logits.device)
-        return logits.sum(), {"admitted": present, "present": present}
+        present = torch.zeros(3, dtype=torch.bool, device=log_probs.device)
+        return log_probs.sum(), {"admitted": present, "present": present}
 
-    monkeypatch.setattr(trainer, "flash_reinforce_parallel_loss", recording_loss)
-    monkeypatch.setattr("megatron.core.parallel_state.get_tensor_model_parallel_group",
-                        lambda: None)  # fmt: skip
-    monkeypatch.setattr("megatron.core.parallel_state.get_context_parallel_group", lambda: None)
+    monkeypatch.setattr(trainer, "flash_reinforce_scored_loss", recording_loss)
     cpu_batch = GlobalBatch(advantages=torch.zeros(3), failures=torch.zeros(3, dtype=torch.bool),
                             token_counts=torch.ones(3, dtype=torch.int64))  # fmt: skip
-    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig())
+    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig(), _needs_entropy=False,
+                              groups=SimpleNamespace(cp=None))  # fmt: skip
     micro = SimpleNamespace(loss_batch=None)
     trainer.Learner._loss(learner, 1.0, cpu_batch, micro, torch.zeros(2, 4, 8, device=META))
     assert seen == {"advantages": META, "failures": META, "token_counts": META}

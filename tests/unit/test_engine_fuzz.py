@@ -1,23 +1,39 @@
-"""Fuzz of the CPU engine's HTTP API: seeded random JSON shapes, sizes and types (hypothesis:
-well-formed bodies, the same with one field mutated, any JSON, bytes, oversized prompts)
-against every endpoint of a server run as `cpu_server.main` runs it. Every answer must come
-within its deadline and be a 2xx or a 4xx with a JSON reason, never a 5xx; afterwards the
-server is alive, idle, and still generates exactly what transformers computes. What was tried
-is counted and printed (pytest -s shows it).
+"""Fuzz of the CPU engine's HTTP API, two ways, each one fat seeded test.
 
-Two legitimate waits are kept out of reach: a well-formed /init_weights_update_group waits for
-its peers (so "master_address" is never sent), and a /pause_generation holds generation until
-/continue_generation (sent after each pause).
+1. Seeded random JSON shapes, sizes and types (hypothesis: well-formed bodies, the same with one
+   field mutated, any JSON, bytes, oversized prompts) against every endpoint of a server run
+   as `cpu_server.main` runs it. Every answer must come within its deadline and be a 2xx or a
+   4xx with a JSON reason, never a 5xx; afterwards the server is alive, idle, and still
+   generates exactly what transformers computes. Two legitimate waits are kept out of reach:
+   a well-formed /init_weights_update_group waits for its peers (so "master_address" is never
+   sent), and a /pause_generation holds generation until /continue_generation.
+2. A corpus of bad requests only (the attacks that once wedged the engine, malformed JSON,
+   wrong types, huge values, NaN, negative sizes, plus seeded mutations) against a real engine
+   process started by the launcher: each outcome is counted as a clear 4xx, a 5xx, a hang, a
+   silent acceptance, or a closed connection (for a request stalled in its headers, the only
+   answer HTTP allows), and /health and weight updates must keep answering while the slow
+   attacks are pending.
+
+What was tried is counted and printed (pytest -s shows it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import http.client
 import json
+import os
+import re
+import socket
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from random import Random
 from urllib.parse import urlsplit
 
 import pytest
@@ -28,6 +44,8 @@ from hypothesis import strategies as st
 from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.cpu_engine import CpuEngine
+from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, cpu_engine_command
+from megatron_fr.parallel.spawn import free_port
 
 DEADLINE_S = 30.0
 """Per request; a request still unanswered after it counts as a hang."""
@@ -291,3 +309,336 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(model_dir):
     engine_lp = torch.tensor([entry[0] for entry in answer["meta_info"]["output_token_logprobs"]])
     reference = full_sequence_log_probs(model, PROMPT, ids)
     assert (engine_lp - reference).abs().max() <= 1e-5
+
+
+# --- a corpus of bad requests against a real engine process -------------------------------------
+
+LIMITS = {"--context-length": "16", "--max-request-mib": "1", "--max-batch-prompts": "8",
+          "--read-timeout-s": "2", "--weight-group-timeout-s": "2"}  # fmt: skip
+"""The engine process's bounds: small, so that every attack reaches them quickly."""
+GOOD = {"input_ids": [3, 17, 42, 5], "sampling_params": {"max_new_tokens": 2},
+        "return_routed_experts": True, "routed_experts_start_len": 0}  # fmt: skip
+CORPUS_SEED = 20_261_204
+
+
+def http_request(method: str, path: str, body: bytes | object = b"", **headers: str) -> bytes:
+    """One raw HTTP/1.1 request; `body` as bytes, or JSON of anything else (NaN allowed)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    lines = [f"{method} {path} HTTP/1.1", "Host: engine", "Connection: close",
+             "Content-Type: application/json", f"Content-Length: {len(data)}"]  # fmt: skip
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
+
+
+def exchange(address, data: bytes, deadline_s: float = DEADLINE_S) -> bytes | None:
+    """Send raw bytes on a fresh connection: the whole response, b"" when the server closed
+    without one, None when nothing complete came within the deadline (a hang)."""
+    response = b""
+    with socket.create_connection(address, timeout=deadline_s) as sock:
+        with contextlib.suppress(OSError):  # a server that refuses early may close first
+            sock.sendall(data)
+        try:
+            while not _complete(response):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                response += chunk
+        except TimeoutError:
+            return None
+        except ConnectionResetError:
+            pass
+    return response
+
+
+def _complete(response: bytes) -> bool:
+    head, separator, body = response.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    return bool(separator) and length is not None and len(body) >= int(length[1])
+
+
+def outcome(response: bytes | None) -> tuple[str, str]:
+    """(kind, message): "clear 4xx" (a 4xx with a JSON reason), "unclear 4xx", "5xx",
+    "hang", "accepted" (2xx) or "closed" (no answer, connection closed)."""
+    if response is None:
+        return "hang", ""
+    if not response:
+        return "closed", ""
+    status = int(response.split(b" ", 2)[1])
+    body = response.partition(b"\r\n\r\n")[2]
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = ""
+    if status >= 500:
+        return "5xx", body[:200].decode(errors="replace")
+    if status >= 400:
+        return ("clear 4xx" if message else "unclear 4xx"), message or body[:200].decode()
+    return "accepted", body[:200].decode(errors="replace")
+
+
+def generate_mutations() -> list[tuple[str, object]]:
+    """(field path, bad value) pairs for /generate, each one refused on its own."""
+    sampling = {
+        "temperature": ["0.5", -1, float("nan"), float("inf"), [1], -0.1],
+        "top_p": [0, 1.5, -0.2, "1", float("-inf")],
+        "top_k": [0, -2, 2.5, "3", True],
+        "max_new_tokens": [-1, 10**12, "5", 1.5, [2]],
+        "stop_token_ids": [5, ["a"], [1.5], {"a": 1}],
+        "sampling_seed": [2**64, -(2**64), "1", 1.5],
+        "ignore_eos": ["yes", 1, [True]],
+        "n": [2, 0, -1],
+        "min_p": [0.5, float("nan")],
+        "seed": [3],
+        "stop": [["x"]],
+    }
+    top = {
+        "input_ids": ["1 2 3", [], [1, "2"], [1.5], [True], [10**30], [-1], [[1], []], [[[1]]],
+                      [1] * 16, {"a": 1}],
+        "rid": [5, ["a"], {"x": 1}],
+        "return_routed_experts": [1, "yes"],
+        "routed_experts_start_len": [-1, 10**9, "0", 2.5],
+        "logprob_start_len": [0, 5],
+        "stream": [True],
+        "prompt": ["x"],
+        "sampling_params": ["temperature=0", [{}], 7],
+    }  # fmt: skip
+    pairs = [(("sampling_params", name), value) for name, values in sampling.items()
+             for value in values]  # fmt: skip
+    return pairs + [((name,), value) for name, values in top.items() for value in values]
+
+
+def mutated(body: dict, path: tuple, value: object) -> dict:
+    """`body` with the field at `path` set to `value` (an object made on the way if needed)."""
+    copy = json.loads(json.dumps(body))
+    target = copy
+    for key in path[:-1]:
+        if not isinstance(target.get(key), dict):
+            target[key] = {}
+        target = target[key]
+    target[path[-1]] = value
+    return copy
+
+
+def corpus(model_dir: Path, tmp_path: Path) -> list[tuple[str, bytes, str | None]]:
+    """(name, raw request, fragment the reason must hold or None): bad requests only."""
+    post = functools.partial(http_request, "POST")
+    fifo_shard, fifo_index = tmp_path / "fifo_shard", tmp_path / "fifo_index"
+    for directory, name in ((fifo_shard, "model.safetensors"),
+                            (fifo_index, "model.safetensors.index.json")):  # fmt: skip
+        directory.mkdir()
+        os.mkfifo(directory / name)
+    cases = [
+        ("empty body", post("/generate", b""), "not JSON"),
+        ("truncated JSON", post("/generate", b'{"input_ids": [1, 2'), "not JSON"),
+        ("not UTF-8", post("/generate", b"\xff\xfe{}"), "not JSON"),
+        ("a list body", post("/generate", b"[1, 2]"), "must be a JSON object"),
+        (
+            "NaN temperature",
+            post("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}'),
+            "finite",
+        ),
+        ("no prompt", post("/generate", {}), "exactly one of input_ids or text"),
+        (
+            "2M prompts, scaled to the body limit",
+            post("/generate", {"input_ids": [[1]] * 150_000}),
+            "a batch of 150000 prompts",
+        ),
+        ("9 prompts", post("/generate", {"input_ids": [[1]] * 9}), "at most 8 per request"),
+        (
+            "a prompt over the context",
+            post("/generate", {"input_ids": [1] * 100_000}),
+            "The input (100000 tokens) is longer than the model's context length (16 tokens)",
+        ),
+        (
+            "15 MiB text, scaled to the body limit",
+            post("/generate", {"text": "w1 " * 300_000}),
+            "characters are tokenised",
+        ),
+        ("9 texts", post("/generate", {"text": ["w1"] * 9}), "at most 8 per request"),
+        (
+            "JSON nested 5000 deep",
+            post("/generate", b"[" * 5000 + b"]" * 5000),
+            "nested deeper than 32 levels",
+        ),
+        (
+            "JSON nested 40 deep",
+            post("/generate", b'{"x": ' + b"[" * 40 + b"]" * 40 + b"}"),
+            "nested deeper than 32 levels",
+        ),
+        (
+            "Content-Length 99999999999",
+            b"POST /generate HTTP/1.1\r\nHost: e\r\nConnection: close\r\n"
+            b"Content-Length: 99999999999\r\n\r\n",
+            "Maximum request body size 1048576",
+        ),
+        ("a body over the limit", post("/generate", b" " * (2**20 + 10)), "Maximum request"),
+        ("pause sideways", post("/pause_generation", {"mode": "sideways"}), "'sideways'"),
+        ("pause mode 3", post("/pause_generation", {"mode": 3}), "'mode' must be str"),
+        ("abort rid 5", post("/abort_request", {"rid": 5}), "'rid' must be str"),
+        ("abort_all yes", post("/abort_request", {"abort_all": "yes"}), "must be bool"),
+        ("no new_version", post("/update_weight_version", {}), "missing field 'new_version'"),
+        ("new_version true", post("/update_weight_version", {"new_version": True}), "str or int"),
+        ("new_version list", post("/update_weight_version", {"new_version": [1]}), "str or int"),
+        (
+            "FIFO named model.safetensors",
+            post("/update_weights_from_disk", {"model_path": str(fifo_shard)}),
+            "not a regular",
+        ),
+        (
+            "FIFO named like the index",
+            post("/update_weights_from_disk", {"model_path": str(fifo_index)}),
+            "not a regular",
+        ),
+        (
+            "disk: no such path",
+            post("/update_weights_from_disk", {"model_path": "/no/such"}),
+            "'/no/such'",
+        ),
+        (
+            "disk: a file",
+            post("/update_weights_from_disk", {"model_path": str(model_dir / "config.json")}),
+            "model_path",
+        ),
+        ("disk: /dev", post("/update_weights_from_disk", {"model_path": "/dev"}), "'/dev'"),
+        ("disk: path 5", post("/update_weights_from_disk", {"model_path": 5}), "must be str"),
+        (
+            "disk: gguf",
+            post(
+                "/update_weights_from_disk", {"model_path": str(model_dir), "load_format": "gguf"}
+            ),
+            "load_format",
+        ),
+        (
+            "bucket outside a session",
+            post(
+                "/update_weights_from_distributed",
+                {"names": ["x"], "dtypes": ["float32"], "shapes": [[-1]]},
+            ),
+            "begin_weight_update",
+        ),
+        ("join without master", post("/init_weights_update_group", {}), "'master_address'"),
+        (
+            "join port x",
+            post("/init_weights_update_group", {"master_address": "h", "master_port": "x"}),
+            "'master_port'",
+        ),
+        (
+            "destroy no group",
+            post("/destroy_weights_update_group", {"group_name": "nope"}),
+            "no weight update group 'nope'",
+        ),
+        ("destroy group 5", post("/destroy_weights_update_group", {"group_name": 5}), "str"),
+        ("read no name", post("/get_weights_by_name", {}), "missing field 'name'"),
+        ("read no such tensor", post("/get_weights_by_name", {"name": "no.such"}), "no.such"),
+        (
+            "read truncate -1",
+            post("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": -1}),
+            "truncate",
+        ),
+        ("unknown path", post("/nope", {}), "Not Found"),
+        ("OpenAI path", post("/v1/completions", {}), "Not Found"),
+        ("GET /generate", http_request("GET", "/generate"), "Method Not Allowed"),
+    ]
+    for path, value in generate_mutations():
+        name = f"generate {'.'.join(path)}={value!r:.40}"
+        cases.append((name, post("/generate", mutated(GOOD, path, value)), None))
+    random = Random(CORPUS_SEED)
+    text = json.dumps(GOOD).encode()
+    for draw in range(15):  # seeded: a valid body cut short, and several fields spoilt at once
+        cases.append((f"cut at {draw}", post("/generate", text[: random.randrange(len(text))]),
+                      "not JSON"))  # fmt: skip
+        spoilt = dict(GOOD)
+        for path, value in random.sample(generate_mutations(), random.randint(2, 4)):
+            spoilt = mutated(spoilt, path, value)
+        cases.append((f"spoilt {draw}", post("/generate", spoilt), None))
+    return cases
+
+
+def word_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer of 62 entries (ids below the tiny model's 128), so the engine
+    serves text prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<eos>", *(f"w{i}" for i in range(60))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                      eos_token="<eos>")  # fmt: skip
+    wrapped.save_pretrained(directory)
+
+
+def slow_attacks(address, dead_master: int) -> dict[str, Callable[[], bytes | None]]:
+    """The requests that used to hold the engine: a body that stops half-way, headers that
+    stop half-way, and joins of a weight group whose master accepts and never answers."""
+    half_body = b'POST /generate HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{"input'
+    join = {"master_address": "127.0.0.1", "master_port": dead_master, "rank_offset": 1,
+            "world_size": 2, "backend": "gloo"}  # fmt: skip
+    attacks = {
+        "half-sent body": lambda: exchange(address, half_body),
+        "half-sent headers": lambda: exchange(address, b"POST /generate HTTP/1.1\r\nHost: e"),
+    }
+    for i in range(4):
+        body = json.dumps(join | {"group_name": f"dead{i}"}).encode()
+        request = http_request("POST", "/init_weights_update_group", body)
+        attacks[f"join {i} to a silent master"] = lambda request=request: exchange(address, request)
+    return attacks
+
+
+EXPECTED = {"half-sent body": ("clear 4xx", "did not arrive within 2 s"),
+            "half-sent headers": ("closed", "")}  # fmt: skip
+"""What a slow attack must get (the joins: a clear 4xx naming the timeout)."""
+
+
+def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_path):
+    model_dir = tmp_path / "model"
+    tiny_checkpoint("qwen3_moe", model_dir, seed=0)
+    word_tokenizer(model_dir)
+    port = free_port()
+    launch = ServerLaunchConfig(model_path=str(model_dir), port=port, engine="cpu",
+                                return_routed_experts=True, log_dir=tmp_path)  # fmt: skip
+    command = cpu_engine_command(launch) + [arg for pair in LIMITS.items() for arg in pair]
+    server = ServerProcess.start(command, "127.0.0.1", port, tmp_path)
+    dead_master = socket.socket()  # accepts connections (kernel backlog), never answers
+    dead_master.bind(("127.0.0.1", 0))
+    dead_master.listen(8)
+    address, outcomes, wrong = ("127.0.0.1", port), Counter(), []
+    try:
+        server.wait_healthy(deadline_s=120)
+        for name, request, fragment in corpus(model_dir, tmp_path):
+            kind, message = outcome(exchange(address, request))
+            outcomes[kind] += 1
+            if kind != "clear 4xx" or (fragment and fragment not in message):
+                wrong.append(f"{name}: {kind} {message!r:.300}")
+        with ThreadPoolExecutor(8) as pool:
+            attacks = slow_attacks(address, dead_master.getsockname()[1])
+            pending = {name: pool.submit(attack) for name, attack in attacks.items()}
+            time.sleep(0.5)  # every attack sent and waiting
+            alive = [outcome(exchange(address, request, deadline_s=2.0)) for request in (
+                http_request("GET", "/health"),
+                http_request("POST", "/update_weight_version",
+                             {"new_version": "v2", "abort_all_requests": False}),
+            )]  # fmt: skip
+            slow = {name: outcome(future.result()) for name, future in pending.items()}
+        for name, (kind, message) in slow.items():
+            outcomes[kind] += 1
+            expected, fragment = EXPECTED.get(name, ("clear 4xx", "no answer within 2 s"))
+            if kind != expected or fragment not in message:
+                wrong.append(f"{name}: {kind} {message!r:.300}")
+        good = outcome(exchange(address, http_request("POST", "/generate", GOOD)))
+        text = outcome(exchange(address, http_request("POST", "/generate", {
+            "text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2}})))  # fmt: skip
+        answer = json.loads(exchange(address, http_request("POST", "/generate", GOOD)).partition(
+            b"\r\n\r\n")[2])  # fmt: skip
+        still_running = server.proc.poll() is None
+    finally:
+        dead_master.close()
+        server.stop(timeout_s=10)
+    print(f"\nbad requests to a real engine process ({sum(outcomes.values())}):")
+    for kind, count in sorted(outcomes.items()):
+        print(f"  {kind}: {count}")
+    assert not wrong, "\n".join(wrong)
+    assert sum(outcomes.values()) >= 60 and set(outcomes) <= {"clear 4xx", "closed"}
+    assert alive == [("accepted", ""), ("accepted", '{"success": true, "message": "v2"}')]
+    assert good[0] == text[0] == "accepted" and still_running
+    assert answer["meta_info"]["weight_version"] == "v2" and answer["meta_info"]["routed_experts"]

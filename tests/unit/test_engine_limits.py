@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
-from engine_harness import PROMPT, serving
+from engine_harness import PROMPT, serving, until
 from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.cpu_engine import CpuEngine
@@ -39,13 +38,6 @@ async def send(http, url, path, body=None, raw: bytes | None = None, method="POS
     except (ValueError, KeyError, TypeError):
         message = text
     return response.status, message, text
-
-
-async def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + 120  # hang guard only
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def test_prompts_are_checked_against_the_context_length_before_any_work(model_dir):
@@ -107,7 +99,7 @@ def test_disconnected_clients_stop_their_generation(model_dir):
             tasks = [
                 asyncio.create_task(leaving.post(url + "/generate", json=long)) for _ in range(32)
             ]
-            await _until(lambda: engine.active_requests == 32 and len(calls) > 64, "32 running")
+            await until(lambda: engine.active_requests == 32 and len(calls) > 64, "32 running")
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -116,7 +108,7 @@ def test_disconnected_clients_stop_their_generation(model_dir):
                 short = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
                 status, _, text = await asyncio.wait_for(send(http, url, "/generate", short), 120)
             served_after = len(calls)
-            await _until(lambda: engine.active_requests == 0, "no request left")
+            await until(lambda: engine.active_requests == 0, "no request left")
             return status, json.loads(text), served_after, len(calls)
 
     status, answer, served_after, final = asyncio.run(main())
@@ -264,7 +256,7 @@ def test_a_duplicate_rid_is_refused_and_the_request_owning_it_runs_on(model_dir)
         async with serving(engine) as (url, _), aiohttp.ClientSession() as http:
             body = {"input_ids": PROMPT, "rid": "x", "sampling_params": {"max_new_tokens": 400}}
             owner = asyncio.create_task(send(http, url, "/generate", body))
-            await _until(lambda: len(calls) > 5, "the first request running")
+            await until(lambda: len(calls) > 5, "the first request running")
             duplicate = await send(http, url, "/generate", body)
             return duplicate, await owner
 

@@ -160,7 +160,7 @@ def test_routed_experts_are_those_of_the_weights_that_fed_each_position(ckpt, mo
     positions fed before the update were routed by "a", the continuation reports only the
     positions after them, routed by "b". Retracted: "b" re-encodes the whole prefix, so every
     position is routed by "b" (as SGLang re-prefills a retracted request)."""
-    engine = CpuEngine(ckpt["a"], context_length=256)
+    engine = CpuEngine(ckpt["a"], context_length=256, return_routed_experts=True)
     gate = StepGate(engine, ckpt)
     layout = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
 

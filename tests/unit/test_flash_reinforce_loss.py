@@ -225,3 +225,52 @@ def test_padding_values_outside_the_mask_are_ignored():
         pi, args["behavior_log_probs"], args["rewards"], args["action_mask"]
     )
     assert math.isfinite(loss.item())
+
+
+def reference_topk_kl(behavior: list[float], current: list[float]) -> float:
+    """The top-K KL written out: buckets = the K ids, then the rest of the vocabulary (one
+    minus the K probabilities), every bucket clamped to [1e-6, 1 - 1e-6] on both sides."""
+    p = [math.exp(lp) for lp in behavior]
+    q = [math.exp(lp) for lp in current]
+    p, q = [*p, 1 - sum(p)], [*q, 1 - sum(q)]
+    p = [min(max(x, CLAMP), 1 - CLAMP) for x in p]
+    q = [min(max(x, CLAMP), 1 - CLAMP) for x in q]
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+
+def test_topk_kl_is_the_k_plus_one_bucket_kl_and_the_bernoulli_proxy_at_k_1():
+    from megatron_fr.algo.flash_reinforce import bernoulli_kl, topk_kl
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 9, 30, generator=generator, dtype=torch.float64)
+    mu_all = torch.log_softmax(logits, -1)
+    pi_all = torch.log_softmax(logits + 0.3 * torch.randn(logits.shape, generator=generator,
+                                                          dtype=torch.float64), -1)  # fmt: skip
+    for k in (1, 4, 30):  # K = V: the tail is empty (clamped to 1e-6 on both sides)
+        ids = mu_all.topk(k, -1).indices
+        mu, pi = mu_all.gather(-1, ids), pi_all.gather(-1, ids)
+        got = topk_kl(mu, pi)
+        assert got.shape == (6, 9)
+        expected = [[reference_topk_kl(mu[i, t].tolist(), pi[i, t].tolist()) for t in range(9)]
+                    for i in range(6)]  # fmt: skip
+        assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+        if k == 1:
+            assert torch.allclose(got, bernoulli_kl(mu[..., 0], pi[..., 0]), atol=1e-12)
+    same = topk_kl(mu, mu)
+    assert same.abs().max() <= 1e-15, "no shift, no divergence"
+    floor = torch.full((1, 3), torch.finfo(torch.float32).min, dtype=torch.float64)
+    assert torch.isfinite(topk_kl(floor, torch.log(torch.full((1, 3), 0.2)))).all()
+
+
+def test_sequence_gate_on_the_bernoulli_proxy_is_the_papers_gate():
+    from megatron_fr.algo.flash_reinforce import bernoulli_kl, sequence_gate, trust_region_gate
+
+    generator = torch.Generator().manual_seed(1)
+    mask = random_policy_mask(generator, 5, 12)
+    pi = log_sigmoid(torch.randn(5, 12, generator=generator, dtype=torch.float64))
+    mu = log_sigmoid(torch.randn(5, 12, generator=generator, dtype=torch.float64))
+    segments = torch.arange(5)[:, None].expand(5, 12)
+    paper = trust_region_gate(pi, mu, mask, segments, 5, 0.15)
+    ours = sequence_gate(bernoulli_kl(mu, pi), mask, segments, 5, 0.15)
+    assert torch.equal(paper.sequence_kl, ours.sequence_kl)
+    assert torch.equal(paper.admitted, ours.admitted) and 0 < int(ours.admitted.sum()) < 5

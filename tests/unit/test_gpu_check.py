@@ -1,6 +1,7 @@
 """tools/gpu_check.sh: its dry run on CPU (the plan, every Python part imports), the tiers'
-skip reasons where the hardware is missing, the model FLOP count against a hand computation,
-and on a GPU machine the whole check (shellcheck: tests/unit/test_slurm_launcher.py)."""
+skip reasons where the hardware is missing, tools/bench_learner.py's model FLOP count against
+a hand computation and its CPU run, and on a GPU machine the whole check (shellcheck:
+tests/unit/test_slurm_launcher.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "gpu_check.sh"
 sys.path.insert(0, str(REPO / "tools"))
 
-from gpu_check import SKIPPED, model_flops_per_token  # noqa: E402
+from bench_learner import model_flops, packed_lengths  # noqa: E402
+from gpu_check import SKIPPED  # noqa: E402
 
 from megatron_fr.models.hf_config import load_hf_config  # noqa: E402
 
@@ -30,9 +32,9 @@ def test_dry_run_prints_both_tiers_and_imports_every_part():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "single tier:" in out and "cluster tier:" in out
-    for step in ("parity", "throughput", "train", "sglang"):
+    for step in ("parity", "bench", "train", "sglang"):
         assert f"  {step}" in out
-    assert "imports: 9 modules import" in out
+    assert "imports: 10 modules import" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip path without a GPU")
@@ -46,18 +48,39 @@ def test_without_a_gpu_each_tier_says_why_it_is_skipped(tmp_path):
     assert result.stdout.count("skipped: no CUDA device") == 2
 
 
-def test_model_flops_per_token_of_the_qwen3_30b_a3b_slice():
+def test_model_flops_of_a_packed_qwen3_30b_a3b_slice():
     spec = load_hf_config("qwen3-30b-a3b")
-    h, q, kv, layers, vocab, seq = 2048, 32 * 128, 4 * 128, 48, 151936, 4096
+    h, q, kv, layers, vocab = 2048, 32 * 128, 4 * 128, 48, 151936
     per_layer = h * (q + 2 * kv) + q * h + 8 * 3 * h * 768 + 128 * h  # attention, top-8, router
-    expected = 6 * (layers * per_layer + vocab * h) + 6 * layers * seq * q
-    assert model_flops_per_token(spec, seq) == expected
-    # ~3.0 B parameters a token passes through (18.2 GFLOP) + attention at 4,096 tokens (4.8).
-    assert 22.5e9 < expected < 23.5e9
+    lengths = [4097, 1025]  # 4,096 + 1,024 model tokens
+    expected = 6 * 5120 * (layers * per_layer + vocab * h) + 6 * layers * q * (4096**2 + 1024**2)
+    assert model_flops(spec, lengths) == expected
+    # ~3.0 B parameters a token passes through (18.2 GFLOP) + attention (4.8 at 4,096 tokens)
+    assert 22.5e9 < model_flops(spec, [4097]) / 4096 < 23.5e9
+    packed = packed_lengths(16384, 2048, seed=0)
+    assert sum(n - 1 for n in packed) == 16384 and min(packed) >= 2
+
+
+def test_bench_learner_runs_on_cpu_and_reports_every_figure():
+    """The tiny shape (2,048 tokens): every figure, and the loss path's extra memory at
+    Qwen3's vocabulary at most a quarter of the micro-batch's fp32 logits."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_learner.py"), "--spec", "torch",
+         "--iterations", "1"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    for name in ("tokens/s", "model TFLOP/s", "peak memory", "time: attention",
+                 "time: experts with dispatch", "time: loss", "time: optimizer"):  # fmt: skip
+        assert name in out, out
+    assert "spec                                   torch on cpu" in out
+    ratio = float(out.split("loss path peak extra memory: ")[1].split()[0])
+    assert 0 < ratio <= 0.25, out
 
 
 @pytest.mark.gpu
 def test_gpu_check_passes_on_this_gpu_machine(tmp_path):
     result = run("--out", str(tmp_path), timeout=1500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "learner tokens/s" in result.stdout
+    assert "model TFLOP/s torch / local spec" in result.stdout

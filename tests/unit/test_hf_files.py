@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_fr.convert.hf_files import INDEX_NAME, HFCheckpointReader, ShardedSafetensorsWriter
-from megatron_fr.convert.safetensors_io import TensorFile, read_header
+from megatron_fr.convert.hf_files import ShardedSafetensorsWriter
+from megatron_fr.utils.hf_checkpoint import INDEX_NAME, HFCheckpointReader
+from megatron_fr.utils.safetensors_io import TensorFile, read_header
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:

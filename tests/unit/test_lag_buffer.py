@@ -28,8 +28,8 @@ from megatron_fr.buffer.lag_buffer import (
     NotAdmittedError,
 )
 from megatron_fr.buffer.prompts import PromptSource
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.engine.routing import RoutedExperts
 
 PROBLEMS = [f"q{i}" for i in range(7)]
 

@@ -1,7 +1,7 @@
 """The learner's model on megatron's local spec, on whatever device this machine has (CUDA
 when present, as a GPU without transformer-engine runs it): every parameter on that device,
 and a packed row (THD, two trajectories) giving each trajectory the log-probs it gets alone.
-megatron's own DotProductAttention refuses packed rows; parallel/cpu_shims.py extends it."""
+megatron's own DotProductAttention refuses packed rows; models/attention.py extends it."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def test_local_spec_model_is_on_the_device_and_a_packed_row_equals_its_trajector
     assert not use_transformer_engine(), "this test is for the local spec"
     initialize_single_process(ParallelConfig(), seed=0)
     spec = load_hf_config(tiny_model_config(vocab_size=64))
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.float32).eval()
+    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.float32,
+                            spec_kind="local").eval()  # fmt: skip
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     )

@@ -4,6 +4,7 @@ megatron's own THD RoPE and CP slicing code (run on CPU, no process group needed
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.engine.top_logprobs import TopLogProbs
 from megatron_fr.learner.micro_batches import (
     first_fit_decreasing,
     micro_batches_for_rank,
@@ -43,7 +45,7 @@ def test_first_fit_decreasing_places_longest_first_in_the_first_bin_with_room():
     assert first_fit_decreasing(range(7), sizes, 8) == [[0, 2], [1, 3, 6], [4, 5]]
 
 
-LAYOUTS = [  # (pack, DP, CP, SP size, token budget)
+LAYOUTS = [  # (pack, DP, CP, SP size, micro_batch_tokens: per CP rank)
     (True, 1, 1, 1, 256),
     (True, 4, 1, 1, 256),
     (True, 2, 2, 1, 256),
@@ -58,14 +60,14 @@ LAYOUTS = [  # (pack, DP, CP, SP size, token budget)
 def test_every_token_lands_once_in_equal_shapes_within_the_budget(pack, dp, cp, sp, budget):
     batch = long_tailed_batch(48, seed=dp * 10 + cp)
     plan = plan_micro_batches(
-        [t.length for t in batch], dp_size=dp, token_budget=budget, pack=pack, cp_size=cp,
+        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
         sequence_parallel_size=sp,
     )  # fmt: skip
     assert plan == plan_micro_batches(
-        [t.length for t in batch], dp_size=dp, token_budget=budget, pack=pack, cp_size=cp,
+        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
         sequence_parallel_size=sp,
     ), "the plan depends on the lengths alone"  # fmt: skip
-    assert plan.rows * plan.width <= budget
+    assert plan.rows * plan.width <= budget * cp
     assert plan.width % ((2 * cp if cp > 1 else 1) * sp) == 0
     seen: dict[tuple[int, int], int] = {}
     shapes, real, slots = set(), 0, 0
@@ -100,10 +102,10 @@ def test_every_token_lands_once_in_equal_shapes_within_the_budget(pack, dp, cp, 
 
 @pytest.mark.parametrize(("dp", "cp"), [(1, 1), (4, 1), (3, 2)])
 def test_packed_rows_are_as_narrow_as_the_micro_batch_count_allows(dp, cp):
-    """The count is what the full budget needs; one step narrower, some rank needs more (or
-    the longest trajectory no longer fits)."""
+    """The count is what the full budget (512 tokens a CP rank) needs; one step narrower,
+    some rank needs more (or the longest trajectory no longer fits)."""
     lengths = [t.length for t in long_tailed_batch(64, seed=dp + cp)]
-    plan = plan_micro_batches(lengths, dp_size=dp, token_budget=512, cp_size=cp)
+    plan = plan_micro_batches(lengths, dp_size=dp, micro_batch_tokens=512 // cp, cp_size=cp)
     step = 2 * cp if cp > 1 else 1
     spans = [math.ceil((n - 1) / step) * step for n in lengths]
     shares = [[i for micro in rank for row in micro for i in row] for rank in plan.assignment]
@@ -121,8 +123,8 @@ def test_packed_rows_are_as_narrow_as_the_micro_batch_count_allows(dp, cp):
 
 def test_packing_cuts_the_padding_of_a_long_tailed_batch():
     lengths = [t.length for t in long_tailed_batch(128, seed=7)]
-    padded = plan_micro_batches(lengths, dp_size=4, token_budget=512, pack=False)
-    packed = plan_micro_batches(lengths, dp_size=4, token_budget=512, pack=True)
+    padded = plan_micro_batches(lengths, dp_size=4, micro_batch_tokens=512, pack=False)
+    packed = plan_micro_batches(lengths, dp_size=4, micro_batch_tokens=512, pack=True)
     assert packed.padding_fraction < padded.padding_fraction / 3
     assert packed.count * packed.width < padded.count * padded.rows * padded.width
 
@@ -135,7 +137,7 @@ def test_packed_row_boundaries_are_the_thd_cu_seqlens():
         Trajectory("a", list(range(12)), policy, [0.0] + [-0.5] * 11, [-1] + [0] * 11, 1.0),
         Trajectory("b", [5, 6, 7], [False, True, True], [0.0, -0.1, -0.2], [-1, 0, 0], 0.0),
     ]
-    plan = plan_micro_batches([12, 3], dp_size=2, token_budget=64, cp_size=2)
+    plan = plan_micro_batches([12, 3], dp_size=2, micro_batch_tokens=64, cp_size=2)
     assert plan.width == 12 and plan.count == 1
     long_row = micro_batches_for_rank(batch, plan, dp_rank=0)[0]
     short_row = micro_batches_for_rank(batch, plan, dp_rank=1)[0]
@@ -150,7 +152,7 @@ def test_packed_row_boundaries_are_the_thd_cu_seqlens():
     # the tail; positions restart in each span
     assert short_row.positions.tolist() == [[0, 3, 0, 1, 6, 7]]
     assert short_row.loss_batch.segment_ids.tolist() == [[1, -1, -1, -1, -1, -1]]
-    padded = plan_micro_batches([12, 3], dp_size=2, token_budget=64, pack=False)
+    padded = plan_micro_batches([12, 3], dp_size=2, micro_batch_tokens=64, pack=False)
     assert micro_batches_for_rank(batch, padded, dp_rank=0)[0].packed_seq_params() is None
 
 
@@ -206,7 +208,8 @@ def test_megatron_thd_rope_restarts_at_each_packed_trajectory(monkeypatch):
         for v in values
     ]
     for cp in (1, 2):
-        plan = plan_micro_batches([t.length for t in batch], dp_size=1, token_budget=96, cp_size=cp)
+        plan = plan_micro_batches([t.length for t in batch], dp_size=1,
+                                  micro_batch_tokens=96 // cp, cp_size=cp)  # fmt: skip
         assert plan.count > 1
         for rank in range(cp):
             group = CPGroup(cp, rank)
@@ -228,12 +231,14 @@ def test_megatron_thd_rope_restarts_at_each_packed_trajectory(monkeypatch):
 
 
 def test_bad_layouts_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="micro_batch_tokens"):
-        plan_micro_batches([10, 40], dp_size=1, token_budget=32)
-    with pytest.raises(ValueError, match="2 x CP"):  # 33 model tokens -> span 36 > 34 // 4 * 4
-        plan_micro_batches([34], dp_size=1, token_budget=34, cp_size=2)
+    with pytest.raises(ValueError, match=r"learner\.micro_batch_tokens 32 x parallel\.context 1"):
+        plan_micro_batches([10, 40], dp_size=1, micro_batch_tokens=32)
+    # 33 model tokens -> span 36 > 17 x 2 = 34, rounded down to a multiple of 2 x CP: 32
+    with pytest.raises(ValueError, match="at most 33 tokens"):
+        plan_micro_batches([34], dp_size=1, micro_batch_tokens=17, cp_size=2)
+    assert plan_micro_batches([33], dp_size=1, micro_batch_tokens=17, cp_size=2).width == 32
     with pytest.raises(ValueError, match="cannot feed 2 DP ranks"):
-        plan_micro_batches([10], dp_size=2, token_budget=32)
+        plan_micro_batches([10], dp_size=2, micro_batch_tokens=32)
     with pytest.raises(ValueError, match="2 x CP = 4 equal chunks"):
         zigzag_indices([0, 6], 2, 0)
     with pytest.raises(ValueError, match="rise strictly"):
@@ -244,10 +249,58 @@ def test_padding_fraction_counts_every_slot_of_every_rank():
     # DP2, padded: widths 9 (longest 10-token trajectory), 2 rows per micro-batch of 18 tokens;
     # rank 0: [10] -> 1 micro-batch; rank 1: [3, 4] -> 1 micro-batch: 2 x 2 x 9 = 36 slots for
     # 9 + 2 + 3 = 14 model tokens.
-    plan = plan_micro_batches([10, 3, 4], dp_size=2, token_budget=18, pack=False)
+    plan = plan_micro_batches([10, 3, 4], dp_size=2, micro_batch_tokens=18, pack=False)
     assert (plan.rows, plan.width, plan.count) == (2, 9, 1)
     assert plan.padding_fraction == pytest.approx(1 - 14 / 36)
-    packed = plan_micro_batches([10, 3, 4], dp_size=2, token_budget=18)
+    packed = plan_micro_batches([10, 3, 4], dp_size=2, micro_batch_tokens=18)
     assert (packed.rows, packed.width, packed.count) == (1, 9, 1)
     assert packed.padding_fraction == pytest.approx(1 - 14 / 18)
     assert math.isclose(packed.model_tokens, 14)
+
+
+def with_top_k(t: Trajectory, k: int = 3) -> Trajectory:
+    """t with a top-k record whose row for the policy token at position p holds ids
+    token + 1000 j and log-probs -(j + 1) - p / 1000: each row names its token and place."""
+    rows = [(token, p) for p, (token, m) in enumerate(zip(t.token_ids, t.action_mask,
+                                                          strict=True)) if m]  # fmt: skip
+    ids = [[token + 1000 * j for j in range(k)] for token, _ in rows]
+    log_probs = [[-(j + 1) - p / 1000 for j in range(k)] for _, p in rows]
+    return dataclasses.replace(t, top_logprobs=TopLogProbs.of(ids, log_probs, k))
+
+
+@pytest.mark.parametrize(("pack", "dp", "cp", "sp", "budget"), [LAYOUTS[3], LAYOUTS[6]])
+def test_top_k_records_ride_with_their_policy_targets(pack, dp, cp, sp, budget):
+    """The top-K gate's inputs, packed and split like the tokens: at every position whose
+    target is a policy token, that token's row; zeros everywhere else."""
+    batch = [with_top_k(t) for t in long_tailed_batch(24, seed=5)]
+    plan = plan_micro_batches(
+        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
+        sequence_parallel_size=sp,
+    )  # fmt: skip
+    checked = 0
+    for dp_rank, cp_rank in itertools.product(range(dp), range(cp)):
+        for micro in micro_batches_for_rank(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank,
+                                            top_logprobs=3):  # fmt: skip
+            loss = micro.loss_batch
+            assert loss.topk_ids.shape == (*loss.target_ids.shape, 3)
+            assert not loss.topk_ids[~loss.action_mask].any()
+            assert not loss.topk_log_probs[~loss.action_mask].any()
+            for where in loss.action_mask.nonzero().tolist():
+                target, position = int(loss.target_ids[*where]), int(loss.positions[*where]) + 1
+                assert loss.topk_ids[*where].tolist() == [target, target + 1000, target + 2000]
+                expected = [-(j + 1) - position / 1000 for j in range(3)]
+                assert loss.topk_log_probs[*where].tolist() == pytest.approx(expected)
+                checked += 1
+    assert checked == sum(t.num_policy_tokens for t in batch)
+
+
+def test_a_trajectory_without_the_top_k_asked_for_is_refused_by_name():
+    batch = long_tailed_batch(4, seed=1)
+    batch[2] = with_top_k(batch[2], k=2)
+    plan = plan_micro_batches([t.length for t in batch], dp_size=1, micro_batch_tokens=512)
+    with pytest.raises(ValueError, match="p0 carries none"):
+        micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=2)
+    batch = [with_top_k(t, k=2) for t in batch]
+    with pytest.raises(ValueError, match="gate_top_k 3 needs every trajectory's top-3 log-probs; "
+                                         "p0 carries K = 2"):  # fmt: skip
+        micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=3)

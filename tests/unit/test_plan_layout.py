@@ -1,5 +1,6 @@
 """tools/plan_layout.py and megatron_fr/launch/plan.py: the figures for Qwen3-30B-A3B at
-TP4/EP8/PP1 on 8 GPUs against a hand calculation, refusals with their reasons, enumeration."""
+TP4/EP8/PP1 on 8 GPUs against a hand calculation (every recompute setting), refusals with
+their reasons (rows that do not fit a micro-batch included), enumeration."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fr.config.learner import LOSS_CHUNK_BYTES
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.launch.plan import LayoutError, plan_layout, total_params
 from megatron_fr.models.hf_config import load_hf_config
@@ -52,19 +54,28 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     # Per token and layer: attention 3h + 4q + 4kv + (2q + 2kv) for q/k norms, norms 4h,
     # experts 2h*k*ETP + 6*k*f + h, router 2h + 4E, combine 2h*k (the expert outputs the
     # probability weighting keeps). Once per GPU: the MoE dispatch working set 2h*k*(2 + 2 ETP);
-    # the loss path 4h + V*(2 bf16 logits + 4 fp32 copy + 4 softmax buffer) per token.
+    # the chunked loss path: per token of the micro-batch 2h/TP (final-norm input) + 2h (its
+    # output gathered over TP), once one chunk of fp32 logits (softmax and gradient made in
+    # place) + half one for the bf16 product, and the fp32 accumulator + one bf16 part of the
+    # output layer's gradient, (V/TP) h (4 + 2).
     tokens, etp = 16384 // 4, 1
-    per_layer = tokens * (3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv + 4 * h
-                          + 2 * h * top_k * etp + 6 * top_k * width + h
+    attention = 3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv
+    per_layer = tokens * (attention + 4 * h + 2 * h * top_k * etp + 6 * top_k * width + h
                           + 2 * h + 4 * experts + 2 * h * top_k)  # fmt: skip
     dispatch = tokens * 2 * h * top_k * (2 + 2 * etp)
-    output = tokens * (4 * h + vocab * (2 + 4 + 4))
-    activations = layers * per_layer + dispatch + output
-    activations_recompute = layers * tokens * 2 * h + per_layer + dispatch + output
+    output = 16384 * (2 * h // 4 + 2 * h) + LOSS_CHUNK_BYTES * 3 // 2 + vocab // 4 * h * 6
+    # What a layer keeps: none all of it; selective the attention, the norms' inputs and the
+    # MoE block's input (re-run in the backward); full its input. With recompute, one layer's
+    # whole working set while it is re-run.
+    kept = {"none": per_layer, "selective": tokens * (attention + 4 * h + 2 * h),
+            "full": tokens * 2 * h}  # fmt: skip
+    activations = {mode: layers * kept[mode] + (mode != "none") * per_layer + dispatch + output
+                   for mode in kept}  # fmt: skip
 
     result = plan_cli(
         "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
         "80", "--tp", "4", "--ep", "8", "--etp", "1", "--micro-batch-tokens", "16384", "--json",
+        "--recompute", "full",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
@@ -76,30 +87,37 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     assert per_gpu["weight_bytes"] == weights == 8_037_494_784
     assert per_gpu["grad_bytes"] == grads == 16_074_989_568
     assert per_gpu["optimizer_bytes"] == optimizer == 45_855_756_288
-    assert per_gpu["activation_bytes"] == activations == 36_489_396_224
-    assert per_gpu["activation_bytes_recompute"] == activations_recompute == 8_217_690_112
+    assert per_gpu["activation_bytes"] == activations
     state = weights + grads + optimizer  # 65.2 GiB
-    assert plan["peak_bytes"] == state + activations  # 99.1 GiB
-    # 80 GiB with the 4 GiB reserve: only with full recompute.
-    assert plan["fits"] is False and plan["fits_recompute"] is True
-    assert (state + activations_recompute) / GIB + 4 <= 80 < (state + activations) / GIB + 4
+    assert plan["peak_bytes"] == {mode: state + activations[mode] for mode in activations}
+    # 80 GiB with the 4 GiB reserve: with selective or full recompute, not without.
+    assert plan["fits"] == {"none": False, "selective": True, "full": True}
+    assert (
+        (state + activations["selective"]) / GIB + 4 <= 80 < (state + activations["none"]) / GIB + 4
+    )
+    assert plan["longest_row"] == 16384 // 4 * 4 + 1
+    refused = plan_cli(
+        "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
+        "80", "--tp", "4", "--ep", "8", "--etp", "1", "--micro-batch-tokens", "16384",
+    )  # fmt: skip
+    assert refused.returncode == 3 and "none no, selective yes, full yes" in refused.stdout
 
 
 def test_entropies_and_expert_tensor_parallelism_add_what_the_formula_says():
     spec = load_hf_config("qwen3-30b-a3b")
-    h, k, vocab, tokens = 2048, 8, 151936, 16384 // 4
+    h, k, tokens = 2048, 8, 16384 // 4
     base = dict(micro_batch_tokens=16384)
     etp1 = ParallelConfig(tensor=4, expert=8, expert_tensor=1, sequence_parallel=True)
-    plain = plan_layout(spec, etp1, 8, **base).stages[0].activation_bytes
-    # Entropies: one more fp32 logits-sized temporary on the last stage (4V per token).
-    with_entropy = plan_layout(spec, etp1, 8, entropies=True, **base).stages[0].activation_bytes
-    assert with_entropy - plain == tokens * vocab * 4
+    plain = plan_layout(spec, etp1, 8, **base).stages[0].activation_bytes["none"]
+    # Entropies: one more fp32 buffer of a chunk's logits on the last stage.
+    with_entropy = plan_layout(spec, etp1, 8, entropies=True, **base).stages[0]
+    assert with_entropy.activation_bytes["none"] - plain == LOSS_CHUNK_BYTES
     # ETP4 (EP2 on 8 GPUs): expert inputs all-gathered over ETP: 2hk per token more per
     # layer for each extra ETP rank, and the dispatch set grows by 4hk per extra ETP rank.
     etp4 = ParallelConfig(tensor=4, expert=2, expert_tensor=4, sequence_parallel=True)
     ep2 = ParallelConfig(tensor=4, expert=2, expert_tensor=1, sequence_parallel=True)
-    wide = plan_layout(spec, etp4, 8, **base).stages[0].activation_bytes
-    narrow = plan_layout(spec, ep2, 16, **base).stages[0].activation_bytes
+    wide = plan_layout(spec, etp4, 8, **base).stages[0].activation_bytes["none"]
+    narrow = plan_layout(spec, ep2, 16, **base).stages[0].activation_bytes["none"]
     assert wide - narrow == 48 * tokens * 2 * h * k * 3 + tokens * 4 * h * k * 3
 
 
@@ -122,14 +140,23 @@ def test_invalid_layouts_are_refused_with_the_reason(args, reason):
     assert reason in result.stderr, result.stderr
 
 
-def test_context_parallelism_splits_each_gpus_activations():
-    """CP holds 1/CP of every micro-batch's tokens on each GPU: the per-token activations
-    and loss path halve at CP2 (the weights do not)."""
+def test_micro_batch_tokens_are_per_gpu_and_cp_lengthens_the_rows():
+    """learner.micro_batch_tokens is what each GPU of a CP group holds: CP2 at the same setting
+    keeps every GPU's activations and holds rows twice as long (the learner's longest_row),
+    and a layout whose micro-batches cannot hold the recipe's rows is refused, naming both
+    settings and the least micro_batch_tokens that would do."""
     spec = load_hf_config("qwen3-30b-a3b")
-    base = dict(micro_batch_tokens=16384, params_dtype="bfloat16")
-    one = plan_layout(spec, ParallelConfig(expert=8), 8, **base).stages[0]
-    two = plan_layout(spec, ParallelConfig(expert=4, context=2), 8, **base).stages[0]
-    assert two.activation_bytes * 2 == pytest.approx(one.activation_bytes, rel=1e-6)
+    base = dict(micro_batch_tokens=9216, params_dtype="bfloat16")
+    one = plan_layout(spec, ParallelConfig(expert=8), 8, **base)
+    two = plan_layout(spec, ParallelConfig(expert=4, context=2), 8, **base)
+    assert two.stages[0].activation_bytes == one.stages[0].activation_bytes
+    assert (one.longest_row, two.longest_row) == (9217, 18433)
+    tp4_cp2 = ParallelConfig(tensor=4, context=2, expert=8, expert_tensor=1,
+                             sequence_parallel=True)  # fmt: skip
+    assert plan_layout(spec, tp4_cp2, 16, row_tokens=18432, **base).longest_row == 18433
+    with pytest.raises(LayoutError, match=r"learner.micro_batch_tokens 9000 x parallel.context 2 "
+                                          r"holds at most 18001; .* >= 9216"):  # fmt: skip
+        plan_layout(spec, tp4_cp2, 16, row_tokens=18432, micro_batch_tokens=9000)
 
 
 def test_dense_model_refuses_expert_parallelism_and_counts_published_sizes():
@@ -153,9 +180,11 @@ def test_pipeline_stages_hold_their_own_layers_and_embeddings():
     assert last - first == spec.hidden_size
     assert first + last == total_params(spec) + embedding
     # 1F1B: stage 0 keeps 2 micro-batches of its layers in flight, the last one 1, plus the
-    # loss path: 4h + V (2 bf16 logits + 4 fp32 copy + 4 softmax buffer) per token.
-    loss = 1024 * (4 * spec.hidden_size + spec.vocab_size * (2 + 4 + 4))
-    assert plan.stages[0].activation_bytes == 2 * (plan.stages[1].activation_bytes - loss)
+    # chunked loss path (bf16, TP1): 2h + 2h per token, one and a half chunks, 6 V h.
+    h, vocab = spec.hidden_size, spec.vocab_size
+    loss = 1024 * 4 * h + LOSS_CHUNK_BYTES * 3 // 2 + vocab * h * 6
+    first, last = (stage.activation_bytes["none"] for stage in plan.stages)
+    assert first == 2 * (last - loss)
     odd_vocab = dataclasses.replace(spec, vocab_size=spec.vocab_size + 1)
     with pytest.raises(LayoutError, match="TP 2 does not divide vocab_size 151937"):
         plan_layout(odd_vocab, ParallelConfig(tensor=2), 2, micro_batch_tokens=1024)
@@ -163,17 +192,20 @@ def test_pipeline_stages_hold_their_own_layers_and_embeddings():
 
 def test_enumeration_lists_fitting_layouts_best_first():
     result = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "8",
-                      "--gpu-mem-gb", "80", "--micro-batch-tokens", "16384", "--json")  # fmt: skip
+                      "--gpu-mem-gb", "80", "--micro-batch-tokens", "9216",
+                      "--row-tokens", "18432", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     plans = json.loads(result.stdout)
-    layouts = [(p["layout"]["tp"], p["layout"]["pp"], p["layout"]["ep"], p["layout"]["etp"])
-               for p in plans]  # fmt: skip
-    assert (4, 1, 8, 1) in layouts and len(set(layouts)) == len(layouts)
-    assert all(p["fits_recompute"] for p in plans) and plans[0]["fits"]
+    layouts = [tuple(p["layout"][k] for k in ("tp", "cp", "pp", "ep", "etp")) for p in plans]
+    assert (4, 2, 1, 8, 1) in layouts and len(set(layouts)) == len(layouts)
+    assert all(p["layout"]["cp"] >= 2 for p in plans), "CP1 cannot hold 18,432-token rows"
+    assert all(p["fits"]["full"] for p in plans) and plans[0]["fits"]["none"]
     assert all(p["layout"]["tp"] <= 8 and 4 % p["layout"]["tp"] == 0 for p in plans)
-    fits = [p["fits"] for p in plans]
-    assert fits == sorted(fits, reverse=True), "layouts that need recompute come last"
-    model_parallel = [p["layout"]["tp"] * p["layout"]["pp"] for p in plans if p["fits"]]
+    least = [next(m for m in ("none", "selective", "full") if p["fits"][m]) for p in plans]
+    order = {"none": 0, "selective": 1, "full": 2}
+    assert [order[m] for m in least] == sorted(order[m] for m in least), "least recompute first"
+    model_parallel = [p["layout"]["tp"] * p["layout"]["cp"] * p["layout"]["pp"]
+                      for p in plans if p["fits"]["none"]]  # fmt: skip
     assert model_parallel == sorted(model_parallel)
     nothing = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "1",
                        "--gpu-mem-gb", "80")  # fmt: skip

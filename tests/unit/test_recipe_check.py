@@ -5,13 +5,17 @@ before any process starts, naming the key or file and the reason."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator.check import CheckFailed, check_recipe
@@ -77,8 +81,45 @@ def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "recipe OK (nothing was started)" in result.stdout
+    # the paper's 18,432-token rows fit the micro-batches (9,216 tokens per GPU x CP2)
+    assert "rows        up to 18432 tokens; a micro-batch holds 18433" in result.stdout
     assert "TP4 PP1 CP2 EP8 ETP1 DP2" in result.stdout
+    assert "with learner.recompute selective of 80 GiB: fits" in result.stdout
     assert not run_dir.exists()
+
+
+def test_the_check_refuses_rows_a_micro_batch_cannot_hold():
+    """The CPU demo's rows reach 128 + 24 tokens; 64 tokens per micro-batch hold 65."""
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"), "--check",
+         "learner.micro_batch_tokens=64"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert (
+        "learner.micro_batch_tokens: rows reach 152 tokens (task.max_prompt_tokens 128 + "
+        "task.max_new_tokens 24), but a micro-batch of learner.micro_batch_tokens 64 x "
+        "parallel.context 1 holds rows of at most 65; set learner.micro_batch_tokens >= 151"
+    ) in result.stderr
+
+
+def test_the_check_judges_memory_with_the_recipes_recompute(tmp_path, tokenizer_files):
+    """The flagship without CP holds its rows in micro-batches of 18,432 tokens, which fit 80
+    GB only with recompute: the check names the setting and the one that would fit."""
+    preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
+    overrides = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+                 *data_overrides("qwen3_30b_a3b_lag8", sample), "parallel.context=1",
+                 "learner.micro_batch_tokens=18432"]  # fmt: skip
+    config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", overrides)
+    assert "fits" in check_recipe(config, world, gpu_mem_gb=80, render=False)
+    refused = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml",
+                              [*overrides, "learner.recompute=none"])  # fmt: skip
+    with pytest.raises(
+        CheckFailed,
+        match=r"learner.recompute: with none the layout needs .* "
+        r"more than 80 GiB; set learner.recompute=selective",
+    ):
+        check_recipe(refused, world, gpu_mem_gb=80, render=False)
 
 
 def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
@@ -89,12 +130,16 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("missing data file", [f"task.train.path={tmp_path / 'nope.jsonl'}"], "does not exist"),
         ("no prompt field", [f"task.train.path={no_prompt}"], "'problem'"),
         ("no tokenizer", [f"model.hf_dir={PRESETS}"], "no config.json"),
-    ]
+        ("SGLang without CUDA", ["rollout.engine.kind=sglang"],
+         "rollout.engine.kind is 'sglang', which needs CUDA GPUs, and this machine has none"),
+    ]  # fmt: skip
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_a_bad_recipe_is_refused_by_train_before_any_process_starts(tmp_path, index, demo_model):
     name, overrides, message = bad_cases(tmp_path)[index]
+    if name == "SGLang without CUDA" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: SGLang is no mistake here")
     if not any(item.startswith("model.hf_dir=") for item in overrides):
         overrides = [f"model.hf_dir={demo_model}", *overrides]
     run_dir = tmp_path / "run"
@@ -117,3 +162,38 @@ def test_a_model_directory_without_a_tokenizer_fails_the_check(tmp_path):
                                  "qwen2p5_math_1p5b", "dapo_math.jsonl")])  # fmt: skip
     with pytest.raises(CheckFailed, match="no usable tokenizer with a chat template"):
         check_recipe(config, 8, None)
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism(tmp_path, tokenizer_files):
+    """megatron's own rule, read from the installed megatron-core (MoELayer.forward raises,
+    in training, at the first step) and evaluated here for each layout: the check refuses
+    exactly the layouts megatron would, naming the keys."""
+    megatron_dir = next(iter(importlib.util.find_spec("megatron").submodule_search_locations))
+    path = Path(megatron_dir) / "core/transformer/moe/moe_layer.py"
+    layer = next(node for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.ClassDef) and node.name == "MoELayer")  # fmt: skip
+    forward = next(node for node in layer.body if getattr(node, "name", "") == "forward")
+    rule = next(
+        node.test for node in ast.walk(forward)
+        if isinstance(node, ast.If) and "sequence_parallel" in ast.unparse(node.test)
+    )  # fmt: skip
+    preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
+    base = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+            *data_overrides("qwen3_30b_a3b_lag8", sample)]  # fmt: skip
+    for tp, sp in [(1, False), (2, False), (4, False), (2, True), (4, True)]:
+        layout = [f"parallel.tensor={tp}", f"parallel.sequence_parallel={str(sp).lower()}"]
+        config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", [*base, *layout])
+        moe_layer = SimpleNamespace(
+            training=True,
+            config=SimpleNamespace(sequence_parallel=sp),
+            attn_tp_group=SimpleNamespace(size=lambda tp=tp: tp),
+        )
+        raises = eval(compile(ast.Expression(rule), str(path), "eval"), {"self": moe_layer})
+        try:
+            check_recipe(config, world, gpu_mem_gb=None, render=False)
+            refusal = None
+        except CheckFailed as error:
+            refusal = str(error)
+        assert (refusal is not None) == raises, (tp, sp, refusal)
+        if refusal:
+            assert f"parallel.tensor={tp} needs parallel.sequence_parallel=true" in refusal

@@ -7,7 +7,8 @@ Switches make it slow, broken (malformed body, 5xx, 4xx), abort after k tokens (
 weight update, after which its version goes up) or update its weights in place mid-request.
 Asked for routed experts, it answers with those of positions [routed_experts_start_len,
 prompt + output - 1) (position p, layer l: experts (p + l) % 4 and (p + l + 1) % 4), encoded
-by SGLang's own detokenizer function read from the installed package.
+by SGLang's own detokenizer function read from the installed package; an abort after 0 tokens
+carries none, as SGLang's abort of a request in its waiting queue.
 Run as a script (`python test_rollout_client.py --port 0 --delay S`) it serves in its own process,
 printing "PORT <n>", so a test can kill it by PID mid-request.
 """
@@ -57,7 +58,8 @@ class Script:
     """Answer every /generate with this HTTP status."""
     malformed: str | None = None
     """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON;
-    "too_long": one token more than max_new_tokens; "spans": the version spans miss a token."""
+    "too_long": one token more than max_new_tokens; "spans": the version spans miss a token;
+    "top_short": output_top_logprobs misses the last token."""
     abort_after: int = 0
     aborts: int = 0
     """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
@@ -114,10 +116,17 @@ def _generate_body(script: Script, body: dict) -> dict:
         "weight_versions": spans,
         "output_token_logprobs": [[-0.5, token, None] for token in ids],
     }
-    if body["return_routed_experts"] and script.routing != "missing":
+    queued = aborting and not ids  # SGLang's waiting-queue abort: no routed experts
+    if body["return_routed_experts"] and script.routing != "missing" and not queued:
         start = body["routed_experts_start_len"]
         rows = max(0, len(prompt) + len(ids) - 1 - start) - (script.routing == "short")
         meta["routed_experts"] = sglang_b64([routing_of(p) for p in range(start, start + rows)])
+    k = body.get("top_logprobs_num", 0)
+    if k:  # SGLang's nested output_top_logprobs: token t's top k are t, t + 1, ... (version v)
+        meta["input_top_logprobs"] = []
+        meta["output_top_logprobs"] = [
+            [[-0.5 - j - script.version / 100, token + j, None] for j in range(k)] for token in ids
+        ][: len(ids) - (script.malformed == "top_short")]
     if script.malformed == "token_id":
         meta["output_token_logprobs"][1][1] += 1000
     if aborting:
@@ -149,6 +158,7 @@ def scripted_app(script: Script) -> web.Application:
                 "max_new_tokens": body["sampling_params"]["max_new_tokens"],
                 "return_routed_experts": body["return_routed_experts"],
                 "routed_experts_start_len": body.get("routed_experts_start_len"),
+                "top_logprobs_num": body.get("top_logprobs_num"),
             }
         )
         await asyncio.sleep(script.delay_s)
@@ -422,6 +432,31 @@ def test_versions_switching_inside_a_segment_and_across_an_abort_are_kept_per_to
     assert (rollout.finish_reason, rollout.continuations) == ("length", 1)
 
 
+def test_top_logprobs_of_every_segment_follow_the_output_tokens() -> None:
+    """K top log-probs asked for every segment; an abort after 3 tokens, a zero-token abort
+    (SGLang's waiting queue), then the rest: one row per output token, each from the answer
+    that sampled it (the scripted log-probs carry the version)."""
+    script = Script(abort_after=3, aborts=1)
+
+    async def body(script: Script) -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls, top_logprobs=2)) as client:
+            return await client.generate([10, 20], sampling(6))
+
+    rollout = asyncio.run(body(script))
+    assert [entry["top_logprobs_num"] for entry in script.log] == [2, 2]
+    top = rollout.top_logprobs
+    assert top.ids.tolist() == [[t, t + 1] for t in range(21, 27)]
+    versions = [1] * 3 + [2] * 3
+    assert (
+        top.log_probs.tolist()
+        == np.float32([[-0.5 - v / 100, -1.5 - v / 100] for v in versions]).tolist()
+    )
+    waiting = Script(abort_after=0, aborts=1)
+    assert asyncio.run(body(waiting)).top_logprobs.tokens == 6
+    with pytest.raises(MalformedResponse, match=r"output_top_logprobs: expected 6 lists"):
+        asyncio.run(body(Script(malformed="top_short")))
+
+
 def test_version_spans_missing_a_token_are_malformed_and_not_retried() -> None:
     a, b = Script(switch_after=1, malformed="spans"), Script()
 
@@ -506,6 +541,24 @@ def test_routed_experts_of_segments_and_turns_tile_the_row_once() -> None:
     routed = np.concatenate([first.routed_experts.experts, second.routed_experts.experts])
     assert routed.tolist() == [routing_of(p) for p in range(len(row) - 1)]
     assert routed.dtype == np.uint8 and first.routed_experts.num_experts == 4
+
+
+def test_zero_token_aborts_without_routed_experts_are_continued_not_fatal() -> None:
+    """Two syncs abort the request while it waits in SGLang's queue (no token, no routed
+    experts), then it runs: one rollout, its routing tiling the row once."""
+    script = Script(abort_after=0, aborts=2)
+
+    async def body() -> Rollout:
+        async with serving(script) as urls, RolloutClient(config(urls, routed_experts=LAYOUT)) as c:
+            return await c.generate([5, 6], sampling(3))
+
+    rollout = asyncio.run(body())
+    assert (rollout.output_ids, rollout.finish_reason, rollout.continuations) == (
+        [7, 8, 9], "length", 2,
+    )  # fmt: skip
+    assert [e["routed_experts_start_len"] for e in script.log] == [0, 0, 0]
+    assert rollout.routed_experts.experts.tolist() == [routing_of(p) for p in range(4)]
+    assert rollout.token_versions == ["3", "3", "3"]
 
 
 @pytest.mark.parametrize(

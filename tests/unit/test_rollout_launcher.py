@@ -1,5 +1,7 @@
-"""Server launching: exact SGLang / CPU-engine command lines, engine selection, and the process
-lifecycle (health wait, early exit, deadline, stop) on small stand-in server processes."""
+"""Server launching: exact SGLang / CPU-engine command lines, the engine named and never
+guessed (SGLang refused on a machine without CUDA), the NCCL setting both ends of the weight
+group share, and the process lifecycle (health wait, early exit, deadline, stop) on small
+stand-in server processes."""
 
 from __future__ import annotations
 
@@ -10,18 +12,22 @@ import socket
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 import torch
 from pydantic import ValidationError
 
+from megatron_fr.cli import build_parser
+from megatron_fr.engine import sglang_source as src
+from megatron_fr.engine.group import NCCL_CUMEM, match_sglang_nccl_env
 from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
     cpu_engine_command,
-    resolve_engine,
+    launch_server,
     server_command,
     server_env,
     server_gpus,
@@ -41,6 +47,7 @@ MOE_MULTI_NODE = ServerLaunchConfig(
     skip_tokenizer_init=True,
     extra_args=["--cuda-graph-max-bs", "256"],
     engine="sglang",
+    return_routed_experts=True,
 )
 DP_ATTENTION = ServerLaunchConfig(
     model_path="Qwen/Qwen3-30B-A3B",
@@ -61,6 +68,7 @@ def test_sglang_command_multi_node_moe() -> None:
         "--host", "0.0.0.0", "--port", "30000",
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
         "--skip-tokenizer-init",
+        "--enable-return-routed-experts",
         "--skip-server-warmup",
         "--cuda-graph-max-bs", "256",
     ]  # fmt: skip
@@ -110,6 +118,8 @@ def test_cpu_engine_command() -> None:
     assert server_command(cfg) == cpu_engine_command(cfg)
     # `megatron-fr serve` execs the engine in its own place: no parent to watch.
     assert server_command(cfg, watch_parent=False) == cpu_engine_command(cfg)[:-2]
+    routed = cfg.model_copy(update={"return_routed_experts": True})
+    assert server_command(routed, watch_parent=False)[-1] == "--enable-return-routed-experts"
 
 
 def test_cpu_engine_refuses_what_it_cannot_honour() -> None:
@@ -119,16 +129,52 @@ def test_cpu_engine_refuses_what_it_cannot_honour() -> None:
         cpu_engine_command(DP_ATTENTION)
 
 
-def test_auto_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ServerLaunchConfig(model_path="m")
-    assert resolve_engine(cfg) == ("sglang" if torch.cuda.is_available() else "cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_engine(cfg) == "cpu"
-    assert server_command(cfg) == cpu_engine_command(cfg)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_engine(cfg) == "sglang"
-    assert server_command(cfg) == sglang_command(cfg)
-    assert resolve_engine(cfg.model_copy(update={"engine": "cpu"})) == "cpu"
+def test_the_engine_is_named_never_guessed(tmp_path, capsys) -> None:
+    """The command follows the name whatever the machine has; SGLang where CUDA is missing is
+    refused before anything starts (launch, `megatron-fr serve`), never served by the CPU
+    engine instead; `serve` requires the name."""
+    cfg = ServerLaunchConfig(model_path="m", log_dir=tmp_path)
+    assert cfg.engine == "sglang" and server_command(cfg) == sglang_command(cfg)
+    cpu = cfg.model_copy(update={"engine": "cpu"})
+    assert server_command(cpu) == cpu_engine_command(cpu)
+    with pytest.raises(ValidationError, match="engine"):
+        ServerLaunchConfig(model_path="m", engine="auto")
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model-path", "m", "--port", "1"])
+    assert "the following arguments are required: --engine" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        return  # the refusals below are for machines without CUDA
+    with pytest.raises(ValueError, match="engine is 'sglang', which needs CUDA GPUs"):
+        launch_server(cfg)
+    assert not (tmp_path / f"server-{cfg.port}.log").exists(), "nothing was started"
+    args = parser.parse_args(["serve", "--model-path", "m", "--port", "1", "--engine", "sglang"])
+    assert args.run(args) == 2
+    assert "--engine is 'sglang', which needs CUDA GPUs" in capsys.readouterr().err
+
+
+def test_nccl_cumem_is_what_sglang_sets_for_itself(monkeypatch) -> None:
+    """SGLang's own statement (srt/entrypoints/engine.py: _set_envs_and_config, run from the
+    installed package on its default arguments) and `train`'s give NCCL_CUMEM_ENABLE the
+    same value, unset or set by the user; an SGLang server started by the run inherits it."""
+    tree = ast.parse(src.function_source("srt/entrypoints/engine.py", "_set_envs_and_config"))
+    statement = next(
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.If) and NCCL_CUMEM in ast.unparse(node.test)
+    )  # fmt: skip
+    default_args = SimpleNamespace(enable_symm_mem=False)
+    for preset in ({}, {NCCL_CUMEM: "1"}, {NCCL_CUMEM: "0"}):
+        sglang_env, train_env = dict(preset), dict(preset)
+        namespace = {"os": SimpleNamespace(environ=sglang_env), "cfg": default_args,
+                     "kv_shard_symmetric_scratch": False, "logger": None}  # fmt: skip
+        exec(compile(ast.Module([statement], []), "<sglang>", "exec"), namespace)
+        assert match_sglang_nccl_env(train_env) == sglang_env[NCCL_CUMEM] == train_env[NCCL_CUMEM]
+    monkeypatch.setenv(NCCL_CUMEM, "unset below; restored after the test")
+    monkeypatch.delenv(NCCL_CUMEM)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    match_sglang_nccl_env()
+    env = server_env(ServerLaunchConfig(model_path="m"))
+    assert env[NCCL_CUMEM] == os.environ[NCCL_CUMEM] == "0"
 
 
 @pytest.mark.parametrize(
@@ -142,6 +188,7 @@ def test_auto_engine(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"mem_fraction_static": 1.0}, "mem_fraction_static"),
         ({"port": 0}, "port"),
         ({"engine": "vllm"}, "engine"),
+        ({"engine": "auto"}, "engine"),
         ({"gpus": 8}, "gpus"),
     ],
 )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -105,6 +106,7 @@ BUILDERS: list[tuple[str, Callable[[], dict]]] = [
             ["w"], ["bfloat16"], [[2, 3]], group_name="g", weight_version=4
         ),
     ),
+    ("GenerateReqInput", lambda: p.generate_request([1, 2, 3], SAMPLING, top_logprobs_num=8)),
     ("UpdateWeightFromDiskReqInput", lambda: p.update_weights_from_disk_request("/ckpt/step-4")),
     (
         "UpdateWeightsFromTensorReqInput",
@@ -216,6 +218,9 @@ def test_generate_request_body() -> None:
     }
     batched = p.generate_request([[1], [2, 3]], SAMPLING)
     assert batched["input_ids"] == [[1], [2, 3]] and "rid" not in batched
+    assert p.generate_request([5], SAMPLING, top_logprobs_num=8)["top_logprobs_num"] == 8
+    with pytest.raises(ValueError, match="top_logprobs_num must be >= 0"):
+        p.generate_request([5], SAMPLING, top_logprobs_num=-1)
 
 
 @pytest.mark.parametrize(
@@ -583,3 +588,127 @@ def test_the_cpu_engine_writes_spans_exactly_as_sglang(sglang_spans) -> None:
         meta = generate_response(output, "r", None)["meta_info"]
         got = {key: meta[key] for key in ("weight_version", "weight_versions")}
         assert got == expected, (versions, events, label)
+
+
+# --- top-K log-probs: SGLang's own answer code, run from the installed source -----------------
+
+TOKENIZER_MANAGER = "srt/managers/tokenizer_manager.py"
+
+
+@pytest.fixture(scope="module")
+def sglang_logprob_meta() -> Callable:
+    """TokenizerManager.add_logprob_to_meta_info as written in the installed
+    tokenizer_manager.py, with the detokenize methods it calls, run on a finished request's
+    state (no flat arrays, no text): the log-prob part of SGLang's meta_info for output tokens
+    and their top-K as its scheduler hands them over, through JSON as the client gets it."""
+    import functools
+    import json
+    import logging
+    from types import SimpleNamespace
+
+    from megatron_fr.engine.sglang_source import exec_function, function_source
+
+    names = ("add_logprob_to_meta_info", "detokenize_logprob_tokens",
+             "detokenize_top_logprobs_tokens")  # fmt: skip
+    namespace = {"logger": logging.getLogger("sglang")}
+    methods = {name: exec_function(function_source(TOKENIZER_MANAGER, name, "TokenizerManager"),
+                                   name, namespace) for name in names}  # fmt: skip
+    manager = SimpleNamespace()
+    for name in names[1:]:
+        setattr(manager, name, functools.partial(methods[name], manager))
+
+    def meta(ids: list[int], top: list[tuple[list[float], list[int]]], k: int) -> dict:
+        obj = SimpleNamespace(return_flat_raw_top_logprobs=False,
+                              return_flat_raw_output_top_logprobs=False)  # fmt: skip
+        state = SimpleNamespace(obj=obj, **{
+            f"{side}_{kind}{part}": [] for side in ("input", "output")
+            for kind in ("token_logprobs", "top_logprobs") for part in ("", "_val", "_idx")
+        })  # fmt: skip
+        state.output_token_logprobs_val = [values[0] for values, _ in top]
+        state.output_token_logprobs_idx = list(ids)
+        state.output_top_logprobs_val = [values for values, _ in top]
+        state.output_top_logprobs_idx = [tokens for _, tokens in top]
+        out: dict = {}
+        methods["add_logprob_to_meta_info"](manager, out, state, k, None, False, finished=True)
+        return json.loads(json.dumps(out))
+
+    return meta
+
+
+def _random_top(rng: random.Random, count: int, k: int) -> tuple[list[int], list]:
+    """`count` output tokens, each the most likely of a random top-k (descending log-probs)."""
+    top = []
+    for _ in range(count):
+        tokens = rng.sample(range(1000), k)
+        values = sorted((math.log(rng.random() / k) for _ in range(k)), reverse=True)
+        top.append((values, tokens))
+    return [tokens[0] for _, tokens in top], top
+
+
+def test_top_logprobs_as_sglang_writes_them_parse_to_each_tokens_ids_and_log_probs(
+    sglang_logprob_meta,
+) -> None:
+    rng = random.Random(2)
+    for count, k in [(0, 3), (1, 1), (5, 4), (9, 8)]:
+        ids, top = _random_top(rng, count, k)
+        body = well_formed()
+        body["output_ids"] = ids
+        body["meta_info"]["weight_versions"] = [{"version": "2", "start": 0, "end": count}]
+        body["meta_info"] |= sglang_logprob_meta(ids, top, k)
+        out = p.parse_generate_response(body, top_logprobs_num=k)
+        assert out.top_logprobs.ids.tolist() == [tokens for _, tokens in top]
+        assert out.top_logprobs.log_probs.shape == (count, k)
+        expected = [[float(np.float32(v)) for v in values] for values, _ in top]
+        assert out.top_logprobs.log_probs.tolist() == expected
+        assert p.parse_generate_response(body).top_logprobs is None  # not asked: not read
+
+
+def test_the_cpu_engine_writes_top_logprobs_exactly_as_sglang(sglang_logprob_meta) -> None:
+    """Its answer and its waiting-queue abort answer carry SGLang's input_top_logprobs and
+    output_top_logprobs for the same tokens."""
+    from megatron_fr.engine.cpu_engine import Output
+    from megatron_fr.engine.cpu_wire import generate_response
+
+    rng = random.Random(3)
+    for count, k in [(4, 3), (0, 2)]:
+        ids, top = _random_top(rng, count, k)
+        output = Output(ids, [values[0] for values, _ in top], {"type": "length"}, "1", 3)
+        output.top_logprobs = top
+        output.waiting_abort = count == 0
+        meta = generate_response(output, "r", None)["meta_info"]
+        expected = sglang_logprob_meta(ids, top, k)
+        for key in ("input_top_logprobs", "output_top_logprobs", "output_token_logprobs"):
+            assert meta[key] == expected[key], (key, count)
+
+
+TOP = ("meta_info", "output_top_logprobs")
+AT = "meta_info.output_top_logprobs"
+TWO_ROWS = [[[-0.5, 11, None], [-2.0, 12, None]]] * 2
+MALFORMED_TOP: list[tuple[str, Callable[[dict], None], str]] = [
+    ("missing", _delete(TOP), AT),
+    ("a token short", _set(TOP, TWO_ROWS), AT),
+    ("a null position", _set((*TOP, 1), None), f"{AT}[1]"),
+    ("K - 1 entries", _set((*TOP, 2), [[-0.5, 13, None]]), f"{AT}[2]"),
+    ("entry arity", _set((*TOP, 0, 1), [-1.0, 5]), f"{AT}[0][1]"),
+    ("positive", _set((*TOP, 0, 0, 0), 0.5), f"{AT}[0][0][0]"),
+    ("NaN", _set((*TOP, 1, 1, 0), math.nan), f"{AT}[1][1][0]"),
+    ("-inf", _set((*TOP, 1, 1, 0), -math.inf), f"{AT}[1][1][0]"),
+    ("a bool", _set((*TOP, 2, 0, 0), False), f"{AT}[2][0][0]"),
+    ("negative id", _set((*TOP, 2, 1, 1), -3), f"{AT}[2][1][1]"),
+    ("id past int32", _set((*TOP, 2, 1, 1), 2**31), f"{AT}[2][1][1]"),
+    ("float id", _set((*TOP, 0, 1, 1), 7.0), f"{AT}[0][1][1]"),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "path"), MALFORMED_TOP,
+                         ids=[c for c, _, _ in MALFORMED_TOP])  # fmt: skip
+def test_parse_rejects_malformed_top_logprobs(case: str, mutate: Callable, path: str) -> None:
+    body = copy.deepcopy(well_formed())
+    body["meta_info"]["output_top_logprobs"] = [
+        [[-0.5, token, None], [-2.0, token + 1, None]] for token in body["output_ids"]
+    ]
+    assert p.parse_generate_response(copy.deepcopy(body), 2).top_logprobs.tokens == 3
+    mutate(body)
+    with pytest.raises(MalformedResponse) as info:
+        p.parse_generate_response(body, 2)
+    assert info.value.path == path, (case, str(info.value))

@@ -15,39 +15,19 @@ from pathlib import Path
 
 import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, serving
+from stub_server import StubServer
+from trajectory_fixtures import single_turn_trajectory
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
-from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.client import Rollout, RolloutClient, RolloutClientConfig
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.launcher import ServerProcess
 from megatron_fr.engine.protocol import SamplingParams
 from megatron_fr.parallel.spawn import free_port
-from megatron_fr.rollout.agent import policy_version
 from megatron_fr.rollout.service import Backoff, EvalSet, RolloutFailed, RolloutService
-from megatron_fr.rollout.supervisor import EngineDied, EngineSupervisor
-
-
-def single_turn_trajectory(
-    prompt_id: str, rollout: Rollout, reward: float, info: dict
-) -> Trajectory:
-    """A one-turn row: prompt tokens (no policy) then the generated tokens with the engine's
-    log-probs, per-token weight versions and routed experts."""
-    prompt, output = list(rollout.prompt_ids), list(rollout.output_ids)
-    return Trajectory(
-        prompt_id=prompt_id,
-        token_ids=prompt + output,
-        action_mask=[False] * len(prompt) + [True] * len(output),
-        behavior_log_probs=[0.0] * len(prompt) + list(rollout.output_logprobs),
-        token_versions=[NON_POLICY_VERSION] * len(prompt)
-        + [policy_version(v) for v in rollout.token_versions],
-        reward=reward,
-        info={**info, "finish_reason": rollout.finish_reason, "server": rollout.server},
-        routed_experts=rollout.routed_experts,
-    )
-
+from megatron_fr.rollout.supervisor import EngineDied, EngineRefused, EngineSupervisor
 
 PROBLEMS = [f"p{i}" for i in range(20)]
 
@@ -148,9 +128,9 @@ def test_batches_flow_and_close_leaves_nothing_behind(tokenizer):
 def test_a_bug_in_an_episode_ends_the_service_with_its_cause(tokenizer):
     with ServerThread(tokenizer) as server:
         service = make_service([server.url], Producer(tokenizer, broken_after=2))
-        service.start()
         try:
             with pytest.raises(RolloutFailed, match="a bug in the reward") as error:
+                service.start()  # the third episode may fail before start() returns
                 for version in range(100):
                     service.next_batch(version)
                     service.set_version(version + 1)
@@ -266,3 +246,38 @@ def test_an_engine_given_by_url_that_stops_answering_counts_as_dead():
 
     message = asyncio.run(scenario())
     assert "has not answered GET /health for 0.3 s" in message
+
+
+def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
+    """Adopted only once /server_info says what they are: a server that does not (a router
+    answering 404), or one without routed experts when the run replays routing (SGLang
+    started without --enable-return-routed-experts), is refused naming it and the remedy; one
+    that never answers is waited for up to start_timeout_s, then refused."""
+    sglang = {"version": "0.5.23", "tp_size": 2, "enable_return_routed_experts": False}
+    routing = sglang | {"enable_return_routed_experts": True}
+
+    def start(urls: list[str], routed: bool, timeout_s: float = 5.0) -> EngineSupervisor:
+        settings = EngineSettings(urls=urls, start_timeout_s=timeout_s)
+        return EngineSupervisor.start(settings, tmp_path, tmp_path, 0, routed_experts=routed)
+
+    with (
+        StubServer({"/server_info": [(200, sglang)]}) as plain,
+        StubServer({"/server_info": [(200, routing)]}) as routed,
+        StubServer({"/model_info": [(200, {"model_path": "m"})]}) as router,
+    ):
+        assert start([plain.url], routed=False).urls == [plain.url]
+        assert start([routed.url], routed=True).urls == [routed.url]
+        with pytest.raises(EngineRefused) as refused:
+            start([routed.url, plain.url], routed=True)
+        with pytest.raises(EngineRefused, match=f"{router.url} answers 404 on GET /server_info"):
+            start([router.url], routed=False)
+    assert str(refused.value) == (
+        f"inference engine {plain.url} refused: learner.routing_replay needs the routed experts "
+        "of every position, and this sglang server runs without them (/server_info: "
+        "enable_return_routed_experts is not true): start it with --enable-return-routed-experts"
+    )
+    silent = f"http://127.0.0.1:{free_port()}"
+    began = time.monotonic()
+    with pytest.raises(EngineRefused, match=f"{silent}/server_info: no answer"):
+        start([silent], routed=False, timeout_s=1.0)
+    assert 0.5 <= time.monotonic() - began < 1.0 + 5.0

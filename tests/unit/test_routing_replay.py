@@ -13,9 +13,9 @@ import pytest
 import torch
 from tiny_qwen import TINY
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config import ParallelConfig
+from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 from megatron_fr.learner.routing_replay import check_routed_batch, padding_routing
 from megatron_fr.models.gpt import transformer_config
@@ -46,7 +46,7 @@ def trajectory(index: int, prompt: int, response: int) -> Trajectory:
 def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp_rank, pack):
     shapes = [(2, 5), (4, 1), (3, 7), (2, 2), (5, 3)]
     batch = [trajectory(i, p, r) for i, (p, r) in enumerate(shapes)]
-    plan = plan_micro_batches([t.length for t in batch], dp_size=2, token_budget=20,
+    plan = plan_micro_batches([t.length for t in batch], dp_size=2, micro_batch_tokens=20,
                               pack=pack, sequence_parallel_size=2)  # fmt: skip
     micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, routing=True)
     fed = 0

@@ -113,7 +113,7 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model
     logs = f"{run_dir}/logs/slurm-dryrun.0"
     assert [line.replace(python, "PY") for line in commands(out)] == [
         f"{srun.format(n=1, nodes='node1')} bash -c '<serve_node from slurm/job.sh>' serve_node"
-        f" {logs} PY {demo_model} cpu 1 0 1 20100",
+        f" {logs} PY {demo_model} cpu 1 0 1 0 20100",
         f"{srun.format(n=2, nodes='node2,node3')} bash -c '<learner_node from slurm/job.sh>'"
         f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
         f" model.hf_dir={demo_model}"
@@ -130,14 +130,14 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert "servers   4 (2 per rollout node, sglang engine, 4 GPU(s) each (SGLang TP4))" in out
     assert "learner   16 ranks = 2 node(s) x 8" in out
     assert "TP4 PP1 CP2 EP8 ETP1 (DP2, EDP2, SP) on 16 ranks" in out
-    assert "fits 80.00 GiB: yes without recompute" in out
+    assert "fits 80.00 GiB: none yes, selective yes, full yes" in out
     assert "USR1 600s before the time limit (04:00:00)" in out
     assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     lines = commands(out)
     assert [line.split()[4] for line in lines[:3]] == [
         "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
     ]  # fmt: skip
-    assert lines[0].endswith("sglang 2 4 1 20100") and lines[1].endswith("sglang 2 4 1 20102")
+    assert lines[0].endswith("sglang 2 4 1 0 20100") and lines[1].endswith("sglang 2 4 1 0 20102")
     urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
     assert f"'rollout.engine.urls={urls}'" in lines[2]
     assert "learner_node" in lines[2] and " 2 8 node3 20000 " in lines[2]
@@ -156,9 +156,60 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
 
 @pytest.mark.parametrize("wrapper", GPU_WRAPPERS, ids=lambda path: path.stem)
 def test_gpu_recipes_plan_a_layout_that_fits(wrapper, tmp_path):
+    """...with the recompute setting each recipe has (learner.recompute)."""
+    from megatron_fr.config.run import load_run_config
+
+    recipe = REPO / "examples" / f"{wrapper.stem}.yaml"
+    recompute = load_run_config(recipe, []).learner.recompute
     out = dry_run(wrapper, tmp_path).stdout
-    assert "fits 80.00 GiB: yes without recompute" in out
+    fits = next(line for line in out.splitlines() if "fits 80.00 GiB:" in line)
+    assert f"{recompute} yes" in fits, fits
     assert "sglang engine" in out and len(commands(out)) >= 3
+
+
+def job_function(name: str) -> str:
+    """One function of slurm/job.sh, as its text."""
+    body = (REPO / "slurm" / "job.sh").read_text()
+    start = body.index(f"{name}() {{")
+    return body[start : body.index("\n}\n", start) + 3]
+
+
+def test_servers_keep_the_gpus_slurm_gave_and_return_routed_experts_when_replayed(tmp_path):
+    """serve_node on a shared node where Slurm gave the step GPUs 3,5,6,7: server i gets
+    entries 2i, 2i+1 of that list (not GPUs 0..3), and with routing replay in the recipe every
+    server is told --enable-return-routed-experts (rendered as MFR_ROUTED_EXPERTS=1)."""
+    python = tmp_path / "python"  # records what each server would run, and where
+    python.write_text('#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*"\n')
+    python.chmod(0o755)
+
+    def serve_node(visible: str | None, count: int, gpus: int, routed: int) -> list[str]:
+        env = {"PATH": os.environ["PATH"], "SLURMD_NODENAME": "n1"}
+        env |= {"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {}
+        args = [str(tmp_path), str(python), "/m", "sglang", str(count), str(gpus), "1",
+                str(routed), "20100", "--foo"]  # fmt: skip
+        result = subprocess.run(["bash", "-c", f"{job_function('serve_node')}\nserve_node \"$@\"",
+                                 "serve_node", *args], capture_output=True, text=True, env=env,
+                                timeout=60)  # fmt: skip
+        logs = sorted(tmp_path.glob("server-n1-*.log"))
+        lines = [log.read_text().splitlines()[-1] for log in logs] if not result.returncode else []
+        for log in logs:
+            log.unlink()
+        return lines or [result.stderr]
+
+    first, second = serve_node("3,5,6,7", 2, 2, routed=1)
+    assert first.startswith("CUDA_VISIBLE_DEVICES=3,5 -m megatron_fr serve --model-path /m")
+    assert second.startswith("CUDA_VISIBLE_DEVICES=6,7 ") and "--port 20101" in second
+    assert first.endswith(
+        "--engine sglang --tp 2 --threads 1 --enable-return-routed-experts -- --foo"
+    )
+    [plain] = serve_node(None, 1, 2, routed=0)  # no CUDA_VISIBLE_DEVICES: all GPUs are ours
+    assert plain.startswith("CUDA_VISIBLE_DEVICES=0,1 ") and "routed" not in plain
+    [refused] = serve_node("3", 2, 1, routed=0)
+    assert "2 server(s) x 1 GPU(s), but the step sees 1: 3" in refused
+    wrapper = REPO / "slurm" / "recipes" / "qwen3_30b_a3b_lag8.sh"
+    script = tmp_path / "job.sbatch"
+    dry_run(wrapper, tmp_path, "--script-out", str(script), "learner.routing_replay=true")
+    assert "MFR_ROUTED_EXPERTS=1" in script.read_text().splitlines()
 
 
 def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
@@ -169,10 +220,7 @@ def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
     assert "#SBATCH --cpus-per-task=2" in sbatch and "#SBATCH --mem=1536M" in sbatch
     assert "#SBATCH --exclusive" not in sbatch
     # On whole nodes each step gets the fewest CPUs any node of the job has.
-    body = (REPO / "slurm" / "job.sh").read_text()
-    function = body[
-        body.index("step_cpus() {") : body.index("\n}\n", body.index("step_cpus()")) + 3
-    ]
+    function = job_function("step_cpus")
     for job_cpus, expected in (("64(x2),48", "48"), ("96", "96")):
         result = subprocess.run(
             ["bash", "-c", f"{function}\nstep_cpus"], capture_output=True, text=True,
@@ -201,8 +249,9 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
 @pytest.mark.parametrize(
     "wrapper, args, reason",
     [
-        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1"],
-         "does not fit in GPU memory without activation recompute"),
+        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1", "learner.recompute=none"],
+         "does not fit in GPU memory with learner.recompute=none (learner.recompute=selective "
+         "fits)"),
         ("qwen3_30b_a3b_lag8", ["parallel.expert=3"],
          "world_size 16 is not divisible by expert_tensor (1) x expert (3)"),
         ("qwen3_30b_a3b_lag8", ["parallel.tensor=8", "parallel.expert=2"],

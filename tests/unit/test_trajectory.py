@@ -12,13 +12,15 @@ import pytest
 import torch
 from helpers import assert_close
 
-from megatron_fr.buffer.routing import RoutedExperts
 from megatron_fr.buffer.trajectory import (
     InvalidTrajectory,
     Trajectory,
     to_tensors,
     validate_trajectory,
 )
+from megatron_fr.config.algo import MAX_GATE_TOP_K, TOP_K_ENTRY_BYTES
+from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.top_logprobs import TopLogProbs
 
 # prompt (2 tokens), policy turn (2), tool observation (1), policy turn (1)
 TOKENS = [5, 6, 7, 8, 9, 10]
@@ -115,6 +117,64 @@ def test_out_of_range_detail_names_position_layer_and_slot():
     experts[3, 1, 1] = 9
     with pytest.raises(InvalidTrajectory, match=r"\[3, 1, 1\]: 9 not in \[0, 4\)"):
         validate_trajectory(trajectory(routed_experts=_spoiled(experts)))
+
+
+def top(tokens: int = 3, k: int = 4) -> TopLogProbs:
+    """Distinct ids per policy token and log-probs of mass < 1: token j's k-th id is j + k."""
+    ids = np.arange(tokens)[:, None] + np.arange(k)[None]
+    return TopLogProbs.of(ids, -1.5 - np.arange(k)[None].repeat(tokens, 0), k)
+
+
+def _top_spoiled(ids=None, log_probs=None) -> TopLogProbs:
+    record = top()
+    return TopLogProbs(record.ids if ids is None else ids,
+                       record.log_probs if log_probs is None else log_probs)  # fmt: skip
+
+
+def test_top_logprobs_cost_k_times_8_bytes_per_policy_token_and_survive_a_checkpoint():
+    record = top(tokens=3, k=5)
+    assert record.ids.nbytes + record.log_probs.nbytes == 3 * 5 * TOP_K_ENTRY_BYTES
+    t = validate_trajectory(trajectory(top_logprobs=record))
+    back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back == t and back.top_logprobs.ids.dtype == np.int32
+    assert back.top_logprobs.log_probs.dtype == np.float32
+    shifted = TopLogProbs.of(record.ids, record.log_probs - 0.5, 5)
+    assert back != trajectory(top_logprobs=shifted)
+    joined = TopLogProbs.concatenate([top(tokens=1), top(tokens=2)])
+    assert joined.ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 4]]
+
+
+def test_top_logprobs_below_float32_become_its_smallest_value_as_sglang_clamps():
+    record = TopLogProbs.of([[3, 4]], [[-0.5, -1e300]], 2)
+    assert record.log_probs[0, 1] == np.finfo(np.float32).min
+    floored = TopLogProbs.of([[3, 4]] * 3, [[-0.5, -1e300]] * 3, 2)
+    validate_trajectory(trajectory(top_logprobs=floored))  # finite: accepted
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        (top(tokens=2), "rows differ from the policy tokens"),
+        (top(tokens=4), "rows differ from the policy tokens"),
+        (top(k=MAX_GATE_TOP_K + 1), f"is not [policy tokens, K] with K in [1, {MAX_GATE_TOP_K}]"),
+        (_top_spoiled(ids=top().ids[:, :0]), "is not [policy tokens, K] with K in [1, 64]"),
+        (_top_spoiled(ids=top().ids[:, :2]), "is not [policy tokens, K] with K in [1, 64]"),
+        (_top_spoiled(ids=top().ids.astype(np.int64)), "dtypes are not int32 ids and float32"),
+        (_top_spoiled(log_probs=top().log_probs.astype(np.float64)), "dtypes are not int32"),
+        (_top_spoiled(ids=top().ids - 1), "holds a negative id"),
+        (_top_spoiled(log_probs=top().log_probs * 0 + np.float32("nan")), "log-prob not finite"),
+        (_top_spoiled(log_probs=top().log_probs * 0 - np.float32("inf")), "log-prob not finite"),
+        (_top_spoiled(log_probs=-top().log_probs), "log-prob not finite or positive"),
+        (_top_spoiled(ids=top().ids * 0 + np.int32(3)), "repeats a token within a top-K"),
+        (_top_spoiled(log_probs=top().log_probs * 0 - np.float32(0.5)),
+         "probabilities of a top-K sum above 1"),
+        ("not a record", "is not a TopLogProbs of arrays"),
+    ],
+)  # fmt: skip
+def test_bad_top_logprobs_are_refused_with_their_reason(record, problem):
+    with pytest.raises(InvalidTrajectory) as caught:
+        validate_trajectory(trajectory(top_logprobs=record))
+    assert caught.value.reason.startswith(f"top_logprobs: {problem}")
 
 
 @pytest.mark.parametrize(

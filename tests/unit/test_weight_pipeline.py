@@ -97,3 +97,19 @@ def test_an_unexpected_error_in_a_send_is_raised_to_the_caller_and_the_thread_jo
         sender.submit("b2")
     assert send.sent == ["b1"]
     assert not sender_threads()
+
+
+@pytest.mark.gpu
+def test_the_send_thread_runs_on_the_senders_cuda_device():
+    """A PP stage's sending rank on GPU d sends from a thread whose current device is d too (a
+    new thread starts on GPU 0). On a one-GPU machine d is 0 and this shows only that the
+    thread's setup runs."""
+    import torch
+
+    device = torch.cuda.device_count() - 1
+    torch.cuda.set_device(device)
+    seen: list[int] = []
+    with BucketSender(lambda bucket: seen.append(torch.cuda.current_device()), overlap=True) as s:
+        s.submit([])
+        assert s.finish() is None
+    assert seen == [device]

@@ -8,10 +8,16 @@ HTTP servers."""
 from __future__ import annotations
 
 import ast
+import base64
+import contextlib
 import fnmatch
 import glob
+import inspect
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +30,9 @@ from test_rollout_protocol import class_fields
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.engine import protocol
 from megatron_fr.engine import sglang_source as src
+from megatron_fr.engine.group import address_towards
 from megatron_fr.engine.http import EngineRequestError, flush_cache
+from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, UnknownServer
 from megatron_fr.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from megatron_fr.weights import sync as sync_module
 from megatron_fr.weights.transports import disk as disk_module
@@ -38,6 +46,8 @@ from megatron_fr.weights.transports.distributed import (
     group_layout,
 )
 from megatron_fr.weights.transports.tensor import TensorTransport
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -183,11 +193,87 @@ def test_tensor_transport_sends_one_own_payload_per_sglang_tp_rank(tp_size, io_s
         TensorTransport([Engine("http://e:1")], 1.0, serialize).request_body([], Engine("u"))
 
 
-def test_tensor_transport_without_sglang_says_so(monkeypatch):
+@pytest.fixture
+def torch_reductions():
+    """torch's tensor reductions, restored (and re-registered) after a test that patches them."""
+    from torch.multiprocessing import reductions
+
+    saved = {name: getattr(reductions, name) for name in ("reduce_tensor", "rebuild_cuda_tensor")}
+    yield reductions
+    for name in ("_reduce_tensor_original", "_rebuild_cuda_tensor_original"):
+        if hasattr(reductions, name):
+            delattr(reductions, name)
+    for name, value in saved.items():
+        setattr(reductions, name, value)
+    reductions.init_reductions()
+
+
+def test_tensor_transport_names_gpus_the_way_sglangs_receiver_reads_them(torch_reductions):
+    """The sender patches torch with SGLang's own monkey_patch_torch_reductions (read from the
+    installed package), the patch SGLang's receiver applies before it opens a payload
+    (BaseTpWorker.deserialize_own_rank): torch's CUDA reduction then writes the device's UUID
+    into the argument SGLang's rebuild maps back to a local index, and that argument is the
+    `device` slot of torch's own CUDA reduction (read from torch's source here)."""
+    receiver = src.function_source("srt/managers/tp_worker.py", "deserialize_own_rank",
+                                   "BaseTpWorker")  # fmt: skip
+    assert "monkey_patch_torch_reductions()" in receiver
+    original = torch_reductions.reduce_tensor
+    src.monkey_patch_torch_reductions()()
+    assert torch_reductions.reduce_tensor.__name__ == "_reduce_tensor_modified"
+    assert torch_reductions.rebuild_cuda_tensor.__name__ == "_rebuild_cuda_tensor_modified"
+    tree = ast.parse(inspect.getsource(original))
+    cuda = next(
+        node.value.elts[1] for node in ast.walk(tree)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+        and ast.unparse(node.value.elts[0]) == "rebuild_cuda_tensor"
+    )  # fmt: skip
+    slot = [ast.unparse(arg) for arg in cuda.elts].index("device")
+    assert slot == src.module_constant(src.PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX") == 6
+    assert list(inspect.signature(original).parameters) == ["tensor"]
+
+
+def test_tensor_transport_refuses_engines_off_this_node_and_machines_without_cuda(monkeypatch):
+    here = ["127.0.0.1", "localhost", socket.gethostname()]
+    with contextlib.suppress(OSError):  # this machine's own address, where it has a route
+        here.append(address_towards("10.255.255.1"))
+    TensorTransport([Engine(f"http://{host}:1", 1, "sglang") for host in here], 1.0).connect(0)
+    for host in ("10.255.255.1", "no-such-host.invalid"):
+        transport = TensorTransport([Engine(f"http://{host}:1", 1, "sglang")], 1.0)
+        with pytest.raises(tensor_module.NotColocated, match=f"'{host}' is not this node"):
+            transport.connect(0)
+    if torch.cuda.is_available():
+        return
     monkeypatch.setattr(tensor_module, "post_json", Recorder().post_json)
-    transport = TensorTransport([Engine("http://e:1", tp_size=1, kind="sglang")], 1.0)
-    with pytest.raises(RuntimeError, match="needs an importable SGLang"):
+    transport = TensorTransport([Engine("http://127.0.0.1:1", tp_size=1, kind="sglang")], 1.0)
+    before = torch.multiprocessing.reductions.reduce_tensor
+    with pytest.raises(RuntimeError, match="this machine has no CUDA"):
         transport.send(mixed_bucket())
+    assert torch.multiprocessing.reductions.reduce_tensor is before, "torch left unpatched"
+
+
+RECEIVE_IN_ANOTHER_PROCESS = """
+import base64, pickle, sys
+from megatron_fr.engine import sglang_source
+sglang_source.monkey_patch_torch_reductions()()  # as SGLang's receiver does
+[(name, tensor)] = pickle.loads(base64.b64decode(sys.stdin.read()))
+print(name, tensor.device, tensor.tolist())
+"""
+
+
+@pytest.mark.gpu
+def test_tensor_transport_payload_carries_the_gpu_uuid_and_opens_in_another_process(
+    torch_reductions,
+):
+    tensor = torch.arange(6.0, device="cuda").reshape(2, 3)
+    payload = tensor_module.sglang_serializer()([("w", tensor)])
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    assert uuid.encode() in base64.b64decode(payload), "the handle names the GPU by UUID"
+    received = subprocess.run(
+        [sys.executable, "-c", RECEIVE_IN_ANOTHER_PROCESS], input=payload, text=True,
+        capture_output=True, timeout=300, env=os.environ | {"PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert received.returncode == 0, received.stderr[-3000:]
+    assert received.stdout.split(maxsplit=2) == ["w", "cuda:0", str(tensor.tolist())]
 
 
 # --- the disk transport -------------------------------------------------------------------------
@@ -269,9 +355,30 @@ def test_engines_are_resolved_from_what_sglang_reports():
         replicas = resolve_engine(Engine(server.url), 5.0)
         with pytest.raises(ValueError, match="same rank"):
             DistributedTransport([replicas], None, 1).check_engines()
-    with StubServer({"/model_info": [(200, {"model_path": "m"})]}) as server:  # the CPU engine
+    cpu = {"tp_size": 1, "dp_size": 1, "pp_size": 1, ENGINE_FIELD: CPU_ENGINE}
+    with StubServer({"/server_info": [(200, cpu)]}) as server:  # the CPU engine
         engine = resolve_engine(Engine(server.url), 5.0)
         assert (engine.tp_size, engine.kind) == (1, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("routes", "match"),
+    [
+        ({"/model_info": [(200, {"model_path": "m"})]}, "answers 404 on GET /server_info"),
+        ({"/server_info": [(200, {"tp_size": 1})]}, "neither SGLang's answer"),
+        ({"/server_info": [(200, {"tp_size": 1, ENGINE_FIELD: "other"})]}, "neither SGLang's"),
+        ({"/server_info": [(200, {"version": "0.5.23", "tp_size": "4"})]}, "tp_size must be"),
+        ({"/server_info": [(200, {"version": "0.5.23", "tp_size": 2, "dp_size": 0})]},
+         "dp_size must be a positive int"),
+        ({"/server_info": [(200, ["tp_size", 1])]}, "expected a JSON object"),
+    ],
+)  # fmt: skip
+def test_a_server_that_does_not_say_what_it_is_is_refused_not_guessed(routes, match):
+    """A router (or any other server) answering 404 on /server_info but 200 elsewhere used to
+    be taken for the CPU engine at TP 1; now it, and any unreadable answer, is refused."""
+    with StubServer(routes) as server, pytest.raises(UnknownServer, match=match) as info:
+        resolve_engine(Engine(server.url), 5.0)
+    assert server.url in str(info.value) and server.calls == ["/server_info"]
 
 
 def test_flush_cache_retries_while_sglang_refuses_and_gives_up_at_the_deadline():

@@ -20,9 +20,15 @@ def build_transport(config: WeightSyncConfig, engines: list[Engine]) -> WeightTr
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         return DistributedTransport(
-            engines, config.master_address, config.master_port, backend, config.timeout_s,
+            engines,
+            config.master_address,
+            config.master_port,
+            backend,
+            config.timeout_s,
             flatten=config.bucket_format == "flattened",
-        )  # fmt: skip
+        )
     if config.transport == "tensor":
         return TensorTransport(engines, config.timeout_s)
+    if config.directory is None:  # the validator refused it already, unless model_construct()
+        raise ValueError("transport 'disk' needs directory (shared with the engines)")
     return DiskTransport(engines, config.directory, config.timeout_s)

@@ -10,17 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Literal
 
-from megatron_fr.engine.http import (
-    MODEL_INFO_PATH,
-    SERVER_INFO_PATH,
-    EngineRequestError,
-    get_json,
-)
+from megatron_fr.engine.http import EngineRequestError
+from megatron_fr.engine.server_info import EngineKind, identify
 from megatron_fr.weights.reshard import Bucket
-
-EngineKind = Literal["sglang", "cpu"]
 
 
 @dataclass(frozen=True)
@@ -40,36 +33,32 @@ class Engine:
     def resolved(self) -> bool:
         return self.tp_size is not None and self.kind is not None
 
+    def known_tp_size(self) -> int:
+        """tp_size, which a resolved engine has; an unresolved one is refused."""
+        if self.tp_size is None:
+            raise ValueError(f"{self.url}: tp_size unknown (resolve the engine first)")
+        return self.tp_size
+
 
 def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
-    """Fill in what the server reports. SGLang's GET /server_info returns its resolved server
-    arguments (tp_size, pp_size, dp_size, attn_dp_size) and its "version"; the
-    project's CPU engine has no /server_info and is one process (TP 1). A tp_size given by
-    the caller must equal what SGLang reports."""
+    """Fill in what the server reports on GET /server_info (engine/server_info.py: SGLang and
+    the CPU engine answer alike; any other server is refused). A tp_size given by the caller
+    must equal what the server reports."""
     if engine.resolved:
         return engine
-    try:
-        info = get_json(engine.url, SERVER_INFO_PATH, timeout_s)
-    except EngineRequestError as error:
-        if error.status != 404:
-            raise
-        get_json(engine.url, MODEL_INFO_PATH, timeout_s)  # a server that answers, not SGLang
-        return replace(engine, tp_size=engine.tp_size or 1, kind=engine.kind or "cpu")
-    if not isinstance(info, dict) or "tp_size" not in info:
-        raise EngineRequestError(f"{engine.url}{SERVER_INFO_PATH}: no tp_size in {info!r:.200}")
-    tp_size = int(info["tp_size"])
-    if engine.tp_size is not None and engine.tp_size != tp_size:
+    info = identify(engine.url, timeout_s)
+    if engine.tp_size is not None and engine.tp_size != info.tp_size:
         raise EngineRequestError(
             f"{engine.url}: configured with tp_size {engine.tp_size}, the server reports "
-            f"tp_size {tp_size}"
+            f"tp_size {info.tp_size}"
         )
-    # 0.5.23 resolves the old "--dp-size N --enable-dp-attention" to attn_dp_size N, dp_size 1
-    # (arg_groups/parallel_hook.py): dp_size then counts whole replicas; an older server that
-    # reports enable_dp_attention without attn_dp_size counted attention groups in dp_size.
-    old_spelling = info.get("enable_dp_attention") and "attn_dp_size" not in info
-    dp_replicas = 1 if old_spelling else int(info.get("dp_size") or 1)
-    return replace(engine, tp_size=tp_size, kind="sglang",
-                   pp_size=int(info.get("pp_size") or 1), dp_replicas=dp_replicas)  # fmt: skip
+    return replace(
+        engine,
+        tp_size=info.tp_size,
+        kind=info.kind,
+        pp_size=info.pp_size,
+        dp_replicas=info.dp_replicas,
+    )
 
 
 class WeightTransport(ABC):

@@ -8,9 +8,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_fr.convert.hf_files import INDEX_NAME
 from megatron_fr.engine import protocol
 from megatron_fr.engine.http import post_all
+from megatron_fr.utils.hf_checkpoint import INDEX_NAME
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 
@@ -60,7 +60,8 @@ class DiskTransport(WeightTransport):
         self._written = 0
 
     def commit(self, version: str) -> None:
-        weight_map, total = {}, 0
+        weight_map: dict[str, str] = {}  # HF tensor name -> the file holding it
+        total = 0
         for file in sorted(self.directory.glob(STAGE_FILES)):
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118  (safe_open has no __iter__)

@@ -23,7 +23,7 @@ def group_layout(engines: list[Engine]) -> tuple[int, list[int]]:
     offsets, next_rank = [], 1
     for engine in engines:
         offsets.append(next_rank)
-        next_rank += engine.tp_size
+        next_rank += engine.known_tp_size()
     return next_rank, offsets
 
 

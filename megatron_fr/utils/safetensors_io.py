@@ -7,6 +7,8 @@ its dtype, shape and [begin, end) byte range in the data that follows (plus an o
 ``read_header`` checks all of that and names the file and the fault (a truncated copy, a
 half-written shard, something that is not safetensors) instead of failing later with a bare
 traceback. ``TensorFile`` reads row ranges of a tensor straight into a destination tensor.
+Only regular files are read (``open_regular``): opening a FIFO named like a shard would block
+until something writes to it, and a device could be read forever, so both are refused.
 Why not safetensors' own ``safe_open``: it maps the file, and every page a read touches counts
 in the process's resident memory until the file is closed, so a rank reading its share of a
 checkpoint would look (and be scheduled) as if it held the whole files; a pread costs the same
@@ -18,8 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +54,24 @@ class TensorEntry:
         return self.shape[0] if self.shape else 1
 
 
+def open_regular(path: str | Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file: opened without blocking
+    (a FIFO would otherwise wait for a writer) and checked on the open descriptor, so a file
+    swapped after a check is caught too. ValueError naming the path otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: str | Path) -> str:
+    """The text of a regular file (see open_regular)."""
+    with os.fdopen(open_regular(path), "rb") as handle:
+        return handle.read().decode()
+
+
 def _fault(path: Path, what: str) -> ValueError:
     return ValueError(f"{path}: {what} (a truncated or corrupt safetensors file?)")
 
@@ -64,8 +86,8 @@ def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
 
 def _parse_json_header(path: Path) -> tuple[dict, int, int]:
     """(header dict, data start, data size); ValueError naming the file when malformed."""
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
+    with os.fdopen(open_regular(path), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
         prefix = handle.read(8)
         if len(prefix) < 8:
             raise _fault(path, f"{size} bytes, too short to hold the 8-byte header length")
@@ -83,7 +105,8 @@ def _parse_json_header(path: Path) -> tuple[dict, int, int]:
     return header, 8 + length, size - 8 - length
 
 
-def _entry(path: Path, name: str, info: object, data_start: int) -> TensorEntry:
+def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
+    """One header entry (JSON of any shape: a malformed one is refused, naming it)."""
     try:
         dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         shape = tuple(int(d) for d in shape)
@@ -126,7 +149,7 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous tensor's memory (no copy)."""
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    return tensor.view(-1).view(torch.uint8).numpy().data
 
 
 class TensorFile:
@@ -134,7 +157,7 @@ class TensorFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path)
         self.bytes_read = 0
 
     def close(self) -> None:

@@ -20,11 +20,12 @@ per token, against 1,536 in SGLang's int32 wire format.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from megatron_fr.utils.array_json import array_from_json, array_to_json
 
 STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.int16))
 """The compact dtypes a RoutedExperts may hold (see `storage_dtype`)."""
@@ -85,21 +86,14 @@ class RoutedExperts:
             and np.array_equal(self.experts, other.experts)
         )
 
-    __hash__ = None  # mutable array inside: not hashable, like the trajectory's lists
+    # A mutable array inside: not hashable, like the trajectory's lists. (Python's idiom for
+    # an unhashable class; mypy types object.__hash__ as never None, so it needs the ignore.)
+    __hash__ = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): the raw bytes in base64, little-endian."""
-        data = self.experts.astype(self.experts.dtype.newbyteorder("<"), copy=False)
-        return {
-            "shape": list(self.experts.shape),
-            "dtype": self.experts.dtype.name,
-            "num_experts": self.num_experts,
-            "data": base64.b64encode(data.tobytes()).decode("ascii"),
-        }
+        return {**array_to_json(self.experts), "num_experts": self.num_experts}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RoutedExperts:
-        dtype = np.dtype(data["dtype"]).newbyteorder("<")
-        raw = np.frombuffer(base64.b64decode(data["data"]), dtype=dtype)
-        experts = raw.astype(dtype.newbyteorder("="), copy=True).reshape(data["shape"])
-        return cls(experts, int(data["num_experts"]))
+        return cls(array_from_json(data), int(data["num_experts"]))

@@ -1,0 +1,140 @@
+"""The CPU engine's request bodies, read within bounds, and its answers to bad requests.
+
+One request must neither cost the server more than it can afford nor stop it answering
+/health, so a body is refused before it is read or parsed when it cannot be served:
+
+    Content-Length over the limit          413 before a byte of the body is read
+    a body that stops arriving             408 after the read timeout (a connection that
+                                           stalls in its headers is closed after the same
+                                           time: cpu_server gives it as the keep-alive timeout)
+    not JSON, not a JSON object            400
+    nested deeper than MAX_JSON_DEPTH      400 (Python's parser would raise RecursionError)
+
+Bodies over PARSE_IN_THREAD_BYTES are parsed on a worker thread, so the event loop keeps
+answering other requests meanwhile. A /generate whose client disconnects stops waiting at once
+(unless_disconnected), so its generation can be ended. Every refusal is SGLang's error body
+({"error": {"message": ...}}) with the reason; bad input never gets a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from megatron_fr.engine.cpu_weights import WeightsFault
+from megatron_fr.engine.cpu_wire import BadRequest
+
+log = logging.getLogger("megatron_fr.cpu_server")
+T = TypeVar("T")
+
+READ_TIMEOUT_S = web.AppKey("read_timeout_s", float)
+"""How long a request body may take to arrive (the app's setting)."""
+MAX_JSON_DEPTH = 32
+"""Nesting a body may have; SGLang's request bodies need 4."""
+PARSE_IN_THREAD_BYTES = 64 * 2**10
+"""Bodies larger than this are parsed off the event loop."""
+DISCONNECT_POLL_S = 0.1
+"""How often a waiting /generate checks whether its client is still connected."""
+
+
+class ClientGone(Exception):
+    """The HTTP client of a /generate disconnected before its answer."""
+
+
+async def json_object(request: web.Request, empty_ok: bool = False) -> dict:
+    """The request body as a JSON object (module docstring for the refusals); {} for an empty
+    body where the endpoint has only optional fields."""
+    limit, size = request.client_max_size, request.content_length
+    if size is not None and size > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+    timeout = request.app[READ_TIMEOUT_S]
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(
+            text=f"the request body did not arrive within {timeout:g} s"
+        ) from None
+    if not raw.strip() and empty_ok:
+        return {}
+    if len(raw) > PARSE_IN_THREAD_BYTES:
+        body = await asyncio.to_thread(parse_json, raw)
+    else:
+        body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_json(raw: bytes) -> object:
+    """JSON text, at most MAX_JSON_DEPTH deep; BadRequest naming the fault otherwise."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise BadRequest(f"the body is not JSON: {error}") from error
+    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item
+        stack += [(child, depth + 1) for child in children if isinstance(child, dict | list)]
+    return value
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """SGLang's error body: {"error": {"message": ...}}."""
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bad input -> 400 naming the field, a body over the limit -> 413, one too slow -> 408,
+    an unknown path -> 404, half-loaded weights -> 503; always a JSON reason, and the server
+    lives on."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        message = error.text or ""
+        if message in ("", f"{error.status}: {error.reason}"):  # aiohttp's bare default
+            message = f"{error.reason}: {request.method} {request.path}"
+        return error_response(error.status, message)
+    except KeyError as error:  # a tensor name the model does not have
+        return error_response(400, str(error.args[0]) if error.args else "unknown key")
+    except ValueError as error:  # BadRequest, RequestError, malformed JSON, ...
+        return error_response(400, str(error))
+    except WeightsFault as error:
+        return error_response(503, str(error))
+    except Exception as error:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"internal error: {type(error).__name__}: {error}")
+
+
+async def unless_disconnected(request: web.Request, work: asyncio.Future[T]) -> T:
+    """The result of `work`, or ClientGone as soon as the client has disconnected (aiohttp
+    cancels the handler on disconnect only when the runner is built with handler_cancellation;
+    polling the transport works either way)."""
+
+    async def disconnected() -> None:
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    watcher = asyncio.ensure_future(disconnected())
+    racing: set[asyncio.Future[Any]] = {work, watcher}
+    try:
+        done, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work not in done:
+        work.cancel()
+        work.add_done_callback(lambda future: future.cancelled() or future.exception())
+        raise ClientGone()
+    return work.result()

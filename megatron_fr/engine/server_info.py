@@ -1,0 +1,105 @@
+"""What an inference server is, from its own GET /server_info: one code path identifies, sizes
+and checks every server, SGLang or the project's CPU engine.
+
+SGLang 0.5.23 answers /server_info with one flat object (srt/entrypoints/http_server.py:
+server_info -> srt/utils/common.py: build_server_info): its resolved server arguments
+(ServerArgs.resolved_dict: tp_size, dp_size, pp_size, attn_dp_size, enable_dp_attention,
+enable_return_routed_experts, ...), then "version" (SGLang's) and "frontend". The CPU engine
+answers the same fields for itself and names itself in ENGINE_FIELD. Anything else (a 404: a
+router or another kind of server; an object without those fields) is refused with the reason:
+a server sized by guesswork would join the weight-update group at the wrong ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_fr.engine.http import SERVER_INFO_PATH, EngineRequestError, get_json
+
+EngineKind = Literal["sglang", "cpu"]
+ENGINE_FIELD = "engine"
+"""The /server_info field by which the CPU engine names itself (SGLang has none of that name)."""
+CPU_ENGINE = "megatron-fr-cpu"
+RETRY_S = 0.5
+"""How often a server that does not answer yet is asked again (identify's patience_s)."""
+
+
+class UnknownServer(EngineRequestError):
+    """A server that does not say what it is on /server_info, or says something unusable."""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the weight sync and the rollout side need to know of one server."""
+
+    url: str
+    kind: EngineKind
+    tp_size: int
+    """Ranks the server has in a weight-update group (rank_offset + tp_rank)."""
+    pp_size: int
+    dp_replicas: int
+    """Whole data-parallel replicas (dp_size; attention DP lives inside one replica)."""
+    routed_experts: bool
+    """enable_return_routed_experts: requests may ask for their routed experts."""
+
+
+def identify(url: str, timeout_s: float, patience_s: float = 0.0) -> ServerInfo:
+    """GET /server_info and read it; a server that does not answer at all is asked again until
+    `patience_s` has passed (it may still be loading). UnknownServer when it answers but does
+    not identify itself, EngineRequestError when it never answers."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return parse_server_info(url, get_json(url, SERVER_INFO_PATH, timeout_s))
+        except UnknownServer:
+            raise
+        except EngineRequestError as error:
+            if error.status == 404:
+                raise UnknownServer(
+                    f"{url} answers 404 on GET {SERVER_INFO_PATH}, so it is neither SGLang nor "
+                    "the project's CPU engine (a router, or another kind of server?): give the "
+                    "URLs of the SGLang servers themselves",
+                    404,
+                ) from error
+            if error.status is not None or time.monotonic() + RETRY_S > deadline:
+                raise
+        time.sleep(RETRY_S)
+
+
+def parse_server_info(url: str, info: object) -> ServerInfo:
+    """A /server_info answer read (module docstring); UnknownServer naming the field."""
+    where = f"{url}{SERVER_INFO_PATH}"
+    if not isinstance(info, dict):
+        raise UnknownServer(f"{where}: expected a JSON object, got {str(info)[:200]!r}")
+    if info.get(ENGINE_FIELD) == CPU_ENGINE:
+        kind: EngineKind = "cpu"
+    elif "version" in info and ENGINE_FIELD not in info:
+        kind = "sglang"
+    else:
+        raise UnknownServer(
+            f"{where}: neither SGLang's answer (no 'version') nor the CPU engine's "
+            f"({ENGINE_FIELD}={CPU_ENGINE!r}); got keys {sorted(info)[:20]}"
+        )
+    # 0.5.23 resolves the old "--dp-size N --enable-dp-attention" to attn_dp_size N, dp_size 1
+    # (arg_groups/parallel_hook.py): dp_size then counts whole replicas; an older server that
+    # reports enable_dp_attention without attn_dp_size counted attention groups in dp_size.
+    old_spelling = info.get("enable_dp_attention") and "attn_dp_size" not in info
+    return ServerInfo(
+        url=url,
+        kind=kind,
+        tp_size=_size(info, "tp_size", where, required=True),
+        pp_size=_size(info, "pp_size", where),
+        dp_replicas=1 if old_spelling else _size(info, "dp_size", where),
+        routed_experts=info.get("enable_return_routed_experts") is True,
+    )
+
+
+def _size(info: dict, name: str, where: str, required: bool = False) -> int:
+    value = info.get(name)
+    if value is None and not required:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UnknownServer(f"{where}: {name} must be a positive int, got {value!r:.80}")
+    return value
