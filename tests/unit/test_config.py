@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 
 import pydantic
@@ -119,3 +120,29 @@ def test_check_fails_on_a_poisoned_number_with_one_line_naming_it(override, caps
     key = override.split("=")[0]
     assert err.startswith("megatron-fr train: error: ") and f"{key}: " in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _schemas(model: type[pydantic.BaseModel]) -> set[type[pydantic.BaseModel]]:
+    """model and every pydantic model its fields hold, however nested (lists, dicts, unions)."""
+    found, annotations = {model}, [f.annotation for f in model.model_fields.values()]
+    while annotations:
+        annotation = annotations.pop()
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            found |= _schemas(annotation)
+        annotations.extend(typing.get_args(annotation))
+    return found
+
+
+def test_every_schema_of_a_recipe_and_of_the_demos_refuses_non_finite_numbers():
+    from megatron_fr.config.base import StrictModel
+    from megatron_fr.config.run import RunConfig
+    from megatron_fr.demo.config import DemoModelConfig
+    from megatron_fr.demo.text_math import TextMathConfig
+
+    schemas = _schemas(RunConfig) | _schemas(DemoModelConfig) | _schemas(TextMathConfig)
+    assert {"FlashReinforceConfig", "EngineSettings", "WandbConfig", "WarmStartConfig"} <= {
+        schema.__name__ for schema in schemas
+    }  # the walk reaches nested schemas, those added with the top-K gate and the demos'
+    assert [s.__name__ for s in schemas if not issubclass(s, StrictModel)] == []
+    with pytest.raises(pydantic.ValidationError, match="finite"):
+        DemoModelConfig.model_validate({"warm_start": {"lr": math.inf}})
