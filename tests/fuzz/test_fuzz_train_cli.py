@@ -102,7 +102,9 @@ def semantic_cases(ws: Path) -> list[Case]:
     pairs = [
         ("learner_ranks=3", "world size 3"), ("parallel.expert=3", "expert"),
         ("parallel.tensor=2", "expert"), ("learner.micro_batch_tokens=8", "micro_batch_tokens"),
-        ("task.max_new_tokens=100000", "max_position_embeddings"), ("rollout.top_p=0.9", "top_p"),
+        ("task.max_new_tokens=100000", "task.max_new_tokens"), ("rollout.top_p=0.9", "top_p"),
+        (("task.max_new_tokens=100000", "learner.micro_batch_tokens=100127"),
+         "max_position_embeddings"),
         (("buffer.batch_size=63", "buffer.group_size=2"), "batch_size"),
         ("learner.estimator=grpo", "group_size"),
         ("weights.transport=disk", "directory"), ("task.name=nope", "task.name"),
