@@ -25,11 +25,8 @@ def nonfinite_cause(per_micro: list[dict], module: torch.nn.Module) -> str | Non
     A collective: every rank calls it after the backward pass of the same step."""
     device = next(module.parameters()).device
     loss = any(not torch.isfinite(micro["loss"]).all() for micro in per_micro)
-    gradient = any(
-        not torch.isfinite(param.main_grad).all()
-        for param in module.parameters()
-        if getattr(param, "main_grad", None) is not None
-    )
+    grads = (getattr(param, "main_grad", None) for param in module.parameters())
+    gradient = any(grad is not None and not torch.isfinite(grad).all() for grad in grads)
     flags = torch.tensor([float(loss), float(gradient)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return "loss" if flags[0] else "gradient" if flags[1] else None

@@ -83,9 +83,9 @@ def train(config: RunConfig, run_dir: Path) -> None:
             service.explain(error)  # a dead engine is named, not the socket it broke
         raise
     finally:  # the senders leave the weight-update groups; a failure to close hides nothing
-        close_in_order([("weight sync", weight_sync and weight_sync.close),
-                        ("rollout service", service and service.close),
-                        ("run report", report and report.close)])  # fmt: skip
+        close_in_order([("weight sync", weight_sync.close if weight_sync else None),
+                        ("rollout service", service.close if service else None),
+                        ("run report", report.close if report else None)])  # fmt: skip
 
 
 def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> None:

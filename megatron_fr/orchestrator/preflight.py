@@ -123,14 +123,15 @@ def describe_storage_error(error: BaseException, run_dir: Path) -> str | None:
     """One line for a run that failed on its storage (disk full, quota, read-only): the file,
     or the run directory and its free space when the error names none; None for other
     errors. Looks through the causes, as libraries wrap OSError in their own errors."""
-    while error is not None and not (isinstance(error, OSError) and error.errno in STORAGE_ERRORS):
-        error = error.__cause__ or error.__context__
-    if error is None:
+    cause: BaseException | None = error
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno in STORAGE_ERRORS):
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, OSError):
         return None
     try:
         stats = os.statvfs(run_dir)
         free = f" ({stats.f_bavail * stats.f_frsize / 2**30:.1f} GiB free there)"
     except OSError:
         free = ""
-    return (f"{error.filename or run_dir}: {error.strerror}{free}; once that is fixed, the same "
+    return (f"{cause.filename or run_dir}: {cause.strerror}{free}; once that is fixed, the same "
             "command resumes the run from its last checkpoint")  # fmt: skip

@@ -48,10 +48,12 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
 
 def _controller_problem(path: Path) -> str | None:
     state, problem = read_json(path / "controller.json")
-    rollout = state.get("rollout") if isinstance(state, dict) else None
-    if problem is None and (state.get("step") != step_number(path) or not _is_rollout(rollout)):
-        problem = f"{path / 'controller.json'}: not this checkpoint's controller state"
-    return problem
+    if problem is not None:
+        return problem
+    if not (isinstance(state, dict) and state.get("step") == step_number(path)
+            and _is_rollout(state.get("rollout"))):  # fmt: skip
+        return f"{path / 'controller.json'}: not this checkpoint's controller state"
+    return None
 
 
 def _is_rollout(state: object) -> bool:
@@ -116,8 +118,10 @@ def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int
     aside, the error when none is usable). Bad checkpoints newer than the chosen one are
     reported and moved to checkpoints/corrupt/, and `latest` then names the chosen one."""
     chosen, bad = resume_point(run_dir, world_size)
+    if not bad:
+        return (str(chosen) if chosen else None), 0, None
     skipped = sum(path.name != LATEST for path, _ in bad)
-    if chosen is None and bad:
+    if chosen is None:
         return None, skipped, none_usable(run_dir, bad)
     for path, why in bad:
         if path.name == LATEST:
@@ -125,9 +129,8 @@ def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int
         else:
             moved = _set_aside(path)
             print(f"checkpoint {path} cannot be resumed from: {why}; moved to {moved}", flush=True)
-    if bad:
-        _point_at(chosen)
-    return (str(chosen) if chosen else None), skipped, None
+    _point_at(chosen)
+    return str(chosen), skipped, None
 
 
 def _set_aside(path: Path) -> Path:

@@ -14,6 +14,10 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_fr.config.run import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +87,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-mem-gb {memory}: must be a positive number of GiB")
 
 
-def _run_rank(config, run_dir: Path) -> int:
+def _run_rank(config: RunConfig, run_dir: Path) -> int:
     """This process's learner rank, to the end of the run; a run that fails on its storage
     (disk full, quota) ends with one line naming the file."""
     from megatron_fr.orchestrator.preflight import describe_storage_error
