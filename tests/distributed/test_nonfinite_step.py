@@ -39,8 +39,9 @@ class NanLoss:
 
 def poisoned_steps(rank: int, world_size: int, batch) -> list[tuple]:
     """(cause, loss finite, weights unchanged, Adam step counts, scheduler steps, steps done)
-    per step: clean; NaN logits (the gate admits nothing, so the loss is 0, but the gradient
-    is NaN); a NaN loss; a NaN gradient of one parameter; clean."""
+    per step: clean; NaN logits (the final hidden states the loss path scores made NaN: the
+    gate admits nothing, so the loss is 0, but the gradient is NaN); a NaN loss; a NaN
+    gradient of one parameter; clean."""
     from megatron_fr.config import LearnerConfig, ParallelConfig
     from megatron_fr.learner.trainer import Learner, adam_step_counts
     from megatron_fr.models.hf_config import load_hf_config
@@ -51,12 +52,13 @@ def poisoned_steps(rank: int, world_size: int, batch) -> list[tuple]:
     config = LearnerConfig(params_dtype="float32", micro_batch_tokens=40, lr=1e-3)
     learner = Learner(load_hf_config(dict(CONFIG, model_type="qwen3_moe")), parallel, config,
                       total_steps=8)  # fmt: skip
-    nan_logits = lambda module, inputs, output: (output[0] * math.nan, *output[1:])  # noqa: E731
+    nan_hidden = lambda module, inputs, output: output * math.nan  # noqa: E731
     nan_grad = lambda grad: grad * math.nan  # noqa: E731
     weight = next(p for name, p in learner.module.named_parameters() if "linear_fc1" in name)
     poisons = [
         None,
-        lambda: learner.module.output_layer.register_forward_hook(nan_logits),
+        # the loss path scores the targets from these, never calling the output layer
+        lambda: learner.module.decoder.final_layernorm.register_forward_hook(nan_hidden),
         lambda: NanLoss(learner),
         lambda: weight.register_hook(nan_grad),
         None,
