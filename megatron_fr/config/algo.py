@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from megatron_fr.config.base import StrictModel
 
 MAX_GATE_TOP_K = 64
 """The largest K of the top-K gate: its trajectories carry K x TOP_K_ENTRY_BYTES = 512 bytes
@@ -16,13 +18,11 @@ TOP_K_ENTRY_BYTES = 8
 log-prob the engine sampled it with."""
 
 
-class FlashReinforceConfig(BaseModel):
+class FlashReinforceConfig(StrictModel):
     """The sequence-level trust region (the paper's Bernoulli-KL gate, or the optional top-K
     gate) and the optional negative-token filter."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    delta: float = 3e-3
+    delta: float = Field(default=3e-3, allow_inf_nan=True)
     """Gate threshold on the mean per-token Bernoulli KL of a trajectory; inf disables the gate.
     Paper settings: 3e-3 default, 1e-3 tool use and ALFWorld, 5e-3 R1-Distill at lag 4,
     1e-2 for the Qwen3-30B-A3B comparison."""
@@ -48,11 +48,9 @@ class FlashReinforceConfig(BaseModel):
         return value
 
 
-class PPOClipConfig(BaseModel):
+class PPOClipConfig(StrictModel):
     """The clipped-ratio loss of the PPO family (GRPO, Dr. GRPO, RLOO baselines); the ratio is
     taken against the behaviour log-probs the engine reported (algo/ppo.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     eps_low: float = Field(default=0.2, ge=0)
     eps_high: float = Field(default=0.2, ge=0)

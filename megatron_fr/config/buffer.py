@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
+from pydantic import NonNegativeInt, PositiveInt, model_validator
+
+from megatron_fr.config.base import StrictModel
 
 
-class BufferConfig(BaseModel):
+class BufferConfig(StrictModel):
     """Sizes of the buffer. The staleness budget (max_lag + 1) * batch_size already bounds what
     is pending; capacity is the memory bound on top of it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     capacity: PositiveInt
     """Most trajectories queued + in flight at once; admission waits (backpressure) at it."""

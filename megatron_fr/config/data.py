@@ -6,13 +6,13 @@ config can type its task's files without importing anything that reads them.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
+
+from megatron_fr.config.base import StrictModel
 
 
-class DatasetConfig(BaseModel):
+class DatasetConfig(StrictModel):
     """Where the prompts are and which fields of a row hold what."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str
     """A .jsonl, .json or .parquet file (parquet needs pyarrow)."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
+from megatron_fr.config.base import StrictModel
 
 LOSS_CHUNK_BYTES = 128 * 2**20
 """fp32 logits per chunk of the learner's loss path (parallel/vocab_parallel.py): 220 tokens at
@@ -26,9 +27,7 @@ ESTIMATOR_LOSSES: dict[str, tuple[str, str | None]] = {
 """Each estimator with the loss it is known by: (policy loss, PPO-clip aggregation)."""
 
 
-class LearnerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class LearnerConfig(StrictModel):
     estimator: Literal["flash_reinforce", "grpo", "dr_grpo", "rloo", "reinforce_baseline"] = (
         "flash_reinforce"
     )
@@ -80,6 +79,15 @@ class LearnerConfig(BaseModel):
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
     adam_eps: float = Field(default=1e-8, gt=0)
+    max_nonfinite_steps: int = Field(default=5, ge=1)
+    """A step whose loss or gradient is not finite is skipped (no update, nothing sent to the
+    engines, counted as skipped_steps_total); this many in a row end the run, naming it."""
+
+    @model_validator(mode="after")
+    def _schedule_bounds(self) -> LearnerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g})")
+        return self
 
     @property
     def top_logprobs(self) -> int:

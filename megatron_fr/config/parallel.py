@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import Field, PositiveInt
+
+from megatron_fr.config.base import StrictModel
 
 
-class ParallelConfig(BaseModel):
+class ParallelConfig(StrictModel):
     """Megatron model-parallel sizes. Data parallelism is what is left of the world size."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tensor: PositiveInt = 1
     """Tensor-parallel size (TP). Must divide the attention query groups and the vocabulary."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from megatron_fr.config.base import StrictModel
 
 
-class WandbConfig(BaseModel):
+class WandbConfig(StrictModel):
     """A Weights & Biases run mirroring metrics.jsonl (the `wandb` package must be installed)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     project: str = Field(default="megatron-fr", min_length=1)
     entity: str | None = None
@@ -22,10 +22,8 @@ class WandbConfig(BaseModel):
     """offline: written under RUN_DIR/wandb only (no network), to `wandb sync` later."""
 
 
-class ReportConfig(BaseModel):
+class ReportConfig(StrictModel):
     """The metric sinks of the first learner rank (orchestrator/run_log.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tensorboard: bool = True
     """Scalars under RUN_DIR/tensorboard."""

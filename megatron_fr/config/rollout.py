@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from megatron_fr.config.base import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EngineSettings(_Strict):
+class EngineSettings(StrictModel):
     """Which inference engines a run uses and how they are watched."""
 
     urls: list[str] = Field(default_factory=list)
@@ -38,7 +36,7 @@ class EngineSettings(_Strict):
     """An engine given by URL that has not answered /health for this long counts as dead."""
 
 
-class RolloutSettings(_Strict):
+class RolloutSettings(StrictModel):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of training rollouts. The learner's log-probs are those of the
     same distribution (log softmax(logits / temperature)), as the engines report them."""
@@ -72,7 +70,7 @@ class RolloutSettings(_Strict):
         return self
 
 
-class EvalSettings(_Strict):
+class EvalSettings(StrictModel):
     every_steps: int = Field(default=10, ge=0)
     """0: no periodic eval (the first and last still run)."""
     problems: PositiveInt = 200

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from megatron_fr.config.base import StrictModel, describe
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
@@ -25,11 +26,7 @@ from megatron_fr.config.tasks import TaskConfig
 from megatron_fr.config.weights import WeightSyncConfig
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSettings(_Strict):
+class ModelSettings(StrictModel):
     hf_dir: str = Field(min_length=1)
     """The starting HF checkpoint: config.json, safetensors, the tokenizer with its chat
     template (and generation_config.json, where the model says when to stop). Relative to
@@ -42,12 +39,12 @@ class ModelSettings(_Strict):
     else torch on a GPU, else local. Every spec reads and writes the same checkpoints."""
 
 
-class CheckpointSettings(_Strict):
+class CheckpointSettings(StrictModel):
     every_steps: int = Field(default=10, ge=1)
     keep: int = Field(default=2, ge=1)
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     steps: int = Field(ge=1)
     """Optimizer steps (policy versions) to train."""
     seed: int = 0
@@ -76,6 +73,29 @@ class RunConfig(_Strict):
         return self
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    one silently, so a recipe would not say what it runs)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str) -> object:
+    """`text` as YAML (safe, no duplicate keys); yaml.YAMLError, or RecursionError for
+    nesting deeper than the parser can follow."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """A copy of data with each ``a.b.c=value`` set (value parsed as YAML)."""
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
@@ -84,9 +104,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise ValueError(f"override {override!r} is not of the form dotted.key=value")
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ValueError(f"override {override!r}: the value is not YAML ({error})") from None
+            value = parse_yaml(text)
+        except (yaml.YAMLError, RecursionError) as error:
+            problem = getattr(error, "problem", None) or error
+            raise ValueError(f"override {override!r}: the value is not YAML ({problem})") from None
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
@@ -108,7 +129,9 @@ def read_recipe(recipe: str | Path) -> dict:
             f"recipe {path} is not a file (a YAML recipe, e.g. examples/cpu_demo.yaml)"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = parse_yaml(path.read_text())
+    except RecursionError:
+        raise ValueError(f"recipe {path}: nested deeper than YAML can be read") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -129,7 +152,10 @@ def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
     together; paths given as overrides are relative to the working directory, as on any
     command line."""
     data = _resolve_paths(read_recipe(recipe), Path(recipe).resolve().parent)
-    return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+    try:
+        return RunConfig.model_validate(apply_overrides(data, list(overrides)))
+    except ValidationError as error:
+        raise ValueError(f"recipe {recipe}: {describe(error)}") from None
 
 
 def _resolve_paths(data: dict, base: Path) -> dict:

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.config.data import DatasetConfig
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AgentConfig(_Strict):
+class AgentConfig(StrictModel):
     """Limits of one episode of the agent loop (rollout/agent.py)."""
 
     max_turns: PositiveInt = 8
@@ -51,7 +48,7 @@ class EvalSetConfig(DatasetConfig):
     """k of avg@k for this set (None: eval.samples)."""
 
 
-class TaskConfig(_Strict):
+class TaskConfig(StrictModel):
     """The environment, its prompt files, and the lengths and truncation rules of a row."""
 
     name: str = Field(min_length=1)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from megatron_fr.config.base import StrictModel
 
 
-class WeightSyncConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class WeightSyncConfig(StrictModel):
     transport: Literal["distributed", "tensor", "disk"] = "distributed"
     """distributed: broadcast from each stage's sending rank (NCCL on GPUs, gloo on CPU);
     tensor: colocated engines on the learner's GPUs (CUDA IPC); disk: a shared directory."""

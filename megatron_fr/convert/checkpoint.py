@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.convert.dcp_files import megatron_checkpoint_problem
 from megatron_fr.convert.parallel_export import export_hf_from_model
 from megatron_fr.convert.parallel_load import load_hf_into_model
 from megatron_fr.convert.qwen import megatron_to_hf
-from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
+from megatron_fr.models.hf_config import HFModelSpec, spec_from_dict
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
 from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
 
@@ -71,6 +72,15 @@ def hf_dtype(reader: HFCheckpointReader) -> torch.dtype:
     return dtypes.pop()
 
 
+def read_hf_config(file: Path, text: str | None = None) -> HFModelSpec:
+    """The model of an HF config.json (its text, when already read); ValueError naming the
+    file and the field for one no model can be built from."""
+    try:
+        return spec_from_dict(json.loads(file.read_text() if text is None else text))
+    except ValueError as error:
+        raise ValueError(f"{file}: {error}") from None
+
+
 def hf_to_megatron_checkpoint(
     hf_dir: str | Path, out: str | Path, *, progress: bool = True
 ) -> ConversionReport:
@@ -79,7 +89,7 @@ def hf_to_megatron_checkpoint(
 
     hf_dir, out = Path(hf_dir), refuse_existing(out)
     config_text = (hf_dir / "config.json").read_text()
-    spec = load_hf_config(json.loads(config_text))
+    spec = read_hf_config(hf_dir / "config.json", config_text)
     with HFCheckpointReader(hf_dir) as reader:
         dtype = hf_dtype(reader)
     model = _tp1_model(spec, dtype)
@@ -143,6 +153,7 @@ def load_megatron_checkpoint(model: GPTModel, megatron_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.validation import StrictHandling
+    from torch.distributed.checkpoint.api import CheckpointException
 
     request = model.sharded_state_dict()
     use_legacy_keys(request, Path(megatron_dir))
@@ -150,8 +161,11 @@ def load_megatron_checkpoint(model: GPTModel, megatron_dir: str | Path) -> None:
         loaded, unrequested, absent = dist_checkpointing.load(
             request, str(megatron_dir), strict=StrictHandling.RETURN_ALL
         )
-    except CheckpointingException as error:
-        raise ValueError(f"{megatron_dir} does not match the model config: {error}") from error
+    except (CheckpointingException, CheckpointException) as error:
+        # torch's holds each rank's (error, stack): the first error is the reason
+        failures = list(getattr(error, "failures", {}).values())
+        reason = failures[0][0] if failures and isinstance(failures[0], tuple) else error
+        raise ValueError(f"{megatron_dir} does not match the model config: {reason}") from error
     wrong = [
         _mismatch("the model asks for keys the checkpoint lacks:", absent),
         _mismatch("the checkpoint holds keys the model does not ask for:", unrequested),
@@ -169,13 +183,14 @@ def load_megatron_checkpoint(model: GPTModel, megatron_dir: str | Path) -> None:
         raise ValueError(f"{megatron_dir}: {'; '.join(filter(None, wrong))}")
 
 
-def _hf_config_text(megatron_dir: Path, hf_config_dir: Path | None) -> str:
+def _hf_config(megatron_dir: Path, hf_config_dir: Path | None) -> tuple[str, HFModelSpec]:
     source = hf_config_dir / "config.json" if hf_config_dir else megatron_dir / HF_CONFIG_NAME
     if not source.exists():
         raise FileNotFoundError(
             f"{source} not found: pass --hf-config-dir with the model's config.json"
         )
-    return source.read_text()
+    text = source.read_text()
+    return text, read_hf_config(source, text)
 
 
 def megatron_to_hf_checkpoint(
@@ -194,8 +209,10 @@ def megatron_to_hf_checkpoint(
     """
     megatron_dir = Path(megatron_dir)
     out = refuse_existing(out)
-    config_text = _hf_config_text(megatron_dir, Path(hf_config_dir) if hf_config_dir else None)
-    spec = load_hf_config(json.loads(config_text))
+    problem = megatron_checkpoint_problem(megatron_dir)
+    if problem is not None:
+        raise ValueError(problem)
+    config_text, spec = _hf_config(megatron_dir, Path(hf_config_dir) if hf_config_dir else None)
     dtype = megatron_dtype(megatron_dir)
     model = _tp1_model(spec, dtype)
     load_megatron_checkpoint(model, megatron_dir)

@@ -10,6 +10,7 @@ verify --hf-dir D [--megatron-dir O] [--tp N --ep N --etp N --pp N]
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import resource
 import sys
@@ -22,9 +23,10 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '1024' -> bytes (decimal units, as save_pretrained's max_shard_size)."""
     match = _SIZE.match(text)
-    if not match:
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]) if match else 0
+    if size < 1:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 5GB, 500MB)")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+    return size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,14 +104,22 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
+    from megatron_fr.convert.checkpoint import read_hf_config
+    from megatron_fr.convert.dcp_files import megatron_checkpoint_problem
     from megatron_fr.convert.verify import verify_checkpoint, verify_layout
-    from megatron_fr.models.hf_config import load_hf_config
 
-    spec = load_hf_config(json.loads((Path(args.hf_dir) / "config.json").read_text()))
+    _check_verify_arguments(args)
+    spec = read_hf_config(Path(args.hf_dir) / "config.json")
+    if not args.seq <= spec.max_position_embeddings:
+        raise ValueError(f"--seq {args.seq}: over the model's context "
+                         f"({spec.max_position_embeddings}, max_position_embeddings)")  # fmt: skip
     parallel = verify_layout(spec, args.tp, args.ep, args.etp, args.pp)
+    if args.megatron_dir is not None:
+        problem = megatron_checkpoint_problem(Path(args.megatron_dir))
+        if problem is not None:
+            raise ValueError(f"--megatron-dir: {problem}")
     error = verify_checkpoint(args.hf_dir, args.megatron_dir, parallel, seq=args.seq)
     verdict = "OK" if error <= args.tolerance else "FAIL"
     layout = f"tp{args.tp} ep{args.ep} etp{parallel.effective_expert_tensor} pp{args.pp}"
@@ -117,11 +127,21 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if verdict == "OK" else 1
 
 
+def _check_verify_arguments(args: argparse.Namespace) -> None:
+    etp = 1 if args.etp is None else args.etp
+    sizes = {"--tp": args.tp, "--ep": args.ep, "--pp": args.pp, "--etp": etp}
+    for flag, size in {**sizes, "--seq": args.seq}.items():
+        if size < 1:
+            raise ValueError(f"{flag} {size}: must be at least 1")
+    if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise ValueError(f"--tolerance {args.tolerance}: must be a finite number >= 0")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action; bad input is one line on stderr and exit status 2."""
     try:
         return args.action(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
+    except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,9 @@ from functools import cached_property
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from megatron_fr.config.base import StrictModel
 
 _OPERATION_CODES = {"+": 0, "-": 1}
 """Fixed per operation (not its position in the config), so adding '-' to a task leaves the
@@ -27,10 +29,8 @@ SLIPS = (-10, -1, 1, 10)
 Split = Literal["train", "eval"]
 
 
-class ArithmeticConfig(BaseModel):
+class ArithmeticConfig(StrictModel):
     """Which problems the task poses and how they split into train and eval."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     digits: int = Field(default=2, ge=1, le=3)
     """Operand digits: operands are 0 .. 10**digits - 1. At most 3, because the split is found

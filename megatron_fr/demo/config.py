@@ -9,15 +9,14 @@ demonstrations of which a share (`label_noise`) carry plausible slips (the answe
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.demo.arithmetic import ArithmeticConfig
 
 
-class WarmStartConfig(BaseModel):
+class WarmStartConfig(StrictModel):
     """How the supervised warm start trains and how it is scored."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     steps: PositiveInt = 1000
     """Optimizer steps (AdamW, linear warmup then cosine decay to lr / 10)."""
@@ -38,11 +37,9 @@ class WarmStartConfig(BaseModel):
     held-out set stays unseen. Unused by the token-level arithmetic task."""
 
 
-class DemoModelConfig(BaseModel):
+class DemoModelConfig(StrictModel):
     """What `megatron-fr demo prepare` makes for a recipe; each field starts from its
     environment's default (DEFAULTS) and is overridden on the command line as demo.KEY=VALUE."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     warm_start: WarmStartConfig | None = None
     """The supervised warm start; None: a randomly initialised model (it checks the plumbing

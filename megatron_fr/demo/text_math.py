@@ -27,8 +27,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.demo.arithmetic import SLIPS, ArithmeticConfig, ArithmeticProblems, Problem, Split
 from megatron_fr.envs.base import Message, Sample
 from megatron_fr.envs.datasets import write_jsonl
@@ -40,10 +41,8 @@ if TYPE_CHECKING:
 _ARITHMETIC_ID = re.compile(r"(\d+)([+-])(\d+)")
 
 
-class TextMathConfig(BaseModel):
+class TextMathConfig(StrictModel):
     """Which problems are asked, and how (the environment's wording and grader)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     problems: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     """Operand digits, operations, held-out share and split seed (ArithmeticConfig)."""

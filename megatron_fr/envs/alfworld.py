@@ -25,8 +25,9 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, PositiveInt
+from pydantic import BaseModel, PositiveInt
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.envs.alfworld_games import alfworld_wrappers, ensure_alfworld_game
 from megatron_fr.envs.base import Environment, Episode, Sample, StepResult
@@ -40,9 +41,7 @@ _ACTION = re.compile(r"action\s*:\s*(.+)", re.IGNORECASE)
 _NOT_ALLOWED = re.compile(r"[^A-Za-z0-9 ,.'-]")
 
 
-class AlfWorldConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class AlfWorldConfig(StrictModel):
     games_dir: str | None = None
     """Cache of generated TextWorld games (None: <tmp>/megatron-fr-textworld)."""
     alfworld_dir: str | None = None

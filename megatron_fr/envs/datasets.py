@@ -61,16 +61,31 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
     for where, row in rows[: config.limit]:
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {where} is not an object")
+        _refuse_surrogates(row, f"{path}: {where}")
         sample = _map_row(row, config, f"{path}: {where}")
         if sample["id"] is None:  # absent, or a null in a parquet column
             sample["id"] = f"{path.stem}-{len(samples)}"
-        if sample["id"] in seen:
-            raise ValueError(
-                f"{path}: {where}: duplicate id {sample['id']!r} (first at {seen[sample['id']]})"
-            )
-        seen[sample["id"]] = where
+        key = str(sample["id"])  # ids become text (prompt ids): 1 and "1" are one id
+        if key in seen:
+            first, first_id = seen[key]
+            written = "" if first_id == sample["id"] else f" as {first_id!r}"
+            raise ValueError(f"{path}: {where}: duplicate id {sample['id']!r} (first at "
+                             f"{first}{written})")  # fmt: skip
+        seen[key] = (where, sample["id"])
         samples.append(sample)
     return samples
+
+
+def _refuse_surrogates(row: dict, where: str) -> None:
+    """JSON may escape half of a UTF-16 pair (\\ud800) alone; that is no text, and the
+    tokenizer cannot take it."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                         "escape), which is not text") from None  # fmt: skip
+    except ValueError as error:  # what json.dumps refuses of a parquet row (NaN is kept)
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
@@ -78,15 +93,17 @@ def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         raise ValueError(f"{path}: expected a .jsonl or .parquet (or .json) prompt file")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such prompt file")
+        what = "not a regular file" if os.path.lexists(path) else "no such prompt file"
+        raise FileNotFoundError(f"{path}: {what}")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    text = path.read_text(encoding="utf-8")
+        return _parquet_rows(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark is no content
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     if path.suffix == ".json" or records_key is not None:
         try:
-            whole = json.loads(text)
+            whole = _parse(text, str(path))
         except ValueError:
             whole = MISSING  # JSON lines under a .json name (as `datasets` writes them)
         if whole is not MISSING:
@@ -96,11 +113,30 @@ def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
-            try:
-                rows.append((f"line {number}", json.loads(line)))
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error})") from error
+            rows.append((f"line {number}", _parse(line, f"{path}:{number}")))
     return rows
+
+
+def _parse(text: str, where: str) -> Any:
+    """One JSON document; ValueError naming `where` when it is not one, or is nested deeper
+    than the json module can follow (it recurses once per level)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where}: nested deeper than JSON can be read here") from None
+    except ValueError as error:
+        raise ValueError(f"{where}: not JSON ({error})") from None
+
+
+def _parquet_rows(path: Path) -> list[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"{path}: not a readable parquet file ({error})") from None
+    return [(f"row {i}", row) for i, row in enumerate(table.to_pylist())]
 
 
 def _records(path: Path, document: Any, records_key: str | None) -> list[tuple[str, Any]]:

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.envs.base import Environment, Episode, Sample, StepResult
 from megatron_fr.envs.math_grader import MathGrader, MathGraderConfig
 
 DEFAULT_INSTRUCTION = "Solve the problem. Put your final answer within \\boxed{}."
 
 
-class MathEnvConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class MathEnvConfig(StrictModel):
     grader: MathGraderConfig = Field(default_factory=MathGraderConfig)
     system_prompt: str | None = None
     """A system message before the problem (None: none)."""

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from pydantic import PositiveFloat, PositiveInt
+
+from megatron_fr.config.base import StrictModel
 
 GradeStatus = Literal["correct", "incorrect", "no_answer", "timeout"]
 
@@ -43,10 +45,8 @@ STARTUP_TIMEOUT_S = 120.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class MathGraderConfig(BaseModel):
+class MathGraderConfig(StrictModel):
     """How answers are compared and how long a comparison may take."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     workers: PositiveInt = 1
     """Worker processes (each holds math-verify, ~100 MB); concurrent grades beyond this wait."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, Field, PositiveInt
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.envs.base import Environment, Episode, Sample, StepResult
 from megatron_fr.envs.math_env import math_messages
@@ -53,9 +54,7 @@ DEFAULT_SYSTEM = (
 )
 
 
-class PythonToolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class PythonToolConfig(StrictModel):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     grader: MathGraderConfig = Field(default_factory=MathGraderConfig)
     system_prompt: str = DEFAULT_SYSTEM

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from megatron_fr.config.base import describe
 from megatron_fr.envs.base import Environment
 
 BUILTIN: dict[str, str] = {
@@ -71,10 +72,7 @@ def environment_config(name: str, options: dict[str, Any] | None = None) -> Base
     try:
         return cls.Config.model_validate(options or {})
     except ValidationError as error:
-        problems = "; ".join(
-            f"task.env.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
-        )
-        raise ValueError(f"environment {name!r}: {problems}") from None
+        raise ValueError(f"environment {name!r}: {describe(error, 'task.env.')}") from None
 
 
 def build_environment(name: str, options: dict[str, Any] | None = None) -> Environment:

@@ -72,8 +72,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
+from pydantic import PositiveFloat, PositiveInt
 
+from megatron_fr.config.base import StrictModel
 from megatron_fr.envs.sandbox_memory import (
     CallCgroup,
     MemoryBound,
@@ -104,10 +105,8 @@ WEAKER_ISOLATION = (
 WEAKER_MEMORY = "rlimits memory bound: RLIMIT_AS shares of memory_bytes per process, not a cgroup"
 
 
-class SandboxConfig(BaseModel):
+class SandboxConfig(StrictModel):
     """Limits of one sandboxed run (SANDBOX.md: which layer enforces which)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     wall_timeout_s: PositiveFloat = 10.0
     """Wall-clock limit of the whole run (startup included: about 0.1 s; waiting for a free

@@ -39,6 +39,7 @@ from megatron_fr.learner.micro_batches import (
     TokenRow,
     micro_batches_for_rank,
 )
+from megatron_fr.learner.nonfinite import nonfinite_cause
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.learner.step_plan import StepPlan, plan_step
 from megatron_fr.models.gpt import resolve_layer_spec
@@ -347,7 +348,8 @@ class Learner:
         """One optimizer step of a planned batch, from the trajectories of this rank's DP
         share (`rows`, by batch index: what the run delivers to it, buffer/shards.py):
         scalar metrics, plus per trajectory (lists in batch order) advantages, admitted and
-        the gate's sequence_kl."""
+        the gate's sequence_kl. metrics["nonfinite"]: None, or "loss" / "gradient" when that
+        was not finite and the step was skipped (no weight, optimizer or schedule change)."""
         dp_group = self.groups.dp_cp
         micros = self._micro_batches(step, rows, pad_id, self.routing_replay)
         global_batch = step.global_batch
@@ -357,10 +359,16 @@ class Learner:
         self.optimizer.zero_grad()
         per_micro = self._schedule(micros, score, False, self.routing_replay,
                                    self.temperature)  # fmt: skip
-        updated, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
+        nonfinite = nonfinite_cause(per_micro, self.module)
+        if nonfinite is None:
+            updated, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+        else:
+            updated, grad_norm = False, None
         self.steps_done += 1
         metrics = self._metrics(per_micro, dp_group, updated, grad_norm, step)
+        metrics["nonfinite"] = nonfinite
         metrics["advantages"] = global_batch.advantages.tolist()
         metrics["padding_fraction"] = step.plan.padding_fraction
         metrics["dp_imbalance"] = step.plan.dp_imbalance

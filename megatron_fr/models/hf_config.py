@@ -87,7 +87,43 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         )
 
 
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "max_position_embeddings")  # fmt: skip
+_MOE_SIZES = ("num_experts_per_tok", "moe_intermediate_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "num_experts", "num_local_experts")
+
+
+def _refuse_malformed(config: Any) -> None:
+    """ValueError naming the field for what no model can be built from: a config that is not
+    an object, a size that is missing, not an integer or not positive, heads that do not
+    divide, more experts per token than experts."""
+    if not isinstance(config, dict):
+        raise ValueError(f"must be a JSON object, not {type(config).__name__}")
+    required = _SIZES + (_MOE_SIZES if config.get("model_type") == "qwen3_moe" else ())
+    for key in (*required, *_OPTIONAL_SIZES):
+        value = config.get(key)
+        if value is None and key in required:
+            raise ValueError(f"no {key}")
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    eps = config.get("rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
+    heads = config["num_attention_heads"]
+    if heads % config.get("num_key_value_heads", heads):
+        raise ValueError(f"num_key_value_heads ({config['num_key_value_heads']}) "
+                         f"must divide num_attention_heads ({heads})")  # fmt: skip
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        raise ValueError(f"hidden_size ({config['hidden_size']}) is not a multiple "
+                         f"of num_attention_heads ({heads}) and head_dim is not given")  # fmt: skip
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts and config.get("num_experts_per_tok", 0) > experts:
+        raise ValueError(f"num_experts_per_tok ({config['num_experts_per_tok']}) "
+                         f"exceeds num_experts ({experts})")  # fmt: skip
+
+
 def spec_from_dict(config: dict[str, Any]) -> HFModelSpec:
+    _refuse_malformed(config)
     _refuse_unsupported(config)
     model_type = config["model_type"]
     heads = config["num_attention_heads"]

@@ -18,7 +18,6 @@ Prints a one-screen summary; raises CheckFailed naming the first problem found.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
@@ -48,19 +47,17 @@ def check_recipe(
 
 
 def _model(config: RunConfig, lines: list[str]):
-    from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.orchestrator.workload import check_hf_dir
 
     try:
-        hf_dir = check_hf_dir(config)
-    except FileNotFoundError as error:
+        hf_dir, spec = check_hf_dir(config)
+    except (OSError, ValueError) as error:
         raise CheckFailed(str(error)) from None
-    spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    context = json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings")
+    context = spec.max_position_embeddings
     lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
                  f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
     budget, _ = _row_tokens(config.task)
-    if context is not None and budget > context:
+    if budget > context:
         raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
                           f"context {context} (max_position_embeddings)")  # fmt: skip
     return spec
@@ -126,6 +123,10 @@ def _rendered(config: RunConfig, samples: list) -> str:
         episode = environment.start(samples[0])
         length = len(chat.prompt_ids(episode.messages, episode.tools))
         episode.close()
+    if dropped == len(samples):
+        limit = task.max_prompt_tokens
+        raise CheckFailed(f"task.max_prompt_tokens={limit}: every prompt is longer (the "
+                          f"first: {length} tokens), so none would be played")  # fmt: skip
     return (f"; first prompt {length} tokens; {dropped} over max_prompt_tokens="
             f"{task.max_prompt_tokens} would be dropped")  # fmt: skip
 

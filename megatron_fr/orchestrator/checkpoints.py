@@ -43,7 +43,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
-def _step_number(path: Path) -> int | None:
+def step_number(path: Path) -> int | None:
+    """The step of a step directory (None for anything else)."""
     match = _STEP_DIR.fullmatch(path.name)
     return int(match.group(1)) if match and path.is_dir() else None
 
@@ -60,7 +61,7 @@ def checkpoints_to_prune(run_dir: Path, latest: Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the latest checkpoint is always kept), got {keep}")
     root = checkpoint_root(run_dir)
-    steps = {path.name: _step_number(path) for path in root.iterdir()}
+    steps = {path.name: step_number(path) for path in root.iterdir()}
     steps = {name: step for name, step in steps.items() if step is not None}
     latest_step = steps[latest.name]
     older = [

@@ -14,7 +14,8 @@ What waits on what: the learner waits only for a fresh batch (buffer.get_batch);
 only on the buffer's admission budget ((max_lag + 1) * B, buffer/lag_buffer.py), which the
 version bump after each sync opens again. A failure anywhere in the rollout service (a dead
 engine, a bug in a reward) wakes that wait with its cause and ends the run. A restart with the
-same command resumes from the newest complete checkpoint (orchestrator/checkpoints.py).
+same command resumes from the newest checkpoint whose files are all readable
+(orchestrator/resume.py).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
+from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.rollout_process import RolloutProcess
 from megatron_fr.orchestrator.setup import connect_weight_sync
 from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
+from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
 STOP_FILE = "STOP"
@@ -51,7 +54,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
     first = dist.get_rank() == 0
     hf_dir = Path(config.model.hf_dir)  # checked by the preflight (orchestrator/check.py)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
-    resume_from = ckpt.latest_checkpoint(run_dir)
+    resume_from, set_aside = settled_resume_point(run_dir)
     # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.
     learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
                       init_hf_dir=None if resume_from else str(hf_dir),
@@ -70,7 +73,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
             if resume_from is not None:
                 rollout.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
                 print(f"resumed from {resume_from} (step {learner.steps_done})", flush=True)
-            report = RunReport(config, run_dir, learner.steps_done)
+            report = RunReport(config, run_dir, learner.steps_done, set_aside)
         urls, pad_id, address = broadcast_from_rank0(
             (rollout.hello.urls, rollout.hello.pad_id, address) if rollout else None
         )
@@ -87,13 +90,10 @@ def train(config: RunConfig, run_dir: Path) -> None:
         if rollout is not None:
             rollout.explain(error)  # a dead engine is named, not the socket it broke
         raise
-    finally:
-        if weight_sync is not None:
-            weight_sync.close()  # the senders leave the weight-update groups
-        if rollout is not None:
-            rollout.close()
-        if report is not None:
-            report.close()
+    finally:  # the senders leave the weight-update groups; a failure to close hides nothing
+        close_in_order([("weight sync", weight_sync.close if weight_sync else None),
+                        ("rollout process", rollout.close if rollout else None),
+                        ("run report", report.close if report else None)])  # fmt: skip
 
 
 def data_path_address(config: RunConfig, learner) -> DataPathAddress:
@@ -114,19 +114,23 @@ def _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, repo
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
         if step == 0:
             evaluate(rollout, report, step)
+    skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
     while step < config.steps:
         started = time.monotonic()
         summaries = rollout.next_batch(step) if rollout else None
         plan, shard = receiver.receive()
         metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
         step += 1
-        sync = weight_sync.sync(learner.module, step)
+        if skipped.count(step, metrics):  # no weight changed: the engines keep theirs
+            sync_s = 0.0
+        else:
+            sync_s = weight_sync.sync(learner.module, step).seconds
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if rollout is not None:
             rollout.set_version(step)
             seconds = time.monotonic() - started
-            report.step(step, summaries, metrics | gpus, sync.seconds, rollout.stats(), seconds)
+            report.step(step, summaries, metrics | gpus, sync_s, rollout.stats(), seconds)
             if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
                 evaluate(rollout, report, step)
         stop = broadcast_from_rank0(stop_file.exists() if rollout else None)
@@ -137,6 +141,50 @@ def _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, repo
                 stop_file.unlink(missing_ok=True)
                 print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
             return
+
+
+class NonFiniteSteps(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+class SkippedSteps:
+    """The steps the learner skipped for a non-finite loss or gradient (learner/nonfinite.py):
+    each is said and counted (metrics' step_skipped, skipped_steps_total), and `limit` in a
+    row end the run: the weights never change, so nothing would."""
+
+    def __init__(self, limit: int, say: bool) -> None:
+        self.limit, self.say = limit, say
+        self.in_a_row = self.total = 0
+
+    def count(self, step: int, metrics: dict) -> bool:
+        """Whether the step was skipped (sets its metrics); NonFiniteSteps at the limit."""
+        cause = metrics["nonfinite"]
+        self.in_a_row = self.in_a_row + 1 if cause else 0
+        self.total += bool(cause)
+        metrics.update(step_skipped=float(bool(cause)), skipped_steps_total=self.total)
+        if cause and self.in_a_row >= self.limit:
+            raise NonFiniteSteps(
+                f"the last {self.in_a_row} steps (to step {step}) had a non-finite {cause}: "
+                f"none updated the weights (learner.max_nonfinite_steps={self.limit}); lower "
+                "learner.lr or look for non-finite rewards or log-probs in the batches"
+            )
+        if cause and self.say:
+            print(f"step {step} skipped: its {cause} is not finite (no weight changed, none "
+                  f"sent; {self.in_a_row} in a row)", flush=True)  # fmt: skip
+        return bool(cause)
+
+
+def settled_resume_point(run_dir: Path) -> tuple[Path | None, int]:
+    """Every rank: the checkpoint to resume from (None: a fresh start) and how many newer ones
+    were set aside as unusable. The first rank checks the files and decides before any rank
+    loads one (orchestrator/resume.py), so no rank meets a bad file inside a collective load;
+    when none is usable every rank raises the same error."""
+    first = dist.get_rank() == 0
+    decision = settle_resume_point(run_dir, dist.get_world_size()) if first else None
+    path, set_aside, error = broadcast_from_rank0(decision)
+    if error is not None:
+        raise NoUsableCheckpoint(error)
+    return (Path(path) if path else None), set_aside
 
 
 def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:

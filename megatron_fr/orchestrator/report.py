@@ -32,8 +32,12 @@ BATCHES_FILE = "batches.jsonl"
 
 
 class RunReport:
-    def __init__(self, config: RunConfig, run_dir: Path, step: int) -> None:
+    def __init__(
+        self, config: RunConfig, run_dir: Path, step: int, checkpoints_set_aside: int = 0
+    ) -> None:
         self.run_dir = run_dir
+        self.checkpoints_set_aside = checkpoints_set_aside
+        """Unusable checkpoints this start found newer than the one it resumed from."""
         for name in (METRICS_FILE, BATCHES_FILE):
             ckpt.truncate_jsonl(run_dir / name, step if step > 0 else -1)
         resolved = config.model_dump(mode="json")
@@ -79,6 +83,9 @@ class RunReport:
                 abandoned_total=rollout["abandoned_total"],
                 groups_failed_total=rollout["groups_failed_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
+                checkpoints_set_aside=self.checkpoints_set_aside,
+                step_skipped=learner["step_skipped"],
+                skipped_steps_total=learner["skipped_steps_total"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
                 **episode_metrics(batch),
             )

@@ -1,17 +1,23 @@
 """`megatron-fr train RECIPE --run-dir DIR [dotted.key=value ...]` (also `python -m megatron_fr`).
 
 Started by hand, the command re-executes itself under torchrun with `learner_ranks` processes
-(same PID, so stopping it stops the run); started by torchrun or srun (RANK and WORLD_SIZE
-set), each process is one learner rank and runs the training loop. The same command resumes
-a run that was stopped.
+(same PID, so stopping it stops the run); started by torchrun (RANK, WORLD_SIZE and
+TORCHELASTIC_RUN_ID set; the Slurm job starts torchrun on each learner node), each process is
+one learner rank and runs the training loop; launcher variables set by hand are refused
+(orchestrator/preflight.py). The same command resumes a run that was stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_fr.config.run import RunConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,29 +46,51 @@ def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
     from megatron_fr.engine.group import match_sglang_nccl_env
     from megatron_fr.engine.launcher import check_engine_device
+    from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
     match_sglang_nccl_env()  # before any NCCL communicator, here or in torchrun's children
     try:
+        launched = preflight.launch_environment()  # (rank, world) under torchrun
+        _check_arguments(args)
         config = resolve_task(load_run_config(args.recipe, args.overrides))
-        world = args.world_size or int(os.environ.get("WORLD_SIZE", config.learner_ranks))
+        world = args.world_size or (launched[1] if launched else config.learner_ranks)
         if args.check:
             print(check_recipe(config, world, args.gpu_mem_gb))
             print("recipe OK (nothing was started)")
             return 0
         if args.run_dir is None:
             raise ValueError("--run-dir is required (or --check)")
-        check_run_dir(args.run_dir)
-        check_recipe(config, world, gpu_mem_gb=None, render=False)  # before any process
+        preflight.check_run_dir(args.run_dir)
+        # before any process: everything, once (the ranks repeat only what is quick)
+        check_recipe(config, world, gpu_mem_gb=None, render=launched is None)
         if not config.rollout.engine.urls:
             remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls"
             check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
-    except (ValueError, FileNotFoundError) as error:
+        if launched is None:
+            preflight.check_resume(args.run_dir, world)
+            preflight.check_engines(config)
+    except (ValueError, OSError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)
         return 2
-    if "WORLD_SIZE" not in os.environ:
+    if launched is None:
         _exec_torchrun(config.learner_ranks, args)
+    return _run_rank(config, args.run_dir)
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    if args.world_size < 0:
+        raise ValueError(f"--world-size {args.world_size}: must be at least 1")
+    memory = args.gpu_mem_gb
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise ValueError(f"--gpu-mem-gb {memory}: must be a positive number of GiB")
+
+
+def _run_rank(config: RunConfig, run_dir: Path) -> int:
+    """This process's learner rank, to the end of the run; a run that fails on its storage
+    (disk full, quota) ends with one line naming the file."""
+    from megatron_fr.orchestrator.preflight import describe_storage_error
     from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
     exit_when_parent_dies()  # torchrun runs ranks in sessions of their own
@@ -72,18 +100,16 @@ def main(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # ranks and the CPU engine share the cores
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    train(config, args.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        train(config, run_dir)
+    except Exception as error:
+        storage = describe_storage_error(error, run_dir)
+        if storage is None:
+            raise
+        print(f"megatron-fr train: error: {storage}", file=sys.stderr, flush=True)
+        return 1
     return 0
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse, before any process starts, a run directory that cannot hold a run."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--run-dir {run_dir} exists and is not a directory")
-    parent = next((p for p in [run_dir, *run_dir.parents] if p.exists()), Path("."))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--run-dir {run_dir}: {parent} is not writable")
 
 
 def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:

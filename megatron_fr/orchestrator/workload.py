@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_fr.config.run import RunConfig
 from megatron_fr.envs.base import Sample
 from megatron_fr.envs.registry import build_environment, environment_class, environment_config
+from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.rollout.episodes import AgentEpisodes, EpisodeProducer, TruncationHandling
 
 
@@ -31,22 +32,33 @@ def resolve_task(config: RunConfig) -> RunConfig:
     return config.model_copy(update={"task": resolved})
 
 
-def check_hf_dir(config: RunConfig) -> Path:
-    """model.hf_dir has a config.json, a tokenizer and a chat template."""
+def check_hf_dir(config: RunConfig) -> tuple[Path, HFModelSpec]:
+    """model.hf_dir's directory and model: a config.json a model can be built from, and a
+    tokenizer with a chat template whose ids the model's vocabulary holds. FileNotFoundError
+    without a config.json, ValueError naming the file and the field for anything else."""
+    from megatron_fr.models.hf_config import spec_from_dict
     from megatron_fr.rollout.chat import load_chat
 
     hf_dir = Path(config.model.hf_dir)
-    if not (hf_dir / "config.json").is_file():
+    file = hf_dir / "config.json"
+    if not file.is_file():
         hint = (" (the CPU demos' models are made by `megatron-fr demo prepare RECIPE`)"
                 if not hf_dir.exists() else "")  # fmt: skip
         raise FileNotFoundError(f"model.hf_dir {hf_dir}: no config.json there{hint}")
     try:
-        load_chat(hf_dir)
+        spec = spec_from_dict(json.loads(file.read_text()))
     except (OSError, ValueError) as error:
-        raise FileNotFoundError(
+        raise ValueError(f"model.hf_dir {file}: {error}") from None
+    try:
+        tokenizer = load_chat(hf_dir).tokenizer
+    except Exception as error:  # tokenizer libraries raise types of their own on broken files
+        raise ValueError(
             f"model.hf_dir {hf_dir}: no usable tokenizer with a chat template ({error})"
         ) from None
-    return hf_dir
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"model.hf_dir {file}: vocab_size {spec.vocab_size} is smaller than "
+                         f"the tokenizer's {len(tokenizer)} tokens")  # fmt: skip
+    return hf_dir, spec
 
 
 def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:

@@ -27,8 +27,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer
@@ -106,7 +105,9 @@ class RolloutService:
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self._failed = threading.Event()
+        self._failed: Future = Future()
+        """Resolved with the first error: what a caller waiting on the loop also waits on,
+        since a stopped loop finishes nothing it was given."""
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -143,7 +144,7 @@ class RolloutService:
         to two intervals for the service to fail, and raise RolloutFailed with ITS cause (the
         engine, its exit code, its log) chained; return if it does not fail."""
         wait_s = 2 * self.engines.settings.watch_interval_s + 1.0
-        if self._failed.wait(wait_s if self._thread.is_alive() else 0):
+        if wait([self._failed], wait_s if self._thread.is_alive() else 0).done:
             raise RolloutFailed(
                 f"rollouts stopped: {self._error} (the learner then failed with: {error})"
             ) from self._error
@@ -161,7 +162,7 @@ class RolloutService:
         """The first error ends the service: the buffer closes with it as the cause."""
         if self._error is None:
             self._error = error
-            self._failed.set()
+            self._failed.set_result(error)
             log.error("rollout service failed: %s", error)
         self.buffer.close(self._error)
         if self._stop is not None:
@@ -264,17 +265,19 @@ class RolloutService:
         self, sets: dict[str, EvalSet], sampling: SamplingParams, timeout_s: float
     ) -> dict[str, tuple[float, float]]:
         """{set: (mean, std)} of avg@k: the reward of k samples per problem at the eval
-        sampling settings; the spread is over the k passes."""
+        sampling settings; the spread is over the k passes. Raises RolloutFailed as soon as
+        the service fails (a dead engine), whatever the evaluation was waiting for."""
         self.check()
         future: Future = asyncio.run_coroutine_threadsafe(
             self._evaluate(sets, sampling), self._loop
         )
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
+        finished = wait([future, self._failed], timeout_s, return_when=FIRST_COMPLETED).done
+        if future not in finished:
             future.cancel()
-            self.check()
-            raise TimeoutError(f"evaluation did not finish within {timeout_s} s") from None
+        self.check()  # the service's cause, not what the evaluation saw of it
+        if future not in finished:
+            raise TimeoutError(f"evaluation did not finish within {timeout_s} s")
+        return future.result()
 
     async def _evaluate(self, sets: dict[str, EvalSet], sampling: SamplingParams):
         results = {}

@@ -117,11 +117,14 @@ def remove_stale_partials(target: str | Path) -> list[Path]:
 def atomic_directory(target: str | Path) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes ``target`` when the block succeeds."""
     target = refuse_existing(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(target)
     partial = target.parent / f"{_partial_prefix(target)}{os.getpid()}"
     record_path = partial.with_name(partial.name + OWNER_SUFFIX)
-    record_path.write_text(json.dumps(_owner_record()))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_partials(target)
+        record_path.write_text(json.dumps(_owner_record()))
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write {target}: {error.strerror}") from None
     shutil.rmtree(partial, ignore_errors=True)  # this very process's own earlier attempt
     partial.mkdir()
     try:

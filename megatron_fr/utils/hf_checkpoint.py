@@ -24,15 +24,12 @@ INDEX_NAME = "model.safetensors.index.json"
 def _indexed_tensors(directory: Path) -> dict[str, TensorEntry]:
     """Tensors by name, each from the file the index names for it."""
     index = directory / INDEX_NAME
-    try:
-        weight_map = json.loads(read_regular(index))["weight_map"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{index}: not a safetensors index ({error!r})") from None
+    weight_map = _weight_map(index)
     headers: dict[str, dict[str, TensorEntry]] = {}
     for file in sorted(set(weight_map.values())):
         path = directory / file
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but missing")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in {INDEX_NAME} but is not a file there")
         headers[file] = read_header(path)
     tensors = {}
     for name, file in weight_map.items():
@@ -46,6 +43,23 @@ def _indexed_tensors(directory: Path) -> dict[str, TensorEntry]:
                 f"{directory / file} holds tensors {INDEX_NAME} does not list: {unlisted[:5]}"
             )
     return tensors
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> file name map; ValueError naming the index when it is not
+    one, or names a file outside its directory."""
+    try:
+        weight_map = json.loads(read_regular(index))["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{index}: not a safetensors index ({error!r})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()
+    ):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+    outside = sorted(file for file in set(weight_map.values()) if Path(file).name != file)
+    if outside:
+        raise ValueError(f"{index}: weight_map names {outside[0]!r}, not a file of its directory")
+    return weight_map
 
 
 def _unindexed_tensors(directory: Path) -> dict[str, TensorEntry]:

@@ -187,3 +187,50 @@ def assert_each_problem_once_per_epoch(run_dir: Path) -> None:
     counts = Counter(handed_out.values())
     assert set(counts) <= {epoch, epoch + 1}, counts
     assert counts[epoch + 1] == index, (counts, index)
+
+
+def served_version(url: str) -> str | None:
+    """The engine's weight version, or None while it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/get_weight_version", timeout=2) as answer:
+            return json.loads(answer.read())["weight_version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_it(
+    tmp_path, demo_model
+):
+    """SIGKILL of the engine while the step-0 evaluation runs (its 600 episodes take far
+    longer than the test waits): the run ends non-zero within 60 s, its last error names the
+    engine (not the weight-update group it could no longer leave), and nothing is left."""
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
+    run = Run(run_dir, marker, [*settings, *prompt_files(tmp_path / "data")])
+    try:
+        wait_until(lambda: any("cpu_server" in " ".join(p.cmdline()) for p in
+                               run_processes(marker)) or run.process.poll() is not None,
+                   300, "the engine")  # fmt: skip
+        engine = next(p for p in run_processes(marker) if "cpu_server" in " ".join(p.cmdline()))
+        url = f"http://127.0.0.1:{engine.cmdline()[engine.cmdline().index('--port') + 1]}"
+        wait_until(lambda: served_version(url) == "0", 300, "the learner's weights served")
+        time.sleep(3.0)  # the step-0 evaluation is under way
+        assert not records(run_dir, "metrics.jsonl"), "the evaluation ended before the kill"
+        killed_at = time.monotonic()
+        os.kill(engine.pid, signal.SIGKILL)
+        code = run.wait(120)
+        assert code != 0 and time.monotonic() - killed_at < 60, run.output()[-3000:]
+    finally:
+        if run.process.poll() is None:
+            os.killpg(run.process.pid, signal.SIGKILL)
+            run.wait(60)
+    output = run.output()
+    named = f"inference engine {url} (pid {engine.pid}) exited"
+    assert named in output, output[-3000:]
+    last_error = [line for line in output.splitlines() if "Error" in line][-1]
+    assert "destroy_weights_update_group" not in last_error, output[-3000:]
+    wait_until(lambda: not run_processes(marker), 30, "no process left")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import typing
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -13,6 +15,7 @@ from megatron_fr.config import (
     ParallelConfig,
     WeightSyncConfig,
 )
+from megatron_fr.config.run import load_run_config
 
 
 def test_data_parallel_size_is_what_the_model_parallel_sizes_leave():
@@ -77,3 +80,69 @@ def test_weight_sync_config_names_what_is_wrong():
     for bad in (dict(transport="carrier-pigeon"), dict(bucket_mib=0), dict(timeout_s=0)):
         with pytest.raises(pydantic.ValidationError):
             WeightSyncConfig(**bad)
+
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
+POISONED = [
+    ("learner.lr=.inf", "learner.lr"),
+    ("rollout.temperature=.inf", "rollout.temperature"),
+    ("rollout.temperature=.nan", "rollout.temperature"),
+    ("eval.temperature=-.inf", "eval.temperature"),
+    ("learner.clip_grad=.nan", "learner.clip_grad"),
+    ("eval.timeout_s=1e300", "eval.timeout_s"),
+    ("rollout.engine.watch_interval_s=.inf", "rollout.engine.watch_interval_s"),
+    ("weights.timeout_s=1e12", "weights.timeout_s"),
+    ("learner.ppo_clip.eps_high=.inf", "learner.ppo_clip.eps_high"),
+    ("task.overlong_penalty=.inf", "task.overlong_penalty"),
+    ("learner.flash_reinforce.delta=.nan", "learner.flash_reinforce.delta"),
+]
+
+
+@pytest.mark.parametrize(("override", "key"), POISONED, ids=[p[0] for p in POISONED])
+def test_non_finite_and_absurd_numbers_are_refused_in_one_line_naming_the_key(override, key):
+    with pytest.raises(ValueError) as refused:
+        load_run_config(RECIPE, [override])
+    message = str(refused.value)
+    assert message.startswith(f"recipe {RECIPE}: {key}: ") and "\n" not in message, message
+
+
+def test_an_infinite_gate_threshold_switches_the_gate_off():
+    config = load_run_config(RECIPE, ["learner.flash_reinforce.delta=.inf"])
+    assert config.learner.flash_reinforce.delta == math.inf
+
+
+@pytest.mark.parametrize("override", ["learner.lr=.inf", "rollout.temperature=.inf"])
+def test_check_fails_on_a_poisoned_number_with_one_line_naming_it(override, capsys):
+    from megatron_fr.cli import main
+
+    assert main(["train", str(RECIPE), "--check", override]) == 2
+    err = capsys.readouterr().err.strip()
+    key = override.split("=")[0]
+    assert err.startswith("megatron-fr train: error: ") and f"{key}: " in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def _schemas(model: type[pydantic.BaseModel]) -> set[type[pydantic.BaseModel]]:
+    """model and every pydantic model its fields hold, however nested (lists, dicts, unions)."""
+    found, annotations = {model}, [f.annotation for f in model.model_fields.values()]
+    while annotations:
+        annotation = annotations.pop()
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            found |= _schemas(annotation)
+        annotations.extend(typing.get_args(annotation))
+    return found
+
+
+def test_every_schema_of_a_recipe_and_of_the_demos_refuses_non_finite_numbers():
+    from megatron_fr.config.base import StrictModel
+    from megatron_fr.config.run import RunConfig
+    from megatron_fr.demo.config import DemoModelConfig
+    from megatron_fr.demo.text_math import TextMathConfig
+
+    schemas = _schemas(RunConfig) | _schemas(DemoModelConfig) | _schemas(TextMathConfig)
+    assert {"FlashReinforceConfig", "EngineSettings", "WandbConfig", "WarmStartConfig"} <= {
+        schema.__name__ for schema in schemas
+    }  # the walk reaches nested schemas, those added with the top-K gate and the demos'
+    assert [s.__name__ for s in schemas if not issubclass(s, StrictModel)] == []
+    with pytest.raises(pydantic.ValidationError, match="finite"):
+        DemoModelConfig.model_validate({"warm_start": {"lr": math.inf}})

@@ -127,14 +127,48 @@ def test_json_documents_with_records_under_a_key(tmp_path):
             {},
             r"bad\.jsonl: line 2: duplicate id 'x' \(first at line 1\)",
         ),
+        (
+            [{"id": 1, "problem": "a", "answer": "1"}, {"id": "1", "problem": "b", "answer": "2"}],
+            {},
+            r"bad\.jsonl: line 2: duplicate id '1' \(first at line 1 as 1\)",
+        ),
+        ([{"problem": "\ud800", "answer": "1"}], {}, r"line 1: holds a lone surrogate"),
+        (
+            [{"id": 1, "problem": "a", "answer": "1"}, {"id": 2, "problem": "b", "answer": "2"}],
+            {},
+            None,
+        ),
         ([{"problem": "a", "answer": "1"}], {"metadata_keys": {"g": "m.g"}}, r"'m\.g'"),
         ([[1, 2]], {}, r"line 1 is not an object"),
     ],
 )
 def test_bad_rows_are_refused_naming_file_row_and_field(tmp_path, rows, config, message):
     path = write(tmp_path / ("empty.jsonl" if not rows else "bad.jsonl"), rows)
+    if message is None:  # a control: the same kind of row, well-formed
+        assert load_dataset(DatasetConfig(path=str(path), **config))
+        return
     with pytest.raises(ValueError, match=message):
         load_dataset(DatasetConfig(path=str(path), **config))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", r"deep\.jsonl:1: nested deeper than JSON"),
+        (b'{"problem": "\xe9", "answer": "1"}\n', r"deep\.jsonl: not UTF-8 text \(byte 13"),
+    ],
+)
+def test_deep_nesting_and_other_encodings_are_refused_naming_the_file(tmp_path, data, message):
+    path = tmp_path / "deep.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        load_dataset(DatasetConfig(path=str(path)))
+
+
+def test_a_byte_order_mark_is_not_content(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "problem": "p", "answer": "1"}\n')
+    assert [s["id"] for s in load_dataset(DatasetConfig(path=str(path)))] == ["a"]
 
 
 def test_missing_files_and_unknown_formats_are_refused(tmp_path):

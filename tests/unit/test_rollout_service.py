@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import threading
 import time
@@ -190,6 +191,46 @@ def test_a_dead_engine_ends_the_service_naming_it_and_its_log(tokenizer, tmp_pat
     assert isinstance(cause, EngineDied)
     assert f"127.0.0.1:{port}" in str(cause) and f"pid {dying.pid}" in str(cause)
     assert "exited with code 3" in str(cause) and "CUDA out of memory" in str(cause)
+    assert time.monotonic() - started < 30
+    assert not rollout_threads()
+
+
+class StuckEvalProducer(Producer):
+    """Its evaluation episodes wait, as an episode waits between attempts at a dead engine."""
+
+    async def run(self, client: RolloutClient, problem, prompt_id, group, sampling):
+        if group == "eval":
+            await asyncio.sleep(3600)
+        return await super().run(client, problem, prompt_id, group, sampling)
+
+
+@pytest.mark.parametrize("producer_class", [Producer, StuckEvalProducer])
+def test_an_engine_dying_during_an_evaluation_ends_it_at_once_naming_the_engine(
+    tokenizer, tmp_path: Path, producer_class
+):
+    """The evaluation is under way (its requests outstanding at a server that never answers,
+    or its episodes waiting) when the engine process dies: evaluate raises the engine's death
+    within seconds, not at its deadline: the service's loop has stopped, so the evaluation
+    either never finishes or fails with what the shutdown did to it."""
+    black_hole = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
+    dying = ServerProcess.start(
+        [sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.exit(3)"],
+        "127.0.0.1", free_port(), tmp_path,
+    )  # fmt: skip
+    engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
+    producer = producer_class(tokenizer)
+    service = make_service([url], producer, engines=engines)
+    service.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RolloutFailed) as error:
+            service.evaluate({"small": EvalSet(PROBLEMS[:4], 1)}, producer.sampling(1.0), 45)
+    finally:
+        service.close()
+        black_hole.close()
+    assert isinstance(error.value.__cause__, EngineDied)
+    assert f"pid {dying.pid}" in str(error.value) and "exited with code 3" in str(error.value)
     assert time.monotonic() - started < 30
     assert not rollout_threads()
 

@@ -8,6 +8,8 @@ import random
 import pytest
 
 from megatron_fr.envs.tool_calls import (
+    MAX_CALL_CHARS,
+    MAX_DEPTH,
     MalformedToolCall,
     ToolCall,
     parse_tool_calls,
@@ -75,3 +77,36 @@ def test_random_text_never_raises() -> None:
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(40)))
         for call in parse_tool_calls(text):
             assert isinstance(call, ToolCall | MalformedToolCall)
+
+
+NESTED = 1000
+"""Deeper than Python's recursion limit allows json.loads to go."""
+BOUNDED = [
+    ("<tool_call>" + "[" * NESTED + "</tool_call>", "nested deeper than"),
+    ("<tool_call>" + "[" * NESTED + "]" * NESTED + "</tool_call>", "nested deeper than"),
+    ('<tool_call>{"name": "python", "arguments": "' + "[" * NESTED + '"}</tool_call>',
+     "nested deeper than"),
+    ('<tool_call>{"name": "python", "arguments": {"code": ' + '{"a": ' * NESTED + "1"
+     + "}" * NESTED + "}}</tool_call>", "nested deeper than"),
+    ("<tool_call>" + " " * (MAX_CALL_CHARS + 1) + "{}</tool_call>", "longer than"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "reason"), BOUNDED)
+def test_deep_or_huge_calls_are_tool_errors_not_exceptions(text: str, reason: str) -> None:
+    (call,) = parse_tool_calls(text)
+    assert isinstance(call, MalformedToolCall) and reason in call.error, call.error[:200]
+    assert len(call.error) < 200  # a reason for the policy, not its text echoed back
+
+
+def test_nesting_and_strings_within_the_bounds_still_parse() -> None:
+    depth = MAX_DEPTH - 2  # the call object and "arguments" are two levels
+    code = '"[[[ \\" {{ not structure }} ]]]"'  # brackets inside strings are not nesting
+    nested = "[" * depth + code + "]" * depth
+    text = f'<tool_call>{{"name": "f", "arguments": {{"x": {nested}}}}}</tool_call>'
+    (call,) = parse_tool_calls(text)
+    assert isinstance(call, ToolCall), call
+    value = call.arguments["x"]
+    for _ in range(depth):
+        (value,) = value
+    assert value == '[[[ " {{ not structure }} ]]]'
