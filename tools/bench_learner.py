@@ -182,7 +182,8 @@ def breakdown(learner, batch, repeats: int) -> dict[str, float]:
         hook.remove()
     handle.remove()
     layers, device = learner.spec.num_layers, learner.device
-    targets = learner._micro_batches(batch, 0, None)[1][0].loss_batch.target_ids.to(device)
+    first = learner._micro_batches(learner.plan(batch), batch, 0, None)[0]
+    targets = first.loss_batch.target_ids.to(device)
     scores = TargetScores(targets)
     hidden = final["hidden"].requires_grad_(True)
     loss = {"args": (), "kwargs": dict(hidden_states=hidden,

@@ -66,8 +66,9 @@ def steps(rank: int, world_size: int, hf_dir: str):
             )  # fmt: skip
             learner = Learner(spec, parallel, config, total_steps=2, init_hf_dir=hf_dir)
             counts = count_calls(learner.module)
-            micros = len(learner._micro_batches(random_batch(), 0, None)[1])
-            metrics = learner.train_step(random_batch())
+            batch = random_batch()
+            micros = len(learner._micro_batches(learner.plan(batch), batch, 0, None))
+            metrics = learner.train_step(batch)
             weights = {n: p.detach().clone() for n, p in learner.module.named_parameters()}
             results.append((kwargs, mode, micros, dict(counts), metrics, weights))
     return results

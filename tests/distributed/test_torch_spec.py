@@ -72,7 +72,7 @@ def learners(rank: int, world_size: int, hf_dir: str, batch, tmp: str):
             sent = {n: t.clone() for bucket in iter_hf_buckets(learner.module, spec)
                     for n, t in bucket}  # fmt: skip
             scored = learner.policy_log_probs(batch)
-            micros = len(learner._micro_batches(batch, 0, None)[1])
+            micros = len(learner._micro_batches(learner.plan(batch), batch, 0, None))
             metrics = learner.train_step(batch)
             weights = {common_name(n): p.detach().clone()
                        for n, p in learner.module.named_parameters()}  # fmt: skip
