@@ -71,10 +71,22 @@ def _log_ratio(log_probs: Tensor, behavior_log_probs: Tensor, policy: Tensor) ->
     return log_ratio
 
 
-def _check_inputs(log_probs, behavior, advantages, action_mask, segment_ids, token_counts):
+def _check_inputs(
+    log_probs: Tensor,
+    behavior: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    segment_ids: Tensor,
+    token_counts: Tensor,
+) -> None:
     checks.check_float(log_probs=log_probs, behavior_log_probs=behavior)
-    checks.check_same_shape("log_probs", log_probs, behavior_log_probs=behavior,
-                            action_mask=action_mask, segment_ids=segment_ids)  # fmt: skip
+    checks.check_same_shape(
+        "log_probs",
+        log_probs,
+        behavior_log_probs=behavior,
+        action_mask=action_mask,
+        segment_ids=segment_ids,
+    )
     checks.check_same_dtype(log_probs=log_probs, behavior_log_probs=behavior)
     if action_mask.dtype != torch.bool:
         raise ValueError(f"action_mask must be torch.bool, got {action_mask.dtype}")
@@ -134,8 +146,17 @@ def ppo_clip_loss(
                           reduce_segments)  # fmt: skip
 
 
-def _metrics(log_probs, behavior, policy, kept, ratio, clipped, segment_ids, trajectories,
-             reduce_segments) -> dict[str, Tensor]:  # fmt: skip
+def _metrics(
+    log_probs: Tensor,
+    behavior: Tensor,
+    policy: Tensor,
+    kept: Tensor,
+    ratio: Tensor,
+    clipped: Tensor,
+    segment_ids: Tensor,
+    trajectories: int,
+    reduce_segments: Callable[[Tensor], Tensor] | None,
+) -> dict[str, Tensor]:
     present = torch.zeros(trajectories, dtype=torch.bool, device=policy.device)
     present[segment_ids[policy]] = True
     admitted = torch.zeros_like(present)

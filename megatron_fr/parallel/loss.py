@@ -25,6 +25,7 @@ its normalisers come from the whole batch (algo/ppo.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,13 +87,16 @@ class GlobalBatch:
     def to(self, device: torch.device | str) -> GlobalBatch:
         """The same batch on `device` (the learner builds it on the CPU; the loss runs where
         the logits are)."""
-        return GlobalBatch(
-            *(None if t is None else t.to(device)
-              for t in (self.advantages, self.failures, self.token_counts))
-        )  # fmt: skip
+        failures, token_counts = (
+            None if t is None else t.to(device) for t in (self.failures, self.token_counts)
+        )
+        return GlobalBatch(self.advantages.to(device), failures, token_counts)
 
 
-def sum_over(group: dist.ProcessGroup | None):
+def sum_over(group: dist.ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+    """The per-segment sums' reduction over `group` (the CP group: each rank holds a slice of
+    every trajectory); the identity without one."""
+
     def reduce(partial: Tensor) -> Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(partial, group=group)
@@ -110,14 +114,20 @@ def _gather_along_sequence(tensor: Tensor, group: dist.ProcessGroup | None) -> T
 
 
 def _keep_mask(
-    entropies: Tensor, batch: LossBatch, failures: Tensor, fraction: float, cp_group
+    entropies: Tensor,
+    batch: LossBatch,
+    failures: Tensor,
+    fraction: float,
+    cp_group: dist.ProcessGroup | None,
 ) -> Tensor:
     """Negative-token filter on whole trajectories: gather the CP slices, decide, slice back."""
-    gathered = [
+    whole_entropies, mask, segment_ids, positions = (
         _gather_along_sequence(t, cp_group)
         for t in (entropies, batch.action_mask, batch.segment_ids, batch.positions)
-    ]
-    keep = negative_token_keep_mask(*gathered, failures=failures, fraction=fraction)
+    )
+    keep = negative_token_keep_mask(
+        whole_entropies, mask, segment_ids, positions, failures=failures, fraction=fraction
+    )
     width = batch.action_mask.shape[-1]
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     return keep[..., rank * width : (rank + 1) * width]
@@ -132,9 +142,10 @@ def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
         segment_ids=batch.segment_ids,
         positions=batch.positions,
     )
-    if (batch.topk_ids is None) != (batch.topk_log_probs is None):
-        raise ValueError("topk_ids and topk_log_probs come together (the top-K gate's input)")
-    if batch.topk_ids is not None:
+    if batch.topk_ids is None or batch.topk_log_probs is None:
+        if batch.topk_ids is not None or batch.topk_log_probs is not None:
+            raise ValueError("topk_ids and topk_log_probs come together (the top-K gate's input)")
+    else:
         checks.check_same_shape("topk_ids", batch.topk_ids, topk_log_probs=batch.topk_log_probs)
         if batch.topk_ids.shape[:-1] != batch.target_ids.shape:
             raise ValueError(
@@ -174,6 +185,7 @@ def flash_reinforce_scored_loss(
     gate = _gate(log_probs, behavior, batch, global_batch, config, cp_group, topk_log_probs)
     keep = batch.action_mask & (batch.segment_ids >= 0)
     if fraction < 1.0:
+        assert entropies is not None and global_batch.failures is not None  # checked above
         keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
     advantages = global_batch.advantages.to(log_probs.dtype)
     loss, ratios, contributing = segment_policy_loss(
