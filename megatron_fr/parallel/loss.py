@@ -25,8 +25,10 @@ its normalisers come from the whole batch (algo/ppo.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,16 @@ from megatron_fr.algo.flash_reinforce import (
 from megatron_fr.algo.ppo import ppo_clip_loss
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+
+def _tensors_to(batch: DataclassInstance, device: torch.device | str) -> dict[str, Any]:
+    """A batch's fields with every tensor moved to `device` (None stays None): the keyword
+    arguments of the same batch there."""
+    values = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    return {name: None if t is None else t.to(device) for name, t in values.items()}
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,10 @@ class LossBatch:
     topk_log_probs: Tensor | None = None
     """[rows, S_local, K] their log-probs as the engine reported them (0 off policy tokens)."""
 
+    def to(self, device: torch.device | str) -> LossBatch:
+        """The same slice on `device` (micro-batches are built on the CPU)."""
+        return LossBatch(**_tensors_to(self, device))
+
 
 @dataclass(frozen=True)
 class GlobalBatch:
@@ -87,10 +103,7 @@ class GlobalBatch:
     def to(self, device: torch.device | str) -> GlobalBatch:
         """The same batch on `device` (the learner builds it on the CPU; the loss runs where
         the logits are)."""
-        failures, token_counts = (
-            None if t is None else t.to(device) for t in (self.failures, self.token_counts)
-        )
-        return GlobalBatch(self.advantages.to(device), failures, token_counts)
+        return GlobalBatch(**_tensors_to(self, device))
 
 
 def sum_over(group: dist.ProcessGroup | None) -> Callable[[Tensor], Tensor]:
