@@ -12,6 +12,7 @@ go on without them. ``process_groups()`` hands the groups to the code that uses 
 from __future__ import annotations
 
 import datetime
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.parallel.cpu_shims import check_installed
+
+T = TypeVar("T")
 
 
 def resolve_backend(config: ParallelConfig) -> str:
@@ -68,7 +71,9 @@ def process_groups() -> ProcessGroupCollection:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def initialize_single_process(config: ParallelConfig | None = None, seed: int | None = None):
+def initialize_single_process(
+    config: ParallelConfig | None = None, seed: int | None = None
+) -> None:
     """For tools that run alone (checkpoint conversion): a one-rank gloo group on a free
     loopback port, unless torch.distributed is already running, then ``initialize``."""
     from megatron_fr.parallel.spawn import free_port
@@ -80,7 +85,7 @@ def initialize_single_process(config: ParallelConfig | None = None, seed: int | 
     initialize(config or ParallelConfig(), seed)
 
 
-def broadcast_from_rank0(value):
+def broadcast_from_rank0(value: T) -> T:
     """Rank 0's value on every rank (any picklable object; a collective of the default group)."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
