@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_fr.config.run import RunConfig
 from megatron_fr.config.tasks import TaskConfig
+
+if TYPE_CHECKING:
+    from megatron_fr.models.hf_config import HFModelSpec
 
 
 class CheckFailed(ValueError):
@@ -47,7 +51,7 @@ def check_recipe(
     return "\n".join(lines)
 
 
-def _model(config: RunConfig, lines: list[str]):
+def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.orchestrator.workload import check_hf_dir
 
@@ -134,7 +138,13 @@ def _key(what: str) -> str:
     return "train" if what == "train" else "eval_sets." + what.split(" ", 1)[1]
 
 
-def _layout(config, spec, world_size: int, gpu_mem_gb: float | None, lines) -> None:
+def _layout(
+    config: RunConfig,
+    spec: HFModelSpec,
+    world_size: int,
+    gpu_mem_gb: float | None,
+    lines: list[str],
+) -> None:
     from megatron_fr.launch.plan import LayoutError, plan_layout
 
     learner = config.learner

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -33,6 +34,10 @@ from megatron_fr.orchestrator.setup import (
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.service import RolloutService
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+
+if TYPE_CHECKING:
+    from megatron_fr.learner.trainer import Learner
+    from megatron_fr.weights.sync import WeightSync
 
 STOP_FILE = "STOP"
 """Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
@@ -88,12 +93,21 @@ def train(config: RunConfig, run_dir: Path) -> None:
             report.close()
 
 
-def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> None:
+def _loop(
+    config: RunConfig,
+    run_dir: Path,
+    learner: Learner,
+    weight_sync: WeightSync,
+    pad_id: int,
+    service: RolloutService | None,
+    report: RunReport | None,
+) -> None:
     step = learner.steps_done
     stop_file = run_dir / STOP_FILE
     telemetry = GpuTelemetry()
     if service is not None:
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
+        assert report is not None  # the first rank makes both
         if step == 0:
             evaluate(config, service, report, step)
     while step < config.steps:
@@ -105,6 +119,7 @@ def _loop(config, run_dir, learner, weight_sync, pad_id, service, report) -> Non
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if service is not None:
+            assert report is not None
             service.set_version(step)
             seconds = time.monotonic() - started
             report.step(step, batch, metrics | gpus, sync.seconds, service.stats(), seconds)
@@ -139,7 +154,13 @@ def evaluate(config: RunConfig, service: RolloutService, report: RunReport, step
     report.evaluation(step, results, service.stats()["rollouts_total"])
 
 
-def save_checkpoint(config: RunConfig, run_dir: Path, learner, service, step: int) -> None:
+def save_checkpoint(
+    config: RunConfig,
+    run_dir: Path,
+    learner: Learner,
+    service: RolloutService | None,
+    step: int,
+) -> None:
     directory = ckpt.step_dir(run_dir, step)
     learner.save(str(directory / "learner"))
     ckpt.save_rng(directory, dist.get_rank())

@@ -12,7 +12,7 @@ go on without them. ``process_groups()`` hands the groups to the code that uses 
 from __future__ import annotations
 
 import datetime
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -85,11 +85,12 @@ def initialize_single_process(
     initialize(config or ParallelConfig(), seed)
 
 
-def broadcast_from_rank0(value: T) -> T:
-    """Rank 0's value on every rank (any picklable object; a collective of the default group)."""
+def broadcast_from_rank0(value: T | None) -> T:
+    """Rank 0's value on every rank (any picklable object; a collective of the default group).
+    The other ranks' values are not read: they pass None where only rank 0 has the value."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return cast(T, box[0])  # rank 0's value, which rank 0 always passes
 
 
 def destroy() -> None:
