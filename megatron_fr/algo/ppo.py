@@ -123,8 +123,7 @@ def ppo_clip_loss(
     token here), present [B] (has a policy token here), sequence_kl [B] (the FlashREINFORCE
     gate's D_i, as a diagnostic: it gates nothing).
     """
-    _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids,
-                  token_counts)  # fmt: skip
+    _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids, token_counts)
     if config.aggregation is None:
         raise ValueError("ppo_clip.aggregation is unset (LearnerConfig resolves it)")
     num_trajectories = advantages.numel()
@@ -136,14 +135,28 @@ def ppo_clip_loss(
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - config.eps_low, 1 + config.eps_high) * advantage
     kept = correction_keep_mask(
-        log_ratio, policy, segment_ids, num_trajectories, correction=config.correction,
-        low=config.correction_low, high=config.correction_high, reduce_segments=reduce_segments,
-    )  # fmt: skip
+        log_ratio,
+        policy,
+        segment_ids,
+        num_trajectories,
+        correction=config.correction,
+        low=config.correction_low,
+        high=config.correction_high,
+        reduce_segments=reduce_segments,
+    )
     weight = token_weights(token_counts, config.aggregation).to(log_probs.dtype)[segment]
     loss = -torch.where(kept, torch.minimum(unclipped, clipped) * weight, 0).sum()
-    return loss, _metrics(log_probs, behavior_log_probs, policy, kept, ratio,
-                          clipped < unclipped, segment_ids, num_trajectories,
-                          reduce_segments)  # fmt: skip
+    return loss, _metrics(
+        log_probs,
+        behavior_log_probs,
+        policy,
+        kept,
+        ratio,
+        clipped < unclipped,
+        segment_ids,
+        num_trajectories,
+        reduce_segments,
+    )
 
 
 def _metrics(
@@ -164,8 +177,15 @@ def _metrics(
     ratios = ratio.detach()[policy]
     # The gate's per-trajectory KL, as a diagnostic only: the comparison of methods reports
     # the same engine-learner mismatch for every loss.
-    mismatch = trust_region_gate(log_probs, behavior, policy, segment_ids, trajectories,
-                                 math.inf, reduce_segments=reduce_segments)  # fmt: skip
+    mismatch = trust_region_gate(
+        log_probs,
+        behavior,
+        policy,
+        segment_ids,
+        trajectories,
+        math.inf,
+        reduce_segments=reduce_segments,
+    )
     return {
         "sequence_kl": mismatch.sequence_kl,
         "admitted": admitted,

@@ -126,9 +126,14 @@ class TorchAttention(MegatronModule):
         (bool [sq, sk], True where a query may attend)."""
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=allowed is None,
+            scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+        )
         return out.permute(2, 0, 1, 3)
 
     def _can_varlen(self, query: Tensor) -> bool:
@@ -138,9 +143,9 @@ class TorchAttention(MegatronModule):
         """A packed row through torch's variable-length flash attention; keyword names as
         this torch spells them (is_causal, or window_size (-1, 0) from torch 2.11 on; K/V
         repeated per query head where it has no enable_gqa)."""
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else (
-            params.cu_seqlens_q
-        )  # fmt: skip
+        cu = params.cu_seqlens_q_padded
+        if cu is None:
+            cu = params.cu_seqlens_q
         keywords: dict[str, float | bool | tuple[int, int]] = {}
         if "scale" in self.varlen_keywords:
             keywords["scale"] = self.softmax_scale
@@ -190,8 +195,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         padded = [math.ceil(n / ROW_ALIGNMENT) * ROW_ALIGNMENT for n in counts]
         rows = _padded_rows(counts, padded, x.device)
         x_padded = x.new_zeros(sum(padded), x.shape[1]).index_copy_(0, rows, x)
-        offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32,
-                            device=x.device)  # fmt: skip
+        offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=x.device)
         ctx.save_for_backward(x_padded, rows, offs, *weights)
         ctx.padded = padded
         weight = torch.stack(weights).transpose(1, 2)
@@ -257,11 +261,13 @@ class TorchGroupedLinear(MegatronModule):
             config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
         for index in range(num_local_experts):
-            weight = torch.nn.Parameter(torch.empty(shape, device=device,
-                                                    dtype=config.params_dtype))  # fmt: skip
+            weight = torch.nn.Parameter(
+                torch.empty(shape, device=device, dtype=config.params_dtype)
+            )
             if config.perform_initialization:
-                _initialize_affine_weight_gpu(weight, init_method, self.partition_dim,
-                                              is_expert=True)  # fmt: skip
+                _initialize_affine_weight_gpu(
+                    weight, init_method, self.partition_dim, is_expert=True
+                )
             else:
                 set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
             # megatron's mark of an expert-DP parameter (an attribute torch does not declare)
@@ -300,9 +306,12 @@ class TorchGroupedLinear(MegatronModule):
             offsets = (*sharded_offsets, (len(sharded_offsets), first + index, total))
             sub = make_sharded_tensors_for_checkpoint(
                 {f"{index}.weight": getattr(self, f"weight{index}"), f"{index}._extra_state": None},
-                "", {f"{index}.weight": self.partition_dim}, offsets, tp_group=groups.expt_tp,
+                "",
+                {f"{index}.weight": self.partition_dim},
+                offsets,
+                tp_group=groups.expt_tp,
                 dp_cp_group=metadata["dp_cp_group"],
-            )  # fmt: skip
+            )
             replace_prefix_for_sharding(sub, f"{index}.", prefix)
             for entry in sub.values():  # replicas along the expert-data-parallel group
                 entry.replica_id = (*entry.replica_id[:2], groups.expt_dp.rank())
@@ -338,10 +347,15 @@ def torch_layer_spec(local_spec: ModuleSpec, moe: bool) -> ModuleSpec:
     )
     if moe:
         mlp = local_spec.submodules.mlp  # partial(MoELayer, submodules=MoESubmodules(...))
-        experts = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-            linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedRowLinear))  # fmt: skip
+        experts = functools.partial(
+            TEGroupedMLP,
+            submodules=GroupedMLPSubmodules(
+                linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedRowLinear
+            ),
+        )
         moe_submodules = dataclasses.replace(mlp.keywords["submodules"], experts=experts)
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords,
-                                                        "submodules": moe_submodules})  # fmt: skip
+        mlp = functools.partial(
+            mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}
+        )
         submodules = dataclasses.replace(submodules, mlp=mlp)
     return dataclasses.replace(local_spec, submodules=submodules)

@@ -228,8 +228,9 @@ def _gate(
             "gate_kl topk needs the engine's top-K log-probs (LossBatch.topk_log_probs) and the "
             "learner's of the same ids (topk_log_probs)"
         )
-    checks.check_same_shape("LossBatch.topk_log_probs", batch.topk_log_probs,
-                            topk_log_probs=topk_log_probs)  # fmt: skip
+    checks.check_same_shape(
+        "LossBatch.topk_log_probs", batch.topk_log_probs, topk_log_probs=topk_log_probs
+    )
     token_kl = topk_kl(batch.topk_log_probs.to(log_probs.dtype), topk_log_probs.detach())
     return sequence_gate(token_kl, *where, reduce_segments=sum_over(cp_group))
 
@@ -248,10 +249,15 @@ def ppo_clip_scored_loss(
     if global_batch.token_counts is None:
         raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
     return ppo_clip_loss(
-        log_probs, batch.behavior_log_probs.to(log_probs.dtype), global_batch.advantages,
-        batch.action_mask, batch.segment_ids, global_batch.token_counts, config,
+        log_probs,
+        batch.behavior_log_probs.to(log_probs.dtype),
+        global_batch.advantages,
+        batch.action_mask,
+        batch.segment_ids,
+        global_batch.token_counts,
+        config,
         reduce_segments=sum_over(cp_group),
-    )  # fmt: skip
+    )
 
 
 def flash_reinforce_parallel_loss(

@@ -321,9 +321,14 @@ def chunked_vocab_parallel_log_probs(
     over the TP group (megatron's copy_to / gather_from regions do). chunk: tokens per chunk
     (default chunk_tokens(V / tp))."""
     log_probs, entropy, _ = chunked_vocab_parallel_scores(
-        hidden, weight, targets, group, temperature=temperature, with_entropy=with_entropy,
+        hidden,
+        weight,
+        targets,
+        group,
+        temperature=temperature,
+        with_entropy=with_entropy,
         chunk=chunk,
-    )  # fmt: skip
+    )
     return log_probs, entropy
 
 
@@ -353,8 +358,9 @@ def chunked_vocab_parallel_scores(
     if ids is not None:
         _check_targets(ids, (hidden.shape[0], ids.shape[-1]), vocab_size, "ids")
     chunk = chunk or chunk_tokens(weight.shape[0])
-    return _ChunkedLogProbs.apply(hidden, weight, targets, group, temperature, with_entropy,
-                                  chunk, ids)  # fmt: skip
+    return _ChunkedLogProbs.apply(
+        hidden, weight, targets, group, temperature, with_entropy, chunk, ids
+    )
 
 
 def loss_path_extra_memory(
