@@ -182,9 +182,9 @@ def direct_rows(args: argparse.Namespace, hf: Path, config: dict, size: int) -> 
     )
     for index, name in enumerate(LAYOUTS):
         report = args.work_dir / f"direct{index}.json"
-        command = [sys.executable, __file__, "--target-gb", str(args.target_gb), "--direct",
-                   name, "--hf-dir", str(hf), "--export-to", str(args.work_dir / f"export{index}"),
-                   "--report", str(report)]  # fmt: skip
+        command = [sys.executable, __file__, "--target-gb", str(args.target_gb), "--direct", name]
+        export_to = args.work_dir / f"export{index}"
+        command += ["--hf-dir", str(hf), "--export-to", str(export_to), "--report", str(report)]
         subprocess.run(["sync"], check=True)  # no earlier write-back in this layout's time
         copy_seconds, _ = timed(["cp", "-r", str(hf), str(args.work_dir / "hf_copy_again")])
         shutil.rmtree(args.work_dir / "hf_copy_again")
@@ -198,9 +198,11 @@ def direct_rows(args: argparse.Namespace, hf: Path, config: dict, size: int) -> 
             write_rate = row["bytes_written"] / row["export_seconds"] / 10**9
             load_rss = row["peak_rss_after_load"] - row["rss_before_model"]
             bound = load_rss / (row["shard_bytes"] + layer)
-            print(f"{name:20s} {rank:4d} {row['load_seconds']:7.2f} {rate:6.3f} "
-                  f"{rate / copy_rate:5.2f} {bound:17.2f} {row['export_seconds']:8.2f} "
-                  f"{write_rate:6.3f} {row['peak_rss'] / GIB:12.2f}")  # fmt: skip
+            print(
+                f"{name:20s} {rank:4d} {row['load_seconds']:7.2f} {rate:6.3f} "
+                f"{rate / copy_rate:5.2f} {bound:17.2f} {row['export_seconds']:8.2f} "
+                f"{write_rate:6.3f} {row['peak_rss'] / GIB:12.2f}"
+            )
         written = sum(row["bytes_written"] for row in per_rank)
         slowest = max(row["export_seconds"] for row in per_rank)
         print(

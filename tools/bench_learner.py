@@ -50,13 +50,23 @@ import sys
 import time
 
 QWEN3_VOCAB = 151_936
+TINY = dict(
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    vocab_size=4096,
+)
+"""The tiny shape's overrides: a two-layer MoE of Qwen3-30B-A3B's architecture."""
 SHAPES = {
     # name: (spec overrides of qwen3-30b-a3b, tokens, median trajectory length)
-    "tiny": (dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                  vocab_size=4096), 2048, 256),
+    "tiny": (TINY, 2048, 256),
     "slice": (dict(num_layers=8), 16384, 2048),
-}  # fmt: skip
+}
 
 
 def model_flops(spec, lengths: list[int]) -> float:
@@ -94,10 +104,10 @@ def trajectories(lengths: list[int], vocab: int, seed: int):
     for index, n in enumerate(lengths):
         prompt = max(1, n // 4)
         tokens = torch.randint(0, vocab, (n,), generator=generator).tolist()
+        mask = [False] * prompt + [True] * (n - prompt)
         behavior = [0.0] * prompt + [-math.log(vocab)] * (n - prompt)
-        batch.append(Trajectory(f"p{index}", tokens, [False] * prompt + [True] * (n - prompt),
-                                behavior, [-1] * prompt + [0] * (n - prompt),
-                                float(index % 2)))  # fmt: skip
+        versions = [-1] * prompt + [0] * (n - prompt)
+        batch.append(Trajectory(f"p{index}", tokens, mask, behavior, versions, float(index % 2)))
     return batch
 
 
@@ -160,9 +170,13 @@ def build(args, spec):
 
     initialize_single_process(ParallelConfig(), seed=0)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    config = LearnerConfig(params_dtype=dtype, micro_batch_tokens=args.tokens,
-                           recompute=args.recompute, lr=1e-6,
-                           flash_reinforce=FlashReinforceConfig(delta=math.inf))  # fmt: skip
+    config = LearnerConfig(
+        params_dtype=dtype,
+        micro_batch_tokens=args.tokens,
+        recompute=args.recompute,
+        lr=1e-6,
+        flash_reinforce=FlashReinforceConfig(delta=math.inf),
+    )
     return Learner(spec, ParallelConfig(), config, total_steps=1_000_000, spec_kind=args.spec)
 
 
@@ -186,16 +200,18 @@ def breakdown(learner, batch, repeats: int) -> dict[str, float]:
     targets = first.loss_batch.target_ids.to(device)
     scores = TargetScores(targets)
     hidden = final["hidden"].requires_grad_(True)
-    loss = {"args": (), "kwargs": dict(hidden_states=hidden,
-                                      output_layer=learner.module.output_layer)}  # fmt: skip
+    loss = {
+        "args": (),
+        "kwargs": dict(hidden_states=hidden, output_layer=learner.module.output_layer),
+    }
+    attention = forward_backward(hooks["attention"], captures["attention"][0])
+    experts = forward_backward(hooks["experts"], captures["experts"][0])
     parts = {
-        "attention": layers * timed(forward_backward(hooks["attention"], captures["attention"][0]),
-                                    device, repeats),
-        "experts with dispatch": layers * timed(
-            forward_backward(hooks["experts"], captures["experts"][0]), device, repeats),
+        "attention": layers * timed(attention, device, repeats),
+        "experts with dispatch": layers * timed(experts, device, repeats),
         "loss": timed(forward_backward(scores, loss), device, repeats),
         "optimizer": timed(learner.optimizer.step, device, repeats),
-    }  # fmt: skip
+    }
     learner.model.zero_grad_buffer()
     return parts
 
@@ -209,8 +225,10 @@ def loss_path_memory(hidden_size: int, tokens: int, device, dtype) -> float:
 
     generator = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device=device, dtype=dtype, generator=generator)
-    weight = torch.randn(QWEN3_VOCAB, hidden_size, device=device, dtype=dtype,
-                         generator=generator) * hidden_size**-0.5  # fmt: skip
+    weight = (
+        torch.randn(QWEN3_VOCAB, hidden_size, device=device, dtype=dtype, generator=generator)
+        * hidden_size**-0.5
+    )
     targets = torch.randint(0, QWEN3_VOCAB, (tokens,), device=device, generator=generator)
     return loss_path_extra_memory(hidden, weight, targets)
 
@@ -231,9 +249,9 @@ def run(args) -> list[tuple[str, str]]:
 
     overrides, tokens, median = SHAPES[args.shape]
     args.tokens = args.tokens or tokens
-    spec = load_hf_config("qwen3-30b-a3b")
-    spec = dataclasses.replace(spec, **{**overrides, **({"num_layers": args.layers}
-                                                        if args.layers else {})})  # fmt: skip
+    if args.layers:
+        overrides = {**overrides, "num_layers": args.layers}
+    spec = dataclasses.replace(load_hf_config("qwen3-30b-a3b"), **overrides)
     lengths = packed_lengths(args.tokens, median, args.seed)
     batch = trajectories(lengths, spec.vocab_size, args.seed)
     learner = build(args, spec)
@@ -248,26 +266,34 @@ def run(args) -> list[tuple[str, str]]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ratio = loss_path_memory(spec.hidden_size, args.tokens, device, dtype)
     rows = [
-        ("shape", f"{args.shape}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
-                  f"{spec.num_experts} experts top-{spec.num_experts_per_tok}, vocab "
-                  f"{spec.vocab_size}; {args.tokens} tokens in {len(lengths)} trajectories"),
-        ("spec", f"{learner.layer_spec} on {device.type} ({dtype}), recompute "
-                 f"{args.recompute}"),
+        (
+            "shape",
+            f"{args.shape}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+            f"{spec.num_experts} experts top-{spec.num_experts_per_tok}, vocab "
+            f"{spec.vocab_size}; {args.tokens} tokens in {len(lengths)} trajectories",
+        ),
+        ("spec", f"{learner.layer_spec} on {device.type} ({dtype}), recompute {args.recompute}"),
         ("step", f"{step:.3f} s"),
         ("tokens/s", f"{args.tokens / step:,.0f}"),
         ("model TFLOP/s", f"{model_flops(spec, lengths) / step / 1e12:.2f}"),
         (peak_name, f"{peak:.2f} GiB"),
-    ]  # fmt: skip
-    rows += [(f"time: {name}", f"{seconds:.3f} s ({seconds / step:.0%})")
-             for name, seconds in parts.items()]  # fmt: skip
+    ]
+    rows += [
+        (f"time: {name}", f"{seconds:.3f} s ({seconds / step:.0%})")
+        for name, seconds in parts.items()
+    ]
     rows.append(("loss path peak extra memory", f"{ratio:.3f} x full fp32 logits"))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", choices=("te", "torch", "local"), default=None,
-                        help="model.spec (default: the machine's, models/gpt.py)")  # fmt: skip
+    parser.add_argument(
+        "--spec",
+        choices=("te", "torch", "local"),
+        default=None,
+        help="model.spec (default: the machine's, models/gpt.py)",
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--layers", type=int, help="layers (default: the shape's)")
     parser.add_argument("--tokens", type=int, help="tokens per step (default: the shape's)")

@@ -28,8 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma of lengths")
     parser.add_argument("--max-length", type=int, default=18432, help="context limit (tokens)")
     parser.add_argument("--min-length", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=20480,
-                        help="micro-batch tokens (LearnerConfig.micro_batch_tokens)")  # fmt: skip
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=20480,
+        help="micro-batch tokens (LearnerConfig.micro_batch_tokens)",
+    )
     parser.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -62,26 +66,36 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lengths = lognormal_lengths(args)
     layout = dict(
-        dp_size=args.dp, micro_batch_tokens=args.budget, cp_size=args.cp,
+        dp_size=args.dp,
+        micro_batch_tokens=args.budget,
+        cp_size=args.cp,
         sequence_parallel_size=args.tp if args.sequence_parallel else 1,
-    )  # fmt: skip
+    )
     result = {
-        "lengths": {"min": min(lengths), "median": sorted(lengths)[len(lengths) // 2],
-                    "max": max(lengths), "mean": round(sum(lengths) / len(lengths), 1)},
+        "lengths": {
+            "min": min(lengths),
+            "median": sorted(lengths)[len(lengths) // 2],
+            "max": max(lengths),
+            "mean": round(sum(lengths) / len(lengths), 1),
+        },
         "padded": describe(plan_micro_batches(lengths, pack=False, **layout)),
         "packed": describe(plan_micro_batches(lengths, pack=True, **layout)),
-    }  # fmt: skip
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.trajectories} trajectories, lengths {result['lengths']}, DP {args.dp}, "
-          f"CP {args.cp}, budget {args.budget}")  # fmt: skip
+    print(
+        f"{args.trajectories} trajectories, lengths {result['lengths']}, DP {args.dp}, "
+        f"CP {args.cp}, budget {args.budget}"
+    )
     print(f"{'layout':8} {'micro/rank':>10} {'rows x width':>13} {'slots':>10} {'padding':>8}")
     for name in ("padded", "packed"):
         r = result[name]
         shape = f"{r['rows']} x {r['width']}"
-        print(f"{name:8} {r['micro_batches_per_rank']:>10} {shape:>13} {r['token_slots']:>10} "
-              f"{r['padding_fraction']:>8.1%}")  # fmt: skip
+        print(
+            f"{name:8} {r['micro_batches_per_rank']:>10} {shape:>13} {r['token_slots']:>10} "
+            f"{r['padding_fraction']:>8.1%}"
+        )
     return 0
 
 

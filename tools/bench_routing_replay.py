@@ -62,19 +62,25 @@ def rollouts(engine, task, problems, seed: int) -> list[Trajectory]:
 
     batch, experts = [], engine.model.config.num_experts
     for index, problem in enumerate(problems):
-        sampling = Sampling(temperature=1.0, max_new_tokens=task.max_new_tokens,
-                            stop_token_ids=list(task.stop_token_ids),
-                            sampling_seed=seed * 100_003 + index)  # fmt: skip
+        sampling = Sampling(
+            temperature=1.0,
+            max_new_tokens=task.max_new_tokens,
+            stop_token_ids=list(task.stop_token_ids),
+            sampling_seed=seed * 100_003 + index,
+        )
         out = engine.generate(problem.prompt_ids, sampling, f"r{index}", routed_experts_start=0)
         prompt = len(problem.prompt_ids)
-        batch.append(Trajectory(
-            prompt_id=f"{problem.id}#{seed}", token_ids=problem.prompt_ids + out.output_ids,
-            action_mask=[False] * prompt + [True] * len(out.output_ids),
-            behavior_log_probs=[0.0] * prompt + out.logprobs,
-            token_versions=[NON_POLICY_VERSION] * prompt + [0] * len(out.output_ids),
-            reward=task.reward(problem, out.output_ids),
-            routed_experts=RoutedExperts.compact(out.routed_experts.numpy(), experts),
-        ))  # fmt: skip
+        batch.append(
+            Trajectory(
+                prompt_id=f"{problem.id}#{seed}",
+                token_ids=problem.prompt_ids + out.output_ids,
+                action_mask=[False] * prompt + [True] * len(out.output_ids),
+                behavior_log_probs=[0.0] * prompt + out.logprobs,
+                token_versions=[NON_POLICY_VERSION] * prompt + [0] * len(out.output_ids),
+                reward=task.reward(problem, out.output_ids),
+                routed_experts=RoutedExperts.compact(out.routed_experts.numpy(), experts),
+            )
+        )
     return batch
 
 
@@ -116,16 +122,21 @@ def mismatch(batch: list[Trajectory], scored: list[list[float]]) -> dict[str, fl
 
     d_all, k3_all, sequence = [], [], []
     for t, pi in zip(batch, scored, strict=True):
-        mu = torch.tensor([lp for lp, m in zip(t.behavior_log_probs, t.action_mask, strict=True)
-                           if m], dtype=torch.float64)  # fmt: skip
+        mu = torch.tensor(
+            [lp for lp, m in zip(t.behavior_log_probs, t.action_mask, strict=True) if m],
+            dtype=torch.float64,
+        )
         pi = torch.tensor(pi, dtype=torch.float64)
         d = bernoulli_kl(mu, pi)
         d_all.append(d)
         k3_all.append((pi - mu).exp() - 1 - (pi - mu))
         sequence.append(max(0.0, d.mean().item()))
     d_all, k3_all, sequence = torch.cat(d_all), torch.cat(k3_all), torch.tensor(sequence)
-    row = {"kl_tok": d_all.mean().item(), "k3": k3_all.mean().item(),
-           "D_mean": sequence.mean().item()}  # fmt: skip
+    row = {
+        "kl_tok": d_all.mean().item(),
+        "k3": k3_all.mean().item(),
+        "D_mean": sequence.mean().item(),
+    }
     for delta in DELTAS:
         row[f"acc@{delta:g}"] = (sequence <= delta).double().mean().item()
     return row
@@ -135,8 +146,9 @@ def measure(learner, record: RouterRecord, batch, pad_id: int, lag: int) -> list
     rows = []
     for replay in (False, True):
         scored = learner.policy_log_probs(batch, pad_id, routing_replay=replay)
-        rows.append({"lag": lag, "replay": replay, "flips": record.flips(batch),
-                     **mismatch(batch, scored)})  # fmt: skip
+        rows.append(
+            {"lag": lag, "replay": replay, "flips": record.flips(batch), **mismatch(batch, scored)}
+        )
     return rows
 
 
@@ -152,17 +164,24 @@ def run(args: argparse.Namespace) -> list[dict]:
     engine = CpuEngine(hf_dir, torch.bfloat16)
     problems = task.problems("train", args.batch * (1 + args.lag), seed=args.seed)
     chunks = [problems[k * args.batch : (k + 1) * args.batch] for k in range(1 + args.lag)]
-    batches = [rollouts(engine, task, chunk, args.seed + k)
-               for k, chunk in enumerate(tqdm(chunks, desc="rollouts (bf16 engine)"))]  # fmt: skip
+    batches = [
+        rollouts(engine, task, chunk, args.seed + k)
+        for k, chunk in enumerate(tqdm(chunks, desc="rollouts (bf16 engine)"))
+    ]
     del engine
     state.initialize_single_process(ParallelConfig(), seed=args.seed)
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     widest = max(t.length - 1 for batch in batches for t in batch)
-    config = LearnerConfig(params_dtype="float32", lr=args.lr, routing_replay=True,
-                           micro_batch_tokens=args.batch * widest,  # one micro-batch per batch
-                           flash_reinforce=FlashReinforceConfig(delta=DELTAS[0]))  # fmt: skip
-    learner = Learner(spec, ParallelConfig(), config, total_steps=max(args.lag, 1),
-                      init_hf_dir=str(hf_dir))  # fmt: skip
+    config = LearnerConfig(
+        params_dtype="float32",
+        lr=args.lr,
+        routing_replay=True,
+        micro_batch_tokens=args.batch * widest,  # one micro-batch per batch
+        flash_reinforce=FlashReinforceConfig(delta=DELTAS[0]),
+    )
+    learner = Learner(
+        spec, ParallelConfig(), config, total_steps=max(args.lag, 1), init_hf_dir=str(hf_dir)
+    )
     record = RouterRecord(learner.module)
     rows = measure(learner, record, batches[0], task.pad_id, lag=0)
     for batch in tqdm(batches[1:], desc="learner steps (replay on)"):
@@ -195,8 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=5e-4, help="learner lr (the demo's)")
     parser.add_argument("--seed", type=int, default=0, help="problems and sampling seed")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/bench_routing_replay"),
-                        help="where the warm-started model is kept")  # fmt: skip
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path("runs/bench_routing_replay"),
+        help="where the warm-started model is kept",
+    )
     args = parser.parse_args(argv)
     from megatron_fr.parallel.cpu_shims import install_cpu_shims
 

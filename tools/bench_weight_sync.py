@@ -108,8 +108,16 @@ def send_over_wire(model, plan, spec, wire_gbps: float, overlap: bool) -> float:
     return time.monotonic() - started
 
 
-def bench_on_rank(rank: int, world_size: int, config: dict, tp: int, ep: int,
-                  bucket_bytes: int, repeats: int, wire_gbps: float) -> dict:  # fmt: skip
+def bench_on_rank(
+    rank: int,
+    world_size: int,
+    config: dict,
+    tp: int,
+    ep: int,
+    bucket_bytes: int,
+    repeats: int,
+    wire_gbps: float,
+) -> dict:
     from megatron_fr.config import ParallelConfig
     from megatron_fr.models.gpt import build_gpt_model
     from megatron_fr.models.hf_config import load_hf_config
@@ -126,10 +134,13 @@ def bench_on_rank(rank: int, world_size: int, config: dict, tp: int, ep: int,
     started = time.monotonic()
     plan = build_plan(model, spec, bucket_bytes)
     result = dict(
-        plan_s=time.monotonic() - started, received=received_bytes(plan, model),
+        plan_s=time.monotonic() - started,
+        received=received_bytes(plan, model),
         bucket_bytes=[b.nbytes for b in plan.buckets],
-        largest_tensor_bytes=plan.largest_tensor_bytes, reshard_s=float("inf"), walks_s=[],
-    )  # fmt: skip
+        largest_tensor_bytes=plan.largest_tensor_bytes,
+        reshard_s=float("inf"),
+        walks_s=[],
+    )
     for _ in range(repeats):
         with PeakMemory() as peak:
             seconds, per_bucket = walk(model, plan, spec)
@@ -193,12 +204,16 @@ def bench_broadcast(config: dict, bucket_bytes: int, receivers: int) -> dict:
     from megatron_fr.weights.transports.distributed import dtype_name, flatten_bucket
 
     buckets = hf_buckets(config, bucket_bytes)
-    plan = [([n for n, _ in b], [dtype_name(t) for _, t in b], [list(t.shape) for _, t in b])
-            for b in buckets]  # fmt: skip
+    plan = [
+        ([n for n, _ in b], [dtype_name(t) for _, t in b], [list(t.shape) for _, t in b])
+        for b in buckets
+    ]
     ctx, port, world = mp.get_context("spawn"), free_port(), receivers + 1
     results = ctx.Queue()
-    procs = [ctx.Process(target=receive_all, args=(r, world, port, plan, results))
-             for r in range(receivers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=receive_all, args=(r, world, port, plan, results))
+        for r in range(receivers)
+    ]
     for proc in procs:
         proc.start()
     group = create_weight_update_group("127.0.0.1", port, world, "bench", "gloo", 600)
@@ -219,17 +234,26 @@ def bench_broadcast(config: dict, bucket_bytes: int, receivers: int) -> dict:
     group.destroy()
     total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
     tensors = sum(len(b) for b in buckets)
-    return dict(bytes=total, buckets=len(buckets), tensors=tensors, receivers=receivers,
-                **{f"{mode}_s": value for mode, value in seconds.items()})  # fmt: skip
+    return dict(
+        bytes=total,
+        buckets=len(buckets),
+        tensors=tensors,
+        receivers=receivers,
+        **{f"{mode}_s": value for mode, value in seconds.items()},
+    )
 
 
 def report_broadcast(r: dict, out: Path) -> None:
-    print(f"{r['bytes'] / 1e9:.3f} GB in {r['buckets']} buckets ({r['tensors']} tensors) to "
-          f"{r['receivers']} receivers (SGLang's receive code), gloo")  # fmt: skip
+    print(
+        f"{r['bytes'] / 1e9:.3f} GB in {r['buckets']} buckets ({r['tensors']} tensors) to "
+        f"{r['receivers']} receivers (SGLang's receive code), gloo"
+    )
     for mode in ("flattened", "per_tensor"):
         seconds = r[f"{mode}_s"]
-        print(f"{mode + ':':12s} {seconds:.2f} s ({r['bytes'] / seconds / 1e9:.2f} GB/s, "
-              f"{seconds / r['buckets'] * 1e3:.0f} ms per bucket)")  # fmt: skip
+        print(
+            f"{mode + ':':12s} {seconds:.2f} s ({r['bytes'] / seconds / 1e9:.2f} GB/s, "
+            f"{seconds / r['buckets'] * 1e3:.0f} ms per bucket)"
+        )
     print(f"ratio per-tensor / flattened: {r['per_tensor_s'] / r['flattened_s']:.1f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(r, indent=2))
@@ -238,21 +262,28 @@ def report_broadcast(r: dict, out: Path) -> None:
 def report(r: dict, title: str, bucket_bytes: int, wire_gbps: float) -> None:
     total, buckets = sum(r["bucket_bytes"]), len(r["bucket_bytes"])
     print(title)
-    print(f"HF bytes produced:     {total / 1e9:.3f} GB in {buckets} buckets; the sender "
-          f"received {sum(r['received']) / 1e9:.3f} GB of them from its peers")  # fmt: skip
+    print(
+        f"HF bytes produced:     {total / 1e9:.3f} GB in {buckets} buckets; the sender "
+        f"received {sum(r['received']) / 1e9:.3f} GB of them from its peers"
+    )
     print(f"plan (once per run):   {r['plan_s']:.2f} s")
     for what, seconds in (("reshard + bucket", r["reshard_s"]), ("memcpy", r["memcpy_s"])):
         print(f"{what + ':':22s} {seconds:.2f} s ({total / seconds / 1e9:.2f} GB/s)")
-    print(f"reshard / memcpy bandwidth: {r['memcpy_s'] / r['reshard_s']:.2f} (walks: "
-          f"{', '.join(f'{s:.2f}' for s in r['walks_s'])} s)")  # fmt: skip
+    print(
+        f"reshard / memcpy bandwidth: {r['memcpy_s'] / r['reshard_s']:.2f} (walks: "
+        f"{', '.join(f'{s:.2f}' for s in r['walks_s'])} s)"
+    )
     for k, (seconds, size, got) in enumerate(
         zip(r["per_bucket_s"], r["bucket_bytes"], r["received"], strict=True)
     ):
-        print(f"  bucket {k}: {size / 1e6:7.1f} MB ({got / 1e6:6.1f} MB received) in "
-              f"{seconds:.3f} s")  # fmt: skip
+        print(
+            f"  bucket {k}: {size / 1e6:7.1f} MB ({got / 1e6:6.1f} MB received) in {seconds:.3f} s"
+        )
     bound, peak = bucket_bytes + r["largest_tensor_bytes"], r["peak_extra_bytes"]
-    print(f"peak extra memory:     {peak / 2**20:.0f} MiB vs bucket + largest tensor "
-          f"{bound / 2**20:.0f} MiB (ratio {peak / bound:.2f})")  # fmt: skip
+    print(
+        f"peak extra memory:     {peak / 2**20:.0f} MiB vs bucket + largest tensor "
+        f"{bound / 2**20:.0f} MiB (ratio {peak / bound:.2f})"
+    )
     if not wire_gbps:
         return
     wire_s = total * 8 / (wire_gbps * 1e9)
@@ -260,36 +291,48 @@ def report(r: dict, title: str, bucket_bytes: int, wire_gbps: float) -> None:
     bound = 2 * bucket_bytes + r["largest_tensor_bytes"]
     for overlap, name in ((False, "one after the other"), (True, "overlapped")):
         w = r[f"wire_overlap_{overlap}"]
-        print(f"  {name + ':':20s} {w['seconds']:.2f} s, peak extra "
-              f"{w['peak_extra_bytes'] / 2**20:.0f} MiB")  # fmt: skip
+        print(
+            f"  {name + ':':20s} {w['seconds']:.2f} s, peak extra "
+            f"{w['peak_extra_bytes'] / 2**20:.0f} MiB"
+        )
     peak = r["wire_overlap_True"]["peak_extra_bytes"]
-    print(f"  sum / max of reshard and wire: {r['reshard_s'] + wire_s:.2f} s / "
-          f"{max(r['reshard_s'], wire_s):.2f} s; overlapped peak vs 2 x bucket + largest "
-          f"{bound / 2**20:.0f} MiB: ratio {peak / bound:.2f}")  # fmt: skip
+    print(
+        f"  sum / max of reshard and wire: {r['reshard_s'] + wire_s:.2f} s / "
+        f"{max(r['reshard_s'], wire_s):.2f} s; overlapped peak vs 2 x bucket + largest "
+        f"{bound / 2**20:.0f} MiB: ratio {peak / bound:.2f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
-    )  # fmt: skip
+    )
     parser.add_argument("--target-gb", type=float, default=1.0)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1, choices=(1, 2), help="tensor parallel")
     parser.add_argument("--ep", type=int, default=2, choices=(1, 2), help="expert parallel")
     parser.add_argument("--repeats", type=int, default=3, help="walks (and copies); the best")
-    parser.add_argument("--wire-gbps", type=float, default=0.0,
-                        help="also the bucket loop with a wire of this many Gb/s")  # fmt: skip
+    parser.add_argument(
+        "--wire-gbps",
+        type=float,
+        default=0.0,
+        help="also the bucket loop with a wire of this many Gb/s",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench_out" / "bench_weight_sync.json")
     parser.add_argument(
-        "--receivers", type=int, default=0,
+        "--receivers",
+        type=int,
+        default=0,
         help="instead: broadcast the buckets to this many SGLang-code receivers (GB/s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--project", action="store_true",
+        "--project",
+        action="store_true",
         help="instead: project Qwen3-30B-A3B's sync time from --out (its own options, e.g. "
         "--gather-gbps, --bucket-overhead-ms: tools/weight_sync_projection.py --help)",
-    )  # fmt: skip
+    )
     args, rest = parser.parse_known_args()
     if args.project:
         from weight_sync_projection import main as project
@@ -310,12 +353,22 @@ def main() -> None:
     if world < 2:
         parser.error("--tp x --ep must be at least 2 (one stage sender and a peer)")
     results = run_on_ranks(
-        bench_on_rank, world, config, args.tp, args.ep, bucket_bytes, args.repeats,
-        args.wire_gbps, timeout_s=1800, threads_per_rank=1,
-    )  # fmt: skip
+        bench_on_rank,
+        world,
+        config,
+        args.tp,
+        args.ep,
+        bucket_bytes,
+        args.repeats,
+        args.wire_gbps,
+        timeout_s=1800,
+        threads_per_rank=1,
+    )
     r, layout = results[0], f"TP{args.tp}xEP{args.ep}"
-    title = (f"{config['num_hidden_layers']}-layer qwen3_moe at {layout}, bf16, {world} ranks "
-             f"x 1 thread, best of {args.repeats}")  # fmt: skip
+    title = (
+        f"{config['num_hidden_layers']}-layer qwen3_moe at {layout}, bf16, {world} ranks "
+        f"x 1 thread, best of {args.repeats}"
+    )
     report(r, title, bucket_bytes, args.wire_gbps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"layout": layout, "tp": args.tp, "ep": args.ep, "bucket_mib": args.bucket_mib, **r}

@@ -28,12 +28,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_VERSION = "3.12"
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + [
-    "manylinux2014_x86_64", "linux_x86_64", "any",
-]  # fmt: skip
+    "manylinux2014_x86_64",
+    "linux_x86_64",
+    "any",
+]
 PIP = "pip>=25"
 OK, INCONSISTENT, OFFLINE = 0, 1, 3
-OFFLINE_SIGNS = ("Could not fetch URL", "NewConnectionError", "Failed to establish",
-                 "No matching distribution found for pip")  # fmt: skip
+OFFLINE_SIGNS = (
+    "Could not fetch URL",
+    "NewConnectionError",
+    "Failed to establish",
+    "No matching distribution found for pip",
+)
 
 
 class IndexUnreachable(RuntimeError):
@@ -45,14 +51,15 @@ def resolve(requirements: Path, workdir: Path) -> dict[str, dict]:
     env = workdir / "venv"
     venv.EnvBuilder(with_pip=True).create(env)
     python = str(env / "bin" / "python")
-    upgrade = subprocess.run([python, "-m", "pip", "install", "-q", "-U", PIP],
-                             capture_output=True, text=True)  # fmt: skip
+    upgrade = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-U", PIP], capture_output=True, text=True
+    )
     if upgrade.returncode:
         raise IndexUnreachable(upgrade.stderr.strip()[-500:])
     report = workdir / "report.json"
-    command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--report", str(report), "--python-version", PYTHON_VERSION, "--implementation",
-               "cp", "--only-binary=:all:", "-r", str(requirements)]  # fmt: skip
+    command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+    command += ["--report", str(report), "--python-version", PYTHON_VERSION]
+    command += ["--implementation", "cp", "--only-binary=:all:", "-r", str(requirements)]
     for platform in PLATFORMS:
         command += ["--platform", platform]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -114,10 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     problems = inconsistencies(resolved, pinned(args.requirements))
     for problem in problems:
         print(f"check_gpu_requirements: {problem}", file=sys.stderr)
-    shown = ("torch", "sglang", "transformers", "megatron-core", "nvidia-nccl-cu13",
-             "nvidia-cuda-runtime", "flashinfer-python", "sglang-kernel")  # fmt: skip
-    print(f"{len(versions)} packages resolve together for CPython {PYTHON_VERSION} on "
-          f"manylinux x86_64: " + ", ".join(f"{n} {versions.get(n)}" for n in shown))  # fmt: skip
+    shown = (
+        "torch",
+        "sglang",
+        "transformers",
+        "megatron-core",
+        "nvidia-nccl-cu13",
+        "nvidia-cuda-runtime",
+        "flashinfer-python",
+        "sglang-kernel",
+    )
+    print(
+        f"{len(versions)} packages resolve together for CPython {PYTHON_VERSION} on "
+        f"manylinux x86_64: " + ", ".join(f"{n} {versions.get(n)}" for n in shown)
+    )
     return INCONSISTENT if problems else OK
 
 

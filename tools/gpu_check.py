@@ -26,29 +26,47 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SKIPPED, FAILED = 4, 1
 PARTS = (
-    "megatron_fr.models.gpt", "megatron_fr.models.torch_spec", "megatron_fr.convert.checkpoint",
-    "megatron_fr.parallel.state", "megatron_fr.parallel.vocab_parallel", "megatron_fr.weights.sync",
-    "megatron_fr.engine.launcher", "megatron_fr.engine.protocol", "megatron_fr.utils.gpu_telemetry",
+    "megatron_fr.models.gpt",
+    "megatron_fr.models.torch_spec",
+    "megatron_fr.convert.checkpoint",
+    "megatron_fr.parallel.state",
+    "megatron_fr.parallel.vocab_parallel",
+    "megatron_fr.weights.sync",
+    "megatron_fr.engine.launcher",
+    "megatron_fr.engine.protocol",
+    "megatron_fr.utils.gpu_telemetry",
     "megatron_fr.demo.tiny_models",
-)  # fmt: skip
+)
 STEPS = {
     "single": [
-        ("parity", "tiny Qwen3-MoE learner on CUDA in bf16, every layer spec this machine has "
-                   "(te with transformer-engine, torch, local): log-probs vs transformers on "
-                   "the same GPU, and a packed row of two sequences vs each alone"),
-        ("bench", "tools/bench_learner.py: the local and the torch spec on a 4-layer "
-                  "Qwen3-30B-A3B slice at 4,096 tokens (their TFLOP/s ratio), then the torch "
-                  "spec on the 8-layer slice at 16,384 packed tokens (128 experts, top-8): "
-                  "tokens/s, model TFLOP/s, peak memory, where the time goes, loss path memory"),
-        ("train", "3 steps of `megatron-fr train` (1 rank on this GPU, the CPU engine on the "
-                  "host, disk weight update in SGLang's loader layout)"),
+        (
+            "parity",
+            "tiny Qwen3-MoE learner on CUDA in bf16, every layer spec this machine has "
+            "(te with transformer-engine, torch, local): log-probs vs transformers on "
+            "the same GPU, and a packed row of two sequences vs each alone",
+        ),
+        (
+            "bench",
+            "tools/bench_learner.py: the local and the torch spec on a 4-layer "
+            "Qwen3-30B-A3B slice at 4,096 tokens (their TFLOP/s ratio), then the torch "
+            "spec on the 8-layer slice at 16,384 packed tokens (128 experts, top-8): "
+            "tokens/s, model TFLOP/s, peak memory, where the time goes, loss path memory",
+        ),
+        (
+            "train",
+            "3 steps of `megatron-fr train` (1 rank on this GPU, the CPU engine on the "
+            "host, disk weight update in SGLang's loader layout)",
+        ),
     ],
     "cluster": [
         ("parity", "the same parity check, now with transformer-engine's layer spec"),
-        ("sglang", "a real SGLang server on the tiny model (GPU 1), NCCL weight update from "
-                   "the learner (GPU 0): engine log-probs vs learner's, GB/s per bucket"),
+        (
+            "sglang",
+            "a real SGLang server on the tiny model (GPU 1), NCCL weight update from "
+            "the learner (GPU 0): engine log-probs vs learner's, GB/s per bucket",
+        ),
     ],
-}  # fmt: skip
+}
 
 
 def figure(name: str, value: object) -> None:
@@ -123,8 +141,9 @@ def megatron_learner(hf_dir: Path, megatron_dir: Path, spec_kind: str | None = N
     if not megatron_dir.exists():
         hf_to_megatron_checkpoint(hf_dir, megatron_dir, progress=False)
     spec = load_hf_config(hf_dir)
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.bfloat16, initialize=False,
-                            spec_kind=spec_kind)  # fmt: skip
+    model = build_gpt_model(
+        spec, ParallelConfig(), params_dtype=torch.bfloat16, initialize=False, spec_kind=spec_kind
+    )
     load_megatron_checkpoint(model, megatron_dir)
     return spec, model.eval()
 
@@ -137,8 +156,13 @@ def learner_log_probs(model, tokens, prompt_len: int, packed_seq_params=None, po
     if positions is None:
         positions = torch.arange(len(tokens), device="cuda").unsqueeze(0)
     with torch.no_grad():
-        logits = model(ids, positions, attention_mask=None, runtime_gather_output=True,
-                       packed_seq_params=packed_seq_params)  # fmt: skip
+        logits = model(
+            ids,
+            positions,
+            attention_mask=None,
+            runtime_gather_output=True,
+            packed_seq_params=packed_seq_params,
+        )
     log_probs = torch.log_softmax(logits[0].float(), dim=-1)
     targets = torch.tensor(tokens[prompt_len:], device="cuda")
     return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
@@ -152,9 +176,15 @@ def packed_row_difference(model, first: list[int], second: list[int]) -> float:
 
     n, m = len(first), len(second)
     cu = torch.tensor([0, n, n + m], dtype=torch.int32, device="cuda")
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                             max_seqlen_q=max(n, m), max_seqlen_kv=max(n, m))  # fmt: skip
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max(n, m),
+        max_seqlen_kv=max(n, m),
+    )
     positions = torch.cat([torch.arange(n), torch.arange(m)]).to("cuda")[None]
     together = learner_log_probs(model, first + second, 1, params, positions)
     alone = torch.cat([learner_log_probs(model, first, 1), learner_log_probs(model, second, 1)])
@@ -204,8 +234,8 @@ def bench(args: argparse.Namespace) -> int:
     """tools/bench_learner.py on the Qwen3-30B-A3B slice, a fresh process per run."""
     tflops = {}
     for label, extra in BENCH_RUNS:
-        command = [sys.executable, str(REPO / "tools" / "bench_learner.py"), "--shape", "slice",
-                   *extra]  # fmt: skip
+        bench_learner = str(REPO / "tools" / "bench_learner.py")
+        command = [sys.executable, bench_learner, "--shape", "slice", *extra]
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         print(f"  [{label}]")
         for line in result.stdout.splitlines():
@@ -216,8 +246,10 @@ def bench(args: argparse.Namespace) -> int:
             print(f"FAILED: {label}: exit {result.returncode}\n{result.stderr[-3000:]}")
             return FAILED
     local, mine, slice_ = (tflops[label] for label, _ in BENCH_RUNS)
-    figure("model TFLOP/s torch / local spec (4 layers, 4,096 tokens)",
-           f"{mine:.1f} / {local:.1f} = {mine / local:.1f} x")  # fmt: skip
+    figure(
+        "model TFLOP/s torch / local spec (4 layers, 4,096 tokens)",
+        f"{mine:.1f} / {local:.1f} = {mine / local:.1f} x",
+    )
     figure("model TFLOP/s torch spec (8 layers, 16,384 tokens)", f"{slice_:.1f}")
     return 0
 
@@ -228,27 +260,32 @@ def train(args: argparse.Namespace) -> int:
 
     run_dir, recipe = args.out / "train_run", str(REPO / "examples" / "cpu_demo.yaml")
     hf_dir = str(args.out / "demo_model")
-    quick = [f"model.hf_dir={hf_dir}", "learner_ranks=1", "parallel.expert=1",
-             "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
-             "buffer.max_in_flight=32", "learner.params_dtype=bfloat16"]  # fmt: skip
+    quick = [
+        f"model.hf_dir={hf_dir}",
+        "learner_ranks=1",
+        "parallel.expert=1",
+        "eval.every_steps=0",
+        "buffer.batch_size=16",
+        "buffer.capacity=64",
+        "buffer.max_in_flight=32",
+        "learner.params_dtype=bfloat16",
+    ]
     command = [sys.executable, "-m", "megatron_fr"]
-    subprocess.run([*command, "demo", "prepare", recipe, f"model.hf_dir={hf_dir}",
-                    "demo.warm_start.steps=60", "demo.warm_start.batch_size=32"],
-                   capture_output=True, text=True, check=True)  # fmt: skip
+    prepare = [*command, "demo", "prepare", recipe, f"model.hf_dir={hf_dir}"]
+    warm_start = ["demo.warm_start.steps=60", "demo.warm_start.batch_size=32"]
+    subprocess.run([*prepare, *warm_start], capture_output=True, text=True, check=True)
     port = free_port()
     with open(args.out / "cpu_engine.log", "w") as log:
-        engine = subprocess.Popen([sys.executable, "-m", "megatron_fr.engine.cpu_server",
-                                   "--model-path", hf_dir, "--port", str(port), "--threads", "4"],
-                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        serve = [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", hf_dir]
+        serve += ["--port", str(port), "--threads", "4"]
+        engine = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:
         started = time.monotonic()
         urls = json.dumps([f"http://127.0.0.1:{port}"])
-        result = subprocess.run(
-            [*command, "train", recipe, "--run-dir", str(run_dir), *quick, "steps=3",
-             f"rollout.engine.urls={urls}", "weights.transport=disk",
-             f"weights.directory={args.out / 'weights'}", "weights.spot_check=0"],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        run = [*command, "train", recipe, "--run-dir", str(run_dir), *quick, "steps=3"]
+        run += [f"rollout.engine.urls={urls}", "weights.transport=disk"]
+        run += [f"weights.directory={args.out / 'weights'}", "weights.spot_check=0"]
+        result = subprocess.run(run, capture_output=True, text=True, timeout=600)
     finally:
         engine.kill()
         engine.wait()
@@ -281,9 +318,13 @@ def sglang(args: argparse.Namespace) -> int:
     served = tiny_checkpoint(args.out / "tiny_hf", seed=0)
     learner_hf = tiny_checkpoint(args.out / "tiny_hf_learner", seed=1)
     launch = ServerLaunchConfig(
-        model_path=str(served), port=args.port, engine="sglang", gpu_ids=(1,),
-        mem_fraction_static=0.5, log_dir=args.out,
-    )  # fmt: skip
+        model_path=str(served),
+        port=args.port,
+        engine="sglang",
+        gpu_ids=(1,),
+        mem_fraction_static=0.5,
+        log_dir=args.out,
+    )
     server = launch_server(launch)
     try:
         server.wait_healthy(deadline_s=600)
@@ -292,8 +333,12 @@ def sglang(args: argparse.Namespace) -> int:
 
         def max_diff() -> float:
             sampling = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
-            body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": -1,
-                    "sampling_params": sampling}  # fmt: skip
+            body = {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "logprob_start_len": -1,
+                "sampling_params": sampling,
+            }
             answer = post_json(server.url, "/generate", body, 120)
             engine = torch.tensor([e[0] for e in answer["meta_info"]["output_token_logprobs"]])
             mine = learner_log_probs(model, prompt + answer["output_ids"], len(prompt)).cpu()
@@ -303,10 +348,13 @@ def sglang(args: argparse.Namespace) -> int:
         after = 0.0
         for version, bucket_format in enumerate(("tensors", "flattened"), start=1):
             config = WeightSyncConfig(
-                master_address="127.0.0.1", master_port=args.port + 50 + 10 * version,
-                backend="nccl", bucket_mib=args.bucket_mib, bucket_format=bucket_format,
+                master_address="127.0.0.1",
+                master_port=args.port + 50 + 10 * version,
+                backend="nccl",
+                bucket_mib=args.bucket_mib,
+                bucket_format=bucket_format,
                 timeout_s=300,
-            )  # fmt: skip
+            )
             sync = WeightSync.from_config(config, [Engine(server.url)], spec)
             sync.connect()
             timings = _time_buckets(sync)
@@ -315,8 +363,10 @@ def sglang(args: argparse.Namespace) -> int:
             diff = max_diff()
             after = max(after, diff)
             figure("engines", sync.engines)
-            figure(f"sync ({bucket_format})", f"{report.bytes / 1e6:.1f} MB in "
-                   f"{report.buckets} buckets, {report.seconds:.2f} s")  # fmt: skip
+            figure(
+                f"sync ({bucket_format})",
+                f"{report.bytes / 1e6:.1f} MB in {report.buckets} buckets, {report.seconds:.2f} s",
+            )
             for index, (nbytes, seconds) in enumerate(timings):
                 figure(
                     f"  bucket {index} GB/s",
@@ -358,12 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
     probe_parser = sub.add_parser("probe", help="can this tier run here?")
     probe_parser.add_argument("tier", choices=sorted(STEPS))
     probe_parser.set_defaults(run=probe)
-    for name, run in (("parity", parity), ("bench", bench), ("train", train),
-                      ("sglang", sglang)):  # fmt: skip
+    for name, run in (("parity", parity), ("bench", bench), ("train", train), ("sglang", sglang)):
         step = sub.add_parser(name, help=dict(STEPS["single"] + STEPS["cluster"])[name])
         step.add_argument("--out", type=Path, required=True, help="work directory")
-        step.add_argument("--tolerance", type=float, default=0.05,
-                          help="largest |log-prob difference| accepted (bf16)")  # fmt: skip
+        step.add_argument(
+            "--tolerance",
+            type=float,
+            default=0.05,
+            help="largest |log-prob difference| accepted (bf16)",
+        )
         step.add_argument("--port", type=int, default=31000, help="sglang: server port")
         step.add_argument("--bucket-mib", type=int, default=1, help="sglang: bucket size")
         step.set_defaults(run=run)

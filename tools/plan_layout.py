@@ -39,35 +39,44 @@ LAYOUT_FLAGS = ("tp", "pp", "cp", "ep", "etp")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", required=True,
+        "--model",
+        required=True,
         help=f"preset ({', '.join(preset_names())}), HF checkpoint dir, or config.json",
-    )  # fmt: skip
+    )
     parser.add_argument("--nodes", type=int, required=True, help="learner nodes")
     parser.add_argument("--gpus-per-node", type=int, required=True)
     parser.add_argument("--gpu-mem-gb", type=float, help="GPU memory in GiB (H100: 80)")
     parser.add_argument(
-        "--reserve-gb", type=float, default=DEFAULT_RESERVE_GIB,
+        "--reserve-gb",
+        type=float,
+        default=DEFAULT_RESERVE_GIB,
         help="GiB kept free for the CUDA context, NCCL and fragmentation (a rule of thumb)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--micro-batch-tokens", type=int,
+        "--micro-batch-tokens",
+        type=int,
         default=LearnerConfig.model_fields["micro_batch_tokens"].default,
         help="tokens of a micro-batch per GPU (LearnerConfig.micro_batch_tokens)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--recompute", choices=RECOMPUTE, default=LearnerConfig.model_fields["recompute"].default,
+        "--recompute",
+        choices=RECOMPUTE,
+        default=LearnerConfig.model_fields["recompute"].default,
         help="activation recompute the learner runs with (LearnerConfig.recompute): check mode "
         "judges the fit with it",
-    )  # fmt: skip
-    parser.add_argument("--row-tokens", type=int,
-                        help="the recipe's longest row: layouts whose micro-batches cannot hold "
-                        "it are refused")  # fmt: skip
+    )
+    parser.add_argument(
+        "--row-tokens",
+        type=int,
+        help="the recipe's longest row: layouts whose micro-batches cannot hold it are refused",
+    )
     parser.add_argument("--params-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument(
-        "--entropies", action="store_true",
+        "--entropies",
+        action="store_true",
         help="the loss computes token entropies (negative_token_fraction < 1): one more "
         "fp32 buffer of a loss chunk's logits on the last stage",
-    )  # fmt: skip
+    )
     for flag in LAYOUT_FLAGS:
         parser.add_argument(f"--{flag}", type=int, help=f"{flag.upper()} size (check mode)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -83,10 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan_layout: error: {error}", file=sys.stderr)
         return INVALID
     options = dict(
-        micro_batch_tokens=args.micro_batch_tokens, params_dtype=args.params_dtype,
-        gpu_mem_gib=args.gpu_mem_gb, reserve_gib=args.reserve_gb, entropies=args.entropies,
+        micro_batch_tokens=args.micro_batch_tokens,
+        params_dtype=args.params_dtype,
+        gpu_mem_gib=args.gpu_mem_gb,
+        reserve_gib=args.reserve_gb,
+        entropies=args.entropies,
         row_tokens=args.row_tokens,
-    )  # fmt: skip
+    )
     if any(getattr(args, flag) is not None for flag in LAYOUT_FLAGS):
         return _check(spec, world, args, options)
     plans = enumerate_layouts(spec, world, args.gpus_per_node, **options)
@@ -101,9 +113,13 @@ def _check(spec, world: int, args: argparse.Namespace, options: dict) -> int:
     tp = args.tp or 1
     try:
         parallel = ParallelConfig(
-            tensor=tp, pipeline=args.pp or 1, context=args.cp or 1, expert=args.ep or 1,
-            expert_tensor=args.etp, sequence_parallel=tp > 1,
-        )  # fmt: skip
+            tensor=tp,
+            pipeline=args.pp or 1,
+            context=args.cp or 1,
+            expert=args.ep or 1,
+            expert_tensor=args.etp,
+            sequence_parallel=tp > 1,
+        )
         plan = plan_layout(spec, parallel, world, **options)
     except (LayoutError, ValueError) as error:
         hint = ""

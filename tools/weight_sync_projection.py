@@ -86,9 +86,12 @@ def sync_seconds(
     wire_s = total * 8 / (wire_gbps * 1e9)
     r, w = reshard_s / n, wire_s / n + overhead_s
     return dict(
-        buckets=n, reshard=reshard_s, wire=wire_s, in_line=reshard_s + n * w,
+        buckets=n,
+        reshard=reshard_s,
+        wire=wire_s,
+        in_line=reshard_s + n * w,
         overlapped=r + (n - 1) * max(r, w) + w,
-    )  # fmt: skip
+    )
 
 
 def seconds_per_received_byte(bench: dict) -> float:
@@ -101,17 +104,20 @@ def seconds_per_received_byte(bench: dict) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("bench", type=Path, help="a bench_weight_sync.py record (JSON)")
     parser.add_argument("--recipe", type=Path, default=RECIPE)
     parser.add_argument("--model", default="qwen3-30b-a3b", help="preset with the shapes")
     parser.add_argument("--wire-gbps", type=float, nargs="+", default=[100, 200, 400])
     parser.add_argument(
-        "--gather-gbps", type=float, default=None,
+        "--gather-gbps",
+        type=float,
+        default=None,
         help="an assumed reshard rate (Gb/s received by the sender) instead of the measured one",
-    )  # fmt: skip
+    )
     parser.add_argument("--bucket-overhead-ms", type=float, default=0.0)
     args = parser.parse_args(argv)
     from megatron_fr.config.run import load_run_config
@@ -134,15 +140,21 @@ def report(args: argparse.Namespace, run, spec, per_byte: float, rate: str) -> N
     layout, sizes = run.parallel, model_bytes(spec)
     received = received_bytes(sizes, layout.tensor, layout.expert, layout.effective_expert_tensor)
     bucket_mib = run.weights.bucket_mib
-    print(f"{args.model} in {args.recipe.name}: TP{layout.tensor} EP{layout.expert} "
-          f"ETP{layout.effective_expert_tensor} PP1, {bucket_mib} MiB buckets")  # fmt: skip
+    print(
+        f"{args.model} in {args.recipe.name}: TP{layout.tensor} EP{layout.expert} "
+        f"ETP{layout.effective_expert_tensor} PP1, {bucket_mib} MiB buckets"
+    )
     gb = {key: f"{value / 1e9:.2f}" for key, value in vars(sizes).items()}
-    print(f"  S = {sizes.total / 1e9:.1f} GB (split over TP: {gb['dense_sharded']}, "
-          f"experts: {gb['experts']}, replicated: {gb['replicated']})")  # fmt: skip
+    print(
+        f"  S = {sizes.total / 1e9:.1f} GB (split over TP: {gb['dense_sharded']}, "
+        f"experts: {gb['experts']}, replicated: {gb['replicated']})"
+    )
     print(f"  G = {received / 1e9:.1f} GB received by the sender; reshard rate: {rate}")
     print(f"  fixed cost per bucket c = {args.bucket_overhead_ms:g} ms; anchors: {ANCHORS}")
-    print(f"{'wire Gb/s':>10} {'buckets':>8} {'R s':>7} {'W s':>7} {'in line s':>10} "
-          f"{'overlapped s':>13}")  # fmt: skip
+    print(
+        f"{'wire Gb/s':>10} {'buckets':>8} {'R s':>7} {'W s':>7} {'in line s':>10} "
+        f"{'overlapped s':>13}"
+    )
     for gbps in args.wire_gbps:
         t = sync_seconds(
             sizes.total,
@@ -151,8 +163,10 @@ def report(args: argparse.Namespace, run, spec, per_byte: float, rate: str) -> N
             bucket_mib * 2**20,
             args.bucket_overhead_ms / 1e3,
         )
-        print(f"{gbps:>10g} {t['buckets']:>8d} {t['reshard']:>7.2f} {t['wire']:>7.2f} "
-              f"{t['in_line']:>10.2f} {t['overlapped']:>13.2f}")  # fmt: skip
+        print(
+            f"{gbps:>10g} {t['buckets']:>8d} {t['reshard']:>7.2f} {t['wire']:>7.2f} "
+            f"{t['in_line']:>10.2f} {t['overlapped']:>13.2f}"
+        )
 
 
 if __name__ == "__main__":

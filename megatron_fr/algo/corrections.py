@@ -73,8 +73,8 @@ def correction_keep_mask(
     totals[1].index_add_(0, segment, torch.ones_like(segment, dtype=torch.float64))
     if reduce_segments is not None:
         totals = reduce_segments(totals)
-    statistic = totals[0] if correction == "sequence_mask_sum" else (
-        totals[0] / totals[1].clamp_min(1)
-    )  # fmt: skip
+    statistic = totals[0]
+    if correction != "sequence_mask_sum":
+        statistic = statistic / totals[1].clamp_min(1)
     inside = (statistic >= log_low) & (statistic <= log_high)
     return policy & inside[segment_ids.clamp_min(0)]

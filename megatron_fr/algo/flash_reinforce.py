@@ -199,7 +199,7 @@ def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict
     present_kl = gate.sequence_kl[gate.present]
     admitted_ratios = ratios[contributing]
 
-    def stat(values: Tensor, reduce) -> Tensor:
+    def stat(values: Tensor, reduce: Callable[[Tensor], Tensor]) -> Tensor:
         return reduce(values) if values.numel() else values.new_tensor(math.nan)
 
     return {
@@ -265,6 +265,7 @@ def flash_reinforce_loss(
     keep = action_mask
     if negative_token_fraction < 1.0:
         positions = torch.arange(length, device=action_mask.device).expand(batch, length)
+        assert entropies is not None and failures is not None  # check_filter_inputs: q < 1
         keep = negative_token_keep_mask(
             entropies, action_mask, segment_ids, positions, failures, negative_token_fraction
         )

@@ -71,10 +71,22 @@ def _log_ratio(log_probs: Tensor, behavior_log_probs: Tensor, policy: Tensor) ->
     return log_ratio
 
 
-def _check_inputs(log_probs, behavior, advantages, action_mask, segment_ids, token_counts):
+def _check_inputs(
+    log_probs: Tensor,
+    behavior: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    segment_ids: Tensor,
+    token_counts: Tensor,
+) -> None:
     checks.check_float(log_probs=log_probs, behavior_log_probs=behavior)
-    checks.check_same_shape("log_probs", log_probs, behavior_log_probs=behavior,
-                            action_mask=action_mask, segment_ids=segment_ids)  # fmt: skip
+    checks.check_same_shape(
+        "log_probs",
+        log_probs,
+        behavior_log_probs=behavior,
+        action_mask=action_mask,
+        segment_ids=segment_ids,
+    )
     checks.check_same_dtype(log_probs=log_probs, behavior_log_probs=behavior)
     if action_mask.dtype != torch.bool:
         raise ValueError(f"action_mask must be torch.bool, got {action_mask.dtype}")
@@ -111,8 +123,7 @@ def ppo_clip_loss(
     token here), present [B] (has a policy token here), sequence_kl [B] (the FlashREINFORCE
     gate's D_i, as a diagnostic: it gates nothing).
     """
-    _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids,
-                  token_counts)  # fmt: skip
+    _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids, token_counts)
     if config.aggregation is None:
         raise ValueError("ppo_clip.aggregation is unset (LearnerConfig resolves it)")
     num_trajectories = advantages.numel()
@@ -124,18 +135,41 @@ def ppo_clip_loss(
     unclipped = ratio * advantage
     clipped = ratio.clamp(1 - config.eps_low, 1 + config.eps_high) * advantage
     kept = correction_keep_mask(
-        log_ratio, policy, segment_ids, num_trajectories, correction=config.correction,
-        low=config.correction_low, high=config.correction_high, reduce_segments=reduce_segments,
-    )  # fmt: skip
+        log_ratio,
+        policy,
+        segment_ids,
+        num_trajectories,
+        correction=config.correction,
+        low=config.correction_low,
+        high=config.correction_high,
+        reduce_segments=reduce_segments,
+    )
     weight = token_weights(token_counts, config.aggregation).to(log_probs.dtype)[segment]
     loss = -torch.where(kept, torch.minimum(unclipped, clipped) * weight, 0).sum()
-    return loss, _metrics(log_probs, behavior_log_probs, policy, kept, ratio,
-                          clipped < unclipped, segment_ids, num_trajectories,
-                          reduce_segments)  # fmt: skip
+    return loss, _metrics(
+        log_probs,
+        behavior_log_probs,
+        policy,
+        kept,
+        ratio,
+        clipped < unclipped,
+        segment_ids,
+        num_trajectories,
+        reduce_segments,
+    )
 
 
-def _metrics(log_probs, behavior, policy, kept, ratio, clipped, segment_ids, trajectories,
-             reduce_segments) -> dict[str, Tensor]:  # fmt: skip
+def _metrics(
+    log_probs: Tensor,
+    behavior: Tensor,
+    policy: Tensor,
+    kept: Tensor,
+    ratio: Tensor,
+    clipped: Tensor,
+    segment_ids: Tensor,
+    trajectories: int,
+    reduce_segments: Callable[[Tensor], Tensor] | None,
+) -> dict[str, Tensor]:
     present = torch.zeros(trajectories, dtype=torch.bool, device=policy.device)
     present[segment_ids[policy]] = True
     admitted = torch.zeros_like(present)
@@ -143,8 +177,15 @@ def _metrics(log_probs, behavior, policy, kept, ratio, clipped, segment_ids, tra
     ratios = ratio.detach()[policy]
     # The gate's per-trajectory KL, as a diagnostic only: the comparison of methods reports
     # the same engine-learner mismatch for every loss.
-    mismatch = trust_region_gate(log_probs, behavior, policy, segment_ids, trajectories,
-                                 math.inf, reduce_segments=reduce_segments)  # fmt: skip
+    mismatch = trust_region_gate(
+        log_probs,
+        behavior,
+        policy,
+        segment_ids,
+        trajectories,
+        math.inf,
+        reduce_segments=reduce_segments,
+    )
     return {
         "sequence_kl": mismatch.sequence_kl,
         "admitted": admitted,

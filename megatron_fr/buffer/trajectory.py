@@ -312,10 +312,13 @@ def _check_top_logprobs(t: Trajectory) -> None:
     top = t.top_logprobs
     if top is None:
         return
-    arrays = (getattr(top, "ids", None), getattr(top, "log_probs", None))
-    if not isinstance(top, TopLogProbs) or not all(isinstance(a, np.ndarray) for a in arrays):
+    ids, log_probs = (getattr(top, "ids", None), getattr(top, "log_probs", None))
+    if not (
+        isinstance(top, TopLogProbs)
+        and isinstance(ids, np.ndarray)
+        and isinstance(log_probs, np.ndarray)
+    ):
         raise InvalidTrajectory("top_logprobs", "is not a TopLogProbs of arrays", repr(top))
-    ids, log_probs = arrays
     if ids.dtype != ID_DTYPE or log_probs.dtype != LOG_PROB_DTYPE:
         raise InvalidTrajectory("top_logprobs", "dtypes are not int32 ids and float32 log-probs",
                                 f"{ids.dtype}, {log_probs.dtype}")  # fmt: skip

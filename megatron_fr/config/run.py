@@ -10,6 +10,7 @@ into the run directory (config.yaml); a restart with the same command resumes th
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -146,7 +147,7 @@ def read_recipe(recipe: str | Path) -> dict:
     return data
 
 
-def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(recipe: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
     """The recipe with the overrides applied. Paths written in a recipe (prompt files, the
     model directory) are relative to the recipe file, so a recipe and its data travel
     together; paths given as overrides are relative to the working directory, as on any
@@ -160,7 +161,7 @@ def load_run_config(recipe: str | Path, overrides: list[str] = ()) -> RunConfig:
 
 def _resolve_paths(data: dict, base: Path) -> dict:
     task, model = data.get("task"), data.get("model")
-    holders = [model] if isinstance(model, dict) else []
+    holders: list[object] = [model] if isinstance(model, dict) else []
     if isinstance(task, dict):
         eval_sets = task.get("eval_sets")
         holders += [task.get("train"), *(eval_sets.values() if isinstance(eval_sets, dict) else [])]

@@ -15,6 +15,10 @@ import re
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_fr.convert.checkpoint import ConversionReport
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -72,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verify.set_defaults(action=_verify)
 
 
-def _summary(what: str, report, started: float) -> None:
+def _summary(what: str, report: ConversionReport, started: float) -> None:
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(
         f"{what}: {report.tensors} tensors, {report.bytes / 2**30:.3f} GiB {report.dtype}, "

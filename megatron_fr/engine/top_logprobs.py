@@ -72,14 +72,14 @@ class TopLogProbs:
         return int(self.ids.shape[-1])
 
     def __eq__(self, other: object) -> bool:
+        # Defining __eq__ leaves the class unhashable (Python sets __hash__ to None): arrays
+        # inside, like the trajectory's lists.
         if not isinstance(other, TopLogProbs):
             return NotImplemented
         return all(
             a.dtype == b.dtype and np.array_equal(a, b)
             for a, b in ((self.ids, other.ids), (self.log_probs, other.log_probs))
         )
-
-    __hash__ = None  # arrays inside: not hashable, like the trajectory's lists
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (rollout-state checkpoints)."""

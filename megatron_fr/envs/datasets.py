@@ -57,7 +57,8 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
     rows = _read_rows(path, config.records_key)
     if not rows:
         raise ValueError(f"{path}: no rows")
-    samples, seen = [], {}
+    samples: list[Sample] = []
+    seen: dict[object, str] = {}  # id -> where it first appeared
     for where, row in rows[: config.limit]:
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {where} is not an object")

@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from megatron_fr.config.learner import LOSS_CHUNK_BYTES, longest_row, micro_batch_tokens_for
 from megatron_fr.config.parallel import ParallelConfig
@@ -336,7 +337,16 @@ def plan_layout(
     )  # fmt: skip
 
 
-def _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropies, dp, edp):
+def _stage_plan(
+    spec: HFModelSpec,
+    parallel: ParallelConfig,
+    stage: int,
+    micro_batch_tokens: int,
+    params_dtype: str,
+    entropies: bool,
+    dp: int,
+    edp: int,
+) -> StagePlan:
     """One pipeline stage's state and activations by recompute setting (module docstring)."""
     weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
     tp, pp, etp = parallel.tensor, parallel.pipeline, parallel.effective_expert_tensor
@@ -347,7 +357,7 @@ def _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropi
     buffers = tokens * moe_dispatch_bytes_per_token(spec, etp)
     if stage == pp - 1:
         buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
-    activations = {}
+    activations: dict[str, int] = {}
     for mode in RECOMPUTE:
         kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode)
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
@@ -362,7 +372,7 @@ def _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropi
 
 
 def enumerate_layouts(
-    spec: HFModelSpec, world: int, gpus_per_node: int, **plan_kwargs
+    spec: HFModelSpec, world: int, gpus_per_node: int, **plan_kwargs: Any
 ) -> list[Plan]:
     """Every valid layout on `world` GPUs that fits with some recompute setting (all of them
     when no memory is given), best first: least recomputation needed, then least model

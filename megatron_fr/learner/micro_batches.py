@@ -120,16 +120,14 @@ class MicroBatch:
         )
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        def move(tensor):
+        def move(tensor: Tensor | None) -> Tensor | None:
             return None if tensor is None else tensor.to(device)
 
-        loss = LossBatch(**{f.name: move(getattr(self.loss_batch, f.name))
-                            for f in dataclasses.fields(LossBatch)})  # fmt: skip
         return dataclasses.replace(
             self,
-            input_ids=move(self.input_ids),
-            positions=move(self.positions),
-            loss_batch=loss,
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            loss_batch=self.loss_batch.to(device),
             cu_seqlens=move(self.cu_seqlens),
             routing=move(self.routing),
         )
@@ -176,7 +174,8 @@ def deal_to_ranks(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     """Trajectory indices per DP rank: longest first, each to the least-loaded rank."""
     if len(lengths) < ranks:
         raise ValueError(f"a batch of {len(lengths)} trajectories cannot feed {ranks} DP ranks")
-    loads, shares = [0] * ranks, [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    shares: list[list[int]] = [[] for _ in range(ranks)]
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         rank = min(range(ranks), key=lambda r: (loads[r], r))
         shares[rank].append(index)
@@ -335,12 +334,14 @@ def _micro_batch(
         topk_ids=fields.get("topk_ids"),
         topk_log_probs=fields.get("topk_log_probs"),
     )
-    packed = {}
-    if plan.packed:
-        spans = [end - start for start, end in itertools.pairwise(boundaries)]
-        packed = dict(cu_seqlens=torch.tensor(boundaries, dtype=torch.int32), max_seqlen=max(spans))
-    return MicroBatch(fields["input_ids"], fields["positions"], loss_batch, **packed,
-                      routing=fields.get("routing"))  # fmt: skip
+    micro = MicroBatch(
+        fields["input_ids"], fields["positions"], loss_batch, routing=fields.get("routing")
+    )
+    if not plan.packed:
+        return micro
+    spans = [end - start for start, end in itertools.pairwise(boundaries)]
+    cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
+    return dataclasses.replace(micro, cu_seqlens=cu_seqlens, max_seqlen=max(spans))
 
 
 def _row(
@@ -383,9 +384,11 @@ def _row(
         row["behavior"][span] = torch.from_numpy(t.behavior_log_probs[1:]).masked_fill(~mask, 0.0)
         row["segments"][span] = index
         if routing is not None:  # the engine's experts of each input position (n: validated)
+            assert t.routed_experts is not None  # routing_replay.check_routed_batch
             experts = torch.from_numpy(np.ascontiguousarray(t.routed_experts.experts[:, routing]))
             row["routing"][span] = experts.to(row["routing"].dtype)
         if top_logprobs:  # one record per policy token, in order: the targets under the mask
+            assert t.top_logprobs is not None  # _check_top_k
             row["topk_ids"][span][mask] = torch.from_numpy(t.top_logprobs.ids).long()
             row["topk_log_probs"][span][mask] = torch.from_numpy(t.top_logprobs.log_probs)
         start += math.ceil(n / plan.span_multiple) * plan.span_multiple if plan.packed else n

@@ -30,11 +30,16 @@ Context parallelism (not in the learner yet) will need the same slicing as its t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed import ProcessGroup
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.models.hf_config import HFModelSpec
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.module import MegatronModule
 
 
 def padding_routing(shape: tuple[int, int], top_k: int, num_experts: int) -> torch.Tensor:
@@ -69,7 +74,7 @@ def check_routed_batch(batch: list[Trajectory], spec: HFModelSpec) -> None:
 class RoutingReplay:
     """Drives the RouterReplay of this rank's MoE layers through one forward(-backward)."""
 
-    def __init__(self, module: torch.nn.Module, spec: HFModelSpec, tp_group: ProcessGroup):
+    def __init__(self, module: MegatronModule, spec: HFModelSpec, tp_group: ProcessGroup):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.spec = spec
@@ -117,7 +122,7 @@ class RoutingReplay:
         model output) starts, before any of its layers is recomputed."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        def switch(_grads):
+        def switch(_grads: tuple[torch.Tensor | None, ...]) -> None:
             for router in self.routers:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 

@@ -23,7 +23,7 @@ backward pass, with LearnerConfig.recompute) routes tokens to the experts the en
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,18 +55,31 @@ from megatron_fr.parallel.loss import (
 from megatron_fr.parallel.state import process_groups
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.process_groups_config import ProcessGroupCollection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+Reported = dict[str, torch.Tensor]
+"""One micro-batch's reported values (its loss, admitted, present, clipped, sequence_kl)."""
+ScoreFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, Reported]]
+"""score(micro, scores) -> (loss, reported): a micro-batch's loss from the model's scores."""
+ForwardStep = Callable[
+    [Iterator[MicroBatch], torch.nn.Module],
+    tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, Reported]]],
+]
+"""megatron's forward_step_func: (data iterator, model) -> (output, loss function)."""
 
-def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+
+def torch_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside megatron's wrapper (one per chained dense/expert part)."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     return [part.optimizer for part in parts]
 
 
-def restore_adam_steps(optimizer) -> None:
+def restore_adam_steps(optimizer: MegatronOptimizer) -> None:
     """Give every parameter its own Adam step counter, equal to the checkpoint's, after a load.
 
     Without TE or apex, megatron's distributed optimizer (0.19, distrib_optimizer.py) loads
@@ -89,10 +102,11 @@ def restore_adam_steps(optimizer) -> None:
                     inner.state[param]["step"] = value.detach().clone()
 
 
-def adam_step_counts(optimizer) -> list[float]:
+def adam_step_counts(optimizer: MegatronOptimizer) -> list[float]:
     """The distinct Adam step counts over all parameters (one value when all agree): the
     per-parameter state's for torch Adam, the param group's for fused (TE/apex) Adam."""
-    state_steps, group_steps = set(), set()
+    state_steps: set[float] = set()
+    group_steps: set[float] = set()
     for inner in torch_optimizers(optimizer):
         for state in inner.state.values():
             if "step" in state:
@@ -103,8 +117,13 @@ def adam_step_counts(optimizer) -> list[float]:
     return sorted(state_steps or group_steps)
 
 
-def forward_step_on(device: torch.device, score, scores: TargetScores, replay=None,
-                    train: bool = True):  # fmt: skip
+def forward_step_on(
+    device: torch.device,
+    score: ScoreFn,
+    scores: TargetScores,
+    replay: RoutingReplay | None = None,
+    train: bool = True,
+) -> ForwardStep:
     """megatron's forward_step_func for micro-batches built on the CPU: each micro-batch (its
     model inputs, its loss batch, its routing) moves to the model's device before the
     forward; the model (its last stage) returns the targets' log-probs and entropies as
@@ -113,9 +132,12 @@ def forward_step_on(device: torch.device, score, scores: TargetScores, replay=No
     micro-batch's experts are loaded for the forward and, when training, replayed again in
     the recomputation of its backward."""
 
-    def forward_step(data_iterator, model):
+    def forward_step(
+        data_iterator: Iterator[MicroBatch], model: torch.nn.Module
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], tuple[torch.Tensor, Reported]]]:
         micro = next(data_iterator).to(device)
         if replay is not None:
+            assert micro.routing is not None  # built with routing when replaying
             replay.load(micro.routing)
         output = model(
             micro.input_ids, micro.positions, attention_mask=None,
@@ -188,7 +210,7 @@ class Learner:
         )
         self.steps_done = 0
 
-    def _build_model(self, init_checkpoint: str | None, init_hf_dir: str | None):
+    def _build_model(self, init_checkpoint: str | None, init_hf_dir: str | None) -> GPTModel:
         """This rank's model stage, with the checkpoint's or the HF directory's weights."""
         from megatron_fr.convert.checkpoint import load_megatron_checkpoint
         from megatron_fr.convert.parallel_load import load_hf_into_model
@@ -206,7 +228,7 @@ class Learner:
             load_hf_into_model(module, init_hf_dir, self.spec, progress=False)
         return module
 
-    def _build_optimizer(self):
+    def _build_optimizer(self) -> MegatronOptimizer:
         """megatron's distributed Adam(W) over the DDP model (a chained dense/expert one)."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -222,7 +244,7 @@ class Learner:
         return get_megatron_optimizer(settings, [self.model], use_gloo_process_groups=False,
                                       pg_collection=self.groups)  # fmt: skip
 
-    def _build_scheduler(self, total_steps: int):
+    def _build_scheduler(self, total_steps: int) -> OptimizerParamScheduler:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         config = self.config
@@ -246,7 +268,9 @@ class Learner:
         metrics reduce (NCCL reduces device tensors only)."""
         return next(self.module.parameters()).device
 
-    def _loss(self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores):
+    def _loss(
+        self, scale: float, global_batch: GlobalBatch, micro: MicroBatch, scores: torch.Tensor
+    ) -> tuple[torch.Tensor, Reported]:
         """The configured policy loss of one micro-batch from the model's scores of its target
         tokens ([log-probs; entropies; the top-K gate's log-probs of the engine's top-K ids],
         on the distribution the engines sampled from: log softmax(logits / T) at the rollout
@@ -305,8 +329,14 @@ class Learner:
             and self.config.flash_reinforce.negative_token_fraction < 1
         )
 
-    def _schedule(self, micros: list[MicroBatch], score, forward_only: bool,
-                  replay: RoutingReplay | None, temperature: float) -> list:  # fmt: skip
+    def _schedule(
+        self,
+        micros: list[MicroBatch],
+        score: ScoreFn,
+        forward_only: bool,
+        replay: RoutingReplay | None,
+        temperature: float,
+    ) -> list[Reported]:
         """megatron's forward(-backward) schedule over this rank's micro-batches, each
         micro-batch's scores at `temperature` passed to score(micro, scores) -> (loss,
         reported); with `replay`, each micro-batch routed as its trajectories were by the
@@ -393,7 +423,7 @@ class Learner:
         replay = None if routing_replay is False else self.routing_replay
         scored: dict[int, dict[int, float]] = {}  # trajectory -> position -> log-prob
 
-        def score(micro: MicroBatch, scores):
+        def score(micro: MicroBatch, scores: torch.Tensor) -> tuple[torch.Tensor, Reported]:
             log_probs = scores[0]
             segments = micro.loss_batch.segment_ids
             policy = micro.loss_batch.action_mask & (segments >= 0)
@@ -483,7 +513,14 @@ class Learner:
             "layer_spec": self.layer_spec,
         }
 
-    def _metrics(self, per_micro, dp_group, updated, grad_norm, step: StepPlan) -> dict:
+    def _metrics(
+        self,
+        per_micro: list[Reported],
+        dp_group: dist.ProcessGroup,
+        updated: bool,
+        grad_norm: float | None,
+        step: StepPlan,
+    ) -> dict:
         # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
         device = self.device
         size = step.size

@@ -22,14 +22,20 @@ torch spec's attention (models/torch_spec.py) uses the same gather and masks.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from megatron_fr.parallel.context_parallel import segment_of, zigzag_indices
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def row_boundaries(query: torch.Tensor, packed_seq_params: PackedSeqParams | None,
@@ -77,14 +83,22 @@ def context_parallel_group(pg_collection: ProcessGroupCollection | None) -> Proc
 class PackedDotProductAttention(DotProductAttention):
     """megatron's local core attention, with packed rows and CP (module docstring)."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
         if config.context_parallel_size > 1:  # the product itself is CP-agnostic
             config = copy.copy(config)
             config.context_parallel_size = 1
         super().__init__(config, *args, **kwargs)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
         group = context_parallel_group(self.pg_collection)
         if packed_seq_params is None and group.size() == 1:
             return super().forward(query, key, value, attention_mask, attn_mask_type,

@@ -25,7 +25,10 @@ from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.layout import check_model_layout
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
 LAYER_SPECS = ("te", "torch", "local")
 
@@ -63,7 +66,7 @@ def transformer_config(
     routing_replay: bool = False,
     recompute: str = "none",
     spec_kind: str = "local",
-):
+) -> TransformerConfig:
     """megatron TransformerConfig for `spec` under `parallel` (dropout off for RL fine-tuning).
 
     spec_kind: the resolved layer spec (te uses TE's grouped GEMM experts);
@@ -78,7 +81,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     check_model_layout(spec, parallel)
-    moe = {}
+    moe: dict[str, object] = {}
     if spec.is_moe:
         moe = dict(
             num_moe_experts=spec.num_experts,
@@ -127,7 +130,7 @@ def transformer_config(
     )
 
 
-def recompute_settings(mode: str, moe: bool) -> dict:
+def recompute_settings(mode: str, moe: bool) -> dict[str, object]:
     """megatron's TransformerConfig fields for LearnerConfig.recompute (its docstring)."""
     if mode == "none":
         return {}
@@ -141,7 +144,7 @@ def recompute_settings(mode: str, moe: bool) -> dict:
     raise ValueError(f"unknown recompute mode {mode!r}; known: none, selective, full")
 
 
-def layer_spec(spec: HFModelSpec, spec_kind: str):
+def layer_spec(spec: HFModelSpec, spec_kind: str) -> ModuleSpec:
     """megatron's layer spec for `spec`: te, torch or local (module docstring)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -160,7 +163,7 @@ def layer_spec(spec: HFModelSpec, spec_kind: str):
     return _with_te_checkpoint_keys(_with_packed_attention(local), spec.is_moe)
 
 
-def _with_packed_attention(local_spec):
+def _with_packed_attention(local_spec: ModuleSpec) -> ModuleSpec:
     """The local spec with the core attention that takes packed rows and CP
     (models/attention.py) in place of megatron's DotProductAttention."""
     from megatron_fr.models.attention import PackedDotProductAttention
@@ -173,7 +176,7 @@ def _with_packed_attention(local_spec):
     return dataclasses.replace(local_spec, submodules=submodules)
 
 
-def _with_te_checkpoint_keys(local_spec, moe: bool):
+def _with_te_checkpoint_keys(local_spec: ModuleSpec, moe: bool) -> ModuleSpec:
     """The local spec, saving and loading under the key names the TE spec uses.
 
     megatron's local spec maps its separate norms onto the keys of TE's fused
@@ -203,7 +206,7 @@ def build_gpt_model(
     recompute: str = "none",
     pg_collection: ProcessGroupCollection | None = None,
     spec_kind: str | None = None,
-):
+) -> GPTModel:
     """This rank's GPTModel stage.
 
     meta=True allocates nothing (parameter counts, planning); initialize=False allocates

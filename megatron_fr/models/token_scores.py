@@ -20,11 +20,15 @@ the order megatron's own output layer would use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from megatron_fr.parallel.vocab_parallel import chunked_vocab_parallel_scores
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,14 @@ class TargetScores:
     ids: Tensor | None = None
     """[rows, width, K] more token ids to score at each position (the top-K gate's); None."""
 
-    def __call__(self, *, hidden_states: Tensor, output_layer, output_weight=None,
-                 **_unused) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        *,
+        hidden_states: Tensor,
+        output_layer: ColumnParallelLinear,
+        output_weight: Tensor | None = None,
+        **_unused: object,
+    ) -> Tensor:
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             gather_from_sequence_parallel_region,

@@ -31,6 +31,8 @@ import functools
 import inspect
 import itertools
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +46,19 @@ from megatron_fr.models.attention import (
     row_causal_mask,
 )
 
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-def _varlen_attention():
+VarlenKernel = Callable[..., Any]
+"""torch.nn.attention.varlen.varlen_attn: its keywords differ across torch versions, and it
+returns one Tensor unless asked for its auxiliary outputs (never here)."""
+
+
+def _varlen_attention() -> tuple[VarlenKernel | None, set[str]]:
     """torch.nn.attention.varlen.varlen_attn and its signature's keywords (None: absent)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -59,9 +72,17 @@ class TorchAttention(MegatronModule):
     (module docstring). Query [sq, b, heads, d] and key/value [sk, b, groups, d], or [t, ...]
     for a packed row; returns [sq, b, heads x d] (or [t, heads x d])."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):  # fmt: skip
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
         super().__init__(config=config)
         if (attention_dropout or config.attention_dropout) > 0:
             raise ValueError("the torch spec's attention has no dropout (RL keeps it at 0)")
@@ -70,9 +91,17 @@ class TorchAttention(MegatronModule):
         self.pg_collection = pg_collection
         self.varlen, self.varlen_keywords = _varlen_attention()
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, /,
-                attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        /,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
         if attention_bias is not None or attention_mask is not None:
             raise ValueError("the torch spec's attention takes its mask from the row layout")
         group = context_parallel_group(self.pg_collection)
@@ -92,27 +121,34 @@ class TorchAttention(MegatronModule):
         output = output.flatten(-2)
         return output.squeeze(1) if thd else output
 
-    def _sdpa(self, query, key, value, allowed: Tensor | None) -> Tensor:
+    def _sdpa(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Tensor:
         """[s, b, heads, d] -> SDPA over [b, heads, s, d]; causal unless `allowed` is given
         (bool [sq, sk], True where a query may attend)."""
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=allowed is None,
+            scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+        )
         return out.permute(2, 0, 1, 3)
 
     def _can_varlen(self, query: Tensor) -> bool:
         return self.varlen is not None and query.is_cuda and query.dtype != torch.float32
 
-    def _varlen(self, query, key, value, params) -> Tensor:
+    def _varlen(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
         """A packed row through torch's variable-length flash attention; keyword names as
         this torch spells them (is_causal, or window_size (-1, 0) from torch 2.11 on; K/V
         repeated per query head where it has no enable_gqa)."""
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else (
-            params.cu_seqlens_q
-        )  # fmt: skip
-        keywords = {"scale": self.softmax_scale} if "scale" in self.varlen_keywords else {}
+        cu = params.cu_seqlens_q_padded
+        if cu is None:
+            cu = params.cu_seqlens_q
+        keywords: dict[str, float | bool | tuple[int, int]] = {}
+        if "scale" in self.varlen_keywords:
+            keywords["scale"] = self.softmax_scale
         if "window_size" in self.varlen_keywords:
             keywords["window_size"] = (-1, 0)
         else:
@@ -126,6 +162,7 @@ class TorchAttention(MegatronModule):
         query, key, value = (x.contiguous() for x in (query, key, value))
         cu = cu.to(torch.int32)
         top = params.max_seqlen_q
+        assert self.varlen is not None  # _can_varlen
         return self.varlen(query, key, value, cu, cu, top, top, **keywords)
 
 
@@ -154,19 +191,18 @@ class _GroupedLinearFunction(torch.autograd.Function):
     (zero rows: they add nothing to the weight gradient)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, counts: list[int], *weights: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, counts: list[int], *weights: Tensor) -> Tensor:
         padded = [math.ceil(n / ROW_ALIGNMENT) * ROW_ALIGNMENT for n in counts]
         rows = _padded_rows(counts, padded, x.device)
         x_padded = x.new_zeros(sum(padded), x.shape[1]).index_copy_(0, rows, x)
-        offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32,
-                            device=x.device)  # fmt: skip
+        offs = torch.tensor(list(itertools.accumulate(padded)), dtype=torch.int32, device=x.device)
         ctx.save_for_backward(x_padded, rows, offs, *weights)
         ctx.padded = padded
         weight = torch.stack(weights).transpose(1, 2)
         return _grouped_mm(x_padded, weight, offs, padded).index_select(0, rows)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x_padded, rows, offs, *weights = ctx.saved_tensors
         grad_padded = grad.new_zeros(x_padded.shape[0], grad.shape[1]).index_copy_(0, rows, grad)
         grad_x = _grouped_mm(grad_padded, torch.stack(weights), offs, ctx.padded)
@@ -174,7 +210,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return grad_x.index_select(0, rows), None, *grad_weights.unbind(0)
 
 
-def _padded_rows(counts: list[int], padded: list[int], device) -> Tensor:
+def _padded_rows(counts: list[int], padded: list[int], device: torch.device) -> Tensor:
     """Where each row of the unpadded groups lands in the padded ones."""
     padded_starts = itertools.accumulate([0, *padded[:-1]])
     starts = itertools.accumulate([0, *counts[:-1]])
@@ -192,10 +228,22 @@ class TorchGroupedLinear(MegatronModule):
 
     partition_dim = 0
 
-    def __init__(self, num_local_experts: int, input_size: int, output_size: int, /, *,
-                 config, init_method, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: str | None, pg_collection,
-                 name: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_local_experts: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        config: TransformerConfig,
+        init_method: Callable[[Tensor], None],
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None,
+        pg_collection: ProcessGroupCollection,
+        name: str | None = None,
+    ) -> None:
         from megatron.core.tensor_parallel.layers import (
             _initialize_affine_weight_gpu,
             set_tensor_model_parallel_attributes,
@@ -213,14 +261,17 @@ class TorchGroupedLinear(MegatronModule):
             config.expert_tensor_parallel_size != config.tensor_model_parallel_size
         )
         for index in range(num_local_experts):
-            weight = torch.nn.Parameter(torch.empty(shape, device=device,
-                                                    dtype=config.params_dtype))  # fmt: skip
+            weight = torch.nn.Parameter(
+                torch.empty(shape, device=device, dtype=config.params_dtype)
+            )
             if config.perform_initialization:
-                _initialize_affine_weight_gpu(weight, init_method, self.partition_dim,
-                                              is_expert=True)  # fmt: skip
+                _initialize_affine_weight_gpu(
+                    weight, init_method, self.partition_dim, is_expert=True
+                )
             else:
                 set_tensor_model_parallel_attributes(weight, True, self.partition_dim, 1)
-            weight.allreduce = not expert_groups  # megatron's mark of an expert-DP parameter
+            # megatron's mark of an expert-DP parameter (an attribute torch does not declare)
+            setattr(weight, "allreduce", not expert_groups)  # noqa: B010
             self.register_parameter(f"weight{index}", weight)
         self.num_gemms = num_local_experts
 
@@ -231,24 +282,36 @@ class TorchGroupedLinear(MegatronModule):
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass itself (nothing deferred)."""
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> dict:  # fmt: skip
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Local expert i's weight, and the (empty) extra state megatron's linears keep, under
         the global expert's place in the checkpoint: the keys and shards megatron's
         SequentialMLP (and TE's grouped linear) write, so the specs load each other's."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        if metadata is None:
+            raise ValueError(
+                "TorchGroupedLinear.sharded_state_dict needs metadata['dp_cp_group'] (the "
+                "model's sharded_state_dict passes it: call that one)"
+            )
         groups = self.pg_collection
         first, total = groups.ep.rank() * self.num_gemms, groups.ep.size() * self.num_gemms
-        state = {}
+        state: dict[str, Any] = {}
         for index in range(self.num_gemms):
             offsets = (*sharded_offsets, (len(sharded_offsets), first + index, total))
             sub = make_sharded_tensors_for_checkpoint(
                 {f"{index}.weight": getattr(self, f"weight{index}"), f"{index}._extra_state": None},
-                "", {f"{index}.weight": self.partition_dim}, offsets, tp_group=groups.expt_tp,
+                "",
+                {f"{index}.weight": self.partition_dim},
+                offsets,
+                tp_group=groups.expt_tp,
                 dp_cp_group=metadata["dp_cp_group"],
-            )  # fmt: skip
+            )
             replace_prefix_for_sharding(sub, f"{index}.", prefix)
             for entry in sub.values():  # replicas along the expert-data-parallel group
                 entry.replica_id = (*entry.replica_id[:2], groups.expt_dp.rank())
@@ -256,7 +319,9 @@ class TorchGroupedLinear(MegatronModule):
             state[f"{prefix}_extra_state{index}"] = sub[f"{index}._extra_state"]
         return state
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
         """The per-expert extra states of sharded_state_dict carry nothing: dropped before
         torch's strict key check."""
         for key in [k for k in state_dict if k.startswith(f"{prefix}_extra_state")]:
@@ -270,7 +335,7 @@ class TorchGroupedRowLinear(TorchGroupedLinear):
     partition_dim = 1
 
 
-def torch_layer_spec(local_spec, moe: bool):
+def torch_layer_spec(local_spec: ModuleSpec, moe: bool) -> ModuleSpec:
     """The torch spec from megatron's local spec (models/gpt.py builds it): TorchAttention as
     the core attention, and for MoE layers TEGroupedMLP over TorchGroupedLinear experts."""
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
@@ -282,10 +347,15 @@ def torch_layer_spec(local_spec, moe: bool):
     )
     if moe:
         mlp = local_spec.submodules.mlp  # partial(MoELayer, submodules=MoESubmodules(...))
-        experts = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-            linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedRowLinear))  # fmt: skip
+        experts = functools.partial(
+            TEGroupedMLP,
+            submodules=GroupedMLPSubmodules(
+                linear_fc1=TorchGroupedLinear, linear_fc2=TorchGroupedRowLinear
+            ),
+        )
         moe_submodules = dataclasses.replace(mlp.keywords["submodules"], experts=experts)
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords,
-                                                        "submodules": moe_submodules})  # fmt: skip
+        mlp = functools.partial(
+            mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe_submodules}
+        )
         submodules = dataclasses.replace(submodules, mlp=mlp)
     return dataclasses.replace(local_spec, submodules=submodules)

@@ -19,9 +19,13 @@ Prints a one-screen summary; raises CheckFailed naming the first problem found.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_fr.config.run import RunConfig
 from megatron_fr.config.tasks import TaskConfig
+
+if TYPE_CHECKING:
+    from megatron_fr.models.hf_config import HFModelSpec
 
 
 class CheckFailed(ValueError):
@@ -46,7 +50,7 @@ def check_recipe(
     return "\n".join(lines)
 
 
-def _model(config: RunConfig, lines: list[str]):
+def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
     from megatron_fr.orchestrator.workload import check_hf_dir
 
     try:
@@ -135,7 +139,13 @@ def _key(what: str) -> str:
     return "train" if what == "train" else "eval_sets." + what.split(" ", 1)[1]
 
 
-def _layout(config, spec, world_size: int, gpu_mem_gb: float | None, lines) -> None:
+def _layout(
+    config: RunConfig,
+    spec: HFModelSpec,
+    world_size: int,
+    gpu_mem_gb: float | None,
+    lines: list[str],
+) -> None:
     from megatron_fr.launch.plan import LayoutError, plan_layout
 
     learner = config.learner

@@ -61,13 +61,13 @@ def checkpoints_to_prune(run_dir: Path, latest: Path, keep: int) -> list[Path]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the latest checkpoint is always kept), got {keep}")
     root = checkpoint_root(run_dir)
-    steps = {path.name: step_number(path) for path in root.iterdir()}
-    steps = {name: step for name, step in steps.items() if step is not None}
+    numbers = {path.name: step_number(path) for path in root.iterdir()}
+    steps = {name: step for name, step in numbers.items() if step is not None}
     latest_step = steps[latest.name]
     older = [
         n for n, s in steps.items() if s < latest_step and (root / n / "controller.json").exists()
     ]
-    kept = {latest.name, *sorted(older, key=steps.get, reverse=True)[: keep - 1]}
+    kept = {latest.name, *sorted(older, key=steps.__getitem__, reverse=True)[: keep - 1]}
     return sorted(root / name for name in steps if name not in kept)
 
 

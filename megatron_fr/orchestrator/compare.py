@@ -66,8 +66,9 @@ def gated(variant: Variant, gate: str) -> Variant:
     name and the settings; topk adds "_topk" and learner.flash_reinforce.gate_kl=topk."""
     if gate == "bernoulli":
         return variant
-    return Variant(f"{variant.name}_{gate}",
-                   (*variant.overrides, f"learner.flash_reinforce.gate_kl={gate}"))  # fmt: skip
+    return Variant(
+        f"{variant.name}_{gate}", (*variant.overrides, f"learner.flash_reinforce.gate_kl={gate}")
+    )
 
 
 def estimator_variant(estimator: str, group_size: int) -> Variant:
@@ -97,26 +98,32 @@ def lag_variants(
     estimators have no gate), and also ungated (delta = inf) at the largest lag."""
 
     def at_lag(lag: int) -> tuple[str, ...]:
-        return (f"buffer.max_lag={lag}", "buffer.fill_staleness_budget=true",
-                f"buffer.capacity={(lag + 1) * batch_size}")  # fmt: skip
+        return (
+            f"buffer.max_lag={lag}",
+            "buffer.fill_staleness_budget=true",
+            f"buffer.capacity={(lag + 1) * batch_size}",
+        )
 
     variants = []
     for estimator in estimators:
         base = estimator_variant(estimator, group_size)
         own = gates if estimator == "flash_reinforce" else ("bernoulli",)
-        variants += [gated(Variant(f"{base.name}_lag{lag}", base.overrides + at_lag(lag)), gate)
-                     for lag in lags for gate in own]  # fmt: skip
+        variants += [
+            gated(Variant(f"{base.name}_lag{lag}", base.overrides + at_lag(lag)), gate)
+            for lag in lags
+            for gate in own
+        ]
     if "flash_reinforce" in estimators:
         top = max(lags)
-        variants.append(Variant(f"flash_reinforce_lag{top}_no_gate",
-                                (*estimator_variant("flash_reinforce", group_size).overrides,
-                                 *at_lag(top), "learner.flash_reinforce.delta=.inf")))  # fmt: skip
+        flash = estimator_variant("flash_reinforce", group_size)
+        no_gate = (*flash.overrides, *at_lag(top), "learner.flash_reinforce.delta=.inf")
+        variants.append(Variant(f"flash_reinforce_lag{top}_no_gate", no_gate))
     return variants
 
 
 def train_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "megatron_fr", "train", str(recipe), "--run-dir", str(run_dir),
-            *overrides]  # fmt: skip
+    train = [sys.executable, "-m", "megatron_fr", "train", str(recipe)]
+    return [*train, "--run-dir", str(run_dir), *overrides]
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -145,12 +152,13 @@ def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSum
     kls = [r["sequence_kl_mean"] for r in steps if r.get("sequence_kl_mean") is not None]
     lags = [r["lag_mean"] for r in steps if r.get("lag_mean") is not None]
     return RunSummary(
-        variant, seed,
+        variant,
+        seed,
         curve=[(step * batch_size, accuracy) for step, accuracy in sorted(evals.items())],
         acceptance=statistics.fmean(r["acceptance_rate"] for r in steps) if steps else 0.0,
         kl=statistics.fmean(kls) if kls else None,
         lag=statistics.fmean(lags) if lags else None,
-    )  # fmt: skip
+    )
 
 
 def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None) -> str:
@@ -159,8 +167,10 @@ def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None
     needs to reach the reference's final accuracy, as a share of the reference's budget with
     its 95% bootstrap interval (compare_stats)."""
     curves = {name: [run.curve for run in runs] for name, runs in by_variant.items()}
-    header = ("| run | seeds | final accuracy (mean +- std) | 95% interval | mean acceptance "
-              "| mean KL | mean lag |")  # fmt: skip
+    header = (
+        "| run | seeds | final accuracy (mean +- std) | 95% interval | mean acceptance "
+        "| mean KL | mean lag |"
+    )
     if reference:
         header += f" rollouts to reach {reference}'s final (x its budget, 95% interval) |"
     lines = [header, "|" + "---|" * (7 + bool(reference))]
@@ -170,8 +180,10 @@ def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None
         kl = _mean_or_na([r.kl for r in runs], "{:.2e}")
         lag = _mean_or_na([r.lag for r in runs], "{:.2f}")
         acceptance = statistics.fmean(r.acceptance for r in runs)
-        row = (f"| {name} | {len(runs)} | {mean:.3f} +- {std:.3f} | {interval} | "
-               f"{acceptance:.3f} | {kl} | {lag} |")  # fmt: skip
+        row = (
+            f"| {name} | {len(runs)} | {mean:.3f} +- {std:.3f} | {interval} | "
+            f"{acceptance:.3f} | {kl} | {lag} |"
+        )
         if reference:
             row += f" {_reach(curves[name], curves[reference])} |"
         lines.append(row)
@@ -212,8 +224,12 @@ def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None
         means = [m for _, m, _ in curve]
         stds = [s for _, _, s in curve]
         axes.plot(xs, means, marker="o", label=f"{name} ({len(runs)} seeds)")
-        axes.fill_between(xs, [m - s for m, s in zip(means, stds, strict=True)],
-                          [m + s for m, s in zip(means, stds, strict=True)], alpha=0.2)  # fmt: skip
+        axes.fill_between(
+            xs,
+            [m - s for m, s in zip(means, stds, strict=True)],
+            [m + s for m, s in zip(means, stds, strict=True)],
+            alpha=0.2,
+        )
     axes.set_xlabel("trained rollouts")
     axes.set_ylabel("held-out accuracy")
     axes.set_title(title)
@@ -224,9 +240,8 @@ def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None
 
 
 def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
-    estimators = [e for e in args.estimators.split(",") if e] if args.estimators else (
-        ["flash_reinforce", "grpo", "rloo"] if args.mode == "methods" else ["flash_reinforce"]
-    )  # fmt: skip
+    default = ["flash_reinforce", "grpo", "rloo"] if args.mode == "methods" else ["flash_reinforce"]
+    estimators = [e for e in args.estimators.split(",") if e] if args.estimators else default
     if args.mode == "methods":
         return method_variants(estimators, args.group_size)
     lags = [int(lag) for lag in args.lags.split(",")]
@@ -235,9 +250,11 @@ def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
 
 def run(args: argparse.Namespace) -> int:
     if args.mode == "methods" and args.gates != ("bernoulli",):
-        print("compare: --gates applies to `compare lag` (methods compares estimators with the "
-              "recipe's gate; set learner.flash_reinforce.gate_kl to change it)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "compare: --gates applies to `compare lag` (methods compares estimators with the "
+            "recipe's gate; set learner.flash_reinforce.gate_kl to change it)",
+            file=sys.stderr,
+        )
         return 2
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -261,9 +278,8 @@ def run(args: argparse.Namespace) -> int:
     reference = _reference(variants) if args.mode == "methods" else None
     table = results_table(by_variant, reference)
     (out / "results.md").write_text(table)
-    (out / "results.json").write_text(json.dumps(
-        {name: [run.__dict__ for run in runs] for name, runs in by_variant.items()}, indent=1
-    ))  # fmt: skip
+    results = {name: [run.__dict__ for run in runs] for name, runs in by_variant.items()}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(by_variant, out / "accuracy.png", f"{args.mode}: {args.recipe.name}")
     print(table)
     return 0
@@ -276,22 +292,30 @@ def _reference(variants: list[Variant]) -> str | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "mode", choices=("methods", "lag"),
+        "mode",
+        choices=("methods", "lag"),
         help="methods: estimators at equal rollouts; lag: every (estimator, max_lag) pair, "
-             "and FlashREINFORCE ungated at the largest lag",
-    )  # fmt: skip
+        "and FlashREINFORCE ungated at the largest lag",
+    )
     parser.add_argument("recipe", type=Path, help="the recipe every run starts from")
     parser.add_argument("--out", type=Path, required=True, help="directory of runs and results")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the recipe's)")
-    parser.add_argument("--estimators", default="",
-                        help="comma-separated: flash_reinforce, grpo, dr_grpo, rloo, "
-                             "reinforce_baseline (default: methods flash_reinforce,grpo,rloo; "
-                             "lag flash_reinforce)")  # fmt: skip
+    parser.add_argument(
+        "--estimators",
+        default="",
+        help="comma-separated: flash_reinforce, grpo, dr_grpo, rloo, "
+        "reinforce_baseline (default: methods flash_reinforce,grpo,rloo; "
+        "lag flash_reinforce)",
+    )
     parser.add_argument("--lags", default="0,2,8", help="lag mode: the max_lag values")
-    parser.add_argument("--gates", type=gate_list, default=("bernoulli",),
-                        help="lag mode: FlashREINFORCE's trust-region gates, comma-separated: "
-                             "bernoulli (the paper's; the run keeps its name), topk (the "
-                             "optional top-K gate; its runs end in _topk)")  # fmt: skip
+    parser.add_argument(
+        "--gates",
+        type=gate_list,
+        default=("bernoulli",),
+        help="lag mode: FlashREINFORCE's trust-region gates, comma-separated: "
+        "bernoulli (the paper's; the run keeps its name), topk (the "
+        "optional top-K gate; its runs end in _topk)",
+    )
     parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run")

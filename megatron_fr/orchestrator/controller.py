@@ -25,6 +25,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -39,6 +40,10 @@ from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+
+if TYPE_CHECKING:
+    from megatron_fr.learner.trainer import Learner
+    from megatron_fr.weights.sync import WeightSync
 
 STOP_FILE = "STOP"
 """Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
@@ -96,7 +101,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
                         ("run report", report.close if report else None)])  # fmt: skip
 
 
-def data_path_address(config: RunConfig, learner) -> DataPathAddress:
+def data_path_address(config: RunConfig, learner: Learner) -> DataPathAddress:
     """Where the rollout process hosts the data group: this node (loopback when the whole
     learner is on it), a free port, one member per (DP rank, PP stage). Its waits are the
     learner's collective timeout: a stage leader waits there for each batch."""
@@ -106,12 +111,22 @@ def data_path_address(config: RunConfig, learner) -> DataPathAddress:
     return DataPathAddress(host, free_port(), leaders, config.parallel.timeout_minutes * 60.0)
 
 
-def _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, report) -> None:
+def _loop(
+    config: RunConfig,
+    run_dir: Path,
+    learner: Learner,
+    weight_sync: WeightSync,
+    receiver: ShareReceiver,
+    pad_id: int,
+    rollout: RolloutProcess | None,
+    report: RunReport | None,
+) -> None:
     step = learner.steps_done
     stop_file = run_dir / STOP_FILE
     telemetry = GpuTelemetry()
     if rollout is not None:
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
+        assert report is not None  # the first rank makes both
         if step == 0:
             evaluate(rollout, report, step)
     skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
@@ -128,6 +143,7 @@ def _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, repo
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if rollout is not None:
+            assert report is not None
             rollout.set_version(step)
             seconds = time.monotonic() - started
             report.step(step, summaries, metrics | gpus, sync_s, rollout.stats(), seconds)
@@ -204,7 +220,13 @@ def evaluate(rollout: RolloutProcess, report: RunReport, step: int) -> None:
     report.evaluation(step, results, rollouts_total)
 
 
-def save_checkpoint(config: RunConfig, run_dir: Path, learner, rollout, step: int) -> None:
+def save_checkpoint(
+    config: RunConfig,
+    run_dir: Path,
+    learner: Learner,
+    rollout: RolloutProcess | None,
+    step: int,
+) -> None:
     directory = ckpt.step_dir(run_dir, step)
     learner.save(str(directory / "learner"))
     ckpt.save_rng(directory, dist.get_rank())

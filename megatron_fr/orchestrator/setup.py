@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -26,6 +27,9 @@ from megatron_fr.rollout.supervisor import EngineSupervisor
 from megatron_fr.weights.sync import WeightSync
 from megatron_fr.weights.transports import Engine
 
+if TYPE_CHECKING:
+    from megatron_fr.models.hf_config import HFModelSpec
+
 
 def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> RolloutService:
     """The rollout service with its engines started and healthy (not generating yet)."""
@@ -37,7 +41,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
                                      routed_experts=routed is not None)  # fmt: skip
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
-        urls=engines.urls,
+        urls=tuple(engines.urls),
         request_timeout_s=config.rollout.request_timeout_s,
         max_attempts=config.rollout.max_attempts,
         routed_experts=routed,
@@ -73,7 +77,7 @@ def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet
     }
 
 
-def connect_weight_sync(config: RunConfig, urls: list[str], spec) -> WeightSync:
+def connect_weight_sync(config: RunConfig, urls: list[str], spec: HFModelSpec) -> WeightSync:
     """Every learner rank: the weight sync to the run's engines, its groups formed. Port 0
     in the recipe means a free port picked by the first rank (single-node runs)."""
     # Imported here: megatron comes with it, and the rollout process, which builds its service

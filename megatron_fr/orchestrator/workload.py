@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from megatron_fr.config.data import DatasetConfig
 from megatron_fr.config.run import RunConfig
-from megatron_fr.envs.base import Sample
+from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.envs.registry import build_environment, environment_class, environment_config
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.rollout.episodes import AgentEpisodes, EpisodeProducer, TruncationHandling
+
+if TYPE_CHECKING:
+    from megatron_fr.rollout.chat import ChatFormat
 
 
 def resolve_task(config: RunConfig) -> RunConfig:
@@ -89,7 +94,13 @@ def fits_context(hf_dir: Path, row_tokens: int) -> None:
                          f"context {context} (max_position_embeddings of {hf_dir})")  # fmt: skip
 
 
-def _samples(spec, environment, chat, max_prompt_tokens: int, what: str) -> list[Sample]:
+def _samples(
+    spec: DatasetConfig,
+    environment: Environment,
+    chat: ChatFormat,
+    max_prompt_tokens: int,
+    what: str,
+) -> list[Sample]:
     """A prompt file's samples whose rendered prompt fits max_prompt_tokens (the others are
     dropped and counted in the log)."""
     from megatron_fr.envs.datasets import load_dataset

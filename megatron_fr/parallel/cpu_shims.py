@@ -30,10 +30,12 @@ import functools
 import importlib.util
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 _PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
@@ -53,13 +55,15 @@ def install_import_shims() -> None:
         return
     stand_in = types.ModuleType(_PAGED_STASH_OPS)
     stand_in.__doc__ = "megatron-fr stand-in: the paged-stash Triton kernels need triton + CUDA."
-    stand_in.GLOBAL_BLOCK_SIZE = 1024
 
     def _unavailable(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("megatron's paged-stash kernels need triton and CUDA")
 
-    stand_in.paged_stash_copy_kernel = _unavailable
-    stand_in.paged_stash_pop_kernel = _unavailable
+    vars(stand_in).update(
+        GLOBAL_BLOCK_SIZE=1024,
+        paged_stash_copy_kernel=_unavailable,
+        paged_stash_pop_kernel=_unavailable,
+    )
     sys.modules[_PAGED_STASH_OPS] = stand_in
 
 
@@ -141,6 +145,9 @@ def _cpu_rng_tracker_class(base: type) -> type:
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
 
     class CpuRNGStatesTracker(base):
+        _current_state_name: str
+        """The state in use (megatron's tracker sets it: reset() and fork())."""
+
         def add(self, name: str, seed: int) -> None:
             if seed in self.seeds_:
                 raise Exception(f"seed {seed} already exists")
@@ -315,7 +322,12 @@ def _shim_uneven_gather() -> None:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        def gather(
+            input_: Tensor,
+            group: ProcessGroup,
+            output_split_sizes: list[int] | None = None,
+            use_global_buffer: bool = False,
+        ) -> Tensor:
             if output_split_sizes is None or group.size() == 1:
                 return original(input_, group, output_split_sizes, use_global_buffer)
             start = sum(output_split_sizes[: group.rank()])
@@ -337,7 +349,13 @@ class _CudaDeviceToCpu(TorchFunctionMode):
     host tensors are not pinned (``pin_memory=True``, as RoPE's context-parallel slicing,
     rope_utils.get_pos_emb_on_this_cp_rank, asks, needs an accelerator)."""
 
-    def __torch_function__(self, func, _types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        _types: Collection[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]

@@ -25,7 +25,10 @@ its normalisers come from the whole batch (algo/ppo.py).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,16 @@ from megatron_fr.algo.flash_reinforce import (
 from megatron_fr.algo.ppo import ppo_clip_loss
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+
+def _tensors_to(batch: DataclassInstance, device: torch.device | str) -> dict[str, Any]:
+    """A batch's fields with every tensor moved to `device` (None stays None): the keyword
+    arguments of the same batch there."""
+    values = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    return {name: None if t is None else t.to(device) for name, t in values.items()}
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,10 @@ class LossBatch:
     topk_log_probs: Tensor | None = None
     """[rows, S_local, K] their log-probs as the engine reported them (0 off policy tokens)."""
 
+    def to(self, device: torch.device | str) -> LossBatch:
+        """The same slice on `device` (micro-batches are built on the CPU)."""
+        return LossBatch(**_tensors_to(self, device))
+
 
 @dataclass(frozen=True)
 class GlobalBatch:
@@ -86,13 +103,13 @@ class GlobalBatch:
     def to(self, device: torch.device | str) -> GlobalBatch:
         """The same batch on `device` (the learner builds it on the CPU; the loss runs where
         the logits are)."""
-        return GlobalBatch(
-            *(None if t is None else t.to(device)
-              for t in (self.advantages, self.failures, self.token_counts))
-        )  # fmt: skip
+        return GlobalBatch(**_tensors_to(self, device))
 
 
-def sum_over(group: dist.ProcessGroup | None):
+def sum_over(group: dist.ProcessGroup | None) -> Callable[[Tensor], Tensor]:
+    """The per-segment sums' reduction over `group` (the CP group: each rank holds a slice of
+    every trajectory); the identity without one."""
+
     def reduce(partial: Tensor) -> Tensor:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(partial, group=group)
@@ -110,14 +127,20 @@ def _gather_along_sequence(tensor: Tensor, group: dist.ProcessGroup | None) -> T
 
 
 def _keep_mask(
-    entropies: Tensor, batch: LossBatch, failures: Tensor, fraction: float, cp_group
+    entropies: Tensor,
+    batch: LossBatch,
+    failures: Tensor,
+    fraction: float,
+    cp_group: dist.ProcessGroup | None,
 ) -> Tensor:
     """Negative-token filter on whole trajectories: gather the CP slices, decide, slice back."""
-    gathered = [
+    whole_entropies, mask, segment_ids, positions = (
         _gather_along_sequence(t, cp_group)
         for t in (entropies, batch.action_mask, batch.segment_ids, batch.positions)
-    ]
-    keep = negative_token_keep_mask(*gathered, failures=failures, fraction=fraction)
+    )
+    keep = negative_token_keep_mask(
+        whole_entropies, mask, segment_ids, positions, failures=failures, fraction=fraction
+    )
     width = batch.action_mask.shape[-1]
     rank = 0 if cp_group is None else dist.get_rank(cp_group)
     return keep[..., rank * width : (rank + 1) * width]
@@ -132,9 +155,10 @@ def check_loss_inputs(batch: LossBatch, global_batch: GlobalBatch) -> None:
         segment_ids=batch.segment_ids,
         positions=batch.positions,
     )
-    if (batch.topk_ids is None) != (batch.topk_log_probs is None):
-        raise ValueError("topk_ids and topk_log_probs come together (the top-K gate's input)")
-    if batch.topk_ids is not None:
+    if batch.topk_ids is None or batch.topk_log_probs is None:
+        if batch.topk_ids is not None or batch.topk_log_probs is not None:
+            raise ValueError("topk_ids and topk_log_probs come together (the top-K gate's input)")
+    else:
         checks.check_same_shape("topk_ids", batch.topk_ids, topk_log_probs=batch.topk_log_probs)
         if batch.topk_ids.shape[:-1] != batch.target_ids.shape:
             raise ValueError(
@@ -174,6 +198,7 @@ def flash_reinforce_scored_loss(
     gate = _gate(log_probs, behavior, batch, global_batch, config, cp_group, topk_log_probs)
     keep = batch.action_mask & (batch.segment_ids >= 0)
     if fraction < 1.0:
+        assert entropies is not None and global_batch.failures is not None  # checked above
         keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
     advantages = global_batch.advantages.to(log_probs.dtype)
     loss, ratios, contributing = segment_policy_loss(
@@ -203,8 +228,9 @@ def _gate(
             "gate_kl topk needs the engine's top-K log-probs (LossBatch.topk_log_probs) and the "
             "learner's of the same ids (topk_log_probs)"
         )
-    checks.check_same_shape("LossBatch.topk_log_probs", batch.topk_log_probs,
-                            topk_log_probs=topk_log_probs)  # fmt: skip
+    checks.check_same_shape(
+        "LossBatch.topk_log_probs", batch.topk_log_probs, topk_log_probs=topk_log_probs
+    )
     token_kl = topk_kl(batch.topk_log_probs.to(log_probs.dtype), topk_log_probs.detach())
     return sequence_gate(token_kl, *where, reduce_segments=sum_over(cp_group))
 
@@ -223,10 +249,15 @@ def ppo_clip_scored_loss(
     if global_batch.token_counts is None:
         raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
     return ppo_clip_loss(
-        log_probs, batch.behavior_log_probs.to(log_probs.dtype), global_batch.advantages,
-        batch.action_mask, batch.segment_ids, global_batch.token_counts, config,
+        log_probs,
+        batch.behavior_log_probs.to(log_probs.dtype),
+        global_batch.advantages,
+        batch.action_mask,
+        batch.segment_ids,
+        global_batch.token_counts,
+        config,
         reduce_segments=sum_over(cp_group),
-    )  # fmt: skip
+    )
 
 
 def flash_reinforce_parallel_loss(

@@ -12,6 +12,7 @@ go on without them. ``process_groups()`` hands the groups to the code that uses 
 from __future__ import annotations
 
 import datetime
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.parallel.cpu_shims import check_installed
+
+T = TypeVar("T")
 
 
 def resolve_backend(config: ParallelConfig) -> str:
@@ -68,7 +71,9 @@ def process_groups() -> ProcessGroupCollection:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def initialize_single_process(config: ParallelConfig | None = None, seed: int | None = None):
+def initialize_single_process(
+    config: ParallelConfig | None = None, seed: int | None = None
+) -> None:
     """For tools that run alone (checkpoint conversion): a one-rank gloo group on a free
     loopback port, unless torch.distributed is already running, then ``initialize``."""
     from megatron_fr.parallel.spawn import free_port
@@ -80,11 +85,12 @@ def initialize_single_process(config: ParallelConfig | None = None, seed: int | 
     initialize(config or ParallelConfig(), seed)
 
 
-def broadcast_from_rank0(value):
-    """Rank 0's value on every rank (any picklable object; a collective of the default group)."""
+def broadcast_from_rank0(value: T | None) -> T:
+    """Rank 0's value on every rank (any picklable object; a collective of the default group).
+    The other ranks' values are not read: they pass None where only rank 0 has the value."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return cast(T, box[0])  # rank 0's value, which rank 0 always passes
 
 
 def destroy() -> None:

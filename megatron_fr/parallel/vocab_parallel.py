@@ -29,6 +29,8 @@ computed in float32: bf16 log-probs are too coarse) and never write into the cal
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,9 @@ def _group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+def _all_reduce(
+    tensor: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None
+) -> None:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
 
@@ -52,8 +56,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bool,
-                        in_place: bool = False, ids: Tensor | None = None):  # fmt: skip
+_Scores = tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor | None]
+
+
+def _softmax_and_scores(
+    logits: Tensor,
+    targets: Tensor,
+    group: dist.ProcessGroup | None,
+    with_entropy: bool,
+    in_place: bool = False,
+    ids: Tensor | None = None,
+) -> _Scores:
     """(log p(target), entropy or None, softmax, local targets, in-shard mask, log p(ids) or
     None) of [n, V/tp] logits, with `ids` [n, K] more token ids to score. The softmax is one
     fresh logits-sized buffer in the compute dtype, or, in_place (logits of the caller's own,
@@ -85,7 +98,7 @@ def _softmax_and_scores(logits: Tensor, targets: Tensor, group, with_entropy: bo
     log_probs = sums[0] - log_sum_exp
     id_log_probs = None if ids is None else (sums[2:] - log_sum_exp).movedim(0, -1)
     softmax.div_(sums[1].unsqueeze(-1))
-    entropy = None
+    entropy: Tensor | None = None
     if with_entropy:
         # H = logsumexp(z) - sum_v p_v z_v, with z the max-shifted logits.
         if shifted is None:
@@ -104,7 +117,9 @@ def _shard_logits(shifted: Tensor, ids: Tensor, vocab_start: int) -> Tensor:
     return torch.where(in_shard, shifted.gather(-1, local), 0)
 
 
-def _logits_gradient(softmax, local_targets, in_shard, grad_log_probs: Tensor) -> Tensor:
+def _logits_gradient(
+    softmax: Tensor, local_targets: Tensor, in_shard: Tensor, grad_log_probs: Tensor
+) -> Tensor:
     """d log p(y) / d z_v = [v == y] - p_v, times the incoming gradient, in place of the
     softmax buffer."""
     grad = softmax
@@ -121,7 +136,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     """Forward: log p(target), optionally the categorical entropy. Backward: into the logits."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group, with_entropy: bool):
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        group: dist.ProcessGroup | None,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         log_probs, entropy, softmax, local_targets, in_shard, _ = _softmax_and_scores(
             logits, targets, group, with_entropy
         )
@@ -132,13 +153,17 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx, grad_log_probs: Tensor, _grad_entropy: Tensor | None):
-        grad = _logits_gradient(*ctx.saved_tensors, grad_log_probs)
+    def backward(
+        ctx: Any, grad_log_probs: Tensor, _grad_entropy: Tensor | None
+    ) -> tuple[Tensor, None, None, None]:
+        softmax, local_targets, in_shard = ctx.saved_tensors
+        grad = _logits_gradient(softmax, local_targets, in_shard, grad_log_probs)
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def _check_targets(targets: Tensor, expected_shape, vocab_size: int,
-                   name: str = "targets") -> None:  # fmt: skip
+def _check_targets(
+    targets: Tensor, expected_shape: Sequence[int], vocab_size: int, name: str = "targets"
+) -> None:
     if targets.shape != expected_shape:
         raise ValueError(
             f"{name} shape {tuple(targets.shape)} does not match {tuple(expected_shape)}"
@@ -182,15 +207,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
     into the hidden states' and the weight's."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, group, temperature, with_entropy, chunk, ids):
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+        with_entropy: bool,
+        chunk: int,
+        ids: Tensor | None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         scores = [  # each chunk's scores only, so its softmax buffer is freed at once
-            _chunk_scores(hidden[s], weight, targets[s], group, temperature, with_entropy,
-                          None if ids is None else ids[s])
+            _chunk_scores(hidden[s], weight, targets[s], group, temperature, with_entropy, ids, s)
             for s in _chunks(hidden.shape[0], chunk)
-        ]  # fmt: skip
+        ]
         log_probs = torch.cat([score[0] for score in scores])
-        entropy = torch.cat([score[1] for score in scores]) if with_entropy else None
-        id_log_probs = torch.cat([score[2] for score in scores]) if ids is not None else None
+        entropy = _cat_optional([score[1] for score in scores])
+        id_log_probs = _cat_optional([score[2] for score in scores])
         for detached in (entropy, id_log_probs):
             if detached is not None:
                 ctx.mark_non_differentiable(detached)
@@ -199,10 +233,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return log_probs, entropy, id_log_probs
 
     @staticmethod
-    def backward(ctx, grad_log_probs: Tensor, _grad_entropy, _grad_ids):
+    def backward(
+        ctx: Any, grad_log_probs: Tensor, _grad_entropy: Tensor | None, _grad_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor, None, None, None, None, None, None]:
         hidden, weight, targets = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = None
+        grad_weight: Tensor | None = None
         for s in _chunks(hidden.shape[0], ctx.chunk):
             logits = _logits(hidden[s], weight, ctx.temperature)
             _, _, softmax, local, in_shard, _ = _softmax_and_scores(
@@ -213,14 +249,33 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad = _divide(grad, ctx.temperature).to(weight.dtype)
             grad_hidden[s] = grad @ weight
             grad_weight = _accumulate(grad_weight, grad, hidden[s])
+        assert grad_weight is not None, "no chunks: the forward fails first (cat of none)"
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
-def _chunk_scores(hidden, weight, targets, group, temperature, with_entropy, ids):
-    """(log p(targets), entropy or None, log p(ids) or None) of one chunk's logits."""
-    scores = _softmax_and_scores(_logits(hidden, weight, temperature), targets, group,
-                                 with_entropy, in_place=True, ids=ids)  # fmt: skip
+def _chunk_scores(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+    with_entropy: bool,
+    ids: Tensor | None,
+    chunk: slice,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(log p(targets), entropy or None, log p(ids) or None) of one chunk's logits, made and
+    dropped here; `ids` are the whole batch's, sliced to the chunk."""
+    logits = _logits(hidden, weight, temperature)
+    chunk_ids = None if ids is None else ids[chunk]
+    scores = _softmax_and_scores(logits, targets, group, with_entropy, True, chunk_ids)
     return scores[0], scores[1], scores[5]
+
+
+def _cat_optional(parts: list[Tensor | None]) -> Tensor | None:
+    """The chunks' optional scores (entropies, the ids' log-probs) joined, or None where the
+    chunks made none (each chunk makes them or not alike)."""
+    present = [part for part in parts if part is not None]
+    return torch.cat(present) if present else None
 
 
 def _chunks(tokens: int, chunk: int) -> list[slice]:
@@ -266,9 +321,14 @@ def chunked_vocab_parallel_log_probs(
     over the TP group (megatron's copy_to / gather_from regions do). chunk: tokens per chunk
     (default chunk_tokens(V / tp))."""
     log_probs, entropy, _ = chunked_vocab_parallel_scores(
-        hidden, weight, targets, group, temperature=temperature, with_entropy=with_entropy,
+        hidden,
+        weight,
+        targets,
+        group,
+        temperature=temperature,
+        with_entropy=with_entropy,
         chunk=chunk,
-    )  # fmt: skip
+    )
     return log_probs, entropy
 
 
@@ -298,8 +358,9 @@ def chunked_vocab_parallel_scores(
     if ids is not None:
         _check_targets(ids, (hidden.shape[0], ids.shape[-1]), vocab_size, "ids")
     chunk = chunk or chunk_tokens(weight.shape[0])
-    return _ChunkedLogProbs.apply(hidden, weight, targets, group, temperature, with_entropy,
-                                  chunk, ids)  # fmt: skip
+    return _ChunkedLogProbs.apply(
+        hidden, weight, targets, group, temperature, with_entropy, chunk, ids
+    )
 
 
 def loss_path_extra_memory(
@@ -316,5 +377,6 @@ def loss_path_extra_memory(
     with LiveTensorBytes() as memory:
         log_probs, _, _ = chunked_vocab_parallel_scores(hidden, weight, targets, ids=ids)
         log_probs.sum().backward()
+    assert hidden.grad is not None and weight.grad is not None, "the backward just ran"
     returned = hidden.grad.nbytes + weight.grad.nbytes
     return (memory.peak - returned) / (targets.numel() * weight.shape[0] * 4)

@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -122,6 +123,7 @@ class RolloutService:
         Safe to call twice and on a service that never started."""
         self.buffer.close(self._error)
         if self._thread.is_alive():
+            assert self._stop is not None  # _main makes it before start() returns
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=timeout_s)
             if self._thread.is_alive():
@@ -176,8 +178,9 @@ class RolloutService:
 
         def finished(task: asyncio.Task) -> None:
             tasks.discard(task)
-            if not task.cancelled() and task.exception() is not None:
-                self._fail(task.exception())
+            error = None if task.cancelled() else task.exception()
+            if error is not None:
+                self._fail(error)
 
         async with RolloutClient(self.client_config) as client:
             self._client = client
@@ -192,7 +195,9 @@ class RolloutService:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._client = None
 
-    async def _admissions(self, tasks: set, finished) -> None:
+    async def _admissions(
+        self, tasks: set[asyncio.Task], finished: Callable[[asyncio.Task], None]
+    ) -> None:
         while (admission := await self.buffer.admit_async()) is not None:
             task = asyncio.create_task(self._group(admission))
             tasks.add(task)
@@ -206,7 +211,7 @@ class RolloutService:
     async def _episode(self, admission: Admission, prompt_id: str) -> None:
         try:
             trajectory = await self.producer.run(
-                self._client, admission.problem, prompt_id, admission.group, self.sampling
+                self._running_client(), admission.problem, prompt_id, admission.group, self.sampling
             )
         except ROLLOUT_FAILURES as error:
             with self._counts_lock:
@@ -219,6 +224,12 @@ class RolloutService:
         with self._counts_lock:
             self.completed += 1
 
+    def _running_client(self) -> RolloutClient:
+        """The loop's client, which exists while the loop runs (start() to close())."""
+        if self._client is None:
+            raise RuntimeError("the rollout service is not running: start() it first")
+        return self._client
+
     # --- the learner's side ---------------------------------------------------------------
 
     def next_batch(self, version: int) -> list[Trajectory]:
@@ -230,6 +241,7 @@ class RolloutService:
         except Exception:
             self.check()
             raise
+        assert batch is not None  # without a timeout it waits for a batch (or raises)
         return batch
 
     def set_version(self, version: int) -> None:
@@ -279,7 +291,10 @@ class RolloutService:
             raise TimeoutError(f"evaluation did not finish within {timeout_s} s")
         return future.result()
 
-    async def _evaluate(self, sets: dict[str, EvalSet], sampling: SamplingParams):
+    async def _evaluate(
+        self, sets: dict[str, EvalSet], sampling: SamplingParams
+    ) -> dict[str, tuple[float, float]]:
+        client = self._running_client()
         results = {}
         for name, spec in sets.items():
             passes = []
@@ -287,7 +302,7 @@ class RolloutService:
                 outcomes = await asyncio.gather(
                     *(
                         self.producer.run(
-                            self._client, problem, f"eval-{name}-{problem}#{k}", "eval", sampling
+                            client, problem, f"eval-{name}-{problem}#{k}", "eval", sampling
                         )
                         for problem in spec.problems
                     ),

@@ -46,8 +46,14 @@ class EngineSupervisor:
         self.urls = [p.url for p in processes] or list(settings.urls)
 
     @classmethod
-    def start(cls, settings: EngineSettings, model_path: Path, log_dir: Path, port: int,
-              routed_experts: bool = False):  # fmt: skip
+    def start(
+        cls,
+        settings: EngineSettings,
+        model_path: Path,
+        log_dir: Path,
+        port: int,
+        routed_experts: bool = False,
+    ) -> EngineSupervisor:
         """Adopt settings.urls, or start one engine of settings.kind serving model_path on
         `port` (returning routed experts when asked: MoE routing replay); then check them all
         (module docstring)."""

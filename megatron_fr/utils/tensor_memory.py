@@ -16,6 +16,8 @@ Measurement only: it costs a Python call per operation.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +33,13 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         inputs = {_pointer(t) for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)}
@@ -53,7 +61,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.live -= self._sizes.pop(key, 0)
 
 
-def _is_tensor(value) -> bool:
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor)
 
 

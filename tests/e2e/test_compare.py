@@ -16,23 +16,38 @@ from megatron_fr.orchestrator import compare
 from megatron_fr.orchestrator import compare_stats as stats
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["buffer.batch_size=8", "buffer.capacity=32", "buffer.max_in_flight=16",
-        "eval.problems=8", "eval.samples=1", "eval.every_steps=0"]  # fmt: skip
+TINY = [
+    "buffer.batch_size=8",
+    "buffer.capacity=32",
+    "buffer.max_in_flight=16",
+    "eval.problems=8",
+    "eval.samples=1",
+    "eval.every_steps=0",
+]
 
 
 def write_run(run_dir: Path, evals: dict[int, float], acceptance: float, kl: float) -> None:
     run_dir.mkdir(parents=True)
     lines = [{"step": s, "rollouts_total": 0, "eval_accuracy": a} for s, a in evals.items()]
-    lines += [{"step": s, "reward_mean": 0.5, "acceptance_rate": acceptance,
-               "sequence_kl_mean": kl, "lag_mean": s % 2}
-              for s in range(1, max(evals) + 1)]  # fmt: skip
+    lines += [
+        {
+            "step": s,
+            "reward_mean": 0.5,
+            "acceptance_rate": acceptance,
+            "sequence_kl_mean": kl,
+            "lag_mean": s % 2,
+        }
+        for s in range(1, max(evals) + 1)
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
 def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
     runs = {}
-    curves = {"fr": [{0: 0.2, 2: 0.5, 4: 0.6}, {0: 0.2, 2: 0.4, 4: 0.6}],
-              "grpo": [{0: 0.2, 2: 0.3, 4: 0.45}, {0: 0.2, 2: 0.3, 4: 0.45}]}  # fmt: skip
+    curves = {
+        "fr": [{0: 0.2, 2: 0.5, 4: 0.6}, {0: 0.2, 2: 0.4, 4: 0.6}],
+        "grpo": [{0: 0.2, 2: 0.3, 4: 0.45}, {0: 0.2, 2: 0.3, 4: 0.45}],
+    }
     for name, seeds in curves.items():
         for seed, evals in enumerate(seeds):
             write_run(tmp_path / f"{name}{seed}", evals, acceptance=0.9, kl=1e-3)
@@ -60,20 +75,31 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     out = tmp_path / "compare"
     modes = {
         "methods": (1, ["--estimators", "flash_reinforce,grpo"], ["flash_reinforce", "grpo_g4"]),
-        "lag": (3, ["--estimators", "flash_reinforce,grpo", "--lags", "0,2",
-                    "--gates", "bernoulli,topk"],
-                ["flash_reinforce_lag0", "flash_reinforce_lag0_topk", "flash_reinforce_lag2",
-                 "flash_reinforce_lag2_topk", "grpo_g4_lag0", "grpo_g4_lag2",
-                 "flash_reinforce_lag2_no_gate"]),
-    }  # fmt: skip
+        "lag": (
+            3,
+            ["--estimators", "flash_reinforce,grpo", "--lags", "0,2", "--gates", "bernoulli,topk"],
+            [
+                "flash_reinforce_lag0",
+                "flash_reinforce_lag0_topk",
+                "flash_reinforce_lag2",
+                "flash_reinforce_lag2_topk",
+                "grpo_g4_lag0",
+                "grpo_g4_lag2",
+                "flash_reinforce_lag2_no_gate",
+            ],
+        ),
+    }
+    recipe = REPO / "examples/cpu_demo.yaml"
     for mode, (steps, options, names) in modes.items():
+        command = [sys.executable, "-m", "megatron_fr", "compare", mode, str(recipe)]
+        command += ["--out", str(out), "--seeds", "1", "--steps", str(steps), *options, *TINY]
         result = subprocess.run(
-            [sys.executable, "-m", "megatron_fr", "compare", mode,
-             str(REPO / "examples/cpu_demo.yaml"), "--out", str(out), "--seeds", "1",
-             "--steps", str(steps), *options, *TINY, f"model.hf_dir={demo_model}"],
-            capture_output=True, text=True, timeout=1500,
+            [*command, f"model.hf_dir={demo_model}"],
+            capture_output=True,
+            text=True,
+            timeout=1500,
             env=os.environ | {"PYTHONPATH": str(REPO)},
-        )  # fmt: skip
+        )
         assert result.returncode == 0, result.stderr[-12000:]
         table = (out / "results.md").read_text()
         for name in names:
@@ -90,9 +116,13 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     # Each lag run trains at its max_lag once it is that many steps in (the buffer waits for a
     # full staleness budget): batch lags 0, 1, 2 at max_lag 2, 0 throughout at max_lag 0, for
     # GRPO's whole groups as for FlashREINFORCE.
-    expected = {"flash_reinforce_lag0": [0, 0, 0], "flash_reinforce_lag2": [0, 1, 2],
-                "flash_reinforce_lag2_topk": [0, 1, 2], "grpo_g4_lag0": [0, 0, 0],
-                "grpo_g4_lag2": [0, 1, 2]}  # fmt: skip
+    expected = {
+        "flash_reinforce_lag0": [0, 0, 0],
+        "flash_reinforce_lag2": [0, 1, 2],
+        "flash_reinforce_lag2_topk": [0, 1, 2],
+        "grpo_g4_lag0": [0, 0, 0],
+        "grpo_g4_lag2": [0, 1, 2],
+    }
     for name, lags in expected.items():
         assert [r["lag_max"] for r in records_of(out, name) if "lag_max" in r] == lags, name
         assert [r["lag_mean"] for r in records_of(out, name) if "lag_mean" in r] == lags, name
@@ -117,19 +147,29 @@ def test_lag_variants_run_flash_reinforce_once_per_gate():
         args = parser.parse_args(["lag", "r.yaml", "--out", "o", *options])
         return {v.name: v.overrides for v in compare.variants_for(args, batch_size=16)}
 
-    both = variants("--estimators", "flash_reinforce,grpo", "--lags", "0,8",
-                    "--gates", "topk,bernoulli")  # fmt: skip
+    both = variants(
+        "--estimators", "flash_reinforce,grpo", "--lags", "0,8", "--gates", "topk,bernoulli"
+    )
     assert list(both) == [
-        "flash_reinforce_lag0_topk", "flash_reinforce_lag0", "flash_reinforce_lag8_topk",
-        "flash_reinforce_lag8", "grpo_g4_lag0", "grpo_g4_lag8", "flash_reinforce_lag8_no_gate",
-    ]  # fmt: skip
+        "flash_reinforce_lag0_topk",
+        "flash_reinforce_lag0",
+        "flash_reinforce_lag8_topk",
+        "flash_reinforce_lag8",
+        "grpo_g4_lag0",
+        "grpo_g4_lag8",
+        "flash_reinforce_lag8_no_gate",
+    ]
     assert both["flash_reinforce_lag8_topk"] == (
         *both["flash_reinforce_lag8"],
         "learner.flash_reinforce.gate_kl=topk",
     )
     assert not any("gate_kl" in override for override in both["flash_reinforce_lag8"])
-    assert list(variants()) == ["flash_reinforce_lag0", "flash_reinforce_lag2",
-                                "flash_reinforce_lag8", "flash_reinforce_lag8_no_gate"]  # fmt: skip
+    assert list(variants()) == [
+        "flash_reinforce_lag0",
+        "flash_reinforce_lag2",
+        "flash_reinforce_lag8",
+        "flash_reinforce_lag8_no_gate",
+    ]
     with pytest.raises(SystemExit):
         variants("--gates", "bernoulli,full")
     methods = parser.parse_args(["methods", "r.yaml", "--out", "o", "--gates", "topk"])

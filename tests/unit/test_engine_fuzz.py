@@ -62,11 +62,33 @@ scalars = (
     | st.text(max_size=12)
 )
 FIELD_NAMES = st.sampled_from(
-    ["input_ids", "text", "sampling_params", "rid", "mode", "abort_all", "new_version",
-     "model_path", "weight_version", "names", "dtypes", "shapes", "group_name", "name",
-     "truncate_size", "master_port", "rank_offset", "world_size", "backend", "load_format",
-     "stream", "return_logprob", "temperature", "max_new_tokens"]
-)  # fmt: skip
+    [
+        "input_ids",
+        "text",
+        "sampling_params",
+        "rid",
+        "mode",
+        "abort_all",
+        "new_version",
+        "model_path",
+        "weight_version",
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "name",
+        "truncate_size",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "backend",
+        "load_format",
+        "stream",
+        "return_logprob",
+        "temperature",
+        "max_new_tokens",
+    ]
+)
 json_values = st.recursive(
     scalars,
     lambda inner: (
@@ -313,19 +335,33 @@ def test_fuzzed_requests_never_get_a_5xx_or_hang(model_dir):
 
 # --- a corpus of bad requests against a real engine process -------------------------------------
 
-LIMITS = {"--context-length": "16", "--max-request-mib": "1", "--max-batch-prompts": "8",
-          "--read-timeout-s": "2", "--weight-group-timeout-s": "2"}  # fmt: skip
+LIMITS = {
+    "--context-length": "16",
+    "--max-request-mib": "1",
+    "--max-batch-prompts": "8",
+    "--read-timeout-s": "2",
+    "--weight-group-timeout-s": "2",
+}
 """The engine process's bounds: small, so that every attack reaches them quickly."""
-GOOD = {"input_ids": [3, 17, 42, 5], "sampling_params": {"max_new_tokens": 2},
-        "return_routed_experts": True, "routed_experts_start_len": 0}  # fmt: skip
+GOOD = {
+    "input_ids": [3, 17, 42, 5],
+    "sampling_params": {"max_new_tokens": 2},
+    "return_routed_experts": True,
+    "routed_experts_start_len": 0,
+}
 CORPUS_SEED = 20_261_204
 
 
 def http_request(method: str, path: str, body: bytes | object = b"", **headers: str) -> bytes:
     """One raw HTTP/1.1 request; `body` as bytes, or JSON of anything else (NaN allowed)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    lines = [f"{method} {path} HTTP/1.1", "Host: engine", "Connection: close",
-             "Content-Type: application/json", f"Content-Length: {len(data)}"]  # fmt: skip
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        "Host: engine",
+        "Connection: close",
+        "Content-Type: application/json",
+        f"Content-Length: {len(data)}",
+    ]
     lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + data
 
@@ -392,8 +428,19 @@ def generate_mutations() -> list[tuple[str, object]]:
         "stop": [["x"]],
     }
     top = {
-        "input_ids": ["1 2 3", [], [1, "2"], [1.5], [True], [10**30], [-1], [[1], []], [[[1]]],
-                      [1] * 16, {"a": 1}],
+        "input_ids": [
+            "1 2 3",
+            [],
+            [1, "2"],
+            [1.5],
+            [True],
+            [10**30],
+            [-1],
+            [[1], []],
+            [[[1]]],
+            [1] * 16,
+            {"a": 1},
+        ],
         "rid": [5, ["a"], {"x": 1}],
         "return_routed_experts": [1, "yes"],
         "routed_experts_start_len": [-1, 10**9, "0", 2.5],
@@ -401,9 +448,10 @@ def generate_mutations() -> list[tuple[str, object]]:
         "stream": [True],
         "prompt": ["x"],
         "sampling_params": ["temperature=0", [{}], 7],
-    }  # fmt: skip
-    pairs = [(("sampling_params", name), value) for name, values in sampling.items()
-             for value in values]  # fmt: skip
+    }
+    pairs = [
+        (("sampling_params", name), value) for name, values in sampling.items() for value in values
+    ]
     return pairs + [((name,), value) for name, values in top.items() for value in values]
 
 
@@ -423,8 +471,10 @@ def corpus(model_dir: Path, tmp_path: Path) -> list[tuple[str, bytes, str | None
     """(name, raw request, fragment the reason must hold or None): bad requests only."""
     post = functools.partial(http_request, "POST")
     fifo_shard, fifo_index = tmp_path / "fifo_shard", tmp_path / "fifo_index"
-    for directory, name in ((fifo_shard, "model.safetensors"),
-                            (fifo_index, "model.safetensors.index.json")):  # fmt: skip
+    for directory, name in (
+        (fifo_shard, "model.safetensors"),
+        (fifo_index, "model.safetensors.index.json"),
+    ):
         directory.mkdir()
         os.mkfifo(directory / name)
     cases = [
@@ -545,8 +595,9 @@ def corpus(model_dir: Path, tmp_path: Path) -> list[tuple[str, bytes, str | None
     random = Random(CORPUS_SEED)
     text = json.dumps(GOOD).encode()
     for draw in range(15):  # seeded: a valid body cut short, and several fields spoilt at once
-        cases.append((f"cut at {draw}", post("/generate", text[: random.randrange(len(text))]),
-                      "not JSON"))  # fmt: skip
+        cases.append(
+            (f"cut at {draw}", post("/generate", text[: random.randrange(len(text))]), "not JSON")
+        )
         spoilt = dict(GOOD)
         for path, value in random.sample(generate_mutations(), random.randint(2, 4)):
             spoilt = mutated(spoilt, path, value)
@@ -563,8 +614,9 @@ def word_tokenizer(directory: Path) -> None:
     words = ["<unk>", "<eos>", *(f"w{i}" for i in range(60))]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                                      eos_token="<eos>")  # fmt: skip
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>"
+    )
     wrapped.save_pretrained(directory)
 
 
@@ -572,8 +624,13 @@ def slow_attacks(address, dead_master: int) -> dict[str, Callable[[], bytes | No
     """The requests that used to hold the engine: a body that stops half-way, headers that
     stop half-way, and joins of a weight group whose master accepts and never answers."""
     half_body = b'POST /generate HTTP/1.1\r\nHost: e\r\nContent-Length: 100\r\n\r\n{"input'
-    join = {"master_address": "127.0.0.1", "master_port": dead_master, "rank_offset": 1,
-            "world_size": 2, "backend": "gloo"}  # fmt: skip
+    join = {
+        "master_address": "127.0.0.1",
+        "master_port": dead_master,
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+    }
     attacks = {
         "half-sent body": lambda: exchange(address, half_body),
         "half-sent headers": lambda: exchange(address, b"POST /generate HTTP/1.1\r\nHost: e"),
@@ -585,8 +642,10 @@ def slow_attacks(address, dead_master: int) -> dict[str, Callable[[], bytes | No
     return attacks
 
 
-EXPECTED = {"half-sent body": ("clear 4xx", "did not arrive within 2 s"),
-            "half-sent headers": ("closed", "")}  # fmt: skip
+EXPECTED = {
+    "half-sent body": ("clear 4xx", "did not arrive within 2 s"),
+    "half-sent headers": ("closed", ""),
+}
 """What a slow attack must get (the joins: a clear 4xx naming the timeout)."""
 
 
@@ -595,8 +654,13 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
     tiny_checkpoint("qwen3_moe", model_dir, seed=0)
     word_tokenizer(model_dir)
     port = free_port()
-    launch = ServerLaunchConfig(model_path=str(model_dir), port=port, engine="cpu",
-                                return_routed_experts=True, log_dir=tmp_path)  # fmt: skip
+    launch = ServerLaunchConfig(
+        model_path=str(model_dir),
+        port=port,
+        engine="cpu",
+        return_routed_experts=True,
+        log_dir=tmp_path,
+    )
     command = cpu_engine_command(launch) + [arg for pair in LIMITS.items() for arg in pair]
     server = ServerProcess.start(command, "127.0.0.1", port, tmp_path)
     dead_master = socket.socket()  # accepts connections (kernel backlog), never answers
@@ -614,11 +678,12 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
             attacks = slow_attacks(address, dead_master.getsockname()[1])
             pending = {name: pool.submit(attack) for name, attack in attacks.items()}
             time.sleep(0.5)  # every attack sent and waiting
-            alive = [outcome(exchange(address, request, deadline_s=2.0)) for request in (
+            version = {"new_version": "v2", "abort_all_requests": False}
+            requests = (
                 http_request("GET", "/health"),
-                http_request("POST", "/update_weight_version",
-                             {"new_version": "v2", "abort_all_requests": False}),
-            )]  # fmt: skip
+                http_request("POST", "/update_weight_version", version),
+            )
+            alive = [outcome(exchange(address, request, deadline_s=2.0)) for request in requests]
             slow = {name: outcome(future.result()) for name, future in pending.items()}
         for name, (kind, message) in slow.items():
             outcomes[kind] += 1
@@ -626,10 +691,11 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
             if kind != expected or fragment not in message:
                 wrong.append(f"{name}: {kind} {message!r:.300}")
         good = outcome(exchange(address, http_request("POST", "/generate", GOOD)))
-        text = outcome(exchange(address, http_request("POST", "/generate", {
-            "text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2}})))  # fmt: skip
-        answer = json.loads(exchange(address, http_request("POST", "/generate", GOOD)).partition(
-            b"\r\n\r\n")[2])  # fmt: skip
+        by_text = {"text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2}}
+        text = outcome(exchange(address, http_request("POST", "/generate", by_text)))
+        answer = json.loads(
+            exchange(address, http_request("POST", "/generate", GOOD)).partition(b"\r\n\r\n")[2]
+        )
         still_running = server.proc.poll() is None
     finally:
         dead_master.close()

@@ -22,10 +22,8 @@ GIB = 2**30
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    command = [sys.executable, str(REPO / "tools" / "plan_layout.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
 def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
@@ -60,28 +58,33 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     # output layer's gradient, (V/TP) h (4 + 2).
     tokens, etp = 16384 // 4, 1
     attention = 3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv
-    per_layer = tokens * (attention + 4 * h + 2 * h * top_k * etp + 6 * top_k * width + h
-                          + 2 * h + 4 * experts + 2 * h * top_k)  # fmt: skip
+    expert_acts = 2 * h * top_k * etp + 6 * top_k * width + h
+    router_acts, combine_acts = 2 * h + 4 * experts, 2 * h * top_k
+    per_layer = tokens * (attention + 4 * h + expert_acts + router_acts + combine_acts)
     dispatch = tokens * 2 * h * top_k * (2 + 2 * etp)
     output = 16384 * (2 * h // 4 + 2 * h) + LOSS_CHUNK_BYTES * 3 // 2 + vocab // 4 * h * 6
     # What a layer keeps: none all of it; selective the attention, the norms' inputs and the
     # MoE block's input (re-run in the backward); full its input. With recompute, one layer's
     # whole working set while it is re-run.
-    kept = {"none": per_layer, "selective": tokens * (attention + 4 * h + 2 * h),
-            "full": tokens * 2 * h}  # fmt: skip
-    activations = {mode: layers * kept[mode] + (mode != "none") * per_layer + dispatch + output
-                   for mode in kept}  # fmt: skip
+    kept = {
+        "none": per_layer,
+        "selective": tokens * (attention + 4 * h + 2 * h),
+        "full": tokens * 2 * h,
+    }
+    activations = {
+        mode: layers * kept[mode] + (mode != "none") * per_layer + dispatch + output
+        for mode in kept
+    }
 
-    result = plan_cli(
-        "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
-        "80", "--tp", "4", "--ep", "8", "--etp", "1", "--micro-batch-tokens", "16384", "--json",
-        "--recompute", "full",
-    )  # fmt: skip
+    layout = "--model qwen3-30b-a3b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 80 --tp 4 --ep 8"
+    layout += " --etp 1 --micro-batch-tokens 16384"
+    result = plan_cli(*layout.split(), "--json", "--recompute", "full")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     per_gpu = plan["per_gpu"]
-    assert plan["layout"] == dict(tp=4, pp=1, cp=1, ep=8, etp=1, dp=2, edp=1,
-                                  sequence_parallel=True)  # fmt: skip
+    assert plan["layout"] == dict(
+        tp=4, pp=1, cp=1, ep=8, etp=1, dp=2, edp=1, sequence_parallel=True
+    )
     assert plan["params_per_gpu"] == dense + expert == 4_018_747_392
     assert (per_gpu["dense_params"], per_gpu["expert_params"]) == (dense, expert)
     assert per_gpu["weight_bytes"] == weights == 8_037_494_784
@@ -96,10 +99,7 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
         (state + activations["selective"]) / GIB + 4 <= 80 < (state + activations["none"]) / GIB + 4
     )
     assert plan["longest_row"] == 16384 // 4 * 4 + 1
-    refused = plan_cli(
-        "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb",
-        "80", "--tp", "4", "--ep", "8", "--etp", "1", "--micro-batch-tokens", "16384",
-    )  # fmt: skip
+    refused = plan_cli(*layout.split())
     assert refused.returncode == 3 and "none no, selective yes, full yes" in refused.stdout
 
 
@@ -125,14 +125,17 @@ def test_entropies_and_expert_tensor_parallelism_add_what_the_formula_says():
     "args, reason",
     [
         (["--tp", "8"], "TP 8 does not divide the 4 query groups"),
-        (["--tp", "4", "--ep", "8"], "world_size 8 is not divisible by expert_tensor (4) x expert"
-         " (8) x pipeline (1) = 32 (ETP defaults to TP"),
+        (
+            ["--tp", "4", "--ep", "8"],
+            "world_size 8 is not divisible by expert_tensor (4) x expert"
+            " (8) x pipeline (1) = 32 (ETP defaults to TP",
+        ),
         (["--tp", "4", "--gpus-per-node", "6"], "world_size 6 is not divisible by tensor (4)"),
         (["--ep", "3", "--gpus-per-node", "6"], "EP 3 does not divide the 128 experts"),
         (["--pp", "5", "--gpus-per-node", "5"], "PP 5 does not divide the 48 layers"),
         (["--cp", "3"], "x context (3) = 3"),
     ],
-)  # fmt: skip
+)
 def test_invalid_layouts_are_refused_with_the_reason(args, reason):
     base = ["--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "8"]
     result = plan_cli(*base, *args)
@@ -151,21 +154,24 @@ def test_micro_batch_tokens_are_per_gpu_and_cp_lengthens_the_rows():
     two = plan_layout(spec, ParallelConfig(expert=4, context=2), 8, **base)
     assert two.stages[0].activation_bytes == one.stages[0].activation_bytes
     assert (one.longest_row, two.longest_row) == (9217, 18433)
-    tp4_cp2 = ParallelConfig(tensor=4, context=2, expert=8, expert_tensor=1,
-                             sequence_parallel=True)  # fmt: skip
+    tp4_cp2 = ParallelConfig(tensor=4, context=2, expert=8, expert_tensor=1, sequence_parallel=True)
     assert plan_layout(spec, tp4_cp2, 16, row_tokens=18432, **base).longest_row == 18433
-    with pytest.raises(LayoutError, match=r"learner.micro_batch_tokens 9000 x parallel.context 2 "
-                                          r"holds at most 18001; .* >= 9216"):  # fmt: skip
+    with pytest.raises(
+        LayoutError,
+        match=r"learner.micro_batch_tokens 9000 x parallel.context 2 "
+        r"holds at most 18001; .* >= 9216",
+    ):
         plan_layout(spec, tp4_cp2, 16, row_tokens=18432, micro_batch_tokens=9000)
 
 
 def test_dense_model_refuses_expert_parallelism_and_counts_published_sizes():
-    result = plan_cli("--model", "qwen2.5-7b-instruct", "--nodes", "1", "--gpus-per-node", "8",
-                      "--ep", "2", "--json")  # fmt: skip
+    dense_with_ep = "--model qwen2.5-7b-instruct --nodes 1 --gpus-per-node 8 --ep 2 --json"
+    result = plan_cli(*dense_with_ep.split())
     assert result.returncode == 2
     assert json.loads(result.stdout) == {
-        "valid": False, "reason": "EP 2 set for a dense model (no experts)",
-    }  # fmt: skip
+        "valid": False,
+        "reason": "EP 2 set for a dense model (no experts)",
+    }
     # Published totals: Qwen2.5-7B 7.62 B, Qwen2.5-Math-1.5B 1.54 B (tied embeddings).
     assert total_params(load_hf_config("qwen2.5-7b-instruct")) == 7_615_616_512
     assert total_params(load_hf_config("qwen2.5-math-1.5b")) == 1_543_714_304
@@ -191,9 +197,9 @@ def test_pipeline_stages_hold_their_own_layers_and_embeddings():
 
 
 def test_enumeration_lists_fitting_layouts_best_first():
-    result = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "8",
-                      "--gpu-mem-gb", "80", "--micro-batch-tokens", "9216",
-                      "--row-tokens", "18432", "--json")  # fmt: skip
+    cluster = "--model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem-gb 80"
+    cluster += " --micro-batch-tokens 9216 --row-tokens 18432 --json"
+    result = plan_cli(*cluster.split())
     assert result.returncode == 0, result.stderr
     plans = json.loads(result.stdout)
     layouts = [tuple(p["layout"][k] for k in ("tp", "cp", "pp", "ep", "etp")) for p in plans]
@@ -204,11 +210,14 @@ def test_enumeration_lists_fitting_layouts_best_first():
     least = [next(m for m in ("none", "selective", "full") if p["fits"][m]) for p in plans]
     order = {"none": 0, "selective": 1, "full": 2}
     assert [order[m] for m in least] == sorted(order[m] for m in least), "least recompute first"
-    model_parallel = [p["layout"]["tp"] * p["layout"]["cp"] * p["layout"]["pp"]
-                      for p in plans if p["fits"]["none"]]  # fmt: skip
+    model_parallel = [
+        p["layout"]["tp"] * p["layout"]["cp"] * p["layout"]["pp"]
+        for p in plans
+        if p["fits"]["none"]
+    ]
     assert model_parallel == sorted(model_parallel)
-    nothing = plan_cli("--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node", "1",
-                       "--gpu-mem-gb", "80")  # fmt: skip
+    one_gpu = "--model qwen3-30b-a3b --nodes 1 --gpus-per-node 1 --gpu-mem-gb 80"
+    nothing = plan_cli(*one_gpu.split())
     assert nothing.returncode == 3 and "no valid layout fits" in nothing.stdout
 
 

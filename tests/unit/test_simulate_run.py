@@ -36,14 +36,21 @@ class Cycle:
 
 
 def one_server(train_s: float, sync_s: float, steps: int, **server) -> SimConfig:
-    return SimConfig.model_validate({
-        "cluster": {"rollout_nodes": 1, "learner_nodes": 1, "gpus_per_node": 1},
-        "server": {"gpus_per_server": 1, "single_stream_tokens_per_s": 10.0,
-                   "peak_tokens_per_s": 20.0, **server},
-        "learner": {"seconds_per_step": train_s},
-        "sync": {"bytes": 0, "latency_s": sync_s},
-        "steps": steps, "warmup_steps": 0,
-    })  # fmt: skip
+    return SimConfig.model_validate(
+        {
+            "cluster": {"rollout_nodes": 1, "learner_nodes": 1, "gpus_per_node": 1},
+            "server": {
+                "gpus_per_server": 1,
+                "single_stream_tokens_per_s": 10.0,
+                "peak_tokens_per_s": 20.0,
+                **server,
+            },
+            "learner": {"seconds_per_step": train_s},
+            "sync": {"bytes": 0, "latency_s": sync_s},
+            "steps": steps,
+            "warmup_steps": 0,
+        }
+    )
 
 
 def flash(batch: int, max_lag: int, **buffer) -> Scheme:
@@ -71,8 +78,9 @@ def test_lag_zero_two_rollouts_share_the_server():
     """B = 2, max_lag 0, responses of 20: both decode together at 20/3 tokens/s and finish at
     3 s; train 3 s, sync 1 s; the next two start at 7 s. Period 7 s."""
     result = simulate(one_server(3.0, 1.0, steps=3), flash(2, 0), Cycle([20]))
-    assert_steps(result.steps, [
-        (0, 3, 6, 7, (0, 0)), (7, 10, 13, 14, (0, 0)), (14, 17, 20, 21, (0, 0))])  # fmt: skip
+    assert_steps(
+        result.steps, [(0, 3, 6, 7, (0, 0)), (7, 10, 13, 14, (0, 0)), (14, 17, 20, 21, (0, 0))]
+    )
     assert result.window_s == pytest.approx(21)
     assert result.rollout_util == pytest.approx(40 / (20 * 7))  # 40 tokens per 7 s, peak 20/s
     assert result.rollout_busy == pytest.approx(3 / 7)
@@ -92,9 +100,15 @@ def test_rollouts_overlap_training_at_lag_one():
     20/3: r0 done at 5.25 -> step 2 on r0 at lag 1; r2 alone finishes 5 left at 5.75. After
     each sync the queued rollout is one version old: lag 1 from then on."""
     result = simulate(one_server(2.0, 1.0, steps=4), flash(1, 1), Cycle([35] + [10] * 10))
-    assert_steps(result.steps, [
-        (0, 1.5, 3.5, 4.5, (0,)), (4.5, 5.25, 7.25, 8.25, (1,)),
-        (8.25, 8.25, 10.25, 11.25, (1,)), (11.25, 11.25, 13.25, 14.25, (1,))])  # fmt: skip
+    assert_steps(
+        result.steps,
+        [
+            (0, 1.5, 3.5, 4.5, (0,)),
+            (4.5, 5.25, 7.25, 8.25, (1,)),
+            (8.25, 8.25, 10.25, 11.25, (1,)),
+            (11.25, 11.25, 13.25, 14.25, (1,)),
+        ],
+    )
     assert result.lag_histogram == {0: 1, 1: 3}
     assert result.lag_mean == pytest.approx(0.75)
     assert result.learner_wait == pytest.approx((1.5 + 0.75) / 14.25)
@@ -107,9 +121,15 @@ def test_overtaken_rollout_is_dropped_as_stale():
     oldest version 0 < 3 - 1 and is dropped, which frees its slot: r5 is admitted. r4 (10, 5
     done) finishes at 15.0, r5 (5 done by then, alone after) at 15.5, while step 4 trains."""
     result = simulate(one_server(2.0, 1.0, steps=4), flash(1, 1), Cycle([95] + [10] * 10))
-    assert_steps(result.steps, [
-        (0, 1.5, 3.5, 4.5, (0,)), (4.5, 6.0, 8.0, 9.0, (0,)),
-        (9.0, 10.5, 12.5, 13.5, (0,)), (13.5, 15.0, 17.0, 18.0, (0,))])  # fmt: skip
+    assert_steps(
+        result.steps,
+        [
+            (0, 1.5, 3.5, 4.5, (0,)),
+            (4.5, 6.0, 8.0, 9.0, (0,)),
+            (9.0, 10.5, 12.5, 13.5, (0,)),
+            (13.5, 15.0, 17.0, 18.0, (0,)),
+        ],
+    )
     completed = 6  # r1, r2, r3, r0 (dropped), r4, r5
     assert result.drop_share == pytest.approx(1 / completed)
     assert result.wasted_tokens == pytest.approx(95 / (95 + 5 * 10))
@@ -124,8 +144,9 @@ def test_grpo_sync_waits_for_the_whole_batch():
         SimConfig().scheme.model_copy(update={"batch_size": 4, "grpo_group_size": 2})
     )
     result = simulate(one_server(2.0, 1.0, steps=2), scheme, Cycle([10, 30, 20, 20]))
-    assert_steps(result.steps, [
-        (0, 5.5, 7.5, 8.5, (0, 0, 0, 0)), (8.5, 14.0, 16.0, 17.0, (0, 0, 0, 0))])  # fmt: skip
+    assert_steps(
+        result.steps, [(0, 5.5, 7.5, 8.5, (0, 0, 0, 0)), (8.5, 14.0, 16.0, 17.0, (0, 0, 0, 0))]
+    )
     assert result.rollout_util == pytest.approx(80 / (20 * 8.5))
     assert result.rollout_busy == pytest.approx(5.5 / 8.5)
     assert result.mean_running_per_server == pytest.approx((4 * 2.5 + 3 * 2 + 1 * 1) / 8.5)
@@ -175,9 +196,11 @@ def test_sweep_writes_table_plot_and_json(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads(out.read_text())
     assert [(r["scheme"], r["rollout_nodes"], r["learner_nodes"]) for r in rows] == [
-        ("flash_reinforce", 2, 2), ("grpo_sync", 2, 2),
-        ("flash_reinforce", 4, 4), ("grpo_sync", 4, 4),
-    ]  # fmt: skip
+        ("flash_reinforce", 2, 2),
+        ("grpo_sync", 2, 2),
+        ("flash_reinforce", 4, 4),
+        ("grpo_sync", 4, 4),
+    ]
     grpo = [r for r in rows if r["scheme"] == "grpo_sync"]
     assert all(r["lag_histogram"] == {"0": 12 * 32} and r["drop_share"] == 0 for r in grpo)
     assert all(r["lag_max"] <= 2 for r in rows)
@@ -213,12 +236,22 @@ def test_split_choice_rules():
     base = simulate(config, flash(2, 0), Cycle([20]))
 
     def split(rollout, per_hour, lag, drop, wait=0.0):
-        return dataclasses.replace(base, rollout_nodes=rollout, learner_nodes=8 - rollout,
-                                   trajectories_per_hour=per_hour, lag_mean=lag,
-                                   drop_share=drop, learner_wait=wait)  # fmt: skip
+        return dataclasses.replace(
+            base,
+            rollout_nodes=rollout,
+            learner_nodes=8 - rollout,
+            trajectories_per_hour=per_hour,
+            lag_mean=lag,
+            drop_share=drop,
+            learner_wait=wait,
+        )
 
-    results = [split(2, 900, 1.0, 0.01), split(3, 1000, 3.0, 0.2), split(4, 985, 2.0, 0.03),
-               split(5, 990, 2.5, 0.04)]  # fmt: skip
+    results = [
+        split(2, 900, 1.0, 0.01),
+        split(3, 1000, 3.0, 0.2),
+        split(4, 985, 2.0, 0.03),
+        split(5, 990, 2.5, 0.04),
+    ]
     chosen, reason = _choose(results, 0.05, 0.02, target_lag=4, budget=10)
     assert chosen.rollout_nodes == 4  # 3 drops too much; 4 and 5 within 2 % of 990; 4 lags less
     assert reason.startswith("4 rollout + 4 learner nodes: 985 trajectories/h at lag mean 2.00")

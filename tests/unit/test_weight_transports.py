@@ -155,8 +155,10 @@ def test_distributed_transport_requests_are_sglang_requests(flatten, monkeypatch
 
 
 def test_distributed_transport_refuses_engines_whose_ranks_would_collide():
-    for engine in (Engine("http://x", 2, "sglang", pp_size=2), Engine("http://x", 2, "sglang",
-                                                                      dp_replicas=2)):  # fmt: skip
+    for engine in (
+        Engine("http://x", 2, "sglang", pp_size=2),
+        Engine("http://x", 2, "sglang", dp_replicas=2),
+    ):
         with pytest.raises(ValueError, match="same rank"):
             DistributedTransport([engine], None, 1).check_engines()
 
@@ -214,8 +216,9 @@ def test_tensor_transport_names_gpus_the_way_sglangs_receiver_reads_them(torch_r
     (BaseTpWorker.deserialize_own_rank): torch's CUDA reduction then writes the device's UUID
     into the argument SGLang's rebuild maps back to a local index, and that argument is the
     `device` slot of torch's own CUDA reduction (read from torch's source here)."""
-    receiver = src.function_source("srt/managers/tp_worker.py", "deserialize_own_rank",
-                                   "BaseTpWorker")  # fmt: skip
+    receiver = src.function_source(
+        "srt/managers/tp_worker.py", "deserialize_own_rank", "BaseTpWorker"
+    )
     assert "monkey_patch_torch_reductions()" in receiver
     original = torch_reductions.reduce_tensor
     src.monkey_patch_torch_reductions()()
@@ -223,10 +226,12 @@ def test_tensor_transport_names_gpus_the_way_sglangs_receiver_reads_them(torch_r
     assert torch_reductions.rebuild_cuda_tensor.__name__ == "_rebuild_cuda_tensor_modified"
     tree = ast.parse(inspect.getsource(original))
     cuda = next(
-        node.value.elts[1] for node in ast.walk(tree)
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+        node.value.elts[1]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Return)
+        and isinstance(node.value, ast.Tuple)
         and ast.unparse(node.value.elts[0]) == "rebuild_cuda_tensor"
-    )  # fmt: skip
+    )
     slot = [ast.unparse(arg) for arg in cuda.elts].index("device")
     assert slot == src.module_constant(src.PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX") == 6
     assert list(inspect.signature(original).parameters) == ["tensor"]
@@ -269,9 +274,13 @@ def test_tensor_transport_payload_carries_the_gpu_uuid_and_opens_in_another_proc
     uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
     assert uuid.encode() in base64.b64decode(payload), "the handle names the GPU by UUID"
     received = subprocess.run(
-        [sys.executable, "-c", RECEIVE_IN_ANOTHER_PROCESS], input=payload, text=True,
-        capture_output=True, timeout=300, env=os.environ | {"PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+        [sys.executable, "-c", RECEIVE_IN_ANOTHER_PROCESS],
+        input=payload,
+        text=True,
+        capture_output=True,
+        timeout=300,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
     assert received.returncode == 0, received.stderr[-3000:]
     assert received.stdout.split(maxsplit=2) == ["w", "cuda:0", str(tensor.tolist())]
 
@@ -295,8 +304,11 @@ def sglang_weight_files(folder: Path) -> list[str]:
 
 def test_disk_layout_is_what_sglangs_loader_reads(tmp_path, monkeypatch, io_struct):
     recorder = Recorder()
-    monkeypatch.setattr(disk_module, "post_all", lambda urls, path, body, t: recorder.posts.append(
-        (urls, path, body)))  # fmt: skip
+    monkeypatch.setattr(
+        disk_module,
+        "post_all",
+        lambda urls, path, body, t: recorder.posts.append((urls, path, body)),
+    )
     engines = [Engine("http://e:1", tp_size=1, kind="sglang")]
     stages = [DiskTransport(engines, tmp_path), DiskTransport(engines, tmp_path)]
     (tmp_path / "stage-0").mkdir()  # a leftover of the old layout must not matter
@@ -325,8 +337,9 @@ def test_disk_layout_is_what_sglangs_loader_reads(tmp_path, monkeypatch, io_stru
     loaded = sync([[slice(0, 3)], [slice(0, 3)]])
     assert loaded.keys() == sent.keys() and all(torch.equal(loaded[n], sent[n]) for n in sent)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
-        "stage00-00000.safetensors", "stage01-00000.safetensors",
-    ]  # fmt: skip
+        "stage00-00000.safetensors",
+        "stage01-00000.safetensors",
+    ]
     _, path, body = recorder.posts[-1]
     assert path == "/update_weights_from_disk" and body["model_path"] == str(tmp_path)
     assert_request_of(body, "UpdateWeightFromDiskReqInput", io_struct)
@@ -343,8 +356,14 @@ def test_engines_are_resolved_from_what_sglang_reports():
     assert "server_args.resolved_dict()" in info_source  # /server_info carries them
     # As 0.5.23 reports "--tp-size 4 --dp-size 2 --enable-dp-attention": attention DP inside
     # one TP group (one replica).
-    sglang = {"tp_size": 4, "pp_size": 1, "dp_size": 1, "attn_dp_size": 2,
-              "enable_dp_attention": True, "version": "0.5.23"}  # fmt: skip
+    sglang = {
+        "tp_size": 4,
+        "pp_size": 1,
+        "dp_size": 1,
+        "attn_dp_size": 2,
+        "enable_dp_attention": True,
+        "version": "0.5.23",
+    }
     with StubServer({"/server_info": [(200, sglang)]}) as server:
         engine = resolve_engine(Engine(server.url), 5.0)
         assert (engine.tp_size, engine.kind, engine.dp_replicas) == (4, "sglang", 1)
@@ -368,11 +387,13 @@ def test_engines_are_resolved_from_what_sglang_reports():
         ({"/server_info": [(200, {"tp_size": 1})]}, "neither SGLang's answer"),
         ({"/server_info": [(200, {"tp_size": 1, ENGINE_FIELD: "other"})]}, "neither SGLang's"),
         ({"/server_info": [(200, {"version": "0.5.23", "tp_size": "4"})]}, "tp_size must be"),
-        ({"/server_info": [(200, {"version": "0.5.23", "tp_size": 2, "dp_size": 0})]},
-         "dp_size must be a positive int"),
+        (
+            {"/server_info": [(200, {"version": "0.5.23", "tp_size": 2, "dp_size": 0})]},
+            "dp_size must be a positive int",
+        ),
         ({"/server_info": [(200, ["tp_size", 1])]}, "expected a JSON object"),
     ],
-)  # fmt: skip
+)
 def test_a_server_that_does_not_say_what_it_is_is_refused_not_guessed(routes, match):
     """A router (or any other server) answering 404 on /server_info but 200 elsewhere used to
     be taken for the CPU engine at TP 1; now it, and any unreadable answer, is refused."""
