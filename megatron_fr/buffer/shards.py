@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,6 +36,15 @@ from megatron_fr.engine.top_logprobs import TopLogProbs
 FORMAT = 1
 _ROUTING_DTYPES = {0: None, 1: torch.uint8, 2: torch.int16}
 _HEADER = 11
+
+
+class PointToPoint(Protocol):
+    """A group of ranks that sends and receives tensor lists by local rank: torch's gloo
+    backend object (dist.ProcessGroupGloo), which the data group is, not a group of the
+    default world."""
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> dist.Work: ...
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> dist.Work: ...
 
 
 @dataclass(frozen=True)
@@ -111,11 +121,10 @@ def pack_shard(
     chosen = [batch[i] for i in indices]
     lengths = [t.length for t in chosen]
     routing, num_experts = None, 0
-    if routing_layers is not None:
-        routing = torch.from_numpy(
-            np.concatenate([t.routed_experts.experts[:, routing_layers] for t in chosen])
-        )
-        num_experts = chosen[0].routed_experts.num_experts
+    if routing_layers is not None:  # every trajectory has them (routing replay checked)
+        records = [t.routed_experts for t in chosen if t.routed_experts is not None]
+        routing = torch.from_numpy(np.concatenate([r.experts[:, routing_layers] for r in records]))
+        num_experts = records[0].num_experts
     tops = [t.top_logprobs for t in chosen if t.top_logprobs is not None]
     topk_ids = topk_log_probs = None
     if tops and len(tops) == len(chosen):
@@ -147,7 +156,10 @@ def _header(shard: TrajectoryShard) -> Tensor:
 
 def _topk_shape(shard: TrajectoryShard) -> tuple[int, int]:
     """(policy tokens, K) of the shard's top-K records; (0, 0) without them."""
-    return (0, 0) if shard.topk_ids is None else tuple(shard.topk_ids.shape)
+    if shard.topk_ids is None:
+        return 0, 0
+    tokens, k = shard.topk_ids.shape
+    return tokens, k
 
 
 def _tensors(shard: TrajectoryShard) -> list[Tensor]:
@@ -175,14 +187,14 @@ def _empty_like_header(header: Tensor) -> TrajectoryShard:
     )
 
 
-def send_shard(group: dist.ProcessGroup, shard: TrajectoryShard, dst: int) -> list:
+def send_shard(group: PointToPoint, shard: TrajectoryShard, dst: int) -> list:
     """Start sending `shard` to rank `dst` of `group` (a raw ProcessGroup, ranks local to
     it); returns the works to wait on."""
     return [group.send([tensor.contiguous()], dst, 0)
             for tensor in [_header(shard), *_tensors(shard)]]  # fmt: skip
 
 
-def recv_shard(group: dist.ProcessGroup, src: int) -> TrajectoryShard:
+def recv_shard(group: PointToPoint, src: int) -> TrajectoryShard:
     """The shard rank `src` of `group` sends (send_shard)."""
     header = torch.empty(_HEADER, dtype=torch.int64)
     group.recv([header], src, 0).wait()

@@ -125,8 +125,6 @@ class Trajectory:
         scalars = ("prompt_id", "reward", "info", "routed_experts", "top_logprobs")
         return same_arrays and all(getattr(self, n) == getattr(other, n) for n in scalars)
 
-    __hash__ = None  # arrays inside: not hashable
-
     @property
     def length(self) -> int:
         return int(self.token_ids.shape[0])

@@ -58,7 +58,7 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
     if not rows:
         raise ValueError(f"{path}: no rows")
     samples: list[Sample] = []
-    seen: dict[object, str] = {}  # id -> where it first appeared
+    seen: dict[str, tuple[str, object]] = {}  # id as text -> (where it first appeared, id)
     for where, row in rows[: config.limit]:
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {where} is not an object")

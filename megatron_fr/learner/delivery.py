@@ -26,11 +26,13 @@ import datetime
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
 from megatron_fr.buffer.shards import (
+    PointToPoint,
     TrajectoryShard,
     broadcast_shard,
     pack_shard,
@@ -39,6 +41,9 @@ from megatron_fr.buffer.shards import (
 )
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.learner.step_plan import StepPlan
+
+if TYPE_CHECKING:  # megatron stays out of the rollout process, which sends from this module
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 HANDSHAKE = 4
 """(DP rank, PP stage, first layer, end layer) of a stage leader; layers -1 without routing."""
@@ -54,14 +59,14 @@ class DataPathAddress:
     timeout_s: float = 600.0
 
 
-def _data_group(address: DataPathAddress, rank: int) -> dist.ProcessGroup:
+def _data_group(address: DataPathAddress, rank: int) -> PointToPoint:
     store = dist.TCPStore(
         address.host, address.port, address.leaders + 1, rank == 0,
         timeout=datetime.timedelta(seconds=address.timeout_s),
     )  # fmt: skip
-    return dist.ProcessGroupGloo(
-        store, rank, address.leaders + 1, datetime.timedelta(seconds=address.timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=address.timeout_s)
+    # torch's stubs omit the gloo backend's send/recv, which it has
+    return cast(PointToPoint, dist.ProcessGroupGloo(store, rank, address.leaders + 1, timeout))
 
 
 class ShareSender:
@@ -100,30 +105,31 @@ class ShareReceiver:
     groups: megatron's ProcessGroupCollection of this rank (dp, pp, tp, cp). Every rank of
     the learner world constructs one (the stage groups are made collectively)."""
 
-    def __init__(self, groups, address: DataPathAddress, stage_layers: slice | None) -> None:
-        coordinates = [groups.dp.rank(), groups.pp.rank(), groups.tp.rank(), groups.cp.rank()]
-        everyone: list[list[int]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(everyone, coordinates)
-        stages = sorted({(dp, pp) for dp, pp, _, _ in everyone})
-        self.leader = self.stage_group = None
-        for dp, pp in stages:  # every rank takes part in making every group, in one order
-            members = [r for r, c in enumerate(everyone) if (c[0], c[1]) == (dp, pp)]
+    def __init__(
+        self, groups: ProcessGroupCollection, address: DataPathAddress, stage_layers: slice | None
+    ) -> None:
+        stage = (groups.dp.rank(), groups.pp.rank())
+        everyone: list[tuple[int, int]] = [(0, 0)] * dist.get_world_size()
+        dist.all_gather_object(everyone, stage)
+        stages = sorted(set(everyone))
+        for each in stages:  # every rank takes part in making every group, in one order
+            members = [rank for rank, of in enumerate(everyone) if of == each]
             group = dist.new_group(members, backend="gloo")
-            if (dp, pp) == tuple(coordinates[:2]):
+            if each == stage:
                 self.stage_group, self.leader = group, members[0]
-        self.data_group = None
+        self.data_group: PointToPoint | None = None
         if dist.get_rank() == self.leader:
-            rank = 1 + stages.index(tuple(coordinates[:2]))
-            self.data_group = _data_group(address, rank)
+            self.data_group = _data_group(address, 1 + stages.index(stage))
             first, end = (-1, -1) if stage_layers is None else (stage_layers.start,
                                                                 stage_layers.stop)  # fmt: skip
-            hello = torch.tensor([*coordinates[:2], first, end], dtype=torch.int64)
+            hello = torch.tensor([*stage, first, end], dtype=torch.int64)
             self.data_group.send([hello], 0, 0).wait()
 
     def receive(self) -> tuple[StepPlan, TrajectoryShard]:
         """This step's plan and share: from the sender on the stage leader, then broadcast
         within the stage's TP x CP ranks."""
-        plan = shard = None
+        plan: torch.Tensor | None = None
+        shard: TrajectoryShard | None = None
         if self.data_group is not None:
             plan, shard = _recv_bytes(self.data_group, 0), recv_shard(self.data_group, 0)
         plan = _broadcast_bytes(self.stage_group, plan, self.leader)
@@ -135,12 +141,12 @@ def _as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _send_bytes(group: dist.ProcessGroup, payload: torch.Tensor, dst: int) -> list:
+def _send_bytes(group: PointToPoint, payload: torch.Tensor, dst: int) -> list:
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [group.send([size], dst, 0), group.send([payload], dst, 0)]
 
 
-def _recv_bytes(group: dist.ProcessGroup, src: int) -> torch.Tensor:
+def _recv_bytes(group: PointToPoint, src: int) -> torch.Tensor:
     size = torch.empty(1, dtype=torch.int64)
     group.recv([size], src, 0).wait()
     payload = torch.empty(int(size), dtype=torch.uint8)
@@ -148,7 +154,9 @@ def _recv_bytes(group: dist.ProcessGroup, src: int) -> torch.Tensor:
     return payload
 
 
-def _broadcast_bytes(group, payload: torch.Tensor | None, src: int) -> torch.Tensor:
+def _broadcast_bytes(
+    group: dist.ProcessGroup, payload: torch.Tensor | None, src: int
+) -> torch.Tensor:
     size = torch.tensor([-1 if payload is None else payload.numel()], dtype=torch.int64)
     dist.broadcast(size, src=src, group=group)
     if payload is None:

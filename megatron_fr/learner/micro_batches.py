@@ -65,12 +65,16 @@ class TokenRow(Protocol):
     """What a micro-batch reads of a trajectory: a Trajectory, or the same fields received
     as part of a shard (buffer/shards.py)."""
 
-    token_ids: np.ndarray
-    action_mask: np.ndarray
-    behavior_log_probs: np.ndarray
-    routed_experts: RoutedExperts | None
-    top_logprobs: TopLogProbs | None
-
+    @property
+    def token_ids(self) -> np.ndarray: ...
+    @property
+    def action_mask(self) -> np.ndarray: ...
+    @property
+    def behavior_log_probs(self) -> np.ndarray: ...
+    @property
+    def routed_experts(self) -> RoutedExperts | None: ...
+    @property
+    def top_logprobs(self) -> TopLogProbs | None: ...
     @property
     def length(self) -> int: ...
 
@@ -406,4 +410,6 @@ def _row(
 def _any_routing(batch: Mapping[int, TokenRow] | Sequence[TokenRow]) -> RoutedExperts:
     """Some trajectory's routed experts (they all have the same layout: validated)."""
     first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    if first.routed_experts is None:
+        raise ValueError("routing replay needs every trajectory's routed experts")
     return first.routed_experts

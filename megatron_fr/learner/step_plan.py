@@ -37,7 +37,9 @@ class StepPlan:
 
     @property
     def policy_tokens(self) -> int:
-        return int(self.global_batch.token_counts.sum())
+        counts = self.global_batch.token_counts
+        assert counts is not None  # global_batch_of sets them
+        return int(counts.sum())
 
     def share(self, dp_rank: int) -> list[int]:
         """The batch indices of the trajectories DP rank `dp_rank` trains, ascending."""

@@ -132,7 +132,7 @@ def _loop(
     skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
     while step < config.steps:
         started = time.monotonic()
-        summaries = rollout.next_batch(step) if rollout else None
+        summaries = rollout.next_batch(step) if rollout else []
         plan, shard = receiver.receive()
         metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
         step += 1

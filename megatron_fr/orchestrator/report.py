@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
@@ -48,7 +48,7 @@ class RunReport:
     def step(
         self,
         step: int,
-        batch: list[Trajectory],
+        batch: list[TrajectorySummary],
         learner: dict,
         sync_s: float,
         rollout: dict[str, Any],

@@ -24,12 +24,16 @@ import multiprocessing as mp
 import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
-from megatron_fr.learner.delivery import DataPathAddress
+from megatron_fr.learner.delivery import DataPathAddress, ShareSender
+from megatron_fr.learner.step_plan import plan_step
+from megatron_fr.orchestrator.setup import build_rollout_service, eval_sets
+from megatron_fr.rollout.service import RolloutService
 
 START_TIMEOUT_S = 3600.0
 """Engines load models before the service answers its first call (SGLang: minutes)."""
@@ -122,7 +126,7 @@ class RolloutProcess:
         self._pipe.close()
 
 
-def _child_main(pipe, config: RunConfig, hf_dir: Path, run_dir: Path,
+def _child_main(pipe: Connection, config: RunConfig, hf_dir: Path, run_dir: Path,
                 address: DataPathAddress) -> None:  # fmt: skip
     from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
@@ -150,7 +154,8 @@ class _Server:
     def __init__(self, config: RunConfig, hf_dir: Path, run_dir: Path,
                  address: DataPathAddress) -> None:  # fmt: skip
         self.config, self.hf_dir, self.run_dir, self.address = config, hf_dir, run_dir, address
-        self.service = self.sender = None
+        self._service: RolloutService | None = None
+        self.sender: ShareSender | None = None
         self._pending: list = []
         self._sender_ready = threading.Event()
         self._sender_error: BaseException | None = None
@@ -165,23 +170,26 @@ class _Server:
             work.wait()
         self._pending = []
 
+    @property
+    def service(self) -> RolloutService:
+        """The service hello built (every other call comes after it)."""
+        if self._service is None:
+            raise RolloutProcessError("the rollout service is called before hello built it")
+        return self._service
+
     def close(self) -> None:
-        if self.service is not None:
-            self.service.close()
+        if self._service is not None:
+            self._service.close()
 
     def _hello(self) -> Hello:
-        from megatron_fr.orchestrator.setup import build_rollout_service
-
-        self.service = build_rollout_service(self.config, self.hf_dir, self.run_dir)
+        self._service = build_rollout_service(self.config, self.hf_dir, self.run_dir)
         # The stage leaders join the data group once rank 0 has this answer (the engines may
         # take minutes to start first: the group's wait begins only now).
         threading.Thread(target=self._connect, name="share-sender", daemon=True).start()
-        return Hello(self.service.engines.urls, self.service.producer.pad_id)
+        return Hello(self._service.engines.urls, self._service.producer.pad_id)
 
     def _connect(self) -> None:
         """The data group: waits for every stage leader's handshake."""
-        from megatron_fr.learner.delivery import ShareSender
-
         try:
             self.sender = ShareSender(self.address)
         except BaseException as error:
@@ -195,8 +203,6 @@ class _Server:
         self.service.load_state_dict(state)
 
     def _next_batch(self, step: int) -> list[TrajectorySummary]:
-        from megatron_fr.learner.step_plan import plan_step
-
         batch = self.service.next_batch(step)
         if not self._sender_ready.wait(self.address.timeout_s) or self.sender is None:
             raise RolloutProcessError(f"the learners' data group did not form: "
@@ -212,8 +218,6 @@ class _Server:
         return self.service.stats()
 
     def _evaluate(self) -> tuple[dict[str, tuple[float, float]], int]:
-        from megatron_fr.orchestrator.setup import eval_sets
-
         config, producer = self.config, self.service.producer
         sampling = producer.sampling(config.eval.temperature, config.eval.top_p)
         results = self.service.evaluate(eval_sets(config, producer), sampling,

@@ -40,6 +40,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from megatron_fr.buffer.trajectory import (
     NON_POLICY_VERSION,
     InvalidTrajectory,
@@ -274,10 +276,10 @@ class _Loop:
                 trajectory = validate_trajectory(
                     Trajectory(
                         prompt_id=self.prompt_id,
-                        token_ids=kept.ids,
-                        action_mask=kept.mask,
-                        behavior_log_probs=kept.logprobs,
-                        token_versions=kept.versions,
+                        token_ids=np.asarray(kept.ids),
+                        action_mask=np.asarray(kept.mask),
+                        behavior_log_probs=np.asarray(kept.logprobs),
+                        token_versions=np.asarray(kept.versions),
                         reward=self.reward,
                         info=info,
                         routed_experts=kept.routing[0] if kept.routing else None,

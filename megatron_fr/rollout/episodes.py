@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Protocol
 
-from megatron_fr.buffer.trajectory import Trajectory
+from megatron_fr.buffer.trajectory import Trajectory, TrajectorySummary
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient
 from megatron_fr.engine.protocol import SamplingParams
@@ -144,7 +144,7 @@ class TruncationHandling:
         return self.penalty * min(1.0, (length - start) / self.buffer_tokens)
 
 
-def episode_metrics(batch: list[Trajectory]) -> dict[str, float]:
+def episode_metrics(batch: list[TrajectorySummary]) -> dict[str, float]:
     """Per-batch figures of text tasks: turns, truncation, and tool use (python_tool)."""
     infos = [t.info for t in batch if "turns" in t.info]
     if not infos:

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
@@ -317,9 +319,9 @@ def _trajectory(request: Request) -> Trajectory:
         raise RuntimeError(f"rollout {request.rollout_id} finished without a first version")
     return Trajectory(
         prompt_id=request.rollout_id,
-        token_ids=[0, 0],
-        action_mask=[False, True],
-        behavior_log_probs=[0.0, -1.0],
-        token_versions=[NON_POLICY_VERSION, request.first_version],
+        token_ids=np.zeros(2, dtype=np.int32),
+        action_mask=np.array([False, True]),
+        behavior_log_probs=np.array([0.0, -1.0], dtype=np.float32),
+        token_versions=np.array([NON_POLICY_VERSION, request.first_version], dtype=np.int32),
         reward=0.0,
     )
