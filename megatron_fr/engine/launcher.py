@@ -15,6 +15,13 @@ learner rank under torchrun, that is the learner's GPU 0, so unless ``gpu_ids`` 
 the server gets the GPUs after the learner's (torchrun's LOCAL_WORLD_SIZE ranks use GPUs
 0..LOCAL_WORLD_SIZE-1): its CUDA_VISIBLE_DEVICES is narrowed to them, entries of the parent's
 own CUDA_VISIBLE_DEVICES when that is set (SGLang then counts from 0 among them).
+
+Liveness: SGLang 0.5.23's /health runs a one-token generation unless
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is 0 (srt/environ.py, srt/entrypoints/http_server.py:
+health_generate); that generation waits while a weight sync pauses the server and answers 503
+after 20 s. Servers started here get it at 0 (SGLANG_ENV), so /health says only that the
+server is up, and the run's liveness probe of a running engine reads /model_info, which no
+server generates for (rollout/supervisor.py).
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ from megatron_fr.engine.protocol import HEALTH_PATH
 from megatron_fr.parallel.spawn import standalone_env
 
 LOG_TAIL_LINES = 20
+SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""What every SGLang server started by the project runs with, unless set otherwise already
+(module docstring)."""
 
 
 class ServerLaunchConfig(BaseModel):
@@ -212,12 +222,13 @@ def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: 
 
 def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     """The server's environment: this one without the launcher's rank variables, and for
-    SGLang CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
+    SGLang SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
     env = standalone_env()
     if cfg.engine != "sglang":
         return env
     import torch
 
+    env = SGLANG_ENV | env
     gpus = server_gpus(cfg, dict(os.environ), torch.cuda.device_count())
     return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 

@@ -70,7 +70,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
         urls, pad_id = broadcast_from_rank0(
             (service.engines.urls, service.producer.pad_id) if service else None
         )
-        weight_sync = connect_weight_sync(config, urls, spec)
+        weight_sync = connect_weight_sync(config, urls, spec, run_dir)
         weight_sync.sync(learner.module, learner.steps_done)  # engines serve the learner's weights
         if service is not None:
             service.start()

@@ -22,7 +22,7 @@ from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
-from megatron_fr.weights.sync import WeightSync
+from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
 from megatron_fr.weights.transports import Engine
 
 
@@ -72,13 +72,16 @@ def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet
     }
 
 
-def connect_weight_sync(config: RunConfig, urls: list[str], spec) -> WeightSync:
-    """Every learner rank: the weight sync to the run's engines, its groups formed. Port 0
-    in the recipe means a free port picked by the first rank (single-node runs)."""
+def connect_weight_sync(config: RunConfig, urls: list[str], spec, run_dir: Path) -> WeightSync:
+    """Every learner rank: the weight sync to the run's engines, its groups formed (the groups
+    a previous start of this run left on long-lived engines destroyed first: their names are
+    kept in RUN_DIR/weight_groups.json). Port 0 in the recipe means a free port picked by the
+    first rank (single-node runs)."""
     port = config.weights.master_port or broadcast_from_rank0(
         free_port() if dist.get_rank() == 0 else None
     )
     settings = config.weights.model_copy(update={"master_port": port})
-    weight_sync = WeightSync.from_config(settings, [Engine(url) for url in urls], spec)
+    engines = [Engine(url) for url in urls]
+    weight_sync = WeightSync.from_config(settings, engines, spec, run_dir / GROUPS_FILE)
     weight_sync.connect()
     return weight_sync

@@ -6,12 +6,17 @@ experts a routing-replay run needs (SGLang without --enable-return-routed-expert
 refused with the reason (EngineRefused) instead of failing the first rollout.
 
 Engines the run started are watched by their process (exit code and the tail of their log
-name the cause); engines given by URL are probed on GET /health, and one that has not answered
-for `unreachable_after_s` counts as dead too. Why end the run rather than continue on the
-others: every engine is a member of the weight-update process group (NCCL on GPUs), and a
-group with a dead member cannot broadcast again until it is rebuilt on every engine and every
-sending rank; a restart from the last checkpoint with the same command does exactly that, and
-resumes without losing or repeating a prompt.
+name the cause); engines given by URL are probed on GET /model_info, and one that has not
+answered for `unreachable_after_s` counts as dead too. Not /health: SGLang 0.5.23 runs a
+generation there unless started with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, which waits
+while a weight sync pauses the server and answers 503 after 20 s, so a sync longer than the
+window would be taken for a death; /model_info is answered without generating.
+
+Why end the run rather than continue on the others: every engine is a member of the
+weight-update process group (NCCL on GPUs), and a group with a dead member cannot broadcast
+again until it is rebuilt on every engine and every sending rank; a restart from the last
+checkpoint with the same command does exactly that (weights/sync.py: connect clears what the
+dead learner left on long-lived engines), and resumes without losing or repeating a prompt.
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ from pathlib import Path
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.http import EngineRequestError
+from megatron_fr.engine.http import MODEL_INFO_PATH, EngineRequestError
 from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, launch_server
-from megatron_fr.engine.protocol import HEALTH_PATH
 from megatron_fr.engine.server_info import ServerInfo, identify
 
 
@@ -99,7 +103,7 @@ class EngineSupervisor:
                         last_answer[url] = time.monotonic()
                     elif time.monotonic() - last_answer[url] > self.settings.unreachable_after_s:
                         raise EngineDied(
-                            f"inference engine {url} has not answered GET {HEALTH_PATH} for "
+                            f"inference engine {url} has not answered GET {MODEL_INFO_PATH} for "
                             f"{self.settings.unreachable_after_s:g} s"
                         )
                 await asyncio.sleep(self.settings.watch_interval_s)
@@ -121,7 +125,7 @@ class EngineSupervisor:
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
     try:
-        async with session.get(url + HEALTH_PATH) as response:
+        async with session.get(url + MODEL_INFO_PATH) as response:
             return response.status < 300
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False

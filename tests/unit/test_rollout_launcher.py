@@ -23,6 +23,7 @@ from megatron_fr.cli import build_parser
 from megatron_fr.engine import sglang_source as src
 from megatron_fr.engine.group import NCCL_CUMEM, match_sglang_nccl_env
 from megatron_fr.engine.launcher import (
+    SGLANG_ENV,
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
@@ -212,6 +213,23 @@ def test_sglang_goes_on_the_gpus_after_the_learners_under_torchrun() -> None:
         server_gpus(tp2.model_copy(update={"gpu_ids": (0, 9)}), {}, 8)
     with pytest.raises(ValidationError, match=r"SGLang uses 4 GPU\(s\) per node"):
         ServerLaunchConfig(model_path="m", tp_size=2, dp_size=2, gpu_ids=(0, 1))
+
+
+def test_started_sglang_servers_answer_health_without_generating(monkeypatch) -> None:
+    """SGLang's /health (read from the installed package) generates unless its EnvBool reads
+    SGLANG_ENV's value as false; servers started here get that value, a user's own is kept."""
+    (name, value), = SGLANG_ENV.items()  # fmt: skip
+    health = src.function_source("srt/entrypoints/http_server.py", "health_generate")
+    assert f"not envs.{name}.get()" in health and "return Response(status_code=200)" in health
+    parse = src.exec_function(src.function_source("srt/environ.py", "parse", "EnvBool"),
+                              "parse", {})  # fmt: skip
+    assert parse(None, value) is False
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert server_env(ServerLaunchConfig(model_path="m", engine="sglang"))[name] == value
+    assert name not in server_env(ServerLaunchConfig(model_path="m", engine="cpu"))
+    monkeypatch.setenv(name, "1")
+    assert server_env(ServerLaunchConfig(model_path="m", engine="sglang"))[name] == "1"
 
 
 def test_server_env_narrows_cuda_visible_devices_for_sglang_only(monkeypatch) -> None:

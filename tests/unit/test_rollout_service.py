@@ -204,7 +204,7 @@ def test_an_engine_given_by_url_that_stops_answering_counts_as_dead():
         return str(error.value)
 
     message = asyncio.run(scenario())
-    assert "has not answered GET /health for 0.3 s" in message
+    assert "has not answered GET /model_info for 0.3 s" in message
 
 
 def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
