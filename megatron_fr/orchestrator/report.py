@@ -78,6 +78,7 @@ class RunReport:
                 abandoned_total=rollout["abandoned_total"],
                 groups_failed_total=rollout["groups_failed_total"],
                 rollout_failures_total=rollout["rollout_failures_total"],
+                **rollout["engines"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
                 **episode_metrics(batch),
             )

@@ -31,9 +31,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
-    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs",
-                                     port=settings.port or free_port(),
-                                     routed_experts=routed is not None)  # fmt: skip
+    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs", routed is not None)
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
         urls=engines.urls,

@@ -55,8 +55,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--run-dir is required (or --check)")
         check_run_dir(args.run_dir)
         check_recipe(config, world, gpu_mem_gb=None, render=False)  # before any process
-        if not config.rollout.engine.urls:
-            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls"
+        if config.rollout.engine.started:
+            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
             check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
     except (ValueError, FileNotFoundError) as error:
         print(f"megatron-fr train: error: {error}", file=sys.stderr)

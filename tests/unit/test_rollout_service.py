@@ -217,7 +217,7 @@ def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
 
     def start(urls: list[str], routed: bool, timeout_s: float = 5.0) -> EngineSupervisor:
         settings = EngineSettings(urls=urls, start_timeout_s=timeout_s)
-        return EngineSupervisor.start(settings, tmp_path, tmp_path, 0, routed_experts=routed)
+        return EngineSupervisor.start(settings, tmp_path, tmp_path, routed_experts=routed)
 
     with (
         StubServer({"/server_info": [(200, sglang)]}) as plain,
