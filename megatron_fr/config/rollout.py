@@ -4,36 +4,66 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from megatron_fr.config.base import StrictModel
 
 
 class EngineSettings(StrictModel):
-    """Which inference engines a run uses and how they are watched."""
+    """Which inference engines a run uses and how they are watched: one pool of the `count`
+    engines the run starts and the `urls` it is given."""
 
     urls: list[str] = Field(default_factory=list)
-    """Running inference servers (each says what it is on GET /server_info, and is refused
-    before any step if it cannot serve the run); empty: start one engine of `kind` on the
-    first learner rank's node."""
+    """Running inference servers, members of the pool besides the `count` started here (each
+    says what it is on GET /server_info, and is refused before any step if it cannot serve
+    the run)."""
+    count: NonNegativeInt | None = None
+    """Engines of `kind` the run starts itself, on the first learner rank's node; None: one
+    when `urls` is empty, none otherwise."""
     kind: Literal["sglang", "cpu"] = "sglang"
-    """The engine started here: SGLang (CUDA GPUs; refused on a machine without them) or the
+    """The engines started here: SGLang (CUDA GPUs; refused on a machine without them) or the
     project's CPU engine (SGLang's protocol on transformers, for CPU machines). Never chosen
     by what the machine has."""
     port: int = Field(default=0, ge=0, le=65535)
-    """Port of the engine started here (0: a free one)."""
+    """Port of the first engine started here, the next one on port + 1, and so on (0: free
+    ports)."""
     threads: PositiveInt = 1
-    """torch threads of the CPU engine."""
+    """torch threads of each CPU engine."""
     tp_size: PositiveInt = 1
-    """Tensor-parallel size of the SGLang server started here."""
+    """Tensor-parallel size of each SGLang server started here."""
     gpu_ids: tuple[int, ...] = ()
-    """GPUs of the server started here (empty: the ones after the learner's on this node)."""
+    """GPUs of the servers started here, `tp_size` per server in order (empty: the blocks
+    after the learner's on this node)."""
     start_timeout_s: PositiveFloat = 300.0
     """How long a started engine may take to answer /health."""
     watch_interval_s: PositiveFloat = 1.0
     """How often the engines are checked while the run goes on."""
     unreachable_after_s: PositiveFloat = 30.0
-    """An engine given by URL that has not answered /health for this long counts as dead."""
+    """An engine given by URL that has not answered GET /model_info (which runs no
+    generation, so an engine paused by a long weight sync answers) for this long counts as
+    dead."""
+
+    @property
+    def started(self) -> int:
+        """How many engines the run starts itself (`count`, or its default)."""
+        if self.count is not None:
+            return self.count
+        return 0 if self.urls else 1
+
+    @model_validator(mode="after")
+    def _some_engine(self) -> EngineSettings:
+        if self.started == 0 and not self.urls:
+            raise ValueError(
+                "rollout.engine: count 0 and no urls leave the run without an inference "
+                "engine: set count >= 1 or give urls"
+            )
+        wanted = self.started * self.tp_size
+        if self.gpu_ids and len(self.gpu_ids) != wanted:
+            raise ValueError(
+                f"rollout.engine.gpu_ids {list(self.gpu_ids)}: {self.started} engine(s) at "
+                f"tp_size {self.tp_size} take {wanted} GPU ids"
+            )
+        return self
 
 
 class RolloutSettings(StrictModel):

@@ -13,8 +13,16 @@ signalling the group we created (by its PID) stops them too, and nothing else.
 GPU placement: SGLang takes the first GPUs it sees (``--base-gpu-id`` 0). Launched from a
 learner rank under torchrun, that is the learner's GPU 0, so unless ``gpu_ids`` says where,
 the server gets the GPUs after the learner's (torchrun's LOCAL_WORLD_SIZE ranks use GPUs
-0..LOCAL_WORLD_SIZE-1): its CUDA_VISIBLE_DEVICES is narrowed to them, entries of the parent's
-own CUDA_VISIBLE_DEVICES when that is set (SGLang then counts from 0 among them).
+0..LOCAL_WORLD_SIZE-1; the run's second server the block after the first's, and so on): its
+CUDA_VISIBLE_DEVICES is narrowed to them, entries of the parent's own CUDA_VISIBLE_DEVICES
+when that is set (SGLang then counts from 0 among them).
+
+Liveness: SGLang 0.5.23's /health runs a one-token generation unless
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is 0 (srt/environ.py, srt/entrypoints/http_server.py:
+health_generate); that generation waits while a weight sync pauses the server and answers 503
+after 20 s. Servers started here get it at 0 (SGLANG_ENV), so /health says only that the
+server is up, and the run's liveness probe of a running engine reads /model_info, which no
+server generates for (rollout/supervisor.py).
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ from megatron_fr.engine.protocol import HEALTH_PATH
 from megatron_fr.parallel.spawn import standalone_env
 
 LOG_TAIL_LINES = 20
+SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+"""What every SGLang server started by the project runs with, unless set otherwise already
+(module docstring)."""
 
 
 class ServerLaunchConfig(BaseModel):
@@ -88,6 +99,9 @@ class ServerLaunchConfig(BaseModel):
     GPUs after the learner's under torchrun, else all visible ones (module docstring). The
     same GPUs as the learner only for colocated serving (the tensor transport), with
     mem_fraction_static leaving the learner its memory."""
+    replica: NonNegativeInt = 0
+    """Which of the run's servers on this node this one is: without gpu_ids, server r takes
+    the r-th block of GPUs after the learner's."""
 
     @property
     def gpus_per_node(self) -> int:
@@ -197,12 +211,14 @@ def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: 
     ids = list(cfg.gpu_ids)
     if not ids and "LOCAL_WORLD_SIZE" in environ:
         learner = int(environ["LOCAL_WORLD_SIZE"])
-        ids = list(range(learner, learner + cfg.gpus_per_node))
+        first = learner + cfg.replica * cfg.gpus_per_node
+        ids = list(range(first, first + cfg.gpus_per_node))
         if ids[-1] >= len(devices):
+            needed = (cfg.replica + 1) * cfg.gpus_per_node
             raise ValueError(
                 f"the learner's {learner} rank(s) on this node use GPUs 0..{learner - 1} of "
-                f"{len(devices)}; SGLang needs {cfg.gpus_per_node} more: run fewer learner "
-                "ranks, or set gpu_ids (the learner's own GPUs only for colocated serving)"
+                f"{len(devices)}; SGLang needs {needed} more: run fewer learner ranks or "
+                "engines, or set gpu_ids (the learner's own GPUs only for colocated serving)"
             )
     missing = [i for i in ids if i >= len(devices)]
     if missing:
@@ -212,12 +228,13 @@ def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: 
 
 def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     """The server's environment: this one without the launcher's rank variables, and for
-    SGLang CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
+    SGLang SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
     env = standalone_env()
     if cfg.engine != "sglang":
         return env
     import torch
 
+    env = SGLANG_ENV | env
     gpus = server_gpus(cfg, dict(os.environ), torch.cuda.device_count())
     return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 

@@ -5,7 +5,8 @@ steps).
 The process becomes the server (exec), so the launcher's SIGTERM reaches it directly. The
 engine is named, never guessed from the machine: SGLang (CUDA GPUs) or the project's CPU
 engine. --enable-return-routed-experts goes to either (MoE routing replay needs it). /health
-answers once the model is loaded.
+answers once the model is loaded; SGLang's runs no generation (launcher.SGLANG_ENV), so a
+server paused by a long weight sync still answers it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_fr.engine.launcher import ServerLaunchConfig, check_engine_device, server_command
+    from megatron_fr.engine.launcher import (
+        SGLANG_ENV,
+        ServerLaunchConfig,
+        check_engine_device,
+        server_command,
+    )
 
     extra = tuple(arg for arg in args.extra if arg != "--")
     try:
@@ -62,4 +68,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)
         return 2
     print(" ".join(command), flush=True)
-    os.execv(command[0], command)  # replaces this process: no return
+    env = SGLANG_ENV | dict(os.environ) if config.engine == "sglang" else dict(os.environ)
+    os.execve(command[0], command, env)  # replaces this process: no return

@@ -86,7 +86,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
         receiver = ShareReceiver(
             learner.groups, address, None if replay is None else replay.stage_layers
         )
-        weight_sync = connect_weight_sync(config, urls, spec)
+        weight_sync = connect_weight_sync(config, urls, spec, run_dir)
         weight_sync.sync(learner.module, learner.steps_done)  # engines serve the learner's weights
         if rollout is not None:
             rollout.start()

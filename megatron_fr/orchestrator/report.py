@@ -86,6 +86,7 @@ class RunReport:
                 checkpoints_set_aside=self.checkpoints_set_aside,
                 step_skipped=learner["step_skipped"],
                 skipped_steps_total=learner["skipped_steps_total"],
+                **rollout["engines"],
                 **{key: value for key, value in learner.items() if key.startswith("gpu")},
                 **episode_metrics(batch),
             )

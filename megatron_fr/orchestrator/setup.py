@@ -24,7 +24,7 @@ from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
-from megatron_fr.weights.sync import WeightSync
+from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
 from megatron_fr.weights.transports import Engine
 
 if TYPE_CHECKING:
@@ -36,9 +36,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
-    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs",
-                                     port=settings.port or free_port(),
-                                     routed_experts=routed is not None)  # fmt: skip
+    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs", routed is not None)
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
         urls=tuple(engines.urls),
@@ -77,9 +75,13 @@ def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet
     }
 
 
-def connect_weight_sync(config: RunConfig, urls: list[str], spec: HFModelSpec) -> WeightSync:
-    """Every learner rank: the weight sync to the run's engines, its groups formed. Port 0
-    in the recipe means a free port picked by the first rank (single-node runs)."""
+def connect_weight_sync(
+    config: RunConfig, urls: list[str], spec: HFModelSpec, run_dir: Path
+) -> WeightSync:
+    """Every learner rank: the weight sync to the run's engines, its groups formed (the groups
+    a previous start of this run left on long-lived engines destroyed first: their names are
+    kept in RUN_DIR/weight_groups.json). Port 0 in the recipe means a free port picked by the
+    first rank (single-node runs)."""
     # Imported here: megatron comes with it, and the rollout process, which builds its service
     # from this module, has no use for megatron (nor its CPU shims).
     from megatron_fr.parallel.state import broadcast_from_rank0
@@ -88,6 +90,7 @@ def connect_weight_sync(config: RunConfig, urls: list[str], spec: HFModelSpec) -
         free_port() if dist.get_rank() == 0 else None
     )
     settings = config.weights.model_copy(update={"master_port": port})
-    weight_sync = WeightSync.from_config(settings, [Engine(url) for url in urls], spec)
+    engines = [Engine(url) for url in urls]
+    weight_sync = WeightSync.from_config(settings, engines, spec, run_dir / GROUPS_FILE)
     weight_sync.connect()
     return weight_sync

@@ -65,8 +65,8 @@ def main(args: argparse.Namespace) -> int:
         preflight.check_run_dir(args.run_dir)
         # before any process: everything, once (the ranks repeat only what is quick)
         check_recipe(config, world, gpu_mem_gb=None, render=launched is None)
-        if not config.rollout.engine.urls:
-            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls"
+        if config.rollout.engine.started:
+            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
             check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
         if launched is None:
             preflight.check_resume(args.run_dir, world)

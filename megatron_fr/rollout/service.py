@@ -250,7 +250,9 @@ class RolloutService:
     # --- state ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """The buffer's stats plus rollouts completed (over resumes) and failures by reason."""
+        """The buffer's stats plus rollouts completed (over resumes), failures by reason, and
+        the engines' figures (under "engines": engines_total, and per engine of the pool,
+        engine<i> in its order, generate requests sent and failed since this start)."""
         with self._counts_lock:
             completed, failures = self.completed, dict(self.failures)
         return {
@@ -258,7 +260,16 @@ class RolloutService:
             "rollouts_total": completed,
             "rollout_failures_total": sum(failures.values()),
             "rollout_failures": failures,
+            "engines": self._engine_stats(),
         }
+
+    def _engine_stats(self) -> dict[str, int]:
+        urls, client = self.client_config.urls, self._client
+        stats = {"engines_total": len(urls)}
+        for index, url in enumerate(urls):
+            stats[f"engine{index}_requests_total"] = client.metrics.requests[url] if client else 0
+            stats[f"engine{index}_failures_total"] = client.metrics.failures[url] if client else 0
+        return stats
 
     def state_dict(self) -> dict:
         with self._counts_lock:

@@ -2,8 +2,9 @@
 
 Protocol, run by every learner rank together (resharding exchanges shards between them):
   0. once (connect): rank 0 asks each engine its layout (GET /server_info: SGLang's TP size,
-     the ranks it has in a weight-update group) and every rank gets the answer; then each
-     stage's sending rank (TP 0, DP 0) connects its transport, one stage after the other;
+     the ranks it has in a weight-update group), clears what a learner that died left on it
+     (below), and every rank gets the answer; then each stage's sending rank (TP 0, DP 0)
+     connects its transport, one stage after the other;
   1. rank 0 pauses every engine (/pause_generation; mode "abort" ends in-flight requests,
      which the rollout client continues under the new version) and, for the broadcast and
      tensor transports, opens SGLang's weight-update session (/begin_weight_update);
@@ -19,13 +20,26 @@ Protocol, run by every learner rank together (resharding exchanges shards betwee
 Every engine call has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
 mixed-version tokens into training data.
+
+Connect is idempotent against long-lived engines (given by URL, outliving a learner that was
+killed and restarted). A learner that died mid-sync leaves them paused, with an update session
+open (SGLang's /begin_weight_update then refuses to open another) and members of its weight-
+update groups. So connect ends any open session (/end_weight_update; "none open" is fine) and
+destroys the groups the previous start recorded in GROUPS_FILE, and every connect forms its
+groups under a fresh name (weight_update_group_<tag>_pp<stage>, the tag drawn by rank 0):
+torch refuses a second group of a name it holds, and SGLang answers that with 400. Generation
+is continued at the end of the first sync, which the learner runs right after connect, never
+before: until then the engines may hold the weights of two versions.
 """
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Self
 
 import torch
@@ -44,6 +58,11 @@ from megatron_fr.weights.transports.base import resolve_engine
 SGLANG_WEIGHT_READBACK = ("llama", "opt", "granite", "exaone4")
 """Model families whose SGLang 0.5.23 model class defines get_weights_by_name (the others
 answer /get_weights_by_name with an error); tests/unit/test_weight_transports.py reads them."""
+
+
+GROUPS_FILE = "weight_groups.json"
+"""In the run directory: the names of the weight-update groups the engines joined at the latest
+connect, which the next connect destroys (module docstring)."""
 
 
 class WeightSyncError(RuntimeError):
@@ -81,10 +100,18 @@ def _stages() -> tuple[int, int]:
 
 
 class WeightSync:
-    def __init__(self, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec):
+    def __init__(
+        self,
+        config: WeightSyncConfig,
+        engines: list[Engine],
+        spec: HFModelSpec,
+        groups_file: Path | None = None,
+    ):
         if not engines:
             raise ValueError("the weight sync needs at least one engine")
         self.config, self.engines, self.spec = config, engines, spec
+        self.groups_file = groups_file
+        """Where the group names are recorded for the next connect (None: nowhere)."""
         self.bucket_bytes = config.bucket_mib * 2**20
         self.timeout_s = config.timeout_s
         self.transport: WeightTransport | None = None
@@ -92,35 +119,61 @@ class WeightSync:
 
     @classmethod
     def from_config(
-        cls, config: WeightSyncConfig, engines: list[Engine], spec: HFModelSpec
+        cls,
+        config: WeightSyncConfig,
+        engines: list[Engine],
+        spec: HFModelSpec,
+        groups_file: Path | None = None,
     ) -> Self:
-        return cls(config, engines, spec)
+        return cls(config, engines, spec, groups_file)
 
     def connect(self) -> None:
         """Once per run, on every learner rank (only rank 0 and the stage senders talk to the
         engines); sync() calls it if nobody did."""
+        rank0 = dist.get_rank() == 0
         resolved: list[Engine] = []
-        failure = self._attempt(
-            dist.get_rank() == 0,
-            "resolve engines",
-            lambda: resolved.extend(resolve_engine(e, self.timeout_s) for e in self.engines),
-        )
+        failure = self._attempt(rank0, "adopt engines", lambda: resolved.extend(self._adopt()))
         _raise_if_any(failure)
-        box = [resolved]
+        box: list[object] = [resolved, uuid.uuid4().hex[:8]]
         dist.broadcast_object_list(box, src=0)
-        transport = build_transport(self.config, box[0])
+        engines, tag = box[0], box[1]
+        assert isinstance(engines, list)
+        transport = build_transport(self.config, engines, f"weight_update_group_{tag}")
         try:
-            self._check_spot_check(box[0])
+            self._check_spot_check(engines)
             transport.check_engines()
         except ValueError as error:  # the same engines on every rank: all raise alike
             raise WeightSyncError(f"weight sync refused: {error}") from None
         stage, stages = _stages()
+        names = transport.group_names(stages)
+        _raise_if_any(self._attempt(rank0, "record groups", lambda: self._record(names)))
         sender = is_stage_sender()
         for turn in range(stages):
             mine = sender and stage == turn
             failure = self._attempt(mine, f"connect {turn}", lambda: transport.connect(stage))
             _raise_if_any(failure)
-        self.engines, self.transport = box[0], transport
+        self.engines, self.transport = engines, transport
+
+    def _adopt(self) -> list[Engine]:
+        """Rank 0: the engines resolved, each with no update session open and none of the
+        groups GROUPS_FILE names (module docstring)."""
+        engines = [resolve_engine(engine, self.timeout_s) for engine in self.engines]
+        leftovers = _recorded_groups(self.groups_file)
+        for engine in engines:
+            end = protocol.end_weight_update_request()
+            _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, self.timeout_s)
+            for name in leftovers:
+                body = protocol.destroy_weights_update_group_request(name)
+                path = protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH
+                _unless_absent(engine.url, path, body, self.timeout_s)
+        return engines
+
+    def _record(self, names: list[str]) -> None:
+        """Rank 0: the groups this connect forms, written before any engine joins them."""
+        if self.groups_file is not None:
+            partial = self.groups_file.with_suffix(".partial")
+            partial.write_text(json.dumps({"groups": names}) + "\n")
+            partial.replace(self.groups_file)
 
     def _check_spot_check(self, engines: list[Engine]) -> None:
         model_type = self.spec.model_type
@@ -257,6 +310,30 @@ class WeightSync:
         if self.transport is not None and is_stage_sender():
             self.transport.close()
         self.transport = None
+
+
+def _recorded_groups(path: Path | None) -> list[str]:
+    """The group names GROUPS_FILE holds (none when there is no file)."""
+    if path is None or not path.exists():
+        return []
+    try:
+        names = json.loads(path.read_text())["groups"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise WeightSyncError(
+            f"{path}: not a record of weight-update groups ({error}); delete it (the groups "
+            "it named then stay on the engines)"
+        ) from None
+    return [str(name) for name in names]
+
+
+def _unless_absent(url: str, path: str, body: dict[str, object], timeout_s: float) -> None:
+    """POST, where a 400 answer means there was nothing to end or destroy (SGLang and the CPU
+    engine answer so for no session open and an unknown group)."""
+    try:
+        post_json(url, path, body, timeout_s)
+    except EngineRequestError as error:
+        if error.status != 400:
+            raise
 
 
 def _raise_if_any(failure: str | None) -> None:

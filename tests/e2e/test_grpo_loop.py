@@ -1,9 +1,10 @@
-"""GRPO through the real loop: G = 4 rollouts per problem, the engine behind a flaky proxy that
-fails every 7th /generate with HTTP 503 (and the client's retries are off, so the failure
-reaches the rollout service). Every batch must hold whole groups only, the failed groups must
-be discarded whole and counted (each failed rollout abandoned, its group's other members
-discarded), and the advantages the learner used must be GRPO's group
-formula, written out here, on the rewards of the batch."""
+"""GRPO through the real loop: G = 4 rollouts per problem over a pool of two engines, one the
+run starts (rollout.engine.count=1) and one given by URL behind a flaky proxy that fails every
+7th /generate with HTTP 503 (and the client's retries are off, so the failure reaches the
+rollout service). Both serve rollouts and take every weight sync. Every batch must hold whole
+groups only, the failed groups must be discarded whole and counted (each failed rollout
+abandoned, its group's other members discarded), and the advantages the learner used must be
+GRPO's group formula, written out here, on the rewards of the batch."""
 
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, de
                 "eval.problems=8", "eval.samples=1", "eval.every_steps=0",
                 f"model.hf_dir={hf_dir}", f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
                 "rollout.engine.start_timeout_s=120", "rollout.max_attempts=1",
+                "rollout.engine.count=1",
             ]  # fmt: skip
             result = subprocess.run(command, capture_output=True, text=True, timeout=900,
                                     env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
@@ -134,3 +136,7 @@ def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, de
     # every rollout not trained is a member of a failed group: the failed one or its peers
     assert last["abandoned_total"] + last["discarded_total"] <= G * last["groups_failed_total"]
     assert "clip_fraction" in last
+    # the pool: the started engine first, then the URL; the proxy's 503s counted against it
+    assert last["engines_total"] == 2
+    assert last["engine0_requests_total"] > 0 and last["engine0_failures_total"] == 0, last
+    assert last["engine1_requests_total"] > 0 and last["engine1_failures_total"] >= 1, last

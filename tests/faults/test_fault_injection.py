@@ -200,6 +200,42 @@ def served_version(url: str) -> str | None:
         return None
 
 
+def url_engine(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A CPU engine started outside the run, as a long-lived server given by URL is."""
+    from megatron_fr.parallel.spawn import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path",
+               str(model), "--port", str(port), "--threads", "1"]  # fmt: skip
+    log = open(log_path, "w")  # noqa: SIM115 (the process holds it)
+    engine = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                              env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
+    return engine, f"http://127.0.0.1:{port}"
+
+
+def post(url: str, path: str, body: dict) -> int:
+    """The HTTP status of a POST (4xx and 5xx included)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def kill_at_step(run: Run, run_dir: Path, target: int) -> None:
+    """SIGKILL to every process of the start once it has logged step `target`."""
+    wait_until(lambda: last_step(run_dir) >= target or run.process.poll() is not None,
+               600, f"step {target}")  # fmt: skip
+    assert run.process.poll() is None, run.output()[-3000:]
+    os.killpg(run.process.pid, signal.SIGKILL)
+    run.wait(60)
+
+
 @pytest.mark.distributed
 @pytest.mark.faults
 def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_it(
@@ -234,3 +270,39 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     last_error = [line for line in output.splitlines() if "Error" in line][-1]
     assert "destroy_weights_update_group" not in last_error, output[-3000:]
     wait_until(lambda: not run_processes(marker), 30, "no process left")
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+def test_learner_killed_twice_reconnects_to_the_same_long_lived_url_engine(tmp_path, demo_model):
+    """The learner (launcher, ranks and all) is SIGKILLed twice against one CPU engine given by
+    URL, each time left as a sync cut short leaves it: paused, an update session open, still a
+    member of the dead learner's groups. Each restart clears that, forms groups under a name
+    of its own, and the run finishes."""
+    engine, url = url_engine(demo_model, tmp_path / "engine.log")
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    settings = [f"model.hf_dir={demo_model}", *prompt_files(tmp_path / "data"), "steps=6",
+                f'rollout.engine.urls=["{url}"]']  # fmt: skip
+    groups_file = run_dir / "weight_groups.json"
+    names: list[str] = []
+    try:
+        for target in (2, 4):
+            kill_at_step(Run(run_dir, marker, settings), run_dir, target)
+            wait_until(lambda: not run_processes(marker), 30, "no process of the learner left")
+            names += json.loads(groups_file.read_text())["groups"]
+            # as a kill mid-sync leaves it: paused with a session open (its group is still
+            # there: the dead learner never destroyed it)
+            assert post(url, "/pause_generation", {"mode": "abort"}) == 200
+            assert post(url, "/begin_weight_update", {}) == 200
+        final = Run(run_dir, marker, settings)
+        assert final.wait(900) == 0, final.output()[-4000:]
+        assert engine.poll() is None, "the URL engine must outlive every learner"
+        names += json.loads(groups_file.read_text())["groups"]
+        assert len(set(names)) == 3, names  # a fresh group name at every start
+        for name in names:  # the first two destroyed by the next start, the last at its end
+            assert post(url, "/destroy_weights_update_group", {"group_name": name}) == 400
+    finally:
+        engine.kill()
+        engine.wait(60)
+    steps = [r["step"] for r in records(run_dir, "metrics.jsonl") if "reward_mean" in r]
+    assert steps == list(range(1, 7))

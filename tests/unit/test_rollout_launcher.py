@@ -23,6 +23,7 @@ from megatron_fr.cli import build_parser
 from megatron_fr.engine import sglang_source as src
 from megatron_fr.engine.group import NCCL_CUMEM, match_sglang_nccl_env
 from megatron_fr.engine.launcher import (
+    SGLANG_ENV,
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
@@ -214,6 +215,23 @@ def test_sglang_goes_on_the_gpus_after_the_learners_under_torchrun() -> None:
         ServerLaunchConfig(model_path="m", tp_size=2, dp_size=2, gpu_ids=(0, 1))
 
 
+def test_started_sglang_servers_answer_health_without_generating(monkeypatch) -> None:
+    """SGLang's /health (read from the installed package) generates unless its EnvBool reads
+    SGLANG_ENV's value as false; servers started here get that value, a user's own is kept."""
+    (name, value), = SGLANG_ENV.items()  # fmt: skip
+    health = src.function_source("srt/entrypoints/http_server.py", "health_generate")
+    assert f"not envs.{name}.get()" in health and "return Response(status_code=200)" in health
+    parse = src.exec_function(src.function_source("srt/environ.py", "parse", "EnvBool"),
+                              "parse", {})  # fmt: skip
+    assert parse(None, value) is False
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert server_env(ServerLaunchConfig(model_path="m", engine="sglang"))[name] == value
+    assert name not in server_env(ServerLaunchConfig(model_path="m", engine="cpu"))
+    monkeypatch.setenv(name, "1")
+    assert server_env(ServerLaunchConfig(model_path="m", engine="sglang"))[name] == "1"
+
+
 def test_server_env_narrows_cuda_visible_devices_for_sglang_only(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -320,3 +338,27 @@ def test_stop_leaves_no_process_behind(start) -> None:
     assert time.monotonic() - began < 0.5 + 2.0
     assert _gone(server.pid) and _gone(child)
     assert server.stop() == -9  # a second stop is harmless
+
+
+def test_the_pool_starts_count_engines_on_consecutive_ports_and_gpu_blocks(tmp_path) -> None:
+    """rollout.engine.count engines besides the URLs (one when there are none); SGLang server r
+    takes the r-th block of tp_size GPUs, from gpu_ids or after the learner's."""
+    from megatron_fr.config.rollout import EngineSettings
+    from megatron_fr.rollout.supervisor import launch_configs
+
+    assert (EngineSettings().started, EngineSettings(urls=["http://a:1"]).started) == (1, 0)
+    both = EngineSettings(urls=["http://a:1"], count=2, kind="sglang", tp_size=2, port=31000)
+    configs = launch_configs(both, tmp_path, tmp_path, routed_experts=False)
+    assert [(c.port, c.replica, c.gpu_ids) for c in configs] == [(31000, 0, ()), (31001, 1, ())]
+    assert [server_gpus(c, {"LOCAL_WORLD_SIZE": "2"}, 8) for c in configs] == [
+        ["2", "3"],
+        ["4", "5"],
+    ]
+    with pytest.raises(ValueError, match=r"SGLang needs 6 more"):
+        server_gpus(configs[1].model_copy(update={"replica": 2}), {"LOCAL_WORLD_SIZE": "2"}, 7)
+    given = both.model_copy(update={"gpu_ids": (7, 6, 5, 4)})
+    assert [c.gpu_ids for c in launch_configs(given, tmp_path, tmp_path, False)] == [(7, 6), (5, 4)]
+    with pytest.raises(ValidationError, match=r"2 engine\(s\) at tp_size 2 take 4 GPU ids"):
+        EngineSettings(count=2, tp_size=2, gpu_ids=(0, 1))
+    with pytest.raises(ValidationError, match="count 0 and no urls"):
+        EngineSettings(count=0)

@@ -245,7 +245,7 @@ def test_an_engine_given_by_url_that_stops_answering_counts_as_dead():
         return str(error.value)
 
     message = asyncio.run(scenario())
-    assert "has not answered GET /health for 0.3 s" in message
+    assert "has not answered GET /model_info for 0.3 s" in message
 
 
 def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
@@ -258,7 +258,7 @@ def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
 
     def start(urls: list[str], routed: bool, timeout_s: float = 5.0) -> EngineSupervisor:
         settings = EngineSettings(urls=urls, start_timeout_s=timeout_s)
-        return EngineSupervisor.start(settings, tmp_path, tmp_path, 0, routed_experts=routed)
+        return EngineSupervisor.start(settings, tmp_path, tmp_path, routed_experts=routed)
 
     with (
         StubServer({"/server_info": [(200, sglang)]}) as plain,

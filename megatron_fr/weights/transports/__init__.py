@@ -13,8 +13,11 @@ from megatron_fr.weights.transports.tensor import TensorTransport
 __all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 
 
-def build_transport(config: WeightSyncConfig, engines: list[Engine]) -> WeightTransport:
-    """The transport `config` names, for resolved engines (tp_size known)."""
+def build_transport(
+    config: WeightSyncConfig, engines: list[Engine], group_name: str = "weight_update_group"
+) -> WeightTransport:
+    """The transport `config` names, for resolved engines (tp_size known); a broadcast one
+    forms its groups under `group_name` (one per stage: group_name_pp<stage>)."""
     if config.transport == "distributed":
         backend = config.backend
         if backend == "auto":
@@ -25,6 +28,7 @@ def build_transport(config: WeightSyncConfig, engines: list[Engine]) -> WeightTr
             config.master_port,
             backend,
             config.timeout_s,
+            group_name,
             flatten=config.bucket_format == "flattened",
         )
     if config.transport == "tensor":

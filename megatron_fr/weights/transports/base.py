@@ -78,6 +78,11 @@ class WeightTransport(ABC):
     def check_engines(self) -> None:  # noqa: B027  (optional hook)
         """Raise ValueError if the (resolved) engines cannot take this transport."""
 
+    def group_names(self, stages: int) -> list[str]:
+        """The process groups the engines join at connect (their names), for `stages`
+        pipeline stages: none unless the transport broadcasts."""
+        return []
+
     def connect(self, stage: int) -> None:  # noqa: B027  (optional hook)
         """Once, on the stage's sending rank, before the first sync."""
 

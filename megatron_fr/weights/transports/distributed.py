@@ -89,8 +89,11 @@ class DistributedTransport(WeightTransport):
             return self.master_address
         return address_towards(urlparse(self.engines[0].url).hostname or "127.0.0.1")
 
+    def group_names(self, stages: int) -> list[str]:
+        return [f"{self.base_group_name}_pp{stage}" for stage in range(stages)]
+
     def connect(self, stage: int) -> None:
-        self.group_name = f"{self.base_group_name}_pp{stage}"
+        self.group_name = self.group_names(stage + 1)[stage]
         address, port = self.sender_address(stage), self.master_port + stage
         world_size, offsets = group_layout(self.engines)
         joins = self._submit(
