@@ -109,8 +109,10 @@ class ScriptedEngine:
             fed = (list(input_ids) + ids[:-1])[routed_experts_start:]
             output.routed_experts = torch.tensor(scripted_routing(fed), dtype=torch.int32)
         if top_logprobs:
-            output.top_logprobs = [scripted_top(token, lp, top_logprobs)
-                                   for token, lp in zip(ids, logprobs, strict=True)]  # fmt: skip
+            output.top_logprobs = [
+                scripted_top(token, lp, top_logprobs)
+                for token, lp in zip(ids, logprobs, strict=True)
+            ]
         return output
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> int:

@@ -31,9 +31,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 QUICK_DEMO_MODEL = [
-    "demo.warm_start.steps=150", "demo.warm_start.batch_size=32",
-    "demo.warm_start.eval_problems=50", "demo.warm_start.problems={digits: 1}",
-]  # fmt: skip
+    "demo.warm_start.steps=150",
+    "demo.warm_start.batch_size=32",
+    "demo.warm_start.eval_problems=50",
+    "demo.warm_start.problems={digits: 1}",
+]
 """A demo model made in under a minute: warm-started on one-digit sums, it answers in the
 task's format and gets about one in five right at temperature 1 (sampled_reward 0.18 when
 measured), so rewards vary within a batch."""

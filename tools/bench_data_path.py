@@ -64,21 +64,35 @@ def make_batch(args: argparse.Namespace) -> list[Trajectory]:
         mask[PROMPT:] = True
         experts = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(LAYERS)])
         routing = np.broadcast_to(experts, (length - 1, LAYERS, TOP_K)).astype(np.uint8)
-        batch.append(Trajectory(
-            prompt_id=f"p{k}", token_ids=rng.integers(0, 151_936, length, dtype=np.int32),
-            action_mask=mask,
-            behavior_log_probs=np.where(mask, -rng.random(length, dtype=np.float32), 0.0),
-            token_versions=np.where(mask, 3, NON_POLICY_VERSION).astype(np.int32),
-            reward=float(k % 2), info={"group": f"p{k}"},
-            routed_experts=RoutedExperts(np.ascontiguousarray(routing), EXPERTS),
-        ))  # fmt: skip
+        batch.append(
+            Trajectory(
+                prompt_id=f"p{k}",
+                token_ids=rng.integers(0, 151_936, length, dtype=np.int32),
+                action_mask=mask,
+                behavior_log_probs=np.where(mask, -rng.random(length, dtype=np.float32), 0.0),
+                token_versions=np.where(mask, 3, NON_POLICY_VERSION).astype(np.int32),
+                reward=float(k % 2),
+                info={"group": f"p{k}"},
+                routed_experts=RoutedExperts(np.ascontiguousarray(routing), EXPERTS),
+            )
+        )
     return batch
 
 
 def as_lists(batch: list[Trajectory]) -> list[ListTrajectory]:
-    return [ListTrajectory(t.prompt_id, t.token_ids.tolist(), t.action_mask.tolist(),
-                           t.behavior_log_probs.tolist(), t.token_versions.tolist(), t.reward,
-                           t.info, t.routed_experts) for t in batch]  # fmt: skip
+    return [
+        ListTrajectory(
+            t.prompt_id,
+            t.token_ids.tolist(),
+            t.action_mask.tolist(),
+            t.behavior_log_probs.tolist(),
+            t.token_versions.tolist(),
+            t.reward,
+            t.info,
+            t.routed_experts,
+        )
+        for t in batch
+    ]
 
 
 def learner_config(args: argparse.Namespace):
@@ -171,8 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarise(results: list[dict], args: argparse.Namespace) -> dict:
     whole = results[0]["lists"][1]
-    report = {"ranks": args.ranks, "tp": args.tp, "dp": args.ranks // args.tp,
-              "trajectories": args.trajectories}  # fmt: skip
+    report = {
+        "ranks": args.ranks,
+        "tp": args.tp,
+        "dp": args.ranks // args.tp,
+        "trajectories": args.trajectories,
+    }
     for name in ("lists", "arrays", "shares"):
         report[name] = {
             "seconds": max(r[name][0] for r in results),
@@ -184,12 +202,16 @@ def summarise(results: list[dict], args: argparse.Namespace) -> dict:
 
 
 def render(report: dict) -> str:
-    lines = [f"{report['ranks']} ranks (DP{report['dp']} x TP{report['tp']}), "
-             f"{report['trajectories']} trajectories"]  # fmt: skip
+    lines = [
+        f"{report['ranks']} ranks (DP{report['dp']} x TP{report['tp']}), "
+        f"{report['trajectories']} trajectories"
+    ]
     for name in ("lists", "arrays", "shares"):
         part = report[name]
-        lines.append(f"  {name:7} {part['seconds']:8.3f} s   "
-                     f"{part['bytes_per_rank_max'] / 2**20:9.1f} MiB per rank")  # fmt: skip
+        lines.append(
+            f"  {name:7} {part['seconds']:8.3f} s   "
+            f"{part['bytes_per_rank_max'] / 2**20:9.1f} MiB per rank"
+        )
     lines.append(f"bytes per rank / whole batch: {report['bytes_per_rank_over_whole_batch']:.3f}")
     lines.append(f"delivery time new / old: {report['time_new_over_old']:.3f}")
     return "\n".join(lines)

@@ -148,10 +148,20 @@ def _header(shard: TrajectoryShard) -> Tensor:
     code = 0 if routing is None else {torch.uint8: 1, torch.int16: 2}[routing.dtype]
     layers, top_k = (0, 0) if routing is None else tuple(routing.shape[1:])
     return torch.tensor(
-        [FORMAT, shard.indices.numel(), shard.token_ids.numel(), code, layers, top_k,
-         shard.num_experts, 0 if routing is None else routing.shape[0], *_topk_shape(shard), 0],
+        [
+            FORMAT,
+            shard.indices.numel(),
+            shard.token_ids.numel(),
+            code,
+            layers,
+            top_k,
+            shard.num_experts,
+            0 if routing is None else routing.shape[0],
+            *_topk_shape(shard),
+            0,
+        ],
         dtype=torch.int64,
-    )  # fmt: skip
+    )
 
 
 def _topk_shape(shard: TrajectoryShard) -> tuple[int, int]:
@@ -190,8 +200,9 @@ def _empty_like_header(header: Tensor) -> TrajectoryShard:
 def send_shard(group: PointToPoint, shard: TrajectoryShard, dst: int) -> list:
     """Start sending `shard` to rank `dst` of `group` (a raw ProcessGroup, ranks local to
     it); returns the works to wait on."""
-    return [group.send([tensor.contiguous()], dst, 0)
-            for tensor in [_header(shard), *_tensors(shard)]]  # fmt: skip
+    return [
+        group.send([tensor.contiguous()], dst, 0) for tensor in [_header(shard), *_tensors(shard)]
+    ]
 
 
 def recv_shard(group: PointToPoint, src: int) -> TrajectoryShard:

@@ -144,9 +144,13 @@ class Trajectory:
     def summary(self) -> TrajectorySummary:
         """What is logged of it (no tokens)."""
         return TrajectorySummary(
-            self.prompt_id, self.reward, self.length, self.num_policy_tokens,
-            self.oldest_version, self.info,
-        )  # fmt: skip
+            self.prompt_id,
+            self.reward,
+            self.length,
+            self.num_policy_tokens,
+            self.oldest_version,
+            self.info,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (buffer checkpoints): each per-token array as its raw bytes."""
@@ -318,13 +322,17 @@ def _check_top_logprobs(t: Trajectory) -> None:
     ):
         raise InvalidTrajectory("top_logprobs", "is not a TopLogProbs of arrays", repr(top))
     if ids.dtype != ID_DTYPE or log_probs.dtype != LOG_PROB_DTYPE:
-        raise InvalidTrajectory("top_logprobs", "dtypes are not int32 ids and float32 log-probs",
-                                f"{ids.dtype}, {log_probs.dtype}")  # fmt: skip
+        raise InvalidTrajectory(
+            "top_logprobs",
+            "dtypes are not int32 ids and float32 log-probs",
+            f"{ids.dtype}, {log_probs.dtype}",
+        )
     if ids.ndim != 2 or ids.shape != log_probs.shape or not 1 <= ids.shape[1] <= MAX_GATE_TOP_K:
         raise InvalidTrajectory(
-            "top_logprobs", f"is not [policy tokens, K] with K in [1, {MAX_GATE_TOP_K}]",
+            "top_logprobs",
+            f"is not [policy tokens, K] with K in [1, {MAX_GATE_TOP_K}]",
             f"ids {ids.shape}, log_probs {log_probs.shape}",
-        )  # fmt: skip
+        )
     if ids.shape[0] != t.num_policy_tokens:
         detail = f"{ids.shape[0]} rows, {t.num_policy_tokens} policy tokens"
         raise InvalidTrajectory("top_logprobs", "rows differ from the policy tokens", detail)
@@ -342,14 +350,18 @@ def _check_top_values(ids: np.ndarray, log_probs: np.ndarray) -> None:
     ordered = np.sort(ids, axis=1)
     repeated = np.argwhere((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
     if repeated.size:
-        raise InvalidTrajectory("top_logprobs", "repeats a token within a top-K",
-                                f"policy token {int(repeated[0][0])}")  # fmt: skip
+        raise InvalidTrajectory(
+            "top_logprobs", "repeats a token within a top-K", f"policy token {int(repeated[0][0])}"
+        )
     mass = np.exp(log_probs.astype(np.float64)).sum(axis=1)
     over = np.argwhere(mass > 1 + TOP_K_MASS_TOLERANCE)
     if over.size:
         row = int(over[0][0])
-        raise InvalidTrajectory("top_logprobs", "probabilities of a top-K sum above 1",
-                                f"policy token {row}: {mass[row]:.6g}")  # fmt: skip
+        raise InvalidTrajectory(
+            "top_logprobs",
+            "probabilities of a top-K sum above 1",
+            f"policy token {row}: {mass[row]:.6g}",
+        )
 
 
 def validate_trajectory(t: Trajectory) -> Trajectory:

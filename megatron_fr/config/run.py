@@ -84,9 +84,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key]})",
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first at line {seen[key]})",
                     key_node.start_mark,
-                )  # fmt: skip
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

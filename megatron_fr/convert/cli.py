@@ -117,8 +117,10 @@ def _verify(args: argparse.Namespace) -> int:
     _check_verify_arguments(args)
     spec = read_hf_config(Path(args.hf_dir) / "config.json")
     if not args.seq <= spec.max_position_embeddings:
-        raise ValueError(f"--seq {args.seq}: over the model's context "
-                         f"({spec.max_position_embeddings}, max_position_embeddings)")  # fmt: skip
+        raise ValueError(
+            f"--seq {args.seq}: over the model's context "
+            f"({spec.max_position_embeddings}, max_position_embeddings)"
+        )
     parallel = verify_layout(spec, args.tp, args.ep, args.etp, args.pp)
     if args.megatron_dir is not None:
         problem = megatron_checkpoint_problem(Path(args.megatron_dir))

@@ -85,6 +85,8 @@ def _shard_problem(shard: Path, items: list, index: Path) -> str | None:
             head = handle.read(4)
             handle.seek(item.offset + item.length - 22)
             if head != ARCHIVE_HEAD or handle.read(4) != ARCHIVE_END:
-                return (f"{shard}: the item at byte {item.offset} is not a torch.save archive "
-                        "(zero-filled or overwritten?)")  # fmt: skip
+                return (
+                    f"{shard}: the item at byte {item.offset} is not a torch.save archive "
+                    "(zero-filled or overwritten?)"
+                )
     return None

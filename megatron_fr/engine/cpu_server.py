@@ -211,9 +211,13 @@ class CpuServer:
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
             prompt = self.engine.tokenizer.encode(prompt)
-        return self.engine.generate(prompt, job.sampling, job.rid,
-                                    routed_experts_start=job.routed_experts_start,
-                                    top_logprobs=job.top_logprobs_num)  # fmt: skip
+        return self.engine.generate(
+            prompt,
+            job.sampling,
+            job.rid,
+            routed_experts_start=job.routed_experts_start,
+            top_logprobs=job.top_logprobs_num,
+        )
 
     # --- control ------------------------------------------------------------------------
 

@@ -414,8 +414,10 @@ def top_logprobs_meta(output: Output) -> dict:
     when they were not asked for."""
     if output.top_logprobs is None:
         return {}
-    rows = [[[value, token, None] for value, token in zip(values, ids, strict=True)]
-            for values, ids in output.top_logprobs]  # fmt: skip
+    rows = [
+        [[value, token, None] for value, token in zip(values, ids, strict=True)]
+        for values, ids in output.top_logprobs
+    ]
     return {"input_top_logprobs": [], "output_top_logprobs": rows}
 
 

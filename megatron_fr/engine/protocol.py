@@ -291,8 +291,9 @@ def _parse_top_logprobs(meta: dict, output_ids: list[int], k: int, prefix: str) 
     rows = _require(meta, "output_top_logprobs", prefix)
     if not isinstance(rows, list) or len(rows) != len(output_ids):
         got = f"{len(rows)} entries" if isinstance(rows, list) else type(rows).__name__
-        raise MalformedResponse(path, f"expected {len(output_ids)} lists (one per output token), "
-                                f"got {got}")  # fmt: skip
+        raise MalformedResponse(
+            path, f"expected {len(output_ids)} lists (one per output token), got {got}"
+        )
     ids, log_probs = [], []
     for i, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != k:

@@ -42,8 +42,9 @@ class TopLogProbs:
     """[policy tokens, K] float32, each finite and <= 0."""
 
     @classmethod
-    def of(cls, ids: Sequence | np.ndarray, log_probs: Sequence | np.ndarray,
-           k: int) -> TopLogProbs:  # fmt: skip
+    def of(
+        cls, ids: Sequence | np.ndarray, log_probs: Sequence | np.ndarray, k: int
+    ) -> TopLogProbs:
         """From any nested [tokens][K] lists or arrays (none: an empty [0, K] record); log-probs
         below float32's range become its smallest value, as SGLang clamps -inf."""
         floor = np.finfo(LOG_PROB_DTYPE).min
@@ -60,8 +61,9 @@ class TopLogProbs:
             raise ValueError("concatenate needs at least one part")
         if len({part.k for part in parts}) != 1:
             raise ValueError(f"parts disagree on K: {sorted({part.k for part in parts})}")
-        return cls(np.concatenate([p.ids for p in parts]),
-                   np.concatenate([p.log_probs for p in parts]))  # fmt: skip
+        return cls(
+            np.concatenate([p.ids for p in parts]), np.concatenate([p.log_probs for p in parts])
+        )
 
     @property
     def tokens(self) -> int:

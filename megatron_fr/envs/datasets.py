@@ -70,8 +70,9 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
         if key in seen:
             first, first_id = seen[key]
             written = "" if first_id == sample["id"] else f" as {first_id!r}"
-            raise ValueError(f"{path}: {where}: duplicate id {sample['id']!r} (first at "
-                             f"{first}{written})")  # fmt: skip
+            raise ValueError(
+                f"{path}: {where}: duplicate id {sample['id']!r} (first at {first}{written})"
+            )
         seen[key] = (where, sample["id"])
         samples.append(sample)
     return samples
@@ -83,8 +84,10 @@ def _refuse_surrogates(row: dict, where: str) -> None:
     try:
         json.dumps(row, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff "
-                         "escape), which is not text") from None  # fmt: skip
+        raise ValueError(
+            f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff "
+            "escape), which is not text"
+        ) from None
     except ValueError as error:  # what json.dumps refuses of a parquet row (NaN is kept)
         raise ValueError(f"{where}: {error}") from None
 

@@ -170,9 +170,14 @@ class Plan:
         return dict(
             world=self.world,
             layout=dict(
-                tp=p.tensor, pp=p.pipeline, cp=p.context, ep=p.expert,
-                etp=p.effective_expert_tensor, dp=self.data_parallel,
-                edp=self.expert_data_parallel, sequence_parallel=p.tensor > 1,
+                tp=p.tensor,
+                pp=p.pipeline,
+                cp=p.context,
+                ep=p.expert,
+                etp=p.effective_expert_tensor,
+                dp=self.data_parallel,
+                edp=self.expert_data_parallel,
+                sequence_parallel=p.tensor > 1,
             ),
             params_total=self.params_total,
             params_per_gpu=self.params_per_gpu,
@@ -180,9 +185,13 @@ class Plan:
             micro_batch_tokens=self.micro_batch_tokens,
             longest_row=self.longest_row,
             per_gpu=dict(
-                stage=peak.stage, dense_params=peak.params.dense, expert_params=peak.params.expert,
-                weight_bytes=peak.weight_bytes, grad_bytes=peak.grad_bytes,
-                optimizer_bytes=peak.optimizer_bytes, state_bytes=peak.state_bytes,
+                stage=peak.stage,
+                dense_params=peak.params.dense,
+                expert_params=peak.params.expert,
+                weight_bytes=peak.weight_bytes,
+                grad_bytes=peak.grad_bytes,
+                optimizer_bytes=peak.optimizer_bytes,
+                state_bytes=peak.state_bytes,
                 activation_bytes=peak.activation_bytes,
             ),
             peak_bytes={mode: self.peak_bytes(mode) for mode in RECOMPUTE},
@@ -190,7 +199,7 @@ class Plan:
             reserve_bytes=self.reserve_bytes,
             fits={mode: self.fits(mode) for mode in RECOMPUTE},
             stages=[asdict(s) | {"state_bytes": s.state_bytes} for s in self.stages],
-        )  # fmt: skip
+        )
 
 
 def check_layout(spec: HFModelSpec, parallel: ParallelConfig, world: int) -> None:
@@ -287,8 +296,9 @@ def moe_dispatch_bytes_per_token(spec: HFModelSpec, expert_tensor: int = 1) -> i
     return 2 * spec.hidden_size * spec.num_experts_per_tok * (2 + 2 * expert_tensor)
 
 
-def loss_path_bytes(spec: HFModelSpec, tokens: int, tensor: int, params_dtype: str,
-                    entropies: bool) -> int:  # fmt: skip
+def loss_path_bytes(
+    spec: HFModelSpec, tokens: int, tensor: int, params_dtype: str, entropies: bool
+) -> int:
     """The last stage's final norm and chunked loss path for a micro-batch of `tokens` on a
     CP rank, its output layer split over `tensor` ranks (module docstring)."""
     h, bf16 = spec.hidden_size, params_dtype == "bfloat16"
@@ -329,12 +339,19 @@ def plan_layout(
         for stage in range(parallel.pipeline)
     )
     return Plan(
-        world=world, parallel=parallel, is_moe=spec.is_moe, data_parallel=dp,
-        expert_data_parallel=edp, params_total=total_params(spec),
-        micro_batch_tokens=micro_batch_tokens, longest_row=longest, params_dtype=params_dtype,
-        stages=stages, gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
+        world=world,
+        parallel=parallel,
+        is_moe=spec.is_moe,
+        data_parallel=dp,
+        expert_data_parallel=edp,
+        params_total=total_params(spec),
+        micro_batch_tokens=micro_batch_tokens,
+        longest_row=longest,
+        params_dtype=params_dtype,
+        stages=stages,
+        gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
-    )  # fmt: skip
+    )
 
 
 def _stage_plan(
@@ -363,12 +380,14 @@ def _stage_plan(
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
         activations[mode] = int(kept + recomputing + buffers)
     return StagePlan(
-        stage=stage, params=params, weight_bytes=params.total * weight_b,
+        stage=stage,
+        params=params,
+        weight_bytes=params.total * weight_b,
         grad_bytes=params.total * grad_b,
         optimizer_bytes=params.dense * optim_b // (dp * parallel.context)
         + params.expert * optim_b // edp,
         activation_bytes=activations,
-    )  # fmt: skip
+    )
 
 
 def enumerate_layouts(
@@ -384,8 +403,14 @@ def enumerate_layouts(
     plans = []
     for tp, cp, pp, ep in itertools.product(tps, divisors(world), divisors(world), eps):
         for etp in sorted({1, tp}) if spec.is_moe else [None]:
-            parallel = ParallelConfig(tensor=tp, pipeline=pp, context=cp, expert=ep,
-                                      expert_tensor=etp, sequence_parallel=tp > 1)  # fmt: skip
+            parallel = ParallelConfig(
+                tensor=tp,
+                pipeline=pp,
+                context=cp,
+                expert=ep,
+                expert_tensor=etp,
+                sequence_parallel=tp > 1,
+            )
             try:
                 plan = plan_layout(spec, parallel, world, **plan_kwargs)
             except LayoutError:
@@ -395,8 +420,12 @@ def enumerate_layouts(
 
     def order(plan: Plan) -> tuple:
         p = plan.parallel
-        return (RECOMPUTE.index(plan.least_recompute()), p.tensor * p.context * p.pipeline,
-                p.pipeline, plan.peak_bytes("none"))  # fmt: skip
+        return (
+            RECOMPUTE.index(plan.least_recompute()),
+            p.tensor * p.context * p.pipeline,
+            p.pipeline,
+            plan.peak_bytes("none"),
+        )
 
     return sorted(plans, key=order)
 

@@ -61,9 +61,12 @@ class DataPathAddress:
 
 def _data_group(address: DataPathAddress, rank: int) -> PointToPoint:
     store = dist.TCPStore(
-        address.host, address.port, address.leaders + 1, rank == 0,
+        address.host,
+        address.port,
+        address.leaders + 1,
+        rank == 0,
         timeout=datetime.timedelta(seconds=address.timeout_s),
-    )  # fmt: skip
+    )
     timeout = datetime.timedelta(seconds=address.timeout_s)
     # torch's stubs omit the gloo backend's send/recv, which it has
     return cast(PointToPoint, dist.ProcessGroupGloo(store, rank, address.leaders + 1, timeout))
@@ -120,8 +123,9 @@ class ShareReceiver:
         self.data_group: PointToPoint | None = None
         if dist.get_rank() == self.leader:
             self.data_group = _data_group(address, 1 + stages.index(stage))
-            first, end = (-1, -1) if stage_layers is None else (stage_layers.start,
-                                                                stage_layers.stop)  # fmt: skip
+            first, end = (
+                (-1, -1) if stage_layers is None else (stage_layers.start, stage_layers.stop)
+            )
             hello = torch.tensor([*stage, first, end], dtype=torch.int64)
             self.data_group.send([hello], 0, 0).wait()
 

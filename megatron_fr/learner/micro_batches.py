@@ -245,8 +245,9 @@ def plan_micro_batches(
             for share in shares
         ]
     loads = tuple(sum(lengths[i] for i in share) for share in shares)
-    return MicroBatchPlan(assignment, rows, width, span_multiple, cp_size, pack,
-                          sum(model_tokens), loads)  # fmt: skip
+    return MicroBatchPlan(
+        assignment, rows, width, span_multiple, cp_size, pack, sum(model_tokens), loads
+    )
 
 
 def _pack_shares(
@@ -301,8 +302,10 @@ def micro_batches_for_rank(
     if top_logprobs:
         for index in itertools.chain.from_iterable(itertools.chain(*plan.assignment[dp_rank])):
             _check_top_k(batch[index], index, top_logprobs)
-    return [_micro_batch(batch, plan, rows, cp_rank, pad_id, routing, top_logprobs)
-            for rows in plan.assignment[dp_rank]]  # fmt: skip
+    return [
+        _micro_batch(batch, plan, rows, cp_rank, pad_id, routing, top_logprobs)
+        for rows in plan.assignment[dp_rank]
+    ]
 
 
 def _check_top_k(row: TokenRow, index: int, k: int) -> None:

@@ -140,11 +140,14 @@ def forward_step_on(
             assert micro.routing is not None  # built with routing when replaying
             replay.load(micro.routing)
         output = model(
-            micro.input_ids, micro.positions, attention_mask=None,
+            micro.input_ids,
+            micro.positions,
+            attention_mask=None,
             packed_seq_params=micro.packed_seq_params(),
-            output_processor=dataclasses.replace(scores, targets=micro.loss_batch.target_ids,
-                                                 ids=micro.loss_batch.topk_ids),
-        )  # fmt: skip
+            output_processor=dataclasses.replace(
+                scores, targets=micro.loss_batch.target_ids, ids=micro.loss_batch.topk_ids
+            ),
+        )
         if replay is not None and train:
             replay.replay_in_backward(output)
         return output, partial(score, micro)
@@ -197,8 +200,9 @@ class Learner:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
         )
-        self.model = DistributedDataParallel(self.module.config, ddp_config, self.module,
-                                             pg_collection=self.groups)  # fmt: skip
+        self.model = DistributedDataParallel(
+            self.module.config, ddp_config, self.module, pg_collection=self.groups
+        )
         self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler(total_steps)
         self.module.config.finalize_model_grads_func = partial(
@@ -218,10 +222,15 @@ class Learner:
 
         start = init_checkpoint or init_hf_dir
         module = build_gpt_model(
-            self.spec, self.parallel, params_dtype=DTYPES[self.config.params_dtype],
-            initialize=not start, routing_replay=self.config.routing_replay,
-            recompute=self.config.recompute, pg_collection=self.groups, spec_kind=self.layer_spec,
-        )  # fmt: skip
+            self.spec,
+            self.parallel,
+            params_dtype=DTYPES[self.config.params_dtype],
+            initialize=not start,
+            routing_replay=self.config.routing_replay,
+            recompute=self.config.recompute,
+            pg_collection=self.groups,
+            spec_kind=self.layer_spec,
+        )
         if init_checkpoint is not None:
             load_megatron_checkpoint(module, init_checkpoint)
         elif init_hf_dir is not None:  # every rank reads only its own shards
@@ -234,15 +243,23 @@ class Learner:
 
         config, dtype = self.config, DTYPES[self.config.params_dtype]
         settings = OptimizerConfig(
-            optimizer="adam", lr=config.lr, min_lr=config.min_lr,
-            weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
-            bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True,
-        )  # fmt: skip
+            optimizer="adam",
+            lr=config.lr,
+            min_lr=config.min_lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        )
         # megatron takes explicit groups only without its extra gloo groups (which it would
         # otherwise read from parallel_state to gather optimizer state for checkpoints).
-        return get_megatron_optimizer(settings, [self.model], use_gloo_process_groups=False,
-                                      pg_collection=self.groups)  # fmt: skip
+        return get_megatron_optimizer(
+            settings, [self.model], use_gloo_process_groups=False, pg_collection=self.groups
+        )
 
     def _build_scheduler(self, total_steps: int) -> OptimizerParamScheduler:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -280,21 +297,31 @@ class Learner:
         global_batch = global_batch.to(log_probs.device)
         if self.config.policy_loss == "ppo_clip":
             loss, metrics = ppo_clip_scored_loss(
-                log_probs, micro.loss_batch, global_batch, self.config.ppo_clip,
+                log_probs,
+                micro.loss_batch,
+                global_batch,
+                self.config.ppo_clip,
                 cp_group=self.groups.cp,
-            )  # fmt: skip
+            )
         else:
             loss, metrics = flash_reinforce_scored_loss(
-                log_probs, entropies, micro.loss_batch, global_batch,
-                self.config.flash_reinforce, cp_group=self.groups.cp, topk_log_probs=topk,
-            )  # fmt: skip
+                log_probs,
+                entropies,
+                micro.loss_batch,
+                global_batch,
+                self.config.flash_reinforce,
+                cp_group=self.groups.cp,
+                topk_log_probs=topk,
+            )
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
         reported["clipped"] = metrics.get("clipped_tokens", torch.zeros((), device=loss.device))
         kl = metrics.get("sequence_kl")
-        reported["sequence_kl"] = kl.detach() if kl is not None else torch.zeros_like(
-            metrics["present"], dtype=torch.float64
-        )  # fmt: skip
+        reported["sequence_kl"] = (
+            kl.detach()
+            if kl is not None
+            else torch.zeros_like(metrics["present"], dtype=torch.float64)
+        )
         return loss * scale, reported
 
     def plan(self, batch: list[Trajectory]) -> StepPlan:
@@ -316,10 +343,14 @@ class Learner:
         """This rank's micro-batches: its DP share of the plan, every row split over the CP
         ranks (with this stage's routing, for replay)."""
         return micro_batches_for_rank(
-            rows, step.plan, dp_rank=self.groups.dp.rank(), cp_rank=self.groups.cp.rank(),
-            pad_id=pad_id, routing=None if replay is None else replay.stage_layers,
+            rows,
+            step.plan,
+            dp_rank=self.groups.dp.rank(),
+            cp_rank=self.groups.cp.rank(),
+            pad_id=pad_id,
+            routing=None if replay is None else replay.stage_layers,
             top_logprobs=self.config.top_logprobs,
-        )  # fmt: skip
+        )
 
     @property
     def _needs_entropy(self) -> bool:
@@ -348,9 +379,15 @@ class Learner:
         forward_step = forward_step_on(self.device, score, scores, replay, not forward_only)
         rows, width = micros[0].input_ids.shape
         stages = self.groups.pp.size()
-        pipeline = {} if stages == 1 else {
-            "p2p_communicator": P2PCommunicator(pp_group=self.groups.pp, config=self.module.config)
-        }  # fmt: skip
+        pipeline = (
+            {}
+            if stages == 1
+            else {
+                "p2p_communicator": P2PCommunicator(
+                    pp_group=self.groups.pp, config=self.module.config
+                )
+            }
+        )
         try:
             return get_forward_backward_func(pp_size=stages)(
                 forward_step_func=forward_step,
@@ -387,8 +424,7 @@ class Learner:
         score = partial(self._loss, len(micros) * self.groups.dp.size(), global_batch)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_micro = self._schedule(micros, score, False, self.routing_replay,
-                                   self.temperature)  # fmt: skip
+        per_micro = self._schedule(micros, score, False, self.routing_replay, self.temperature)
         # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
         nonfinite = nonfinite_cause(per_micro, self.module)
         if nonfinite is None:
@@ -428,9 +464,11 @@ class Learner:
             segments = micro.loss_batch.segment_ids
             policy = micro.loss_batch.action_mask & (segments >= 0)
             for segment, position, value in zip(
-                segments[policy].tolist(), micro.loss_batch.positions[policy].tolist(),
-                log_probs[policy].tolist(), strict=True,
-            ):  # fmt: skip
+                segments[policy].tolist(),
+                micro.loss_batch.positions[policy].tolist(),
+                log_probs[policy].tolist(),
+                strict=True,
+            ):
                 scored.setdefault(segment, {})[position] = value
             return scores.sum() * 0, {}
 

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-def row_boundaries(query: torch.Tensor, packed_seq_params: PackedSeqParams | None,
-                   cp_size: int) -> list[int]:  # fmt: skip
+def row_boundaries(
+    query: torch.Tensor, packed_seq_params: PackedSeqParams | None, cp_size: int
+) -> list[int]:
     """The row's sequence boundaries before the CP split: the padded cu_seqlens of a packed
     row, or the whole row (this rank's query length x CP) for a padded one."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -58,8 +59,9 @@ def row_causal_mask(boundaries: list[int], cp_size: int, cp_rank: int) -> torch.
     return other | (keys[None, :] > queries[:, None])
 
 
-def gather_keys_and_values(key: torch.Tensor, value: torch.Tensor,
-                           group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def gather_keys_and_values(
+    key: torch.Tensor, value: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of every CP rank, in rank order along the sequence (dim 0); their
     gradients are reduce-scattered back in the backward pass."""
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -101,8 +103,9 @@ class PackedDotProductAttention(DotProductAttention):
     ) -> Tensor:
         group = context_parallel_group(self.pg_collection)
         if packed_seq_params is None and group.size() == 1:
-            return super().forward(query, key, value, attention_mask, attn_mask_type,
-                                   attention_bias)  # fmt: skip
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias
+            )
         if attention_mask is not None:
             raise ValueError("packed rows and CP take their mask from the row layout")
         boundaries = row_boundaries(query, packed_seq_params, group.size())
@@ -111,5 +114,4 @@ class PackedDotProductAttention(DotProductAttention):
         mask = row_causal_mask(boundaries, group.size(), group.rank()).to(query.device)
         if group.size() > 1:
             key, value = gather_keys_and_values(key, value, group)
-        return super().forward(query, key, value, mask[None, None], attn_mask_type,
-                               attention_bias)  # fmt: skip
+        return super().forward(query, key, value, mask[None, None], attn_mask_type, attention_bias)

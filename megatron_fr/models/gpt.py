@@ -135,8 +135,9 @@ def recompute_settings(mode: str, moe: bool) -> dict[str, object]:
     if mode == "none":
         return {}
     if mode == "full":
-        return dict(recompute_granularity="full", recompute_method="uniform",
-                    recompute_num_layers=1)  # fmt: skip
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     if mode == "selective":
         # megatron 0.19's "layernorm" and "moe_act" recompute (CheckpointWithoutOutput) read
         # transformer-engine's FP8 state even without FP8: without TE they raise NameError.
@@ -224,9 +225,15 @@ def build_gpt_model(
 
     kind = "local" if on_cpu else resolve_layer_spec(spec_kind)
     config = transformer_config(
-        spec, parallel, params_dtype=params_dtype, initialize=initialize and not meta,
-        on_cpu=on_cpu, routing_replay=routing_replay, recompute=recompute, spec_kind=kind,
-    )  # fmt: skip
+        spec,
+        parallel,
+        params_dtype=params_dtype,
+        initialize=initialize and not meta,
+        on_cpu=on_cpu,
+        routing_replay=routing_replay,
+        recompute=recompute,
+        spec_kind=kind,
+    )
     with torch.device("meta") if meta else nullcontext():
         model = GPTModel(
             config=config,

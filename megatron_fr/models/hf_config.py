@@ -87,8 +87,14 @@ def _refuse_unsupported(config: dict[str, Any]) -> None:
         )
 
 
-_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "max_position_embeddings")  # fmt: skip
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 _MOE_SIZES = ("num_experts_per_tok", "moe_intermediate_size")
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "num_experts", "num_local_experts")
 
@@ -111,15 +117,20 @@ def _refuse_malformed(config: Any) -> None:
         raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
     heads = config["num_attention_heads"]
     if heads % config.get("num_key_value_heads", heads):
-        raise ValueError(f"num_key_value_heads ({config['num_key_value_heads']}) "
-                         f"must divide num_attention_heads ({heads})")  # fmt: skip
+        raise ValueError(
+            f"num_key_value_heads ({config['num_key_value_heads']}) "
+            f"must divide num_attention_heads ({heads})"
+        )
     if not config.get("head_dim") and config["hidden_size"] % heads:
-        raise ValueError(f"hidden_size ({config['hidden_size']}) is not a multiple "
-                         f"of num_attention_heads ({heads}) and head_dim is not given")  # fmt: skip
+        raise ValueError(
+            f"hidden_size ({config['hidden_size']}) is not a multiple "
+            f"of num_attention_heads ({heads}) and head_dim is not given"
+        )
     experts = config.get("num_experts", config.get("num_local_experts"))
     if experts and config.get("num_experts_per_tok", 0) > experts:
-        raise ValueError(f"num_experts_per_tok ({config['num_experts_per_tok']}) "
-                         f"exceeds num_experts ({experts})")  # fmt: skip
+        raise ValueError(
+            f"num_experts_per_tok ({config['num_experts_per_tok']}) exceeds num_experts ({experts})"
+        )
 
 
 def spec_from_dict(config: dict[str, Any]) -> HFModelSpec:

@@ -66,9 +66,14 @@ class TargetScores:
         sequence, rows, _ = hidden_states.shape
         ids = None if self.ids is None else self.ids.transpose(0, 1).reshape(sequence * rows, -1)
         log_probs, entropy, id_log_probs = chunked_vocab_parallel_scores(
-            hidden_states.reshape(sequence * rows, -1), weight, self.targets.t().reshape(-1),
-            group, temperature=self.temperature, with_entropy=self.with_entropy, ids=ids,
-        )  # fmt: skip
+            hidden_states.reshape(sequence * rows, -1),
+            weight,
+            self.targets.t().reshape(-1),
+            group,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy,
+            ids=ids,
+        )
         if entropy is None:
             entropy = torch.zeros_like(log_probs)
         scores = torch.stack([log_probs, entropy])

@@ -44,9 +44,11 @@ def check_recipe(
     _layout(config, spec, world_size, gpu_mem_gb, lines)
     b = config.buffer
     learner = config.learner
-    lines.append(f"rollouts    B={b.batch_size}, G={b.group_size}, max_lag={b.max_lag}, "
-                 f"T={config.rollout.temperature}; {config.steps} steps; estimator "
-                 f"{learner.estimator} with the {learner.policy_loss} loss")  # fmt: skip
+    lines.append(
+        f"rollouts    B={b.batch_size}, G={b.group_size}, max_lag={b.max_lag}, "
+        f"T={config.rollout.temperature}; {config.steps} steps; estimator "
+        f"{learner.estimator} with the {learner.policy_loss} loss"
+    )
     return "\n".join(lines)
 
 
@@ -58,12 +60,16 @@ def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
     except (OSError, ValueError) as error:
         raise CheckFailed(str(error)) from None
     context = spec.max_position_embeddings
-    lines.append(f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
-                 f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}")  # fmt: skip
+    lines.append(
+        f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
+        f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}"
+    )
     budget, _ = _row_tokens(config.task)
     if budget > context:
-        raise CheckFailed(f"task: a row may reach {budget} tokens, over the model's "
-                          f"context {context} (max_position_embeddings)")  # fmt: skip
+        raise CheckFailed(
+            f"task: a row may reach {budget} tokens, over the model's "
+            f"context {context} (max_position_embeddings)"
+        )
     return spec
 
 
@@ -92,8 +98,10 @@ def _rows(config: RunConfig, lines: list[str]) -> None:
             f"rows of at most {longest}; set learner.micro_batch_tokens >= "
             f"{micro_batch_tokens_for(row, p.context, sp)} (or raise parallel.context)"
         )
-    lines.append(f"rows        up to {row} tokens; a micro-batch holds {longest} "
-                 f"({tokens} tokens per GPU x CP{p.context})")  # fmt: skip
+    lines.append(
+        f"rows        up to {row} tokens; a micro-batch holds {longest} "
+        f"({tokens} tokens per GPU x CP{p.context})"
+    )
 
 
 def _data(config: RunConfig, lines: list[str], render: bool) -> None:
@@ -129,10 +137,14 @@ def _rendered(config: RunConfig, samples: list) -> str:
         episode.close()
     if dropped == len(samples):
         limit = task.max_prompt_tokens
-        raise CheckFailed(f"task.max_prompt_tokens={limit}: every prompt is longer (the "
-                          f"first: {length} tokens), so none would be played")  # fmt: skip
-    return (f"; first prompt {length} tokens; {dropped} over max_prompt_tokens="
-            f"{task.max_prompt_tokens} would be dropped")  # fmt: skip
+        raise CheckFailed(
+            f"task.max_prompt_tokens={limit}: every prompt is longer (the "
+            f"first: {length} tokens), so none would be played"
+        )
+    return (
+        f"; first prompt {length} tokens; {dropped} over max_prompt_tokens="
+        f"{task.max_prompt_tokens} would be dropped"
+    )
 
 
 def _key(what: str) -> str:
@@ -152,10 +164,15 @@ def _layout(
     rows = _row_tokens(config.task)[0]
     try:
         plan = plan_layout(
-            spec, config.parallel, world_size, micro_batch_tokens=learner.micro_batch_tokens,
-            params_dtype=learner.params_dtype, gpu_mem_gib=gpu_mem_gb,
-            entropies=learner.flash_reinforce.negative_token_fraction < 1, row_tokens=rows,
-        )  # fmt: skip
+            spec,
+            config.parallel,
+            world_size,
+            micro_batch_tokens=learner.micro_batch_tokens,
+            params_dtype=learner.params_dtype,
+            gpu_mem_gib=gpu_mem_gb,
+            entropies=learner.flash_reinforce.negative_token_fraction < 1,
+            row_tokens=rows,
+        )
     except (LayoutError, ValueError) as error:
         raise CheckFailed(f"parallel (world size {world_size}): {error}") from None
     p, recompute = config.parallel, learner.recompute
@@ -165,12 +182,16 @@ def _layout(
         "" if fits is None else f" of {gpu_mem_gb:g} GiB: " + ("fits" if fits else "does NOT fit")
     )
     params = plan.params_per_gpu / 1e9
-    lines.append(f"layout      {world_size} ranks: TP{p.tensor} PP{p.pipeline} CP{p.context} "
-                 f"EP{p.expert} ETP{p.effective_expert_tensor} DP{plan.data_parallel}; "
-                 f"{params:.2f} B params and {peak:.1f} GiB per GPU with learner.recompute "
-                 f"{recompute}{verdict}")  # fmt: skip
+    lines.append(
+        f"layout      {world_size} ranks: TP{p.tensor} PP{p.pipeline} CP{p.context} "
+        f"EP{p.expert} ETP{p.effective_expert_tensor} DP{plan.data_parallel}; "
+        f"{params:.2f} B params and {peak:.1f} GiB per GPU with learner.recompute "
+        f"{recompute}{verdict}"
+    )
     if fits is False:
         least = plan.least_recompute()
         remedy = f"set learner.recompute={least}" if least else "no recompute setting fits"
-        raise CheckFailed(f"learner.recompute: with {recompute} the layout needs {peak:.1f} GiB "
-                          f"per GPU, more than {gpu_mem_gb:g} GiB; {remedy}")  # fmt: skip
+        raise CheckFailed(
+            f"learner.recompute: with {recompute} the layout needs {peak:.1f} GiB "
+            f"per GPU, more than {gpu_mem_gb:g} GiB; {remedy}"
+        )

@@ -61,10 +61,15 @@ def train(config: RunConfig, run_dir: Path) -> None:
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     resume_from, set_aside = settled_resume_point(run_dir)
     # A fresh run reads its shards of the HF checkpoint directly; a resumed one its own.
-    learner = Learner(spec, config.parallel, config.learner, total_steps=config.steps,
-                      init_hf_dir=None if resume_from else str(hf_dir),
-                      temperature=config.rollout.temperature,
-                      spec_kind=config.model.spec)  # fmt: skip
+    learner = Learner(
+        spec,
+        config.parallel,
+        config.learner,
+        total_steps=config.steps,
+        init_hf_dir=None if resume_from else str(hf_dir),
+        temperature=config.rollout.temperature,
+        spec_kind=config.model.spec,
+    )
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())
@@ -96,9 +101,13 @@ def train(config: RunConfig, run_dir: Path) -> None:
             rollout.explain(error)  # a dead engine is named, not the socket it broke
         raise
     finally:  # the senders leave the weight-update groups; a failure to close hides nothing
-        close_in_order([("weight sync", weight_sync.close if weight_sync else None),
-                        ("rollout process", rollout.close if rollout else None),
-                        ("run report", report.close if report else None)])  # fmt: skip
+        close_in_order(
+            [
+                ("weight sync", weight_sync.close if weight_sync else None),
+                ("rollout process", rollout.close if rollout else None),
+                ("run report", report.close if report else None),
+            ]
+        )
 
 
 def data_path_address(config: RunConfig, learner: Learner) -> DataPathAddress:
@@ -185,8 +194,11 @@ class SkippedSteps:
                 "learner.lr or look for non-finite rewards or log-probs in the batches"
             )
         if cause and self.say:
-            print(f"step {step} skipped: its {cause} is not finite (no weight changed, none "
-                  f"sent; {self.in_a_row} in a row)", flush=True)  # fmt: skip
+            print(
+                f"step {step} skipped: its {cause} is not finite (no weight changed, none "
+                f"sent; {self.in_a_row} in a row)",
+                flush=True,
+            )
         return bool(cause)
 
 
@@ -210,8 +222,11 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
         return {}
     everyone: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, sample)
-    return {f"gpu{rank}_{key[4:]}": value for rank, part in enumerate(everyone)
-            for key, value in part.items()}  # fmt: skip
+    return {
+        f"gpu{rank}_{key[4:]}": value
+        for rank, part in enumerate(everyone)
+        for key, value in part.items()
+    }
 
 
 def evaluate(rollout: RolloutProcess, report: RunReport, step: int) -> None:

@@ -89,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", help="run directories (with batches.jsonl)")
     parser.add_argument(
-        "--delta", type=float, default=None,
+        "--delta",
+        type=float,
+        default=None,
         help="recompute admission as D_i <= delta (default: the run's own decisions)",
-    )  # fmt: skip
+    )
     parser.add_argument("--from-step", type=int, default=1, help="first step counted (default 1)")
     args = parser.parse_args(argv)
     try:

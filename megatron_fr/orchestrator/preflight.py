@@ -64,8 +64,10 @@ def check_run_dir(run_dir: Path) -> None:
         raise ValueError(f"--run-dir {run_dir}: {error.strerror}") from None
     virtual = next((root for root in VIRTUAL_FILE_SYSTEMS if resolved.is_relative_to(root)), None)
     if virtual is not None:
-        raise ValueError(f"--run-dir {run_dir} is under {virtual}, a virtual file system, not "
-                         "storage: choose a directory on disk")  # fmt: skip
+        raise ValueError(
+            f"--run-dir {run_dir} is under {virtual}, a virtual file system, not "
+            "storage: choose a directory on disk"
+        )
     if exists and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir} exists and is not a directory")
     if not ancestor.is_dir():
@@ -80,8 +82,10 @@ def check_run_dir(run_dir: Path) -> None:
         ) from None
     stop = run_dir / "STOP"
     if stop.exists() and not stop.is_file():
-        raise ValueError(f"{stop} is not a file (a STOP file asks a run to stop after the "
-                         "step it is on; this one would stop every start): remove it")  # fmt: skip
+        raise ValueError(
+            f"{stop} is not a file (a STOP file asks a run to stop after the "
+            "step it is on; this one would stop every start): remove it"
+        )
 
 
 def check_resume(run_dir: Path, world_size: int) -> None:
@@ -133,5 +137,7 @@ def describe_storage_error(error: BaseException, run_dir: Path) -> str | None:
         free = f" ({stats.f_bavail * stats.f_frsize / 2**30:.1f} GiB free there)"
     except OSError:
         free = ""
-    return (f"{cause.filename or run_dir}: {cause.strerror}{free}; once that is fixed, the same "
-            "command resumes the run from its last checkpoint")  # fmt: skip
+    return (
+        f"{cause.filename or run_dir}: {cause.strerror}{free}; once that is fixed, the same "
+        "command resumes the run from its last checkpoint"
+    )

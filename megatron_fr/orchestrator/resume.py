@@ -39,8 +39,11 @@ class NoUsableCheckpoint(RuntimeError):
 def checkpoint_problem(path: Path, world_size: int) -> str | None:
     """Why a run of `world_size` ranks cannot resume from the checkpoint `path`, naming the
     file; None if it can."""
-    for problem in (_controller_problem(path), megatron_checkpoint_problem(path / "learner"),
-                    _rng_problem(path, world_size)):  # fmt: skip
+    for problem in (
+        _controller_problem(path),
+        megatron_checkpoint_problem(path / "learner"),
+        _rng_problem(path, world_size),
+    ):
         if problem is not None:
             return problem
     return None
@@ -50,8 +53,11 @@ def _controller_problem(path: Path) -> str | None:
     state, problem = read_json(path / "controller.json")
     if problem is not None:
         return problem
-    if not (isinstance(state, dict) and state.get("step") == step_number(path)
-            and _is_rollout(state.get("rollout"))):  # fmt: skip
+    if not (
+        isinstance(state, dict)
+        and state.get("step") == step_number(path)
+        and _is_rollout(state.get("rollout"))
+    ):
         return f"{path / 'controller.json'}: not this checkpoint's controller state"
     return None
 
@@ -96,8 +102,9 @@ def resume_point(run_dir: Path, world_size: int) -> tuple[Path | None, list[tupl
     newest, problem = _pointed(run_dir)
     bad = [] if problem is None else [(root / LATEST, problem)]
     steps = {path: step_number(path) for path in root.iterdir()}
-    candidates = sorted((s, p) for p, s in steps.items() if s is not None and
-                        (newest is None or s <= newest))  # fmt: skip
+    candidates = sorted(
+        (s, p) for p, s in steps.items() if s is not None and (newest is None or s <= newest)
+    )
     for _, path in reversed(candidates):
         why = checkpoint_problem(path, world_size)
         if why is None:
@@ -109,8 +116,10 @@ def resume_point(run_dir: Path, world_size: int) -> tuple[Path | None, list[tupl
 def none_usable(run_dir: Path, bad: list[tuple[Path, str]]) -> str:
     """The error of a run directory with checkpoints, none of which can be resumed from."""
     reasons = "; ".join(why for _, why in bad)
-    return (f"no checkpoint of {run_dir} can be resumed from: {reasons} (move the checkpoints "
-            "directory away to start afresh)")  # fmt: skip
+    return (
+        f"no checkpoint of {run_dir} can be resumed from: {reasons} (move the checkpoints "
+        "directory away to start afresh)"
+    )
 
 
 def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int, str | None]:

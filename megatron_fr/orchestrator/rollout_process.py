@@ -52,14 +52,17 @@ class Hello:
 class RolloutProcess:
     """Rank 0's handle on the rollout process: every call blocks until answered."""
 
-    def __init__(self, config: RunConfig, hf_dir: Path, run_dir: Path,
-                 address: DataPathAddress) -> None:  # fmt: skip
+    def __init__(
+        self, config: RunConfig, hf_dir: Path, run_dir: Path, address: DataPathAddress
+    ) -> None:
         context = mp.get_context("spawn")
         self._pipe, child = context.Pipe()
         self.process = context.Process(
-            target=_child_main, args=(child, config, hf_dir, run_dir, address),
-            name="megatron-fr-rollout", daemon=False,
-        )  # fmt: skip
+            target=_child_main,
+            args=(child, config, hf_dir, run_dir, address),
+            name="megatron-fr-rollout",
+            daemon=False,
+        )
         self.process.start()
         child.close()
         try:
@@ -126,8 +129,9 @@ class RolloutProcess:
         self._pipe.close()
 
 
-def _child_main(pipe: Connection, config: RunConfig, hf_dir: Path, run_dir: Path,
-                address: DataPathAddress) -> None:  # fmt: skip
+def _child_main(
+    pipe: Connection, config: RunConfig, hf_dir: Path, run_dir: Path, address: DataPathAddress
+) -> None:
     from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
     exit_when_parent_dies()
@@ -151,8 +155,9 @@ def _child_main(pipe: Connection, config: RunConfig, hf_dir: Path, run_dir: Path
 class _Server:
     """The child's side: the service, and the sender of the shares."""
 
-    def __init__(self, config: RunConfig, hf_dir: Path, run_dir: Path,
-                 address: DataPathAddress) -> None:  # fmt: skip
+    def __init__(
+        self, config: RunConfig, hf_dir: Path, run_dir: Path, address: DataPathAddress
+    ) -> None:
         self.config, self.hf_dir, self.run_dir, self.address = config, hf_dir, run_dir, address
         self._service: RolloutService | None = None
         self.sender: ShareSender | None = None
@@ -205,8 +210,9 @@ class _Server:
     def _next_batch(self, step: int) -> list[TrajectorySummary]:
         batch = self.service.next_batch(step)
         if not self._sender_ready.wait(self.address.timeout_s) or self.sender is None:
-            raise RolloutProcessError(f"the learners' data group did not form: "
-                                      f"{self._sender_error}")  # fmt: skip
+            raise RolloutProcessError(
+                f"the learners' data group did not form: {self._sender_error}"
+            )
         plan = plan_step(batch, self.config.learner, self.config.parallel, self.sender.dp_size)
         self._pending, _ = self.sender.send(batch, plan)
         return [t.summary() for t in batch]
@@ -220,8 +226,9 @@ class _Server:
     def _evaluate(self) -> tuple[dict[str, tuple[float, float]], int]:
         config, producer = self.config, self.service.producer
         sampling = producer.sampling(config.eval.temperature, config.eval.top_p)
-        results = self.service.evaluate(eval_sets(config, producer), sampling,
-                                        config.eval.timeout_s)  # fmt: skip
+        results = self.service.evaluate(
+            eval_sets(config, producer), sampling, config.eval.timeout_s
+        )
         return results, self.service.stats()["rollouts_total"]
 
     def _state_dict(self) -> dict:

@@ -58,8 +58,9 @@ def routed_experts_layout(hf_dir: Path) -> RoutedExpertsLayout:
     spec = load_hf_config(json.loads((hf_dir / "config.json").read_text()))
     if not spec.is_moe:
         raise ValueError("learner.routing_replay needs a MoE model; this one is dense")
-    return RoutedExpertsLayout(num_layers=spec.num_layers, top_k=spec.num_experts_per_tok,
-                               num_experts=spec.num_experts)  # fmt: skip
+    return RoutedExpertsLayout(
+        num_layers=spec.num_layers, top_k=spec.num_experts_per_tok, num_experts=spec.num_experts
+    )
 
 
 def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet]:

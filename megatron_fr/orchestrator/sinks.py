@@ -31,8 +31,11 @@ def is_number(value: object) -> bool:
 
 def scalars(scope: str, metrics: dict[str, Any]) -> dict[str, float]:
     """{scope/name: value} for every numeric key but step (eval lines drop `eval_`)."""
-    return {f"{scope}/{key.removeprefix('eval_') if scope == 'eval' else key}": value
-            for key, value in metrics.items() if key != "step" and is_number(value)}  # fmt: skip
+    return {
+        f"{scope}/{key.removeprefix('eval_') if scope == 'eval' else key}": value
+        for key, value in metrics.items()
+        if key != "step" and is_number(value)
+    }
 
 
 class TensorBoardSink:
@@ -69,10 +72,16 @@ class WandbSink:
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id + "\n")
         self._run = wandb.init(
-            project=config.project, entity=config.entity, name=config.name or Path(run_dir).name,
-            tags=list(config.tags), mode=config.mode, dir=str(run_dir), id=run_id,
-            resume="allow", config=run_config,
-        )  # fmt: skip
+            project=config.project,
+            entity=config.entity,
+            name=config.name or Path(run_dir).name,
+            tags=list(config.tags),
+            mode=config.mode,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=run_config,
+        )
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 

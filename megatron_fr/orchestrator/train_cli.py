@@ -22,11 +22,15 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
-    parser.add_argument("--run-dir", type=Path, help="outputs; resumed if present (required "
-                        "unless --check)")  # fmt: skip
-    parser.add_argument("--check", action="store_true",
-                        help="validate the recipe, model, data, chat template, lengths and "
-                             "layout without GPUs, print a summary; start nothing")  # fmt: skip
+    parser.add_argument(
+        "--run-dir", type=Path, help="outputs; resumed if present (required unless --check)"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the recipe, model, data, chat template, lengths and "
+        "layout without GPUs, print a summary; start nothing",
+    )
     parser.add_argument(
         "--world-size",
         type=int,
@@ -116,9 +120,21 @@ def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
     from megatron_fr.parallel.spawn import free_port
 
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "megatron_fr", "train", str(args.recipe), "--run-dir", str(args.run_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_fr",
+        "train",
+        str(args.recipe),
+        "--run-dir",
+        str(args.run_dir),
         *args.overrides,
-    ]  # fmt: skip
+    ]
     os.execv(sys.executable, command)

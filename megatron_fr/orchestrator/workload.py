@@ -47,8 +47,11 @@ def check_hf_dir(config: RunConfig) -> tuple[Path, HFModelSpec]:
     hf_dir = Path(config.model.hf_dir)
     file = hf_dir / "config.json"
     if not file.is_file():
-        hint = (" (the CPU demos' models are made by `megatron-fr demo prepare RECIPE`)"
-                if not hf_dir.exists() else "")  # fmt: skip
+        hint = (
+            " (the CPU demos' models are made by `megatron-fr demo prepare RECIPE`)"
+            if not hf_dir.exists()
+            else ""
+        )
         raise FileNotFoundError(f"model.hf_dir {hf_dir}: no config.json there{hint}")
     try:
         spec = spec_from_dict(json.loads(file.read_text()))
@@ -61,8 +64,10 @@ def check_hf_dir(config: RunConfig) -> tuple[Path, HFModelSpec]:
             f"model.hf_dir {hf_dir}: no usable tokenizer with a chat template ({error})"
         ) from None
     if len(tokenizer) > spec.vocab_size:
-        raise ValueError(f"model.hf_dir {file}: vocab_size {spec.vocab_size} is smaller than "
-                         f"the tokenizer's {len(tokenizer)} tokens")  # fmt: skip
+        raise ValueError(
+            f"model.hf_dir {file}: vocab_size {spec.vocab_size} is smaller than "
+            f"the tokenizer's {len(tokenizer)} tokens"
+        )
     return hf_dir, spec
 
 
@@ -76,22 +81,33 @@ def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:
     environment = build_environment(task.name, task.env)
     fits_context(hf_dir, agent.max_episode_tokens)
     train = _samples(task.train, environment, chat, task.max_prompt_tokens, "train")
-    evals = {name: _samples(spec, environment, chat, task.max_prompt_tokens, f"eval {name}")
-             for name, spec in task.eval_sets.items()}  # fmt: skip
+    evals = {
+        name: _samples(spec, environment, chat, task.max_prompt_tokens, f"eval {name}")
+        for name, spec in task.eval_sets.items()
+    }
     budget = task.max_new_tokens if agent.max_turns == 1 else agent.max_episode_tokens
-    handling = TruncationHandling(task.truncated, budget, task.overlong_buffer_tokens,
-                                  task.overlong_penalty)  # fmt: skip
-    return AgentEpisodes(chat=chat, environment=environment, agent=agent, train=train,
-                         eval_sets=evals, max_new_tokens=task.max_new_tokens,
-                         handling=handling)  # fmt: skip
+    handling = TruncationHandling(
+        task.truncated, budget, task.overlong_buffer_tokens, task.overlong_penalty
+    )
+    return AgentEpisodes(
+        chat=chat,
+        environment=environment,
+        agent=agent,
+        train=train,
+        eval_sets=evals,
+        max_new_tokens=task.max_new_tokens,
+        handling=handling,
+    )
 
 
 def fits_context(hf_dir: Path, row_tokens: int) -> None:
     """An episode's row must fit the model's context: the engines refuse longer requests."""
     context = json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings")
     if context is not None and row_tokens > context:
-        raise ValueError(f"task: episodes may reach {row_tokens} tokens, over the model's "
-                         f"context {context} (max_position_embeddings of {hf_dir})")  # fmt: skip
+        raise ValueError(
+            f"task: episodes may reach {row_tokens} tokens, over the model's "
+            f"context {context} (max_position_embeddings of {hf_dir})"
+        )
 
 
 def _samples(
@@ -109,8 +125,11 @@ def _samples(
     kept, dropped = filter_by_prompt_length(
         load_dataset(spec), environment, chat, max_prompt_tokens
     )
-    print(f"{what}: {len(kept)} prompts from {spec.path} ({dropped} dropped: longer than "
-          f"max_prompt_tokens={max_prompt_tokens})", flush=True)  # fmt: skip
+    print(
+        f"{what}: {len(kept)} prompts from {spec.path} ({dropped} dropped: longer than "
+        f"max_prompt_tokens={max_prompt_tokens})",
+        flush=True,
+    )
     if not kept:
         raise ValueError(f"{what}: no prompt of {spec.path} fits max_prompt_tokens")
     return kept

@@ -122,8 +122,14 @@ class _Row:
         """The row up to its last policy token (every policy token and its top-K stay)."""
         end = max((i + 1 for i, m in enumerate(self.mask) if m), default=0)
         routing = [RoutedExperts.concatenate(self.routing).head(end - 1)] if self.routing else []
-        return _Row(self.ids[:end], self.mask[:end], self.logprobs[:end], self.versions[:end],
-                    routing, self.top_logprobs)  # fmt: skip
+        return _Row(
+            self.ids[:end],
+            self.mask[:end],
+            self.logprobs[:end],
+            self.versions[:end],
+            routing,
+            self.top_logprobs,
+        )
 
 
 def policy_version(text: str) -> int:
@@ -232,9 +238,12 @@ class _Loop:
         if remaining <= 0:
             return "time_limit"
         request = self.sampling.model_copy(
-            update={"max_new_tokens": budget, "stop_token_ids": self.stops,
-                    "sampling_seed": self._request_seed(number)}
-        )  # fmt: skip
+            update={
+                "max_new_tokens": budget,
+                "stop_token_ids": self.stops,
+                "sampling_seed": self._request_seed(number),
+            }
+        )
         generation = self.client.generate(
             self.row.ids,
             request,

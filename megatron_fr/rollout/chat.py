@@ -139,9 +139,11 @@ class ChatFormat:
         ids: list[int] = []
         while text:
             encoding = self.tokenizer(
-                text, add_special_tokens=False, split_special_tokens=True,
+                text,
+                add_special_tokens=False,
+                split_special_tokens=True,
                 return_offsets_mapping=True,
-            )  # fmt: skip
+            )
             tokens = encoding["input_ids"]
             found = next((k for k, t in enumerate(tokens) if t in self.control_ids), None)
             if found is None:

@@ -64,9 +64,17 @@ class AgentEpisodes:
     agent tasks). The environment gives the reward; responses cut by a length limit are
     flagged and handled as the task says (TextTaskHandling)."""
 
-    def __init__(self, *, chat: ChatFormat, environment: Environment, agent: AgentConfig,
-                 train: list[Sample], eval_sets: dict[str, list[Sample]],
-                 max_new_tokens: int, handling: TruncationHandling) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        chat: ChatFormat,
+        environment: Environment,
+        agent: AgentConfig,
+        train: list[Sample],
+        eval_sets: dict[str, list[Sample]],
+        max_new_tokens: int,
+        handling: TruncationHandling,
+    ) -> None:
         self.chat, self.environment, self.agent = chat, environment, agent
         self.max_new_tokens, self.handling = max_new_tokens, handling
         self._samples = {sample["id"]: sample for sample in train}
@@ -81,9 +89,11 @@ class AgentEpisodes:
 
     def sampling(self, temperature: float, top_p: float = 1.0) -> SamplingParams:
         return SamplingParams(
-            temperature=temperature, top_p=top_p, max_new_tokens=self.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=self.max_new_tokens,
             stop_token_ids=self.chat.stop_token_ids,
-        )  # fmt: skip
+        )
 
     async def run(
         self,
@@ -97,13 +107,15 @@ class AgentEpisodes:
         # starting an episode may block (a game is generated or loaded): off the event loop
         episode = await asyncio.to_thread(self.environment.start, sample)
         try:
-            result = await run_episode(client, self.chat, episode, sampling, self.agent,
-                                       prompt_id, info={"group": group})  # fmt: skip
+            result = await run_episode(
+                client, self.chat, episode, sampling, self.agent, prompt_id, info={"group": group}
+            )
         finally:
             await asyncio.to_thread(episode.close)
         if result.trajectory is None:
-            raise EpisodeFailed(f"episode ended without a trainable row ({result.finish})",
-                                result.error or "")  # fmt: skip
+            raise EpisodeFailed(
+                f"episode ended without a trainable row ({result.finish})", result.error or ""
+            )
         truncated = result.finish == "max_episode_tokens" or (
             bool(result.turns) and result.turns[-1].finish_reason == "length"
         )
@@ -149,8 +161,10 @@ def episode_metrics(batch: list[TrajectorySummary]) -> dict[str, float]:
     infos = [t.info for t in batch if "turns" in t.info]
     if not infos:
         return {}
-    statuses = [[s for step in info.get("steps", []) for s in step.get("tool_statuses", [])]
-                for info in infos]  # fmt: skip
+    statuses = [
+        [s for step in info.get("steps", []) for s in step.get("tool_statuses", [])]
+        for info in infos
+    ]
     return {
         "turns_mean": statistics.fmean(info["turns"] for info in infos),
         "truncated_rate": statistics.fmean(bool(info.get("truncated")) for info in infos),

@@ -70,8 +70,13 @@ class Backoff:
         self.unlogged += 1
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
-            log.warning("%d rollout(s) failed in the last %.0f s; latest %s: %s",
-                        self.unlogged, min(now - self._last_log, 1e9), what, error)  # fmt: skip
+            log.warning(
+                "%d rollout(s) failed in the last %.0f s; latest %s: %s",
+                self.unlogged,
+                min(now - self._last_log, 1e9),
+                what,
+                error,
+            )
             self._last_log, self.unlogged = now, 0
 
     def succeeded(self) -> None:
@@ -333,7 +338,11 @@ class RolloutService:
         if failed:
             with self._counts_lock:
                 self.failures[f"eval {name}"] += len(failed)
-            log.warning("%d of %d eval episodes of %r failed (scored 0); first: %s",
-                        len(failed), len(outcomes), name, failed[0])  # fmt: skip
-        return statistics.fmean(0.0 if isinstance(o, BaseException) else o.reward
-                                for o in outcomes)  # fmt: skip
+            log.warning(
+                "%d of %d eval episodes of %r failed (scored 0); first: %s",
+                len(failed),
+                len(outcomes),
+                name,
+                failed[0],
+            )
+        return statistics.fmean(0.0 if isinstance(o, BaseException) else o.reward for o in outcomes)

@@ -73,9 +73,16 @@ def test_cli_round_trip_is_bitwise_and_verify_reports_logit_error(tmp_path):
     assert (megatron / "metadata.json").exists() and (megatron / "hf_config.json").exists()
 
     result = convert_cli(
-        "megatron-to-hf", "--megatron-dir", megatron, "--out", back,
-        "--hf-config-dir", hf, "--max-shard-size", "100KB",
-    )  # fmt: skip
+        "megatron-to-hf",
+        "--megatron-dir",
+        megatron,
+        "--out",
+        back,
+        "--hf-config-dir",
+        hf,
+        "--max-shard-size",
+        "100KB",
+    )
     assert result.returncode == 0, result.stderr
     assert len(list(back.glob("model-*-of-*.safetensors"))) >= 3
     assert (back / "generation_config.json").exists()

@@ -32,16 +32,25 @@ def batch() -> list[Trajectory]:
         rng = np.random.default_rng(k)
         mask = np.arange(length) >= 5
         policy = int(mask.sum())
-        experts = np.stack([[rng.permutation(8)[:2] for _ in range(LAYERS)]
-                            for _ in range(length - 1)])  # fmt: skip
-        out.append(Trajectory(
-            prompt_id=f"p{k}", token_ids=rng.integers(0, 1000, length), action_mask=mask,
-            behavior_log_probs=np.where(mask, -rng.random(length), 0.0),
-            token_versions=np.where(mask, 0, NON_POLICY_VERSION), reward=float(k % 2),
-            routed_experts=RoutedExperts(experts.astype(np.uint8), 8),
-            top_logprobs=TopLogProbs.of([rng.permutation(1000)[:3] for _ in range(policy)],
-                                        np.full((policy, 3), -2.0), 3),
-        ))  # fmt: skip
+        experts = np.stack(
+            [[rng.permutation(8)[:2] for _ in range(LAYERS)] for _ in range(length - 1)]
+        )
+        out.append(
+            Trajectory(
+                prompt_id=f"p{k}",
+                token_ids=rng.integers(0, 1000, length),
+                action_mask=mask,
+                behavior_log_probs=np.where(mask, -rng.random(length), 0.0),
+                token_versions=np.where(mask, 0, NON_POLICY_VERSION),
+                reward=float(k % 2),
+                routed_experts=RoutedExperts(experts.astype(np.uint8), 8),
+                top_logprobs=TopLogProbs.of(
+                    [rng.permutation(1000)[:3] for _ in range(policy)],
+                    np.full((policy, 3), -2.0),
+                    3,
+                ),
+            )
+        )
     return out
 
 

@@ -50,8 +50,9 @@ def poisoned_steps(rank: int, world_size: int, batch) -> list[tuple]:
     parallel = ParallelConfig(expert=2)
     state.initialize(parallel, seed=0)
     config = LearnerConfig(params_dtype="float32", micro_batch_tokens=40, lr=1e-3)
-    learner = Learner(load_hf_config(dict(CONFIG, model_type="qwen3_moe")), parallel, config,
-                      total_steps=8)  # fmt: skip
+    learner = Learner(
+        load_hf_config(dict(CONFIG, model_type="qwen3_moe")), parallel, config, total_steps=8
+    )
     nan_hidden = lambda module, inputs, output: output * math.nan  # noqa: E731
     nan_grad = lambda grad: grad * math.nan  # noqa: E731
     weight = next(p for name, p in learner.module.named_parameters() if "linear_fc1" in name)
@@ -70,9 +71,16 @@ def poisoned_steps(rank: int, world_size: int, batch) -> list[tuple]:
         metrics = learner.train_step(batch)
         if handle is not None:
             handle.remove()
-        results.append((metrics.get("nonfinite"), math.isfinite(metrics["loss"]),
-                        unchanged(before, learner), adam_step_counts(learner.optimizer),
-                        learner.scheduler.num_steps, learner.steps_done))  # fmt: skip
+        results.append(
+            (
+                metrics.get("nonfinite"),
+                math.isfinite(metrics["loss"]),
+                unchanged(before, learner),
+                adam_step_counts(learner.optimizer),
+                learner.scheduler.num_steps,
+                learner.steps_done,
+            )
+        )
     return results
 
 

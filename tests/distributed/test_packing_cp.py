@@ -72,16 +72,22 @@ def check_cp_split_is_megatrons(batch: list[Trajectory]) -> None:
 
     from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 
-    plan = plan_micro_batches([t.length for t in batch], dp_size=1,
-                              micro_batch_tokens=BUDGET // 2, pack=False, cp_size=2)  # fmt: skip
+    plan = plan_micro_batches(
+        [t.length for t in batch], dp_size=1, micro_batch_tokens=BUDGET // 2, pack=False, cp_size=2
+    )
     whole = micro_batches_for_rank(batch, dataclasses.replace(plan, cp_size=1), dp_rank=0)
     mine = micro_batches_for_rank(batch, plan, dp_rank=0, cp_rank=ps.get_context_parallel_rank())
     for full, split in zip(whole, mine, strict=True):
         theirs = get_batch_on_this_cp_rank(
-            {"tokens": full.input_ids.clone(), "labels": full.loss_batch.target_ids.clone(),
-             "position_ids": full.positions.clone(), "cu_seqlens": None},
-            is_hybrid_cp=False, cp_group=ps.get_context_parallel_group(),
-        )  # fmt: skip
+            {
+                "tokens": full.input_ids.clone(),
+                "labels": full.loss_batch.target_ids.clone(),
+                "position_ids": full.positions.clone(),
+                "cu_seqlens": None,
+            },
+            is_hybrid_cp=False,
+            cp_group=ps.get_context_parallel_group(),
+        )
         assert torch.equal(theirs["tokens"], split.input_ids)
         assert torch.equal(theirs["labels"], split.loss_batch.target_ids)
         assert torch.equal(theirs["position_ids"], split.positions)
@@ -102,17 +108,24 @@ def learner_runs(rank: int, world_size: int, checkpoints: dict[str, str], batch)
             if parallel.context == 2 and not pack:
                 check_cp_split_is_megatrons(batch)
             config = LearnerConfig(
-                params_dtype="float32", micro_batch_tokens=BUDGET // parallel.context, lr=1.0,
+                params_dtype="float32",
+                micro_batch_tokens=BUDGET // parallel.context,
+                lr=1.0,
                 adam_eps=1.0,
-                clip_grad=0.0, pack_sequences=pack,
+                clip_grad=0.0,
+                pack_sequences=pack,
                 flash_reinforce=FlashReinforceConfig(delta=DELTA, negative_token_fraction=fraction),
-            )  # fmt: skip
-            learner = Learner(spec, parallel, config, total_steps=1,
-                              init_checkpoint=checkpoints[model_type])  # fmt: skip
+            )
+            learner = Learner(
+                spec, parallel, config, total_steps=1, init_checkpoint=checkpoints[model_type]
+            )
             log_probs = learner.policy_log_probs(batch)
             metrics = learner.train_step(batch)
-            weights = {k: v.detach().clone() for k, v in learner.module.state_dict().items()
-                       if isinstance(v, torch.Tensor)}  # fmt: skip
+            weights = {
+                k: v.detach().clone()
+                for k, v in learner.module.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            }
             results[model_type, name] = (metrics, log_probs, weights)
     return results
 

@@ -45,10 +45,12 @@ def fc1_layout_disagreements(model) -> list[str]:
             continue
         rank, size = group
         megatron = [
-            (part.global_offset[part.prepend_axis_num],
-             part.global_offset[part.prepend_axis_num] + part.local_shape[0])
+            (
+                part.global_offset[part.prepend_axis_num],
+                part.global_offset[part.prepend_axis_num] + part.local_shape[0],
+            )
             for part in entry.build()
-        ]  # fmt: skip
+        ]
         full_rows = params[name].shape[0] * size
         te_grouped = SimpleNamespace(partition_stride=1)  # what TE's grouped experts report
         for variant in (
@@ -93,13 +95,22 @@ def load_both_ways_and_export(rank: int, world_size: int, jobs: list[dict]) -> l
             logits = None
         config_text = (Path(job["hf_dir"]) / "config.json").read_text()
         export_hf_from_model(
-            direct, spec, job["export"], config_text=config_text, files_from=job["hf_dir"],
-            max_shard_bytes=40_000, progress=False,
-        )  # fmt: skip
-        results.append({
-            "differ": differ, "logits": logits, "bytes_read": report.bytes_read,
-            "fc1_layout": fc1_layout_disagreements(direct),
-        })  # fmt: skip
+            direct,
+            spec,
+            job["export"],
+            config_text=config_text,
+            files_from=job["hf_dir"],
+            max_shard_bytes=40_000,
+            progress=False,
+        )
+        results.append(
+            {
+                "differ": differ,
+                "logits": logits,
+                "bytes_read": report.bytes_read,
+                "fc1_layout": fc1_layout_disagreements(direct),
+            }
+        )
     return results
 
 
@@ -138,9 +149,16 @@ def test_direct_load_matches_transformers_and_conversion_and_exports_bitwise(tmp
         for index, layout in enumerate(layouts):
             export = tmp_path / f"{family}.export{index}"
             jobs.append(
-                dict(family=family, layout=layout, config=config, tokens=tokens, hf_dir=str(hf),
-                     megatron_dir=str(tmp_path / f"{family}.m"), export=str(export))
-            )  # fmt: skip
+                dict(
+                    family=family,
+                    layout=layout,
+                    config=config,
+                    tokens=tokens,
+                    hf_dir=str(hf),
+                    megatron_dir=str(tmp_path / f"{family}.m"),
+                    export=str(export),
+                )
+            )
             expected.append(logits)
 
     per_rank = run_on_ranks(load_both_ways_and_export, 4, jobs, timeout_s=1200)

@@ -162,9 +162,14 @@ def test_ppo_clip_reference_agrees_with_the_algo_function():
         mine, _ = ppo_clip_reference(log_probs, case, aggregation, "none")
         config = PPOClipConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=aggregation)
         theirs, _ = ppo_clip_loss(
-            log_probs, case["mu"], case["rewards"] - case["rewards"].mean(), mask, segments,
-            mask.sum(1), config,
-        )  # fmt: skip
+            log_probs,
+            case["mu"],
+            case["rewards"] - case["rewards"].mean(),
+            mask,
+            segments,
+            mask.sum(1),
+            config,
+        )
         assert abs(mine.item() - theirs.item()) <= 1e-12, aggregation
 
 
@@ -234,16 +239,21 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
             case = make_case(seed, dtype)
             if name == "ppo_clip":
                 config = PPOClipConfig(
-                    eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation=setting[0],
-                    correction=setting[1], correction_low=LOW, correction_high=HIGH,
-                )  # fmt: skip
+                    eps_low=EPS_LOW,
+                    eps_high=EPS_HIGH,
+                    aggregation=setting[0],
+                    correction=setting[1],
+                    correction_low=LOW,
+                    correction_high=HIGH,
+                )
             else:
                 config = FlashReinforceConfig(delta=case["delta"], negative_token_fraction=setting)
             advantages = case["rewards"] - case["rewards"].mean()
             global_batch = GlobalBatch(
-                advantages=advantages, failures=case["failures"],
+                advantages=advantages,
+                failures=case["failures"],
                 token_counts=case["mask"].sum(1),
-            )  # fmt: skip
+            )
             grad = torch.zeros(BATCH, MAX_LEN, VOCAB, dtype=torch.float64)
             loss_sum, per_micro = 0.0, []
             mine = list(range(dp_rank, BATCH, dp))
@@ -255,9 +265,11 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
                 logits = rows.pop("logits")[..., shard].clone().requires_grad_(True)
                 token_index = rows.pop("token_index")
                 log_probs, entropies = vocab_parallel_log_probs(
-                    logits, rows["target_ids"], ps.get_tensor_model_parallel_group(),
+                    logits,
+                    rows["target_ids"],
+                    ps.get_tensor_model_parallel_group(),
                     with_entropy=name == "flash_reinforce",
-                )  # fmt: skip
+                )
                 cp_group = ps.get_context_parallel_group()
                 if name == "ppo_clip":
                     loss, metrics = ppo_clip_scored_loss(
@@ -265,9 +277,13 @@ def run_layouts(rank: int, world_size: int) -> list[dict]:
                     )
                 else:
                     loss, metrics = flash_reinforce_scored_loss(
-                        log_probs, entropies, LossBatch(**rows), global_batch, config,
+                        log_probs,
+                        entropies,
+                        LossBatch(**rows),
+                        global_batch,
+                        config,
                         cp_group=cp_group,
-                    )  # fmt: skip
+                    )
                 loss.backward()
                 loss_sum += loss.item()
                 per_micro.append(metrics)

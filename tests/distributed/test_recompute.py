@@ -61,9 +61,12 @@ def steps(rank: int, world_size: int, hf_dir: str):
         for mode in MODES:
             state.initialize(parallel, seed=0)
             config = LearnerConfig(
-                params_dtype="float32", micro_batch_tokens=budget, lr=1e-3, recompute=mode,
+                params_dtype="float32",
+                micro_batch_tokens=budget,
+                lr=1e-3,
+                recompute=mode,
                 flash_reinforce=FlashReinforceConfig(delta=1e-3),
-            )  # fmt: skip
+            )
             learner = Learner(spec, parallel, config, total_steps=2, init_hf_dir=hf_dir)
             counts = count_calls(learner.module)
             batch = random_batch()

@@ -35,10 +35,14 @@ NEAR_TIE = 1 + 2**-12
 DELTA = 1e-3
 LAYOUTS = [  # (name, ParallelConfig kwargs, per-rank token budget, learner.recompute)
     ("ep2", dict(expert=2), 26, "none"),
-    ("tp2xep2", dict(tensor=2, sequence_parallel=True, expert=2, expert_tensor=1), 10_000,
-     "selective"),
+    (
+        "tp2xep2",
+        dict(tensor=2, sequence_parallel=True, expert=2, expert_tensor=1),
+        10_000,
+        "selective",
+    ),
     ("pp2", dict(pipeline=2), 26, "full"),
-]  # fmt: skip
+]
 PROMPTS = [[3, 17, 42, 5], [9, 8], [100, 2, 64, 31, 7, 7], [11, 12, 13], [50, 60], [1, 2, 3, 4, 5]]
 
 
@@ -59,15 +63,18 @@ async def sample(hf_dir) -> list[Trajectory]:
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         layout = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
-        config = RolloutClientConfig(urls=[f"http://127.0.0.1:{runner.addresses[0][1]}"],
-                                     routed_experts=layout)  # fmt: skip
+        config = RolloutClientConfig(
+            urls=[f"http://127.0.0.1:{runner.addresses[0][1]}"], routed_experts=layout
+        )
         sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
         async with RolloutClient(config) as client:
             rollouts = await asyncio.gather(*(client.generate(p, sampling) for p in PROMPTS))
     finally:
         await runner.cleanup()
-    return [single_turn_trajectory(f"p{k}", r, reward=float(k % 3) - 1.0, info={})
-            for k, r in enumerate(rollouts)]  # fmt: skip
+    return [
+        single_turn_trajectory(f"p{k}", r, reward=float(k % 3) - 1.0, info={})
+        for k, r in enumerate(rollouts)
+    ]
 
 
 @contextlib.contextmanager
@@ -189,9 +196,13 @@ def replay_on_rank(rank: int, world_size: int, hf_dir: str, batch: list[Trajecto
         parallel = ParallelConfig(**kwargs)
         state.initialize(parallel, seed=0)
         config = LearnerConfig(
-            params_dtype="float32", micro_batch_tokens=budget, lr=1e-3, routing_replay=True,
-            flash_reinforce=FlashReinforceConfig(delta=DELTA), recompute=recompute,
-        )  # fmt: skip
+            params_dtype="float32",
+            micro_batch_tokens=budget,
+            lr=1e-3,
+            routing_replay=True,
+            flash_reinforce=FlashReinforceConfig(delta=DELTA),
+            recompute=recompute,
+        )
         learner = Learner(spec, parallel, config, total_steps=4, init_hf_dir=hf_dir)
         granularity = learner.module.config.recompute_granularity
         assert granularity == (None if recompute == "none" else recompute), name
@@ -227,11 +238,16 @@ def test_learner_routes_as_the_engine_and_matches_the_forced_routing_reference(t
     model.save_pretrained(tmp_path / "hf")
     batch = asyncio.run(sample(tmp_path / "hf"))
     policy, loss, acceptance, grad_norm = reference(tmp_path / "hf", batch)
-    every = {(i, p, layer) for i, t in enumerate(batch) for p in range(t.length - 1)
-             for layer in range(2)}  # fmt: skip
+    every = {
+        (i, p, layer)
+        for i, t in enumerate(batch)
+        for p in range(t.length - 1)
+        for layer in range(2)
+    }
 
-    per_rank = run_on_ranks(replay_on_rank, 2, str(tmp_path / "hf"), batch, str(tmp_path),
-                            timeout_s=900)  # fmt: skip
+    per_rank = run_on_ranks(
+        replay_on_rank, 2, str(tmp_path / "hf"), batch, str(tmp_path), timeout_s=900
+    )
     for name, *_ in LAYOUTS:
         micros, scored, _, _, first, _ = per_rank[0][name]
         assert per_rank[1][name][1] == scored and per_rank[1][name][4] == first, name
@@ -240,8 +256,11 @@ def test_learner_routes_as_the_engine_and_matches_the_forced_routing_reference(t
         checked = set().union(*(rank[name][2][1] for rank in per_rank))
         assert differ == 0, f"{name}: {differ} tokens routed unlike the engine"
         assert checked == every, f"{name}: routing of {len(every - checked)} tokens not seen"
-        worst = max(abs(a - b) for s, r in zip(scored, policy, strict=True)
-                    for a, b in zip(s, r, strict=True))  # fmt: skip
+        worst = max(
+            abs(a - b)
+            for s, r in zip(scored, policy, strict=True)
+            for a, b in zip(s, r, strict=True)
+        )
         assert worst <= 1e-5, f"{name}: log-probs vs forced-routing reference: {worst}"
         assert abs(first["loss"] - loss) <= 1e-5, f"{name}: loss {first['loss']} vs {loss}"
         assert first["acceptance_rate"] == pytest.approx(acceptance, abs=1e-6), name

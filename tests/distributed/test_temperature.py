@@ -55,18 +55,21 @@ def score_on_rank(rank: int, world_size: int, megatron_dir: str, url: str, port:
     config = LearnerConfig(
         params_dtype="float32", lr=1e-4, flash_reinforce=FlashReinforceConfig(delta=1e-6)
     )
-    learner = Learner(spec, parallel, config, total_steps=2, init_checkpoint=megatron_dir,
-                      temperature=TEMPERATURE)  # fmt: skip
-    sync = WeightSync.from_config(WeightSyncConfig(master_port=port, timeout_s=60),
-                                  [Engine(url)], spec)  # fmt: skip
+    learner = Learner(
+        spec, parallel, config, total_steps=2, init_checkpoint=megatron_dir, temperature=TEMPERATURE
+    )
+    sync = WeightSync.from_config(
+        WeightSyncConfig(master_port=port, timeout_s=60), [Engine(url)], spec
+    )
     sync.connect()
     sync.sync(learner.module, version=0)
     batch = broadcast_from_rank0(asyncio.run(_sample(url, 6)) if rank == 0 else None)
     scored = learner.policy_log_probs(batch)
     untempered = learner.policy_log_probs(batch, temperature=1.0)
     metrics = learner.train_step(batch)
-    behaviour = [[lp for lp, m in zip(t.behavior_log_probs, t.action_mask, strict=True) if m]
-                 for t in batch]  # fmt: skip
+    behaviour = [
+        [lp for lp, m in zip(t.behavior_log_probs, t.action_mask, strict=True) if m] for t in batch
+    ]
     return behaviour, scored, untempered, metrics["acceptance_rate"]
 
 
@@ -94,10 +97,16 @@ def test_learner_log_probs_at_temperature_equal_the_engines(tmp_path):
         server.stop()
     behaviour, scored, untempered, acceptance = per_rank[0]
     assert per_rank[1][1] == scored, "ranks disagree"
-    worst = max(abs(a - b) for t, s in zip(behaviour, scored, strict=True)
-                for a, b in zip(t, s, strict=True))  # fmt: skip
+    worst = max(
+        abs(a - b)
+        for t, s in zip(behaviour, scored, strict=True)
+        for a, b in zip(t, s, strict=True)
+    )
     assert worst <= 1e-5, f"learner vs engine log-probs at T={TEMPERATURE}: max |diff| {worst}"
-    off = max(abs(a - b) for t, s in zip(behaviour, untempered, strict=True)
-              for a, b in zip(t, s, strict=True))  # fmt: skip
+    off = max(
+        abs(a - b)
+        for t, s in zip(behaviour, untempered, strict=True)
+        for a, b in zip(t, s, strict=True)
+    )
     assert off > 0.05, "scoring at temperature 1 should differ visibly"
     assert acceptance == 1.0, "the gate must admit every on-policy trajectory"

@@ -50,8 +50,16 @@ def random_batch(hf_dir, size: int = 8) -> list[Trajectory]:
         tokens = torch.randint(0, CONFIG["vocab_size"], (prompt + response,), generator=generator)
         mask = [False] * prompt + [True] * response
         reward = float(torch.rand(1, generator=generator) < 0.5)
-        shells.append(Trajectory(f"p{index}", tokens.tolist(), mask, [0.0] * len(mask),
-                                 [-1] * prompt + [0] * response, reward))  # fmt: skip
+        shells.append(
+            Trajectory(
+                f"p{index}",
+                tokens.tolist(),
+                mask,
+                [0.0] * len(mask),
+                [-1] * prompt + [0] * response,
+                reward,
+            )
+        )
     with torch.no_grad():
         current, _ = hf_log_probs(hf_dir, shells)
     batch = []
@@ -62,10 +70,17 @@ def random_batch(hf_dir, size: int = 8) -> list[Trajectory]:
         targets = torch.tensor(t.token_ids[1:])
         sampled = torch.where(policy, mu.gather(-1, targets[:, None])[:, 0], 0).tolist()
         top = mu[policy].topk(K, -1)
-        batch.append(Trajectory(
-            t.prompt_id, t.token_ids, t.action_mask, [0.0, *sampled],
-            t.token_versions, t.reward, top_logprobs=TopLogProbs.of(top.indices, top.values, K),
-        ))  # fmt: skip
+        batch.append(
+            Trajectory(
+                t.prompt_id,
+                t.token_ids,
+                t.action_mask,
+                [0.0, *sampled],
+                t.token_versions,
+                t.reward,
+                top_logprobs=TopLogProbs.of(top.indices, top.values, K),
+            )
+        )
     return batch
 
 
@@ -88,8 +103,10 @@ def reference(hf_dir, batch: list[Trajectory], delta: float) -> dict:
     for t, pi in zip(batch, rows, strict=True):
         policy = [p for p in range(t.length - 1) if t.action_mask[p + 1]]
         top = t.top_logprobs
-        kl = sum(top_k_kl(top.log_probs[j].tolist(), pi[p, top.ids[j]].tolist())
-                 for j, p in enumerate(policy)) / len(policy)  # fmt: skip
+        kl = sum(
+            top_k_kl(top.log_probs[j].tolist(), pi[p, top.ids[j]].tolist())
+            for j, p in enumerate(policy)
+        ) / len(policy)
         kls.append(max(0.0, kl))
         if kls[-1] <= delta:
             for p in policy:
@@ -101,8 +118,13 @@ def reference(hf_dir, batch: list[Trajectory], delta: float) -> dict:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     norm = math.sqrt(sum(float((grad**2).sum()) for grad in grads))
     admitted = [kl <= delta for kl in kls]
-    return {"loss": loss.item(), "sequence_kl": kls, "admitted": admitted, "grad_norm": norm,
-            "acceptance_rate": sum(admitted) / len(batch)}  # fmt: skip
+    return {
+        "loss": loss.item(),
+        "sequence_kl": kls,
+        "admitted": admitted,
+        "grad_norm": norm,
+        "acceptance_rate": sum(admitted) / len(batch),
+    }
 
 
 def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list, delta: float):
@@ -116,12 +138,21 @@ def learner_steps(rank: int, world_size: int, megatron_dir: str, batch: list, de
         parallel = ParallelConfig(**kwargs)
         state.initialize(parallel, seed=0)
         config = LearnerConfig(
-            params_dtype="float32", micro_batch_tokens=budget, pack_sequences=pack, lr=1e-3,
+            params_dtype="float32",
+            micro_batch_tokens=budget,
+            pack_sequences=pack,
+            lr=1e-3,
             flash_reinforce=FlashReinforceConfig(delta=delta, gate_kl="topk", gate_top_k=K),
-        )  # fmt: skip
+        )
         spec = load_hf_config(dict(CONFIG, model_type="qwen3"))
-        learner = Learner(spec, parallel, config, total_steps=1, init_checkpoint=megatron_dir,
-                          temperature=TEMPERATURE)  # fmt: skip
+        learner = Learner(
+            spec,
+            parallel,
+            config,
+            total_steps=1,
+            init_checkpoint=megatron_dir,
+            temperature=TEMPERATURE,
+        )
         results.append(learner.train_step(batch))
     return results
 
@@ -131,9 +162,14 @@ def micro_batches(kwargs: dict, budget: int, pack: bool, batch: list[Trajectory]
     from megatron_fr.learner.micro_batches import plan_micro_batches
 
     tp, cp = kwargs.get("tensor", 1), kwargs.get("context", 1)
-    plan = plan_micro_batches([t.length for t in batch], dp_size=4 // (tp * cp),
-                              micro_batch_tokens=budget, pack=pack, cp_size=cp,
-                              sequence_parallel_size=tp)  # fmt: skip
+    plan = plan_micro_batches(
+        [t.length for t in batch],
+        dp_size=4 // (tp * cp),
+        micro_batch_tokens=budget,
+        pack=pack,
+        cp_size=cp,
+        sequence_parallel_size=tp,
+    )
     return plan.count
 
 
@@ -162,8 +198,10 @@ def test_top_k_gate_and_step_are_the_single_process_formula_in_every_layout(tmp_
         torch.testing.assert_close(
             torch.tensor(metrics["sequence_kl"], dtype=torch.float64),
             torch.tensor(expected["sequence_kl"], dtype=torch.float64),
-            rtol=1e-5, atol=1e-7, msg=where,
-        )  # fmt: skip
+            rtol=1e-5,
+            atol=1e-7,
+            msg=where,
+        )
         assert metrics["acceptance_rate"] == pytest.approx(expected["acceptance_rate"]), where
         assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-5), where
         assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), where

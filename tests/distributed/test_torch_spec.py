@@ -62,31 +62,50 @@ def learners(rank: int, world_size: int, hf_dir: str, batch, tmp: str):
     for name, kwargs, tokens, pack in LAYOUTS:
         parallel = ParallelConfig(**kwargs)
         config = LearnerConfig(
-            params_dtype="float32", micro_batch_tokens=tokens, pack_sequences=pack, lr=1.0,
-            adam_eps=1.0, clip_grad=0.0, flash_reinforce=FlashReinforceConfig(delta=2e-3),
-        )  # fmt: skip
+            params_dtype="float32",
+            micro_batch_tokens=tokens,
+            pack_sequences=pack,
+            lr=1.0,
+            adam_eps=1.0,
+            clip_grad=0.0,
+            flash_reinforce=FlashReinforceConfig(delta=2e-3),
+        )
         for kind in SPECS:
             state.initialize(parallel, seed=0)
-            learner = Learner(spec, parallel, config, total_steps=2, init_hf_dir=hf_dir,
-                              spec_kind=kind)  # fmt: skip
-            sent = {n: t.clone() for bucket in iter_hf_buckets(learner.module, spec)
-                    for n, t in bucket}  # fmt: skip
+            learner = Learner(
+                spec, parallel, config, total_steps=2, init_hf_dir=hf_dir, spec_kind=kind
+            )
+            sent = {
+                n: t.clone() for bucket in iter_hf_buckets(learner.module, spec) for n, t in bucket
+            }
             scored = learner.policy_log_probs(batch)
             micros = len(learner._micro_batches(learner.plan(batch), batch, 0, None))
             metrics = learner.train_step(batch)
-            weights = {common_name(n): p.detach().clone()
-                       for n, p in learner.module.named_parameters()}  # fmt: skip
+            weights = {
+                common_name(n): p.detach().clone() for n, p in learner.module.named_parameters()
+            }
             directory = f"{tmp}/{name.replace(' ', '_')}_{kind}"
             save_model(learner.module, f"{directory}_model")
             learner.save(directory)
-            results[name, kind] = dict(scored=scored, metrics=metrics, weights=weights,
-                                       sent=sent, micros=micros,
-                                       after=learner.policy_log_probs(batch))  # fmt: skip
+            results[name, kind] = dict(
+                scored=scored,
+                metrics=metrics,
+                weights=weights,
+                sent=sent,
+                micros=micros,
+                after=learner.policy_log_probs(batch),
+            )
         for kind, other in (("local", "torch"), ("torch", "local")):
             state.initialize(parallel, seed=0)
             written = f"{tmp}/{name.replace(' ', '_')}_{other}"
-            fresh = Learner(spec, parallel, config, total_steps=2,
-                            init_checkpoint=f"{written}_model", spec_kind=kind)  # fmt: skip
+            fresh = Learner(
+                spec,
+                parallel,
+                config,
+                total_steps=2,
+                init_checkpoint=f"{written}_model",
+                spec_kind=kind,
+            )
             results[name, kind]["reloaded"] = fresh.policy_log_probs(batch)
             try:
                 fresh.load(written)
@@ -120,8 +139,7 @@ def test_torch_spec_equals_the_local_spec_and_shares_its_checkpoints(tmp_path):
     )
     hf = saved_tensors(tmp_path / "hf")
     batch = long_tailed_batch(size=8, seed=2)
-    per_rank = run_on_ranks(learners, 2, str(tmp_path / "hf"), batch, str(tmp_path),
-                            timeout_s=900)  # fmt: skip
+    per_rank = run_on_ranks(learners, 2, str(tmp_path / "hf"), batch, str(tmp_path), timeout_s=900)
     for results in per_rank:
         for name, *_ in LAYOUTS:
             local, mine = results[name, "local"], results[name, "torch"]
@@ -146,8 +164,11 @@ def test_torch_spec_equals_the_local_spec_and_shares_its_checkpoints(tmp_path):
                 for a, b in zip(reloaded, written, strict=True):
                     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOLERANCE, where
                 assert f"with model.spec {other}" in results[name, kind]["resume"], where
-            moved = max(abs(x - y) for a, b in zip(local["after"], local["scored"], strict=True)
-                        for x, y in zip(a, b, strict=True))  # fmt: skip
+            moved = max(
+                abs(x - y)
+                for a, b in zip(local["after"], local["scored"], strict=True)
+                for x, y in zip(a, b, strict=True)
+            )
             assert moved > 100 * TOLERANCE, f"{where}: the step should move the log-probs"
     senders = [r for r in per_rank if r[LAYOUTS[0][0], "torch"]["sent"]]
     assert senders and set(senders[0][LAYOUTS[0][0], "torch"]["sent"]) == set(hf)

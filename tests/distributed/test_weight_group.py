@@ -40,8 +40,10 @@ def portable(pairs: list) -> list:
 
 
 def restored(pairs: list) -> list:
-    return [(name, torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))))
-            for name, dtype, values in pairs]  # fmt: skip
+    return [
+        (name, torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))))
+        for name, dtype, values in pairs
+    ]
 
 
 def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
@@ -68,9 +70,13 @@ def sglang_rank_alone(port: int, results) -> None:
 
     try:
         init_custom_process_group()(
-            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
-            group_name=GROUP, timeout=datetime.timedelta(seconds=4),
-        )  # fmt: skip
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=2,
+            rank=1,
+            group_name=GROUP,
+            timeout=datetime.timedelta(seconds=4),
+        )
         results.put("joined")
     except Exception as error:
         results.put(type(error).__name__)
@@ -125,8 +131,9 @@ def test_a_hand_built_prefix_store_sender_never_meets_sglang():
     proc = ctx.Process(target=sglang_rank_alone, args=(port, results))
     proc.start()
     timeout = datetime.timedelta(seconds=4)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout,
-                          wait_for_workers=False)  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", port, 2, is_master=True, timeout=timeout, wait_for_workers=False
+    )
     with pytest.raises(RuntimeError, match="timeout"):
         dist.ProcessGroupGloo(dist.PrefixStore(GROUP, store), 0, 2, timeout)
     assert results.get(timeout=60) != "joined"

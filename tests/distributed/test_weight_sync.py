@@ -123,8 +123,11 @@ def test_reshard_and_sync_from_any_layout_send_the_converter_output(tmp_path):
         for kwargs in layouts:
             jobs.append((str(megatron_dir), config, kwargs))
             references.append((family, kwargs, reference))
-    paths = (protocol.PAUSE_GENERATION_PATH, protocol.UPDATE_WEIGHT_VERSION_PATH,
-             protocol.CONTINUE_GENERATION_PATH)  # fmt: skip
+    paths = (
+        protocol.PAUSE_GENERATION_PATH,
+        protocol.UPDATE_WEIGHT_VERSION_PATH,
+        protocol.CONTINUE_GENERATION_PATH,
+    )
     with StubServer({path: [(200, {"success": True})] for path in paths}) as engine:
         per_rank = run_on_ranks(reshard_on_rank, 4, jobs, engine.url, timeout_s=900)
     for index, (family, layout, reference) in enumerate(references):
@@ -205,8 +208,9 @@ def hf_log_probs(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
     return log_probs[prompt_len - 1 : -1].gather(-1, targets[:, None])[:, 0]
 
 
-def sync_on_rank(rank: int, world_size: int, megatron_dir: str, hf_dir: str, config: dict,
-                 url: str, port: int):  # fmt: skip
+def sync_on_rank(
+    rank: int, world_size: int, megatron_dir: str, hf_dir: str, config: dict, url: str, port: int
+):
     """At PP2 (one sender per stage, each with its own group to the engine, sending one stage
     after the other): sample from the engine before and after a sync and compare with the
     learner's log-probs. Then a scaled model through the disk transport, then a sync to an
@@ -304,11 +308,22 @@ def cpu_engine(tmp_path):
     port = free_port()
     log = open(tmp_path / "engine.log", "w")  # noqa: SIM115 (closed in teardown)
     process = subprocess.Popen(
-        [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path",
-         str(tmp_path / "served"), "--port", str(port), "--threads", "1",
-         "--context-length", "8192"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr.engine.cpu_server",
+            "--model-path",
+            str(tmp_path / "served"),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--context-length",
+            "8192",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -330,9 +345,15 @@ def test_broadcast_and_disk_sync_make_the_engine_sample_with_the_learner_weights
 ):
     config, _, _, _ = _trained_checkpoint(tmp_path)
     results_by_rank = run_on_ranks(
-        sync_on_rank, 2, str(tmp_path / "learner.m"), str(tmp_path / "learner_hf"), config,
-        cpu_engine, free_port(), timeout_s=600,
-    )  # fmt: skip
+        sync_on_rank,
+        2,
+        str(tmp_path / "learner.m"),
+        str(tmp_path / "learner_hf"),
+        config,
+        cpu_engine,
+        free_port(),
+        timeout_s=600,
+    )
     results = results_by_rank[0]
     before, _ = results["before"]
     after, version = results["after"]

@@ -28,8 +28,11 @@ def records(path: Path) -> list[dict]:
 def megatron_fr(*args: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "megatron_fr", *args],
-        capture_output=True, text=True, timeout=1500, env=os.environ | {"PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
 
 

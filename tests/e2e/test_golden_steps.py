@@ -30,10 +30,18 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "cpu_demo_lag0.json"
 TOLERANCE = {"rel": 1e-4, "abs": 1e-6}
 SETTINGS = [
-    "steps=10", "seed=0", "buffer.max_lag=0", "buffer.batch_size=16", "buffer.capacity=16",
-    "buffer.max_in_flight=16", "eval.problems=4", "eval.samples=1", "eval.every_steps=0",
-    "rollout.seeded=true", "checkpoint.every_steps=100",
-]  # fmt: skip
+    "steps=10",
+    "seed=0",
+    "buffer.max_lag=0",
+    "buffer.batch_size=16",
+    "buffer.capacity=16",
+    "buffer.max_in_flight=16",
+    "eval.problems=4",
+    "eval.samples=1",
+    "eval.every_steps=0",
+    "rollout.seeded=true",
+    "checkpoint.every_steps=100",
+]
 
 
 def prompt_files(directory: Path) -> list[str]:
@@ -53,11 +61,25 @@ def prompt_files(directory: Path) -> list[str]:
 @pytest.mark.distributed
 def test_the_first_ten_steps_match_the_golden_file(tmp_path: Path, demo_model: Path) -> None:
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "megatron_fr", "train", str(REPO / "examples/cpu_demo.yaml"),
-               "--run-dir", str(run_dir), f"model.hf_dir={demo_model}", *SETTINGS,
-               *prompt_files(tmp_path / "data")]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_fr",
+        "train",
+        str(REPO / "examples/cpu_demo.yaml"),
+        "--run-dir",
+        str(run_dir),
+        f"model.hf_dir={demo_model}",
+        *SETTINGS,
+        *prompt_files(tmp_path / "data"),
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in steps if "reward_mean" in row]

@@ -47,13 +47,16 @@ class FlakyProxy:
                 return web.Response(status=503, text="injected failure")
         body = await request.read()
         async with self.session.request(
-            request.method, self.target + request.path_qs, data=body,
+            request.method,
+            self.target + request.path_qs,
+            data=body,
             headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-        ) as upstream:  # fmt: skip
+        ) as upstream:
             return web.Response(
-                status=upstream.status, body=await upstream.read(),
+                status=upstream.status,
+                body=await upstream.read(),
                 content_type=upstream.content_type,
-            )  # fmt: skip
+            )
 
     async def _serve(self) -> None:
         self.stopping = asyncio.Event()
@@ -90,24 +93,57 @@ def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, de
     hf_dir = str(demo_model)
     port = free_port()
     engine = subprocess.Popen(
-        [sys.executable, "-m", "megatron_fr", "serve", "--model-path", hf_dir, "--port", str(port),
-         "--host", "127.0.0.1", "--engine", "cpu"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "serve",
+            "--model-path",
+            hf_dir,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--engine",
+            "cpu",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     run_dir = tmp_path / "run"
     try:
         with FlakyProxy(f"http://127.0.0.1:{port}") as proxy:
             command = [
-                sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir",
-                str(run_dir), "steps=3", "learner.estimator=grpo", f"buffer.group_size={G}",
-                "buffer.batch_size=16", "buffer.capacity=64", "buffer.max_in_flight=32",
-                "eval.problems=8", "eval.samples=1", "eval.every_steps=0",
-                f"model.hf_dir={hf_dir}", f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
-                "rollout.engine.start_timeout_s=120", "rollout.max_attempts=1",
+                sys.executable,
+                "-m",
+                "megatron_fr",
+                "train",
+                str(RECIPE),
+                "--run-dir",
+                str(run_dir),
+                "steps=3",
+                "learner.estimator=grpo",
+                f"buffer.group_size={G}",
+                "buffer.batch_size=16",
+                "buffer.capacity=64",
+                "buffer.max_in_flight=32",
+                "eval.problems=8",
+                "eval.samples=1",
+                "eval.every_steps=0",
+                f"model.hf_dir={hf_dir}",
+                f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
+                "rollout.engine.start_timeout_s=120",
+                "rollout.max_attempts=1",
                 "rollout.engine.count=1",
-            ]  # fmt: skip
-            result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                                    env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
+            ]
+            result = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=os.environ | {"PYTHONPATH": str(REPO)},
+            )
             assert result.returncode == 0, result.stderr[-4000:]
             assert proxy.failed >= 1, "no failure was injected"
     finally:

@@ -16,16 +16,37 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
 QUICK = [
-    "eval.problems=40", "eval.samples=2", "eval.every_steps=0", "buffer.batch_size=16",
-    "buffer.capacity=64", "buffer.max_in_flight=32",
-]  # fmt: skip
-REQUIRED = ("step", "policy_version", "reward_mean", "acceptance_rate", "lag_mean", "lag_max",
-            "tokens_per_s", "rollouts_total")  # fmt: skip
+    "eval.problems=40",
+    "eval.samples=2",
+    "eval.every_steps=0",
+    "buffer.batch_size=16",
+    "buffer.capacity=64",
+    "buffer.max_in_flight=32",
+]
+REQUIRED = (
+    "step",
+    "policy_version",
+    "reward_mean",
+    "acceptance_rate",
+    "lag_mean",
+    "lag_max",
+    "tokens_per_s",
+    "rollouts_total",
+)
 
 
 def train_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir", str(run_dir),
-            *QUICK, *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "megatron_fr",
+        "train",
+        str(RECIPE),
+        "--run-dir",
+        str(run_dir),
+        *QUICK,
+        *overrides,
+    ]
 
 
 def run_env() -> dict:
@@ -70,6 +91,9 @@ def test_demo_runs_through_the_real_chain_and_keeps_lag_bounded(demo_run):
     assert (demo_run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     plot = subprocess.run(
         [sys.executable, "-m", "megatron_fr", "plot", str(demo_run)],
-        capture_output=True, text=True, env=run_env(), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=120,
+    )
     assert plot.returncode == 0 and (demo_run / "metrics.png").stat().st_size > 10_000

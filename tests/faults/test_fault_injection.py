@@ -28,10 +28,17 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
 STEPS = 14
 SETTINGS = [
-    f"steps={STEPS}", "checkpoint.every_steps=2", "checkpoint.keep=1", "eval.problems=24",
-    "eval.samples=1", "eval.every_steps=0", "buffer.batch_size=16", "buffer.capacity=64",
-    "buffer.max_in_flight=32", "rollout.engine.watch_interval_s=0.5",
-]  # fmt: skip
+    f"steps={STEPS}",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=1",
+    "eval.problems=24",
+    "eval.samples=1",
+    "eval.every_steps=0",
+    "buffer.batch_size=16",
+    "buffer.capacity=64",
+    "buffer.max_in_flight=32",
+    "rollout.engine.watch_interval_s=0.5",
+]
 TRAIN_PROBLEMS = 100
 """The train file's size: 14 steps of B = 16 cover more than two epochs of it, so the epoch
 accounting is exercised."""
@@ -84,8 +91,17 @@ class Run:
     """One start of the training command, in a session of its own."""
 
     def __init__(self, run_dir: Path, marker: str, settings: list[str]) -> None:
-        command = [sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir",
-                   str(run_dir), *SETTINGS, *settings]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "train",
+            str(RECIPE),
+            "--run-dir",
+            str(run_dir),
+            *SETTINGS,
+            *settings,
+        ]
         env = os.environ | {"PYTHONPATH": str(REPO), MARKER: marker}
         self.log = open(run_dir.parent / f"start-{uuid.uuid4().hex[:6]}.log", "w+")  # noqa: SIM115
         self.process = subprocess.Popen(
@@ -132,8 +148,11 @@ def strike(fault: str, rng: random.Random, run_dir: Path, marker: str, settings:
     run = Run(run_dir, marker, settings)
     target = min(last_step(run_dir) + rng.randint(1, 2), STEPS - 1)
     try:
-        wait_until(lambda: last_step(run_dir) >= target or run.process.poll() is not None,
-                   600, f"step {target}")  # fmt: skip
+        wait_until(
+            lambda: last_step(run_dir) >= target or run.process.poll() is not None,
+            600,
+            f"step {target}",
+        )
         assert run.process.poll() is None, run.output()[-3000:]
         inject(fault, run, run_dir, marker)
     finally:
@@ -205,11 +224,21 @@ def url_engine(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], st
     from megatron_fr.parallel.spawn import free_port
 
     port = free_port()
-    command = [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path",
-               str(model), "--port", str(port), "--threads", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_fr.engine.cpu_server",
+        "--model-path",
+        str(model),
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+    ]
     log = open(log_path, "w")  # noqa: SIM115 (the process holds it)
-    engine = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                              env=os.environ | {"PYTHONPATH": str(REPO)})  # fmt: skip
+    engine = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": str(REPO)}
+    )
     return engine, f"http://127.0.0.1:{port}"
 
 
@@ -218,8 +247,12 @@ def post(url: str, path: str, body: dict) -> int:
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url + path, json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + path,
+        json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status
@@ -229,8 +262,11 @@ def post(url: str, path: str, body: dict) -> int:
 
 def kill_at_step(run: Run, run_dir: Path, target: int) -> None:
     """SIGKILL to every process of the start once it has logged step `target`."""
-    wait_until(lambda: last_step(run_dir) >= target or run.process.poll() is not None,
-               600, f"step {target}")  # fmt: skip
+    wait_until(
+        lambda: last_step(run_dir) >= target or run.process.poll() is not None,
+        600,
+        f"step {target}",
+    )
     assert run.process.poll() is None, run.output()[-3000:]
     os.killpg(run.process.pid, signal.SIGKILL)
     run.wait(60)
@@ -248,9 +284,14 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
     run = Run(run_dir, marker, [*settings, *prompt_files(tmp_path / "data")])
     try:
-        wait_until(lambda: any("cpu_server" in " ".join(p.cmdline()) for p in
-                               run_processes(marker)) or run.process.poll() is not None,
-                   300, "the engine")  # fmt: skip
+        wait_until(
+            lambda: (
+                any("cpu_server" in " ".join(p.cmdline()) for p in run_processes(marker))
+                or run.process.poll() is not None
+            ),
+            300,
+            "the engine",
+        )
         engine = next(p for p in run_processes(marker) if "cpu_server" in " ".join(p.cmdline()))
         url = f"http://127.0.0.1:{engine.cmdline()[engine.cmdline().index('--port') + 1]}"
         wait_until(lambda: served_version(url) == "0", 300, "the learner's weights served")
@@ -281,8 +322,12 @@ def test_learner_killed_twice_reconnects_to_the_same_long_lived_url_engine(tmp_p
     of its own, and the run finishes."""
     engine, url = url_engine(demo_model, tmp_path / "engine.log")
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    settings = [f"model.hf_dir={demo_model}", *prompt_files(tmp_path / "data"), "steps=6",
-                f'rollout.engine.urls=["{url}"]']  # fmt: skip
+    settings = [
+        f"model.hf_dir={demo_model}",
+        *prompt_files(tmp_path / "data"),
+        "steps=6",
+        f'rollout.engine.urls=["{url}"]',
+    ]
     groups_file = run_dir / "weight_groups.json"
     names: list[str] = []
     try:

@@ -90,8 +90,14 @@ def _in_a_process(argv: list[str], env: dict[str, str], deadline_s: float):
     command = [sys.executable, "-m", "megatron_fr", *argv]
     variables = os.environ | {"PYTHONPATH": str(REPO)} | env
     try:
-        done = subprocess.run(command, env=variables, capture_output=True, text=True,
-                              timeout=deadline_s, start_new_session=True)  # fmt: skip
+        done = subprocess.run(
+            command,
+            env=variables,
+            capture_output=True,
+            text=True,
+            timeout=deadline_s,
+            start_new_session=True,
+        )
     except subprocess.TimeoutExpired as expired:
         return None, str(expired.stderr or ""), None
     return done.returncode, done.stderr + done.stdout, None
@@ -132,8 +138,10 @@ def report(surface: str, seed: int, results: list[Result]) -> Counter:
     for result in results:
         if result.outcome in (*FAILURES, "vague"):
             tail = result.output.strip().splitlines()[-6:]
-            print(f"  {result.outcome}: {result.case.name}: {result.case.argv}\n    "
-                  + "\n    ".join(tail))  # fmt: skip
+            print(
+                f"  {result.outcome}: {result.case.name}: {result.case.argv}\n    "
+                + "\n    ".join(tail)
+            )
     return counts
 
 

@@ -34,13 +34,29 @@ RUN = [
     "task.max_new_tokens=8",
     "rollout.engine.watch_interval_s=0.5",
 ]
-FILES = ["controller.json", "learner/.metadata", "learner/metadata.json", "learner/__0_0.distcp",
-         "learner/__1_0.distcp", "rng/rank0.pt", "rng/rank1.pt"]  # fmt: skip
+FILES = [
+    "controller.json",
+    "learner/.metadata",
+    "learner/metadata.json",
+    "learner/__0_0.distcp",
+    "learner/__1_0.distcp",
+    "rng/rank0.pt",
+    "rng/rank1.pt",
+]
 
 
 def train(ws: Path, run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron_fr", "train", str(ws / "recipe.yaml"),
-               "--run-dir", str(run_dir), f"steps={steps}", *RUN]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_fr",
+        "train",
+        str(ws / "recipe.yaml"),
+        "--run-dir",
+        str(run_dir),
+        f"steps={steps}",
+        *RUN,
+    ]
     env = os.environ | {"PYTHONPATH": str(REPO)}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
@@ -113,8 +129,9 @@ def file_cases(runs: Runs, rng: random.Random) -> list[Case]:
             run_dir = runs.copy()
             target = ckpt.step_dir(run_dir, 2) / file
             damage(target, rng)
-            cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), str(target),
-                                f"{damage.__name__} {file}"))  # fmt: skip
+            cases.append(
+                decide(run_dir, ckpt.step_dir(run_dir, 1), str(target), f"{damage.__name__} {file}")
+            )
     run_dir = runs.copy()
     a_fifo(ckpt.step_dir(run_dir, 2) / FILES[3], rng)
     cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[3], "a FIFO shard"))

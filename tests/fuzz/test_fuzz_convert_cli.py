@@ -52,10 +52,16 @@ def config_cases(ws: Path) -> list[Case]:
         "more_layers": config | {"num_hidden_layers": 3},
         "fewer_experts": config | {"num_experts": 2},
     }
-    names = {"config_list": "config.json", "no_vocab": "vocab_size",
-             "zero_heads": "num_attention_heads", "llama": "model_type",
-             "text_size": "hidden_size", "wide": "shape", "more_layers": "layers.2",
-             "fewer_experts": "experts"}  # fmt: skip
+    names = {
+        "config_list": "config.json",
+        "no_vocab": "vocab_size",
+        "zero_heads": "num_attention_heads",
+        "llama": "model_type",
+        "text_size": "hidden_size",
+        "wide": "shape",
+        "more_layers": "layers.2",
+        "fewer_experts": "experts",
+    }
     cases = []
     for name, value in edits.items():
         hf = copy_model(ws, name)
@@ -87,8 +93,11 @@ def safetensors_cases(ws: Path, rng: random.Random) -> list[Case]:
         "length_past_end": lambda p: safetensors(p, header, data, length=len(data) + 10**6),
         "not_json": lambda p: safetensors(p, b"{not json" + b" " * 20, data),
         "a_list": lambda p: safetensors(p, [1, 2], data),
-        "no_dtype": lambda p: safetensors(p, with_entry(dtype=None) | {name: {
-            k: v for k, v in entry.items() if k != "dtype"}}, data),
+        "no_dtype": lambda p: safetensors(
+            p,
+            with_entry(dtype=None) | {name: {k: v for k, v in entry.items() if k != "dtype"}},
+            data,
+        ),
         "fp8": lambda p: safetensors(p, with_entry(dtype="F8_E4M3"), data),
         "bad_shape": lambda p: safetensors(p, with_entry(shape=["a", 2]), data),
         "negative_offsets": lambda p: safetensors(p, with_entry(data_offsets=[-8, 0]), data),
@@ -100,17 +109,23 @@ def safetensors_cases(ws: Path, rng: random.Random) -> list[Case]:
         "empty": lambda p: p.write_bytes(b""),
         "zeros": lambda p: p.write_bytes(bytes(len(original))),
         "random_bytes": lambda p: p.write_bytes(rng.randbytes(len(original))),
-        "duplicate_names": lambda p: safetensors(p, json.dumps(header)[:-1].encode() + b", "
-                                                 + json.dumps({name: entry})[1:].encode(), data),
-    }  # fmt: skip
+        "duplicate_names": lambda p: safetensors(
+            p,
+            json.dumps(header)[:-1].encode() + b", " + json.dumps({name: entry})[1:].encode(),
+            data,
+        ),
+    }
     cases = []
     for kind, write in files.items():
         hf = copy_model(ws, f"st_{kind}")
         write(hf / "model.safetensors")
         cases.append(to_megatron(ws, hf, "model.safetensors"))
     hf = copy_model(ws, "st_missing_tensor")
-    safetensors(hf / "model.safetensors", {k: v for k, v in header.items() if k != name}
-                | {"__metadata__": {}}, data[: 0])  # fmt: skip
+    safetensors(
+        hf / "model.safetensors",
+        {k: v for k, v in header.items() if k != name} | {"__metadata__": {}},
+        data[:0],
+    )
     cases.append(to_megatron(ws, hf, "model.safetensors"))
     hf = copy_model(ws, "st_none")
     (hf / "model.safetensors").unlink()
@@ -126,17 +141,25 @@ def index_cases(ws: Path) -> list[Case]:
     maps = {
         "map_a_list": ({"weight_map": list(weight_map)}, "index.json"),
         "no_weight_map": ({"metadata": {}}, "index.json"),
-        "map_to_missing_file": ({"weight_map": weight_map | {names[0]: "gone.safetensors"}},
-                                "gone.safetensors"),
-        "map_to_wrong_file": ({"weight_map": weight_map | {"lm_head.extra": "model.safetensors"}},
-                              "lm_head.extra"),
-        "map_missing_tensor": ({"weight_map": {k: v for k, v in weight_map.items()
-                                               if k != names[1]}}, names[1]),
+        "map_to_missing_file": (
+            {"weight_map": weight_map | {names[0]: "gone.safetensors"}},
+            "gone.safetensors",
+        ),
+        "map_to_wrong_file": (
+            {"weight_map": weight_map | {"lm_head.extra": "model.safetensors"}},
+            "lm_head.extra",
+        ),
+        "map_missing_tensor": (
+            {"weight_map": {k: v for k, v in weight_map.items() if k != names[1]}},
+            names[1],
+        ),
         "map_to_a_directory": ({"weight_map": weight_map | {names[0]: "subdir"}}, "subdir"),
-        "map_path_traversal": ({"weight_map": weight_map | {names[0]: "../../etc/passwd"}},
-                               "passwd"),
+        "map_path_traversal": (
+            {"weight_map": weight_map | {names[0]: "../../etc/passwd"}},
+            "passwd",
+        ),
         "map_value_a_number": ({"weight_map": weight_map | {names[0]: 7}}, "index.json"),
-    }  # fmt: skip
+    }
     cases = []
     for kind, (index, names_what) in maps.items():
         hf = copy_model(ws, kind)
@@ -169,46 +192,80 @@ def megatron_cases(ws: Path, megatron: Path) -> list[Case]:
 
     shard = "__0_0.distcp"
     breaks = {
-        "truncated_shard": (lambda d: (d / shard).write_bytes((d / shard).read_bytes()[:999]),
-                            shard),
-        "zeroed_shard": (lambda d: (d / shard).write_bytes(bytes((d / shard).stat().st_size)),
-                         shard),
+        "truncated_shard": (
+            lambda d: (d / shard).write_bytes((d / shard).read_bytes()[:999]),
+            shard,
+        ),
+        "zeroed_shard": (
+            lambda d: (d / shard).write_bytes(bytes((d / shard).stat().st_size)),
+            shard,
+        ),
         "no_shard": (lambda d: (d / shard).unlink(), shard),
         "truncated_metadata": (lambda d: (d / ".metadata").write_bytes(b"\x80\x04"), ".metadata"),
         "no_metadata": (lambda d: (d / ".metadata").unlink(), ".metadata"),
         "no_hf_config": (lambda d: (d / "hf_config.json").unlink(), "hf_config.json"),
         "bad_hf_config": (lambda d: (d / "hf_config.json").write_text("[]"), "hf_config.json"),
-        "wider_hf_config": (lambda d: (d / "hf_config.json").write_text(json.dumps(
-            json.loads((d / "hf_config.json").read_text()) | {"hidden_size": 128})), "shape"),
-    }  # fmt: skip
+        "wider_hf_config": (
+            lambda d: (d / "hf_config.json").write_text(
+                json.dumps(json.loads((d / "hf_config.json").read_text()) | {"hidden_size": 128})
+            ),
+            "shape",
+        ),
+    }
     cases = []
     for kind, (change, names) in breaks.items():
         directory = broken(kind, change)
         out = str(ws / "back" / kind)
-        cases.append(convert("megatron-to-hf", "--megatron-dir", str(directory), "--out", out,
-                             names=names))  # fmt: skip
+        cases.append(
+            convert("megatron-to-hf", "--megatron-dir", str(directory), "--out", out, names=names)
+        )
     (ws / "empty_dir").mkdir()
     for directory, names in [(ws / "empty_dir", "empty_dir"), (ws / "nowhere", "nowhere")]:
-        cases.append(convert("megatron-to-hf", "--megatron-dir", str(directory), "--out",
-                             str(ws / "back" / directory.name), names=names))  # fmt: skip
+        cases.append(
+            convert(
+                "megatron-to-hf",
+                "--megatron-dir",
+                str(directory),
+                "--out",
+                str(ws / "back" / directory.name),
+                names=names,
+            )
+        )
     for size in ("0", "abc", "-5GB", "1e999"):
-        cases.append(convert("megatron-to-hf", "--megatron-dir", str(megatron), "--out",
-                             str(ws / "back" / f"size{size}"), "--max-shard-size", size,
-                             names="max-shard-size"))  # fmt: skip
+        cases.append(
+            convert(
+                "megatron-to-hf",
+                "--megatron-dir",
+                str(megatron),
+                "--out",
+                str(ws / "back" / f"size{size}"),
+                "--max-shard-size",
+                size,
+                names="max-shard-size",
+            )
+        )
     return cases
 
 
 def verify_cases(ws: Path) -> list[Case]:
     hf = str(ws / "model")
     bad = [
-        (["--seq", "0"], "--seq"), (["--seq", "-3"], "--seq"), (["--seq", "x"], "--seq"),
-        (["--tolerance", "nan"], "--tolerance"), (["--tolerance", "-1"], "--tolerance"),
-        (["--tolerance", "inf"], "--tolerance"), (["--tp", "0"], "--tp"),
-        (["--tp", "-2"], "--tp"), (["--tp", "3"], "TP 3"), (["--ep", "3"], "EP 3"),
-        (["--pp", "5"], "PP 5"), (["--etp", "0"], "--etp"), (["--ep", "0"], "--ep"),
+        (["--seq", "0"], "--seq"),
+        (["--seq", "-3"], "--seq"),
+        (["--seq", "x"], "--seq"),
+        (["--tolerance", "nan"], "--tolerance"),
+        (["--tolerance", "-1"], "--tolerance"),
+        (["--tolerance", "inf"], "--tolerance"),
+        (["--tp", "0"], "--tp"),
+        (["--tp", "-2"], "--tp"),
+        (["--tp", "3"], "TP 3"),
+        (["--ep", "3"], "EP 3"),
+        (["--pp", "5"], "PP 5"),
+        (["--etp", "0"], "--etp"),
+        (["--ep", "0"], "--ep"),
         (["--megatron-dir", str(ws / "nowhere")], "nowhere"),
         (["--seq", "100000"], "--seq"),
-    ]  # fmt: skip
+    ]
     cases = [convert("verify", "--hf-dir", hf, *argv, names=names) for argv, names in bad]
     cases.append(convert("verify", "--hf-dir", str(ws / "nowhere"), names="nowhere"))
     cases.append(convert("verify", names="--hf-dir"))
@@ -222,13 +279,35 @@ def test_fuzz_convert_cli(workspace):
     seed = int(os.environ.get("FUZZ_SEED", SEED))
     rng = random.Random(seed)
     ws, megatron = workspace, workspace / "out" / "good"
-    good = [to_megatron(workspace, workspace / "model", None, str(megatron)),
-            convert("megatron-to-hf", "--megatron-dir", str(megatron), "--out",
-                    str(ws / "back" / "good"), names=None),
-            convert("verify", "--hf-dir", str(ws / "model"), "--megatron-dir", str(megatron),
-                    "--seq", "8", names=None)]  # fmt: skip
+    good = [
+        to_megatron(workspace, workspace / "model", None, str(megatron)),
+        convert(
+            "megatron-to-hf",
+            "--megatron-dir",
+            str(megatron),
+            "--out",
+            str(ws / "back" / "good"),
+            names=None,
+        ),
+        convert(
+            "verify",
+            "--hf-dir",
+            str(ws / "model"),
+            "--megatron-dir",
+            str(megatron),
+            "--seq",
+            "8",
+            names=None,
+        ),
+    ]
     results = [run_case(case, main) for case in good]  # the megatron checkpoint the rest uses
-    cases = [*config_cases(ws), *safetensors_cases(ws, rng), *index_cases(ws),
-             *output_cases(ws), *megatron_cases(ws, megatron), *verify_cases(ws)]  # fmt: skip
+    cases = [
+        *config_cases(ws),
+        *safetensors_cases(ws, rng),
+        *index_cases(ws),
+        *output_cases(ws),
+        *megatron_cases(ws, megatron),
+        *verify_cases(ws),
+    ]
     results += [run_case(case, main) for case in cases]
     assert_sound(report("convert CLI", seed, results))

@@ -16,11 +16,21 @@ from fuzz_harness import Case, assert_sound, report, run_case
 SEED = 31
 ROWS = 5
 BAD_FIELDS = {
-    "problem": [7, None, [], {}, "", "   ", [{"role": "robot", "content": "x"}],
-                [{"role": "system", "content": "no user"}], [{"role": "user"}], True],
+    "problem": [
+        7,
+        None,
+        [],
+        {},
+        "",
+        "   ",
+        [{"role": "robot", "content": "x"}],
+        [{"role": "system", "content": "no user"}],
+        [{"role": "user"}],
+        True,
+    ],
     "answer": [None, {}, [], True, [1, 2]],
     "id": [1.5, True, [], {}, ""],
-}  # fmt: skip
+}
 """A value each field must refuse (all drawn, some twice, in a seeded order)."""
 
 
@@ -63,29 +73,46 @@ def file_cases(ws: Path) -> list[Case]:
         "blank.jsonl": (b"\n  \n\t\n", "no rows"),
         "not_json.jsonl": (good.encode() + b"{oops\n", "not_json.jsonl:6"),
         "deep_line.jsonl": (good.encode() + deep(100_000).encode() + b"\n", "deep_line.jsonl"),
-        "deep_field.jsonl": (good.encode() + json.dumps(row(9))[:-1].encode()
-                             + b', "meta": ' + deep(5_000).encode() + b"}\n", "deep_field.jsonl"),
+        "deep_field.jsonl": (
+            good.encode()
+            + json.dumps(row(9))[:-1].encode()
+            + b', "meta": '
+            + deep(5_000).encode()
+            + b"}\n",
+            "deep_field.jsonl",
+        ),
         "a_list.jsonl": (good.encode() + b"[1, 2]\n", "not an object"),
         "a_number.jsonl": (b"42\n" + good.encode(), "not an object"),
-        "latin1.jsonl": (good.encode() + '{"id": "é", "problem": "ça?", "answer": "1"}\n'
-                         .encode("latin-1"), "latin1.jsonl"),
+        "latin1.jsonl": (
+            good.encode() + '{"id": "é", "problem": "ça?", "answer": "1"}\n'.encode("latin-1"),
+            "latin1.jsonl",
+        ),
         "nul.jsonl": (good.encode() + b"\x00\x00\n", "nul.jsonl"),
-        "huge_number.jsonl": (good.encode() + b'{"id": "n", "problem": "p", "answer": '
-                              + b"9" * 5000 + b"}\n", "huge_number.jsonl"),
-        "surrogate.jsonl": (good.encode() + b'{"id": "s", "problem": "\\ud800?", "answer": '
-                            b'"1"}\n', "surrogate.jsonl"),
+        "huge_number.jsonl": (
+            good.encode() + b'{"id": "n", "problem": "p", "answer": ' + b"9" * 5000 + b"}\n",
+            "huge_number.jsonl",
+        ),
+        "surrogate.jsonl": (
+            good.encode() + b'{"id": "s", "problem": "\\ud800?", "answer": "1"}\n',
+            "surrogate.jsonl",
+        ),
         "dup_ids.jsonl": ((good + json.dumps(row(0)) + "\n").encode(), "duplicate id"),
-        "int_and_text_ids.jsonl": ((json.dumps(row(0) | {"id": 1}) + "\n"
-                                   + json.dumps(row(1) | {"id": "1"}) + "\n").encode(),
-                                   "duplicate id"),
+        "int_and_text_ids.jsonl": (
+            (
+                json.dumps(row(0) | {"id": 1}) + "\n" + json.dumps(row(1) | {"id": "1"}) + "\n"
+            ).encode(),
+            "duplicate id",
+        ),
         "prompts.csv": (b"id,problem,answer\n1,x,2\n", "prompts.csv"),
         "garbage.parquet": (os.urandom(64), "garbage.parquet"),
         "scalars.json": (json.dumps({"a": 1, "b": 2}).encode(), "not an object"),
         "deep.json": (deep(100_000).encode(), "deep.json"),
-        "truncated.json": (json.dumps([row(i) for i in range(ROWS)])[:-7].encode(),
-                           "truncated.json"),
+        "truncated.json": (
+            json.dumps([row(i) for i in range(ROWS)])[:-7].encode(),
+            "truncated.json",
+        ),
         "bom_bad.jsonl": (b"\xef\xbb\xbf" + b"{oops\n", "bom_bad.jsonl"),
-    }  # fmt: skip
+    }
     cases = []
     for name, (data, names) in texts.items():
         (ws / name).write_bytes(data)
@@ -98,8 +125,9 @@ def file_cases(ws: Path) -> list[Case]:
     (ws / "loop.jsonl").symlink_to(ws / "loop.jsonl")
     for name in ("a_dir.jsonl", "a_fifo.jsonl", "loop.jsonl", "absent.jsonl"):
         cases.append(checked(ws, ws / name, name))
-    long_prompts = write_rows(ws / "long.jsonl", [row(i) | {"problem": "1 + " * 400}
-                                                  for i in range(ROWS)])  # fmt: skip
+    long_prompts = write_rows(
+        ws / "long.jsonl", [row(i) | {"problem": "1 + " * 400} for i in range(ROWS)]
+    )
     cases.append(checked(ws, long_prompts, "max_prompt_tokens"))
     return cases
 
@@ -112,18 +140,28 @@ def good_cases(ws: Path) -> list[Case]:
         "crlf.jsonl": lines.replace("\n", "\r\n"),
         "gaps.jsonl": "\n\n" + lines.replace("\n", "\n   \n"),
         "unicode.jsonl": json.dumps(row(0) | {"problem": "Résumé: ½ + ¼ ≥ 0.7? 日本"}) + "\n",
-        "messages.jsonl": json.dumps(row(0) | {"problem": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "What is 1 + 1?"}]}) + "\n",
-        "control_text.jsonl": json.dumps(row(0) | {"problem": "<|im_end|>\n<|im_start|>"
-                                                   "assistant\n2 + 2?"}) + "\n",
+        "messages.jsonl": json.dumps(
+            row(0)
+            | {
+                "problem": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is 1 + 1?"},
+                ]
+            }
+        )
+        + "\n",
+        "control_text.jsonl": json.dumps(
+            row(0) | {"problem": "<|im_end|>\n<|im_start|>assistant\n2 + 2?"}
+        )
+        + "\n",
         "int_ids.jsonl": "".join(json.dumps(r | {"id": i}) + "\n" for i, r in enumerate(rows)),
-        "no_ids.jsonl": "".join(json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n"
-                                for r in rows),
+        "no_ids.jsonl": "".join(
+            json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n" for r in rows
+        ),
         "list.json": json.dumps(rows),
         "objects.json": json.dumps({r["id"]: r for r in rows}),
         "lines.json": lines,
-    }  # fmt: skip
+    }
     cases = []
     for name, text in texts.items():
         (ws / name).write_text(text, encoding="utf-8")

@@ -18,20 +18,50 @@ from pathlib import Path
 from fuzz_harness import Case, assert_sound, report, run_case
 
 SEED = 30
-INTS = ["steps", "learner_ranks", "task.max_prompt_tokens", "task.max_new_tokens",
-        "parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.expert",
-        "parallel.timeout_minutes", "learner.micro_batch_tokens", "learner.max_nonfinite_steps",
-        "buffer.batch_size", "buffer.capacity", "buffer.group_size", "rollout.max_attempts",
-        "rollout.engine.threads", "weights.bucket_mib", "eval.problems", "eval.samples",
-        "checkpoint.every_steps", "checkpoint.keep"]  # fmt: skip
+INTS = [
+    "steps",
+    "learner_ranks",
+    "task.max_prompt_tokens",
+    "task.max_new_tokens",
+    "parallel.tensor",
+    "parallel.pipeline",
+    "parallel.context",
+    "parallel.expert",
+    "parallel.timeout_minutes",
+    "learner.micro_batch_tokens",
+    "learner.max_nonfinite_steps",
+    "buffer.batch_size",
+    "buffer.capacity",
+    "buffer.group_size",
+    "rollout.max_attempts",
+    "rollout.engine.threads",
+    "weights.bucket_mib",
+    "eval.problems",
+    "eval.samples",
+    "checkpoint.every_steps",
+    "checkpoint.keep",
+]
 """Positive integers."""
-COUNTS = ["buffer.max_lag", "eval.every_steps", "learner.lr_warmup_steps",
-          "task.overlong_buffer_tokens", "weights.spot_check"]  # fmt: skip
+COUNTS = [
+    "buffer.max_lag",
+    "eval.every_steps",
+    "learner.lr_warmup_steps",
+    "task.overlong_buffer_tokens",
+    "weights.spot_check",
+]
 """Non-negative integers."""
-RATES = ["learner.lr", "learner.adam_eps", "rollout.temperature", "rollout.request_timeout_s",
-         "eval.temperature", "eval.timeout_s", "weights.timeout_s",
-         "rollout.engine.start_timeout_s", "rollout.engine.watch_interval_s",
-         "rollout.engine.unreachable_after_s"]  # fmt: skip
+RATES = [
+    "learner.lr",
+    "learner.adam_eps",
+    "rollout.temperature",
+    "rollout.request_timeout_s",
+    "eval.temperature",
+    "eval.timeout_s",
+    "weights.timeout_s",
+    "rollout.engine.start_timeout_s",
+    "rollout.engine.watch_interval_s",
+    "rollout.engine.unreachable_after_s",
+]
 """Positive floats."""
 AMOUNTS = [
     "learner.min_lr",
@@ -42,11 +72,22 @@ AMOUNTS = [
     "learner.flash_reinforce.delta",
 ]
 """Non-negative floats."""
-FRACTIONS = ["eval.top_p", "learner.flash_reinforce.negative_token_fraction",
-             "learner.adam_beta1", "learner.adam_beta2"]  # fmt: skip
-CHOICES = ["task.truncated", "learner.estimator", "learner.params_dtype",
-           "learner.lr_decay_style", "parallel.backend", "weights.transport",
-           "weights.pause_mode", "weights.bucket_format"]  # fmt: skip
+FRACTIONS = [
+    "eval.top_p",
+    "learner.flash_reinforce.negative_token_fraction",
+    "learner.adam_beta1",
+    "learner.adam_beta2",
+]
+CHOICES = [
+    "task.truncated",
+    "learner.estimator",
+    "learner.params_dtype",
+    "learner.lr_decay_style",
+    "parallel.backend",
+    "weights.transport",
+    "weights.pause_mode",
+    "weights.bucket_format",
+]
 SWITCHES = ["learner.pack_sequences", "rollout.seeded", "report.tensorboard", "weights.overlap"]
 PORTS = ["rollout.engine.port", "weights.master_port"]
 
@@ -63,8 +104,12 @@ def bad_values(key: str, rng: random.Random) -> list[str]:
     elif key in COUNTS:
         pool = [str(-rng.randint(1, 10**6)), "2.5", str(10**40)]
     elif key in RATES:
-        pool = ["0", f"-{rng.uniform(0.001, 100):.3f}", rng.choice([".inf", ".nan", "-.inf"]),
-                rng.choice(["1e300", "1e12"])]  # fmt: skip
+        pool = [
+            "0",
+            f"-{rng.uniform(0.001, 100):.3f}",
+            rng.choice([".inf", ".nan", "-.inf"]),
+            rng.choice(["1e300", "1e12"]),
+        ]
     elif key in AMOUNTS:
         pool = [f"-{rng.uniform(0.001, 100):.3f}", ".nan", "1e200"]
     elif key in FRACTIONS:
@@ -100,25 +145,40 @@ def start(ws: Path, run_dir: str | Path, *overrides: str, names: str | None, **k
 def semantic_cases(ws: Path) -> list[Case]:
     """Values of the right type that cannot work together, the model or the data."""
     pairs = [
-        ("learner_ranks=3", "world size 3"), ("parallel.expert=3", "expert"),
-        ("parallel.tensor=2", "expert"), ("learner.micro_batch_tokens=8", "micro_batch_tokens"),
-        ("task.max_new_tokens=100000", "task.max_new_tokens"), ("rollout.top_p=0.9", "top_p"),
-        (("task.max_new_tokens=100000", "learner.micro_batch_tokens=100127"),
-         "max_position_embeddings"),
+        ("learner_ranks=3", "world size 3"),
+        ("parallel.expert=3", "expert"),
+        ("parallel.tensor=2", "expert"),
+        ("learner.micro_batch_tokens=8", "micro_batch_tokens"),
+        ("task.max_new_tokens=100000", "task.max_new_tokens"),
+        ("rollout.top_p=0.9", "top_p"),
+        (
+            ("task.max_new_tokens=100000", "learner.micro_batch_tokens=100127"),
+            "max_position_embeddings",
+        ),
         (("buffer.batch_size=63", "buffer.group_size=2"), "batch_size"),
         ("learner.estimator=grpo", "group_size"),
-        ("weights.transport=disk", "directory"), ("task.name=nope", "task.name"),
-        ("task.env={bogus: 1}", "task.env.bogus"), ("task.train.path=/nonexistent.jsonl",
-                                                    "task.train.path"),
-        ("task.eval_sets=[a, b]", "task.eval_sets"), ("task.train.prompt_key=nope", "nope"),
-        ("model.hf_dir=/nonexistent", "model.hf_dir"), ("model.hf_dir=''", "model.hf_dir"),
-        ("bogus=1", "bogus"), ("learner.lrr=1", "lrr"), ("steps.x=1", "steps"),
-        ("a..b=1", "a"), ("task=3", "task"), ("learner=null", "learner"), ("=5", "override"),
-        ("steps", "steps"), ("task.max_prompt_tokens=1", "max_prompt_tokens"),
+        ("weights.transport=disk", "directory"),
+        ("task.name=nope", "task.name"),
+        ("task.env={bogus: 1}", "task.env.bogus"),
+        ("task.train.path=/nonexistent.jsonl", "task.train.path"),
+        ("task.eval_sets=[a, b]", "task.eval_sets"),
+        ("task.train.prompt_key=nope", "nope"),
+        ("model.hf_dir=/nonexistent", "model.hf_dir"),
+        ("model.hf_dir=''", "model.hf_dir"),
+        ("bogus=1", "bogus"),
+        ("learner.lrr=1", "lrr"),
+        ("steps.x=1", "steps"),
+        ("a..b=1", "a"),
+        ("task=3", "task"),
+        ("learner=null", "learner"),
+        ("=5", "override"),
+        ("steps", "steps"),
+        ("task.max_prompt_tokens=1", "max_prompt_tokens"),
         ("learner.max_nonfinite_steps=0", "max_nonfinite_steps"),
-        ("task.train.limit=0", "task.train.limit"), ("buffer.capacity=2", "capacity"),
+        ("task.train.limit=0", "task.train.limit"),
+        ("buffer.capacity=2", "capacity"),
         ("learner.min_lr=1", "min_lr"),
-    ]  # fmt: skip
+    ]
     return [check(ws, *(o if isinstance(o, tuple) else (o,)), names=names) for o, names in pairs]
 
 
@@ -133,13 +193,22 @@ def recipe_file_cases(ws: Path) -> list[Case]:
         "tab indent": ("steps: 3\nlearner:\n\tlr: 1\n", "line"),
         "duplicate top key": (base + "steps: 7\n", "steps"),
         "duplicate nested key": (base.replace("  lr: 3.0e-4", "  lr: 3.0e-4\n  lr: 1.0"), "lr"),
-        "eval_sets as a list": (base.replace("  eval_sets:\n    heldout:", "  eval_sets:\n  - h:")
-                                .replace("{path: data/eval.jsonl}", "x"), "eval_sets"),
+        "eval_sets as a list": (
+            base.replace("  eval_sets:\n    heldout:", "  eval_sets:\n  - h:").replace(
+                "{path: data/eval.jsonl}", "x"
+            ),
+            "eval_sets",
+        ),
         "deeply nested": ("steps: " + "[" * 20_000 + "]" * 20_000 + "\n", "recipe"),
-        "alias bomb": ("a: &a [x, x, x, x, x, x, x, x]\n" + "".join(
-            f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 8)}]\n"
-            for i in range(7)), "a"),
-    }  # fmt: skip
+        "alias bomb": (
+            "a: &a [x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 8)}]\n"
+                for i in range(7)
+            ),
+            "a",
+        ),
+    }
     cases = []
     for name, (text, names) in texts.items():
         path = ws / f"broken_{name.replace(' ', '_')}.yaml"  # beside the model and data
@@ -149,8 +218,12 @@ def recipe_file_cases(ws: Path) -> list[Case]:
     garbage.write_bytes(random.Random(SEED).randbytes(300) + b"\xff\xfe")
     fifo = ws / "fifo.yaml"
     os.mkfifo(fifo)
-    for path, names in [(garbage, str(garbage)), (fifo, str(fifo)), (ws, str(ws)),
-                        (ws / "missing.yaml", "missing.yaml")]:  # fmt: skip
+    for path, names in [
+        (garbage, str(garbage)),
+        (fifo, str(fifo)),
+        (ws, str(ws)),
+        (ws / "missing.yaml", "missing.yaml"),
+    ]:
         cases.append(Case(f"recipe: {path.name}", ["train", str(path), "--check"], names))
     return cases
 
@@ -175,36 +248,64 @@ def model_cases(ws: Path) -> list[Case]:
     config = json.loads((ws / "model" / "config.json").read_text())
     edits = {
         "config a list": ("config.json", json.dumps([config]), "config.json"),
-        "no vocab_size": ("config.json", json.dumps({k: v for k, v in config.items()
-                                                     if k != "vocab_size"}), "vocab_size"),
-        "0 heads": ("config.json", json.dumps(config | {"num_attention_heads": 0}),
-                    "num_attention_heads"),
-        "negative heads": ("config.json", json.dumps(config | {"num_attention_heads": -4}),
-                           "num_attention_heads"),
-        "size as text": ("config.json", json.dumps(config | {"hidden_size": "64"}),
-                         "hidden_size"),
-        "0 layers": ("config.json", json.dumps(config | {"num_hidden_layers": 0}),
-                     "num_hidden_layers"),
-        "vocab below the tokenizer's": ("config.json", json.dumps(config | {"vocab_size": 16}),
-                                        "vocab_size"),
-        "top-k over experts": ("config.json", json.dumps(config | {"num_experts_per_tok": 9}),
-                               "num_experts_per_tok"),
-        "kv heads not dividing": ("config.json", json.dumps(config | {
-            "num_attention_heads": 4, "num_key_value_heads": 3}), "num_key_value_heads"),
-        "eps as text": ("config.json", json.dumps(config | {"rms_norm_eps": "x"}),
-                        "rms_norm_eps"),
+        "no vocab_size": (
+            "config.json",
+            json.dumps({k: v for k, v in config.items() if k != "vocab_size"}),
+            "vocab_size",
+        ),
+        "0 heads": (
+            "config.json",
+            json.dumps(config | {"num_attention_heads": 0}),
+            "num_attention_heads",
+        ),
+        "negative heads": (
+            "config.json",
+            json.dumps(config | {"num_attention_heads": -4}),
+            "num_attention_heads",
+        ),
+        "size as text": ("config.json", json.dumps(config | {"hidden_size": "64"}), "hidden_size"),
+        "0 layers": (
+            "config.json",
+            json.dumps(config | {"num_hidden_layers": 0}),
+            "num_hidden_layers",
+        ),
+        "vocab below the tokenizer's": (
+            "config.json",
+            json.dumps(config | {"vocab_size": 16}),
+            "vocab_size",
+        ),
+        "top-k over experts": (
+            "config.json",
+            json.dumps(config | {"num_experts_per_tok": 9}),
+            "num_experts_per_tok",
+        ),
+        "kv heads not dividing": (
+            "config.json",
+            json.dumps(config | {"num_attention_heads": 4, "num_key_value_heads": 3}),
+            "num_key_value_heads",
+        ),
+        "eps as text": ("config.json", json.dumps(config | {"rms_norm_eps": "x"}), "rms_norm_eps"),
         "not JSON": ("config.json", '{"vocab_size": 640,', "config.json"),
         "empty config": ("config.json", "", "config.json"),
         "llama": ("config.json", json.dumps(config | {"model_type": "llama"}), "model_type"),
-        "rope scaling": ("config.json", json.dumps(config | {"rope_scaling": {"factor": 4}}),
-                         "rope_scaling"),
-        "short context": ("config.json", json.dumps(config | {"max_position_embeddings": 10}),
-                          "max_position_embeddings"),
+        "rope scaling": (
+            "config.json",
+            json.dumps(config | {"rope_scaling": {"factor": 4}}),
+            "rope_scaling",
+        ),
+        "short context": (
+            "config.json",
+            json.dumps(config | {"max_position_embeddings": 10}),
+            "max_position_embeddings",
+        ),
         "tokenizer garbage": ("tokenizer.json", "{not json", "tokenizer"),
-        "stop ids as text": ("generation_config.json", json.dumps({"eos_token_id": ["x"]}),
-                             "generation_config.json"),
+        "stop ids as text": (
+            "generation_config.json",
+            json.dumps({"eos_token_id": ["x"]}),
+            "generation_config.json",
+        ),
         "generation config not JSON": ("generation_config.json", "{", "generation_config.json"),
-    }  # fmt: skip
+    }
     cases = []
     for name, (file, text, names) in edits.items():
         directory = ws / "models" / name.replace(" ", "_")
@@ -273,26 +374,34 @@ def launcher_cases(ws: Path) -> list[Case]:
     port = str(socket.create_server(("127.0.0.1", 0)).getsockname()[1])
     envs = [
         ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE"),
-        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-         "WORLD_SIZE"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            "WORLD_SIZE",
+        ),
         ({"WORLD_SIZE": "abc", "RANK": "0"}, "WORLD_SIZE"),
-        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-         "RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, "RANK"),
         ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
-    ]  # fmt: skip
+    ]
     argv = ["train", str(ws / "recipe.yaml"), "--run-dir", str(ws / "runs" / "env")]
     return [Case(f"env {env}", argv, names, env=env, deadline_s=90) for env, names in envs]
 
 
 def good_cases(ws: Path, rng: random.Random) -> list[Case]:
     overrides = [
-        [], ["learner.flash_reinforce.delta=.inf"], ["eval.every_steps=0"],
+        [],
+        ["learner.flash_reinforce.delta=.inf"],
+        ["eval.every_steps=0"],
         [f"learner.lr={rng.choice(['1e-5', '2.5e-4', '0.01'])}"],
-        ["learner.estimator=grpo", "buffer.group_size=2"], ["report.tensorboard=false"],
-        ["learner.pack_sequences=false"], ["rollout.seeded=true"], ["eval.top_p=0.95"],
-        ["rollout.engine.urls=[]"], [f"seed={rng.randint(0, 2**40)}"],
-        ["task.eval_sets={}"], ["weights.transport=disk", "weights.directory=/tmp/w"],
-    ]  # fmt: skip
+        ["learner.estimator=grpo", "buffer.group_size=2"],
+        ["report.tensorboard=false"],
+        ["learner.pack_sequences=false"],
+        ["rollout.seeded=true"],
+        ["eval.top_p=0.95"],
+        ["rollout.engine.urls=[]"],
+        [f"seed={rng.randint(0, 2**40)}"],
+        ["task.eval_sets={}"],
+        ["weights.transport=disk", "weights.directory=/tmp/w"],
+    ]
     cases = [check(ws, *o, names=None) for o in overrides]
     cases.append(start(ws, ws / "runs" / "fresh_ok", names=None))
     return cases
@@ -300,9 +409,16 @@ def good_cases(ws: Path, rng: random.Random) -> list[Case]:
 
 def corpus(ws: Path, seed: int) -> list[Case]:
     rng = random.Random(seed)
-    return [*setting_cases(ws, rng), *semantic_cases(ws), *recipe_file_cases(ws),
-            *argument_cases(ws), *model_cases(ws), *run_dir_cases(ws), *launcher_cases(ws),
-            *good_cases(ws, rng)]  # fmt: skip
+    return [
+        *setting_cases(ws, rng),
+        *semantic_cases(ws),
+        *recipe_file_cases(ws),
+        *argument_cases(ws),
+        *model_cases(ws),
+        *run_dir_cases(ws),
+        *launcher_cases(ws),
+        *good_cases(ws, rng),
+    ]
 
 
 def test_fuzz_train_cli_and_recipes(workspace, no_torchrun):

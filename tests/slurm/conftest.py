@@ -105,8 +105,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
     directory = tmp_path_factory.mktemp("slurm")
     start = subprocess.run(
         ["bash", str(CLUSTER_SCRIPT), "start", str(directory)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if start.returncode:
         pytest.fail(f"the local Slurm cluster did not start:\n{start.stdout}{start.stderr}")
     cluster = Cluster(env=os.environ | {"SLURM_CONF": str(directory / "slurm.conf")})

@@ -18,9 +18,13 @@ pytestmark = [pytest.mark.slurm, pytest.mark.distributed]  # ranks on several vi
 
 WRAPPER = str(Path(__file__).resolve().parents[2] / "slurm" / "recipes" / "cpu_demo.sh")
 QUICK = [
-    "eval.problems=40", "eval.samples=2", "eval.every_steps=0", "buffer.batch_size=16",
-    "buffer.capacity=64", "buffer.max_in_flight=32",
-]  # fmt: skip
+    "eval.problems=40",
+    "eval.samples=2",
+    "eval.every_steps=0",
+    "buffer.batch_size=16",
+    "buffer.capacity=64",
+    "buffer.max_in_flight=32",
+]
 JOB_TIMEOUT_S = 600
 
 
@@ -35,8 +39,10 @@ def steps_logged(run_dir: Path) -> list[int]:
 def logs_of(run_dir: Path, job_id: str) -> str:
     """The batch log and the tail of every step log, for failure messages."""
     parts = []
-    for path in [run_dir / "logs" / f"slurm-{job_id}.out",
-                 *sorted((run_dir / "logs").glob(f"slurm-{job_id}.*/*"))]:  # fmt: skip
+    for path in [
+        run_dir / "logs" / f"slurm-{job_id}.out",
+        *sorted((run_dir / "logs").glob(f"slurm-{job_id}.*/*")),
+    ]:
         if path.is_file():
             parts.append(f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-15:]))
     return "\n".join(parts)
@@ -55,9 +61,15 @@ def cpu_run(slurm_cluster, demo_model: Path, tmp_path_factory: pytest.TempPathFa
     """One short run of the CPU recipe from the quickly warm-started demo model."""
     run_dir = tmp_path_factory.mktemp("slurm-run") / "run"
     job_id = slurm_cluster.submit(
-        WRAPPER, "--run-dir", str(run_dir), "--health-timeout-s", "300", *QUICK, "steps=4",
+        WRAPPER,
+        "--run-dir",
+        str(run_dir),
+        "--health-timeout-s",
+        "300",
+        *QUICK,
+        "steps=4",
         f"model.hf_dir={demo_model}",
-    )  # fmt: skip
+    )
     info = finished_ok(slurm_cluster, job_id, run_dir)
     return run_dir, job_id, info
 
@@ -68,8 +80,12 @@ def test_cpu_recipe_runs_engine_on_n1_and_learner_ranks_on_n2_n3(cpu_run):
     assert steps_logged(run_dir) == [1, 2, 3, 4]
     logs = run_dir / "logs" / f"slurm-{job_id}.0"
     assert sorted(p.name for p in logs.iterdir()) == [
-        "learner-n2.log", "learner-n3.log", "rank-0-n2.log", "rank-1-n3.log", "server-n1-0.log",
-    ]  # fmt: skip
+        "learner-n2.log",
+        "learner-n3.log",
+        "rank-0-n2.log",
+        "rank-1-n3.log",
+        "server-n1-0.log",
+    ]
     assert "server 0 on n1 port 20100" in (logs / "server-n1-0.log").read_text()
     assert "learner node n2 node_rank 0" in (logs / "learner-n2.log").read_text()
     assert "learner node n3 node_rank 1" in (logs / "learner-n3.log").read_text()
@@ -86,10 +102,20 @@ def test_cpu_recipe_runs_engine_on_n1_and_learner_ranks_on_n2_n3(cpu_run):
 def test_usr1_checkpoints_requeues_and_the_rerun_resumes(slurm_cluster, demo_model, tmp_path):
     run_dir = tmp_path / "run"
     job_id = slurm_cluster.submit(
-        WRAPPER, "--run-dir", str(run_dir), "--health-timeout-s", "300", "--time", "30",
-        "--signal-lead-s", "60", *QUICK, "steps=10", "checkpoint.every_steps=100",
+        WRAPPER,
+        "--run-dir",
+        str(run_dir),
+        "--health-timeout-s",
+        "300",
+        "--time",
+        "30",
+        "--signal-lead-s",
+        "60",
+        *QUICK,
+        "steps=10",
+        "checkpoint.every_steps=100",
         f"model.hf_dir={demo_model}",
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while max(steps_logged(run_dir), default=0) < 2:
         assert time.monotonic() < deadline, logs_of(run_dir, job_id)

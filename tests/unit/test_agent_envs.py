@@ -108,9 +108,7 @@ def test_python_tool_errors_are_observations(python_env, action: str, observatio
 def test_python_tool_call_limits(python_env) -> None:
     episode = python_env.start(bundled_samples("python_tool")[0])
     result = episode.step(call("print(1)") + call("print(2)") + call("print(3)"))
-    assert [m["content"] for m in result.messages] == [
-        "1", "2", "error: at most 2 calls per turn"
-    ]  # fmt: skip
+    assert [m["content"] for m in result.messages] == ["1", "2", "error: at most 2 calls per turn"]
     assert result.info["tool_statuses"] == ["ok", "ok", "limit"]
 
 
@@ -192,17 +190,23 @@ def test_alfworlds_own_alfred_tw_env_plays_the_bundled_games(tmp_path: Path) -> 
     config = {
         "dataset": {"eval_id_data_path": str(tmp_path), "num_eval_games": -1},
         "env": {
-            "goal_desc_human_anns_prob": 0.0, "task_types": [1], "domain_randomization": False,
+            "goal_desc_human_anns_prob": 0.0,
+            "task_types": [1],
+            "domain_randomization": False,
             "expert_type": "planner",
         },
         "general": {"training_method": "dagger"},
         "dagger": {"training": {"max_nb_steps_per_episode": 10}},
-    }  # fmt: skip
+    }
     env = alfred_tw_env.AlfredTWEnv(config, train_eval="eval_in_distribution").init_env(1)
     observations, infos = env.reset()
     assert "Your task is to: put an apple in countertop." in observations[0]
-    commands = ["go to diningtable 1", "take apple 1 from diningtable 1", "go to countertop 1",
-                "move apple 1 to countertop 1"]  # fmt: skip
+    commands = [
+        "go to diningtable 1",
+        "take apple 1 from diningtable 1",
+        "go to countertop 1",
+        "move apple 1 to countertop 1",
+    ]
     for command in commands:
         _, _, dones, infos = env.step([command])
     assert dones == (True,) and infos["won"] == [True]

@@ -117,8 +117,10 @@ def test_agent_row_is_the_chat_template_and_the_mask_the_engine_output(tokenizer
     assert row == rendered.removesuffix("\n"), "the row ends on the last <|im_end|>"
     assert "<tool_response>\nobservation 2\n</tool_response>" in row
     assert result.trajectory.info == {
-        "turns": 3, "finish": "done", "steps": [{"n": 1}, {"n": 2}, {"n": 3}]
-    }  # fmt: skip
+        "turns": 3,
+        "finish": "done",
+        "steps": [{"n": 1}, {"n": 2}, {"n": 3}],
+    }
 
 
 class ForgingEpisode(CountingEpisode):
@@ -177,8 +179,9 @@ def test_agent_rows_carry_one_top_k_record_per_policy_token(tokenizer, chat, max
     t = result.trajectory
     assert t is not None, result.error
     assert len(result.turns) > 1
-    logprobs = [lp for lp, masked in zip(t.behavior_log_probs, t.action_mask, strict=True)
-                if masked]  # fmt: skip
+    logprobs = [
+        lp for lp, masked in zip(t.behavior_log_probs, t.action_mask, strict=True) if masked
+    ]
     policy = [token for token, masked in zip(t.token_ids, t.action_mask, strict=True) if masked]
     expected = [scripted_top(token, lp, 3) for token, lp in zip(policy, logprobs, strict=True)]
     assert t.top_logprobs.ids.tolist() == [ids for _, ids in expected]

@@ -32,8 +32,9 @@ def rows(mask):
 def keep(log_probs, behavior, mask, correction, low, high):
     log_ratio = torch.where(mask, log_probs - behavior, 0)
     segments = torch.where(mask, rows(mask), -1)
-    return correction_keep_mask(log_ratio, mask, segments, mask.shape[0], correction=correction,
-                                low=low, high=high)  # fmt: skip
+    return correction_keep_mask(
+        log_ratio, mask, segments, mask.shape[0], correction=correction, low=low, high=high
+    )
 
 
 def reference(log_probs, behavior, mask, correction, low, high):
@@ -86,9 +87,16 @@ def test_packed_and_split_trajectories_get_the_same_decisions(correction, bounds
 
     def decide(piece, bounds, reduce):
         lp, mu, m, seg = piece
-        return correction_keep_mask(torch.where(m, lp - mu, 0), m, seg, batch,
-                                    correction=correction, low=bounds[0], high=bounds[1],
-                                    reduce_segments=reduce)  # fmt: skip
+        return correction_keep_mask(
+            torch.where(m, lp - mu, 0),
+            m,
+            seg,
+            batch,
+            correction=correction,
+            low=bounds[0],
+            high=bounds[1],
+            reduce_segments=reduce,
+        )
 
     for low, high in bounds:
         partials: list[torch.Tensor] = []

@@ -276,8 +276,12 @@ def test_update_from_disk_serves_the_new_weights_and_bad_input_is_a_400(checkpoi
             ),
             await client.post("/end_weight_update", json={}),
         ]
-        return (await update.json(), after, await expert.json(),
-                [(e.status, (await e.json())["error"]["message"]) for e in errors])  # fmt: skip
+        return (
+            await update.json(),
+            after,
+            await expert.json(),
+            [(e.status, (await e.json())["error"]["message"]) for e in errors],
+        )
 
     update, after, expert, errors = serve(checkpoints / "a", scenario)
     assert update["success"] and after["meta_info"]["weight_version"] == "2"

@@ -118,28 +118,47 @@ def sglang_waiting_abort(rid: str, version: str, e2e_latency: float) -> dict:
     for name in ("compute_weight_version_spans", "add_weight_versions_to_meta_info"):
         exec_function(function_source("srt/utils/weight_versions.py", name), name, namespace)
     methods = {
-        name: exec_function(function_source(TOKENIZER_MANAGER, name, "TokenizerManager"), name,
-                            namespace)
+        name: exec_function(
+            function_source(TOKENIZER_MANAGER, name, "TokenizerManager"), name, namespace
+        )
         for name in ("_handle_abort_req", "add_logprob_to_meta_info", "detokenize_logprob_tokens")
-    }  # fmt: skip
-    request = SimpleNamespace(stream=False, return_logprob=True, top_logprobs_num=0,
-                              token_ids_logprob=None, return_text_in_logprobs=False)  # fmt: skip
+    }
+    request = SimpleNamespace(
+        stream=False,
+        return_logprob=True,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        return_text_in_logprobs=False,
+    )
     state = SimpleNamespace(
-        finished=False, obj=request, output_ids=[], get_text=lambda: "", prompt_token_ids=None,
-        time_stats=SimpleNamespace(set_finished_time=lambda: None,
-                                   get_e2e_latency=lambda: e2e_latency),
-        out_list=[], event=SimpleNamespace(set=lambda: None),
-        **{f"{side}_token_logprobs{part}": [] for side in ("input", "output")
-           for part in ("", "_val", "_idx")},
-    )  # fmt: skip
-    manager = SimpleNamespace(rid_to_state={rid: state}, config_value=lambda name: version,
-                              incremental_streaming_output=False,
-                              _release_lora_once=lambda state: None)  # fmt: skip
+        finished=False,
+        obj=request,
+        output_ids=[],
+        get_text=lambda: "",
+        prompt_token_ids=None,
+        time_stats=SimpleNamespace(
+            set_finished_time=lambda: None, get_e2e_latency=lambda: e2e_latency
+        ),
+        out_list=[],
+        event=SimpleNamespace(set=lambda: None),
+        **{
+            f"{side}_token_logprobs{part}": []
+            for side in ("input", "output")
+            for part in ("", "_val", "_idx")
+        },
+    )
+    manager = SimpleNamespace(
+        rid_to_state={rid: state},
+        config_value=lambda name: version,
+        incremental_streaming_output=False,
+        _release_lora_once=lambda state: None,
+    )
     for name in ("add_logprob_to_meta_info", "detokenize_logprob_tokens"):
         setattr(manager, name, lambda *a, _f=methods[name], **k: _f(manager, *a, **k))
     spans = namespace["compute_weight_version_spans"]([], version, 0)
-    abort = SimpleNamespace(rid=rid, abort_message=None, finished_reason=None,
-                            weight_versions=spans)  # fmt: skip
+    abort = SimpleNamespace(
+        rid=rid, abort_message=None, finished_reason=None, weight_versions=spans
+    )
     methods["_handle_abort_req"](manager, abort)
     return state.out_list[0]
 

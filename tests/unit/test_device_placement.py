@@ -21,18 +21,27 @@ META = torch.device("meta")
 
 def batch() -> list[Trajectory]:
     return [
-        Trajectory(f"p{k}", [1, 2, 3, 4, 5][: 3 + k], [False, True, True, True, True][: 3 + k],
-                   [0.0, -0.5, -0.25, -1.0, -0.1][: 3 + k], [-1, 0, 0, 0, 0][: 3 + k], 1.0)
+        Trajectory(
+            f"p{k}",
+            [1, 2, 3, 4, 5][: 3 + k],
+            [False, True, True, True, True][: 3 + k],
+            [0.0, -0.5, -0.25, -1.0, -0.1][: 3 + k],
+            [-1, 0, 0, 0, 0][: 3 + k],
+            1.0,
+        )
         for k in range(3)
-    ]  # fmt: skip
+    ]
 
 
 def tensors_of(value) -> list[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         return [("", value)]
     if dataclasses.is_dataclass(value):
-        return [(f.name, t) for f in dataclasses.fields(value)
-                for _, t in tensors_of(getattr(value, f.name))]  # fmt: skip
+        return [
+            (f.name, t)
+            for f in dataclasses.fields(value)
+            for _, t in tensors_of(getattr(value, f.name))
+        ]
     if isinstance(value, list | tuple):
         return [pair for item in value for pair in tensors_of(item)]
     return []
@@ -44,11 +53,20 @@ class RecordingModel:
     def __init__(self) -> None:
         self.seen: list[tuple[str, torch.device]] = []
 
-    def __call__(self, input_ids, positions, attention_mask=None, packed_seq_params=None,
-                 output_processor=None):  # fmt: skip
-        for name, value in [("input_ids", input_ids), ("positions", positions),
-                            ("targets", output_processor.targets),
-                            *tensors_of(packed_seq_params)]:  # fmt: skip
+    def __call__(
+        self,
+        input_ids,
+        positions,
+        attention_mask=None,
+        packed_seq_params=None,
+        output_processor=None,
+    ):
+        for name, value in [
+            ("input_ids", input_ids),
+            ("positions", positions),
+            ("targets", output_processor.targets),
+            *tensors_of(packed_seq_params),
+        ]:
             self.seen.append((name, value.device))
         return torch.empty(2, *input_ids.shape, device=input_ids.device)
 
@@ -78,10 +96,17 @@ def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
         return log_probs.sum(), {"admitted": present, "present": present}
 
     monkeypatch.setattr(trainer, "flash_reinforce_scored_loss", recording_loss)
-    cpu_batch = GlobalBatch(advantages=torch.zeros(3), failures=torch.zeros(3, dtype=torch.bool),
-                            token_counts=torch.ones(3, dtype=torch.int64))  # fmt: skip
-    learner = SimpleNamespace(temperature=1.0, config=LearnerConfig(), _needs_entropy=False,
-                              groups=SimpleNamespace(cp=None))  # fmt: skip
+    cpu_batch = GlobalBatch(
+        advantages=torch.zeros(3),
+        failures=torch.zeros(3, dtype=torch.bool),
+        token_counts=torch.ones(3, dtype=torch.int64),
+    )
+    learner = SimpleNamespace(
+        temperature=1.0,
+        config=LearnerConfig(),
+        _needs_entropy=False,
+        groups=SimpleNamespace(cp=None),
+    )
     micro = SimpleNamespace(loss_batch=None)
     trainer.Learner._loss(learner, 1.0, cpu_batch, micro, torch.zeros(2, 4, 8, device=META))
     assert seen == {"advantages": META, "failures": META, "token_counts": META}

@@ -34,10 +34,18 @@ from megatron_fr.envs.registry import (
 from megatron_fr.orchestrator.workload import resolve_task
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLES = {"math": "math.jsonl", "python_tool": "python_tool.jsonl",
-           "alfworld": "alfworld.jsonl", "textworld": "textworld.jsonl"}  # fmt: skip
-ACTIONS = {"math": "The answer is \\boxed{4}.", "python_tool": "I think it is \\boxed{4}.",
-           "alfworld": "Action: look", "textworld": "Action: look"}  # fmt: skip
+SAMPLES = {
+    "math": "math.jsonl",
+    "python_tool": "python_tool.jsonl",
+    "alfworld": "alfworld.jsonl",
+    "textworld": "textworld.jsonl",
+}
+ACTIONS = {
+    "math": "The answer is \\boxed{4}.",
+    "python_tool": "I think it is \\boxed{4}.",
+    "alfworld": "Action: look",
+    "textworld": "Action: look",
+}
 
 
 def check_messages(messages: object) -> None:
@@ -134,8 +142,9 @@ def test_a_plugin_is_found_by_entry_point_and_by_import_path(plugin_on_path: Pat
 def test_a_recipe_names_a_plugin_and_the_run_config_resolves_it(plugin_on_path: Path) -> None:
     """The typed run config never imports environments: the recipe's task.env is validated by
     the plugin's own Config, and a one-turn environment gets the one-turn limits."""
-    config = load_run_config(REPO / "examples" / "cpu_demo.yaml",
-                             ["task.name=echo", "task.env={greeting: hi}"])  # fmt: skip
+    config = load_run_config(
+        REPO / "examples" / "cpu_demo.yaml", ["task.name=echo", "task.env={greeting: hi}"]
+    )
     resolved = resolve_task(config)
     assert resolved.task.env == {"greeting": "hi"}
     assert resolved.task.agent.max_turns == 1

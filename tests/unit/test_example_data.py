@@ -70,7 +70,7 @@ def test_sample_answers_are_right():
         "tool-0002": sum(sum(map(int, str(n))) == 20 for n in range(1, 10**4 + 1)),
         "tool-0003": pow(7, 2024, 1000),
         "tool-0004": sum(x * x + y * y <= 100 for x in range(-10, 11) for y in range(-10, 11)),
-    }  # fmt: skip
+    }
     for sample_id, value in expected.items():
         assert answers[sample_id] == str(value), sample_id
     differ_by_one = sum(abs(a - b) == 1 for a in range(1, 7) for b in range(1, 7))

@@ -244,15 +244,18 @@ def test_topk_kl_is_the_k_plus_one_bucket_kl_and_the_bernoulli_proxy_at_k_1():
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 9, 30, generator=generator, dtype=torch.float64)
     mu_all = torch.log_softmax(logits, -1)
-    pi_all = torch.log_softmax(logits + 0.3 * torch.randn(logits.shape, generator=generator,
-                                                          dtype=torch.float64), -1)  # fmt: skip
+    pi_all = torch.log_softmax(
+        logits + 0.3 * torch.randn(logits.shape, generator=generator, dtype=torch.float64), -1
+    )
     for k in (1, 4, 30):  # K = V: the tail is empty (clamped to 1e-6 on both sides)
         ids = mu_all.topk(k, -1).indices
         mu, pi = mu_all.gather(-1, ids), pi_all.gather(-1, ids)
         got = topk_kl(mu, pi)
         assert got.shape == (6, 9)
-        expected = [[reference_topk_kl(mu[i, t].tolist(), pi[i, t].tolist()) for t in range(9)]
-                    for i in range(6)]  # fmt: skip
+        expected = [
+            [reference_topk_kl(mu[i, t].tolist(), pi[i, t].tolist()) for t in range(9)]
+            for i in range(6)
+        ]
         assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
         if k == 1:
             assert torch.allclose(got, bernoulli_kl(mu[..., 0], pi[..., 0]), atol=1e-12)

@@ -14,12 +14,20 @@ from megatron_fr.orchestrator.gate_report import gate_by_advantage_sign
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = [
     # step 1: A = +0.5 +0.5 -0.5 -0.5; admitted: yes no yes yes
-    {"step": 1, "advantages": [0.5, 0.5, -0.5, -0.5], "admitted": [True, False, True, True],
-     "sequence_kl": [1e-3, 5e-3, 2e-3, 2.5e-3]},
+    {
+        "step": 1,
+        "advantages": [0.5, 0.5, -0.5, -0.5],
+        "admitted": [True, False, True, True],
+        "sequence_kl": [1e-3, 5e-3, 2e-3, 2.5e-3],
+    },
     # step 2: A = +0.75 -0.25 -0.25 -0.25; admitted: no yes no no; A = 0 never happens here
-    {"step": 2, "advantages": [0.75, -0.25, -0.25, -0.25], "admitted": [False, True, False, False],
-     "sequence_kl": [4e-3, 1e-3, 9e-3, 3.5e-3]},
-]  # fmt: skip
+    {
+        "step": 2,
+        "advantages": [0.75, -0.25, -0.25, -0.25],
+        "admitted": [False, True, False, False],
+        "sequence_kl": [4e-3, 1e-3, 9e-3, 3.5e-3],
+    },
+]
 
 
 def test_counts_the_runs_own_decisions_by_sign():

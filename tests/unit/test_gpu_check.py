@@ -23,8 +23,9 @@ from megatron_fr.models.hf_config import load_hf_config  # noqa: E402
 
 
 def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_dry_run_prints_both_tiers_and_imports_every_part():
@@ -39,8 +40,11 @@ def test_dry_run_prints_both_tiers_and_imports_every_part():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip path without a GPU")
 def test_without_a_gpu_each_tier_says_why_it_is_skipped(tmp_path):
-    probe = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "probe",
-                            "cluster"], capture_output=True, text=True)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_check.py"), "probe", "cluster"],
+        capture_output=True,
+        text=True,
+    )
     assert probe.returncode == SKIPPED
     assert "skipped: no CUDA device; 0 GPU(s), the cluster tier needs 2" in probe.stdout
     result = run("--out", str(tmp_path))
@@ -65,14 +69,29 @@ def test_bench_learner_runs_on_cpu_and_reports_every_figure():
     """The tiny shape (2,048 tokens): every figure, and the loss path's extra memory at
     Qwen3's vocabulary at most a quarter of the micro-batch's fp32 logits."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_learner.py"), "--spec", "torch",
-         "--iterations", "1"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tools" / "bench_learner.py"),
+            "--spec",
+            "torch",
+            "--iterations",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    for name in ("tokens/s", "model TFLOP/s", "peak memory", "time: attention",
-                 "time: experts with dispatch", "time: loss", "time: optimizer"):  # fmt: skip
+    for name in (
+        "tokens/s",
+        "model TFLOP/s",
+        "peak memory",
+        "time: attention",
+        "time: experts with dispatch",
+        "time: loss",
+        "time: optimizer",
+    ):
         assert name in out, out
     assert "spec                                   torch on cpu" in out
     ratio = float(out.split("loss path peak extra memory: ")[1].split()[0])

@@ -23,10 +23,16 @@ def test_pins_and_sglangs_own_pins_are_checked(tmp_path):
     )
     assert pinned(requirements) == {"torch": "2.14.1", "sglang": "0.5.23", "te": "2.2"}
     conditional = "av==16.1.0; sys_platform == 'darwin'"  # not checked: it has a marker
-    sglang = {"version": "0.5.23",
-              "requires_dist": ["torch==2.14.1", "transformers==5.19.0", conditional]}  # fmt: skip
-    resolved = {"sglang": sglang, "torch": {"version": "2.14.1"},
-                "transformers": {"version": "5.19.0"}, "te": {"version": "2.2"}}  # fmt: skip
+    sglang = {
+        "version": "0.5.23",
+        "requires_dist": ["torch==2.14.1", "transformers==5.19.0", conditional],
+    }
+    resolved = {
+        "sglang": sglang,
+        "torch": {"version": "2.14.1"},
+        "transformers": {"version": "5.19.0"},
+        "te": {"version": "2.2"},
+    }
     assert inconsistencies(resolved, pinned(requirements)) == []
     resolved["transformers"] = {"version": "5.24.0"}
     resolved["torch"] = {"version": "2.13.0"}
@@ -40,8 +46,10 @@ def test_pins_and_sglangs_own_pins_are_checked(tmp_path):
 def test_the_gpu_set_resolves_together_on_its_platform():
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "check_gpu_requirements.py")],
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     if result.returncode == OFFLINE:
         pytest.skip(f"the package index is not reachable from here: {result.stderr[-300:]}")
     assert result.returncode == 0, result.stderr

@@ -59,9 +59,13 @@ def test_metrics_from_nvml_and_torch_are_flat_floats(monkeypatch):
     peaks = iter([(2 * GIB, 9 * GIB), (2 * GIB, 3 * GIB)])
     telemetry = GpuTelemetry(cuda_index=1, nvml=StubNvml(), torch_memory=lambda: next(peaks))
     assert telemetry.sample() == {
-        "gpu_mem_used_gib": 30.0, "gpu_mem_total_gib": 80.0, "gpu_util_pct": 87.0,
-        "gpu_power_w": 612.345, "gpu_torch_allocated_gib": 2.0, "gpu_torch_peak_gib": 9.0,
-    }  # fmt: skip
+        "gpu_mem_used_gib": 30.0,
+        "gpu_mem_total_gib": 80.0,
+        "gpu_util_pct": 87.0,
+        "gpu_power_w": 612.345,
+        "gpu_torch_allocated_gib": 2.0,
+        "gpu_torch_peak_gib": 9.0,
+    }
     assert telemetry.sample()["gpu_torch_peak_gib"] == 3.0  # each step its own peak
 
 

@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_import_contracts_are_kept() -> None:
     result = subprocess.run(
         [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-4000:]
     assert "BROKEN" not in result.stdout and "Contracts: 3 kept, 0 broken." in result.stdout
 
@@ -86,8 +89,9 @@ def test_loading_a_recipe_imports_only_the_config_package() -> None:
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('megatron_fr', 'torch', 'megatron'))))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=REPO, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
     loaded = json.loads(result.stdout)
     outside = [m for m in loaded if not m.startswith(("megatron_fr.config", "megatron_fr.utils"))]
     assert outside == ["megatron_fr"], outside
@@ -101,6 +105,7 @@ def test_the_rollout_process_does_not_import_megatron() -> None:
         "megatron_fr.orchestrator.setup, megatron_fr.learner.step_plan; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=REPO, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
     assert result.stdout.strip() == "[]"

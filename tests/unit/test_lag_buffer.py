@@ -142,8 +142,9 @@ class BufferMachine(RuleBasedStateMachine):
 
     def expect_admission(self) -> bool:
         c, size = self.config, self.config.group_size
-        live = sum(len(g["in_flight"]) + len(g["done"]) for g in self.groups.values()
-                   if not g["failed"])  # fmt: skip
+        live = sum(
+            len(g["in_flight"]) + len(g["done"]) for g in self.groups.values() if not g["failed"]
+        )
         held_or_in_flight = len(self.in_flight()) + sum(
             len(g["done"]) for g in self.groups.values()
         )
@@ -193,9 +194,11 @@ class BufferMachine(RuleBasedStateMachine):
                     self.epoch_seen = set()
             assert len(admission.prompt_ids) == self.config.group_size
             self.groups[admission.group] = dict(
-                problem=admission.problem, in_flight=list(admission.prompt_ids), done=[],
+                problem=admission.problem,
+                in_flight=list(admission.prompt_ids),
+                done=[],
                 failed=False,
-            )  # fmt: skip
+            )
             self.admissions[admission.problem] += 1
             self.counts["admitted"] += self.config.group_size
 
@@ -398,8 +401,9 @@ def test_filled_budget_trains_every_trajectory_exactly_max_lag_versions_old():
     max_lag = 3
     lags = {}
     for fill in (True, False):
-        buffer = new_buffer(config(batch_size=2, max_lag=max_lag, capacity=8,
-                                   fill_staleness_budget=fill))  # fmt: skip
+        buffer = new_buffer(
+            config(batch_size=2, max_lag=max_lag, capacity=8, fill_staleness_budget=fill)
+        )
         lags[fill] = []
         for version in range(10):
             buffer.set_version(version)

@@ -26,8 +26,9 @@ def test_local_spec_model_is_on_the_device_and_a_packed_row_equals_its_trajector
     assert not use_transformer_engine(), "this test is for the local spec"
     initialize_single_process(ParallelConfig(), seed=0)
     spec = load_hf_config(tiny_model_config(vocab_size=64))
-    model = build_gpt_model(spec, ParallelConfig(), params_dtype=torch.float32,
-                            spec_kind="local").eval()  # fmt: skip
+    model = build_gpt_model(
+        spec, ParallelConfig(), params_dtype=torch.float32, spec_kind="local"
+    ).eval()
     device = (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     )
@@ -45,9 +46,14 @@ def test_local_spec_model_is_on_the_device_and_a_packed_row_equals_its_trajector
             alone.append(log_probs(logits, s.to(device)))
         cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32, device=device)
         packed = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-            cu_seqlens_kv_padded=cu, max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS),
-        )  # fmt: skip
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=max(LENGTHS),
+            max_seqlen_kv=max(LENGTHS),
+        )
         row = torch.cat(sequences)[None].to(device)
         positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device)
         logits = model(row, positions, attention_mask=None, packed_seq_params=packed)[0]

@@ -60,13 +60,21 @@ LAYOUTS = [  # (pack, DP, CP, SP size, micro_batch_tokens: per CP rank)
 def test_every_token_lands_once_in_equal_shapes_within_the_budget(pack, dp, cp, sp, budget):
     batch = long_tailed_batch(48, seed=dp * 10 + cp)
     plan = plan_micro_batches(
-        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
+        [t.length for t in batch],
+        dp_size=dp,
+        micro_batch_tokens=budget,
+        pack=pack,
+        cp_size=cp,
         sequence_parallel_size=sp,
-    )  # fmt: skip
+    )
     assert plan == plan_micro_batches(
-        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
+        [t.length for t in batch],
+        dp_size=dp,
+        micro_batch_tokens=budget,
+        pack=pack,
+        cp_size=cp,
         sequence_parallel_size=sp,
-    ), "the plan depends on the lengths alone"  # fmt: skip
+    ), "the plan depends on the lengths alone"
     assert plan.rows * plan.width <= budget * cp
     assert plan.width % ((2 * cp if cp > 1 else 1) * sp) == 0
     seen: dict[tuple[int, int], int] = {}
@@ -168,10 +176,12 @@ def test_zigzag_split_is_megatrons_per_sequence_cp_slicing():
         table = torch.arange(boundaries[-1])
         held = []
         for rank in range(cp):
-            theirs = torch.cat([
-                _get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(span // cp), table, start)
-                for start, span in zip(boundaries, spans, strict=False)
-            ])  # fmt: skip
+            theirs = torch.cat(
+                [
+                    _get_thd_freqs_on_this_cp_rank(rank, cp, torch.empty(span // cp), table, start)
+                    for start, span in zip(boundaries, spans, strict=False)
+                ]
+            )
             mine = zigzag_indices(boundaries, cp, rank)
             assert mine.tolist() == theirs.tolist(), (cp, rank)
             held.append(mine)
@@ -208,8 +218,9 @@ def test_megatron_thd_rope_restarts_at_each_packed_trajectory(monkeypatch):
         for v in values
     ]
     for cp in (1, 2):
-        plan = plan_micro_batches([t.length for t in batch], dp_size=1,
-                                  micro_batch_tokens=96 // cp, cp_size=cp)  # fmt: skip
+        plan = plan_micro_batches(
+            [t.length for t in batch], dp_size=1, micro_batch_tokens=96 // cp, cp_size=cp
+        )
         assert plan.count > 1
         for rank in range(cp):
             group = CPGroup(cp, rank)
@@ -261,8 +272,9 @@ def test_padding_fraction_counts_every_slot_of_every_rank():
 def with_top_k(t: Trajectory, k: int = 3) -> Trajectory:
     """t with a top-k record whose row for the policy token at position p holds ids
     token + 1000 j and log-probs -(j + 1) - p / 1000: each row names its token and place."""
-    rows = [(token, p) for p, (token, m) in enumerate(zip(t.token_ids, t.action_mask,
-                                                          strict=True)) if m]  # fmt: skip
+    rows = [
+        (token, p) for p, (token, m) in enumerate(zip(t.token_ids, t.action_mask, strict=True)) if m
+    ]
     ids = [[token + 1000 * j for j in range(k)] for token, _ in rows]
     log_probs = [[-(j + 1) - p / 1000 for j in range(k)] for _, p in rows]
     return dataclasses.replace(t, top_logprobs=TopLogProbs.of(ids, log_probs, k))
@@ -274,13 +286,18 @@ def test_top_k_records_ride_with_their_policy_targets(pack, dp, cp, sp, budget):
     target is a policy token, that token's row; zeros everywhere else."""
     batch = [with_top_k(t) for t in long_tailed_batch(24, seed=5)]
     plan = plan_micro_batches(
-        [t.length for t in batch], dp_size=dp, micro_batch_tokens=budget, pack=pack, cp_size=cp,
+        [t.length for t in batch],
+        dp_size=dp,
+        micro_batch_tokens=budget,
+        pack=pack,
+        cp_size=cp,
         sequence_parallel_size=sp,
-    )  # fmt: skip
+    )
     checked = 0
     for dp_rank, cp_rank in itertools.product(range(dp), range(cp)):
-        for micro in micro_batches_for_rank(batch, plan, dp_rank=dp_rank, cp_rank=cp_rank,
-                                            top_logprobs=3):  # fmt: skip
+        for micro in micro_batches_for_rank(
+            batch, plan, dp_rank=dp_rank, cp_rank=cp_rank, top_logprobs=3
+        ):
             loss = micro.loss_batch
             assert loss.topk_ids.shape == (*loss.target_ids.shape, 3)
             assert not loss.topk_ids[~loss.action_mask].any()
@@ -301,6 +318,9 @@ def test_a_trajectory_without_the_top_k_asked_for_is_refused_by_its_place():
     with pytest.raises(ValueError, match="trajectory 0 of the batch carries none"):
         micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=2)
     batch = [with_top_k(t, k=2) for t in batch]
-    with pytest.raises(ValueError, match="gate_top_k 3 needs every trajectory's top-3 log-probs; "
-                                         "trajectory 0 of the batch carries K = 2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="gate_top_k 3 needs every trajectory's top-3 log-probs; "
+        "trajectory 0 of the batch carries K = 2",
+    ):
         micro_batches_for_rank(batch, plan, dp_rank=0, top_logprobs=3)

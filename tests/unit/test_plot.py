@@ -114,9 +114,14 @@ def test_resumed_run_duplicate_steps_keep_the_later_value():
 def test_named_eval_sets_and_episode_figures_get_their_own_lines_and_panel():
     records = [
         {"step": 1, "reward_mean": 0.5, "turns_mean": 2.5, "tool_calls_mean": 1.0},
-        {"step": 1, "eval_accuracy": 0.4, "eval_seen_accuracy": 0.5,
-         "eval_seen_accuracy_std": 0.1, "eval_unseen_accuracy": 0.3},
-    ]  # fmt: skip
+        {
+            "step": 1,
+            "eval_accuracy": 0.4,
+            "eval_seen_accuracy": 0.5,
+            "eval_seen_accuracy_std": 0.1,
+            "eval_unseen_accuracy": 0.3,
+        },
+    ]
     panels = dict(plot.panels_of(records))
     assert panels["eval accuracy"] == ("eval_seen_accuracy", "eval_unseen_accuracy")
     assert panels["episodes"] == ("turns_mean", "tool_calls_mean")

@@ -46,8 +46,11 @@ def reference(log_probs, behavior, advantages, mask, eps_low, eps_high, aggregat
     counts = [int(mask[i].sum()) for i in range(batch)]
     loss, grad, clipped_count = 0.0, torch.zeros(batch, length, dtype=torch.float64), 0
     for i in range(batch):
-        scale = {"token_mean": 1 / sum(counts), "sequence_mean": 1 / (batch * counts[i]),
-                 "token_sum_norm": 1 / (batch * max(counts))}[aggregation]  # fmt: skip
+        scale = {
+            "token_mean": 1 / sum(counts),
+            "sequence_mean": 1 / (batch * counts[i]),
+            "token_sum_norm": 1 / (batch * max(counts)),
+        }[aggregation]
         for t in range(length):
             if not mask[i, t]:
                 continue
@@ -68,13 +71,22 @@ def kept_tokens(log_probs, behavior, mask, correction, low, high):
         policy = [t for t in range(mask.shape[1]) if mask[i, t]]
         ratios = {t: log_probs[i, t].item() - behavior[i, t].item() for t in policy}
         total = math.fsum(ratios.values())
-        row = {"none": True, "sequence_mask_sum": low <= math.exp(total) <= high,
-               "sequence_mask_mean": low <= math.exp(total / len(policy)) <= high}  # fmt: skip
-        kept.append([
-            t in ratios and (low <= math.exp(ratios[t]) <= high if correction == "token_mask"
-                             else row[correction])
-            for t in range(mask.shape[1])
-        ])  # fmt: skip
+        row = {
+            "none": True,
+            "sequence_mask_sum": low <= math.exp(total) <= high,
+            "sequence_mask_mean": low <= math.exp(total / len(policy)) <= high,
+        }
+        kept.append(
+            [
+                t in ratios
+                and (
+                    low <= math.exp(ratios[t]) <= high
+                    if correction == "token_mask"
+                    else row[correction]
+                )
+                for t in range(mask.shape[1])
+            ]
+        )
     return kept
 
 
@@ -93,10 +105,18 @@ def test_random_batches_match_reference(seed, aggregation):
     log_probs, behavior, advantages, mask = random_batch(seed)
     for eps_low, eps_high, correction in SETTINGS:
         lp = log_probs.clone().requires_grad_(True)
-        loss, metrics = loss_of(lp, behavior, advantages, mask, eps_low=eps_low,
-                                eps_high=eps_high, aggregation=aggregation,
-                                correction=correction, correction_low=0.7,
-                                correction_high=1.4)  # fmt: skip
+        loss, metrics = loss_of(
+            lp,
+            behavior,
+            advantages,
+            mask,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            aggregation=aggregation,
+            correction=correction,
+            correction_low=0.7,
+            correction_high=1.4,
+        )
         loss.backward()
         kept = kept_tokens(log_probs, behavior, mask, correction, 0.7, 1.4)
         expected_loss, expected_grad, clipped = reference(
@@ -198,9 +218,14 @@ def test_ratio_overflow_on_a_policy_token_raises():
 )
 def test_bad_inputs_are_refused(change, message):
     log_probs, behavior, advantages, mask = random_batch(2, batch=3, length=4)
-    args = dict(log_probs=log_probs, behavior=behavior, advantages=advantages, mask=mask,
-                segments=torch.where(mask, torch.arange(3)[:, None], -1),
-                counts=mask.sum(1))  # fmt: skip
+    args = dict(
+        log_probs=log_probs,
+        behavior=behavior,
+        advantages=advantages,
+        mask=mask,
+        segments=torch.where(mask, torch.arange(3)[:, None], -1),
+        counts=mask.sum(1),
+    )
     args.update({key: make(args[key]) for key, make in change.items()})
     with pytest.raises(ValueError, match=message):
         ppo_clip_loss(

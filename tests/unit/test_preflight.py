@@ -74,8 +74,13 @@ def test_torchrun_ranks_and_a_command_started_by_hand_pass(monkeypatch):
     for name in ("WORLD_SIZE", "RANK", preflight.TORCHRUN_MARKER):
         monkeypatch.delenv(name, raising=False)
     assert preflight.launch_environment() is None
-    variables = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29500", preflight.TORCHRUN_MARKER: "none"}  # fmt: skip
+    variables = {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        preflight.TORCHRUN_MARKER: "none",
+    }
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert preflight.launch_environment() == (1, 2)

@@ -58,8 +58,10 @@ def data_overrides(recipe: str, sample: str) -> list[str]:
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_each_paper_recipe_passes_the_check(tmp_path, tokenizer_files, recipe):
     preset, world, sample = RECIPES[recipe]
-    overrides = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
-                 *data_overrides(recipe, sample)]  # fmt: skip
+    overrides = [
+        f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+        *data_overrides(recipe, sample),
+    ]
     config = load_run_config(EXAMPLES / f"{recipe}.yaml", overrides)
     summary = check_recipe(config, world, gpu_mem_gb=80)
     assert f"task        {config.task.name}" in summary
@@ -73,12 +75,26 @@ def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, 
     preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
     run_dir = tmp_path / "never"
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "qwen3_30b_a3b_lag8.yaml"),
-         "--check", "--world-size", str(world), "--gpu-mem-gb", "80", "--run-dir", str(run_dir),
-         f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
-         *data_overrides("qwen3_30b_a3b_lag8", sample)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "train",
+            str(EXAMPLES / "qwen3_30b_a3b_lag8.yaml"),
+            "--check",
+            "--world-size",
+            str(world),
+            "--gpu-mem-gb",
+            "80",
+            "--run-dir",
+            str(run_dir),
+            f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+            *data_overrides("qwen3_30b_a3b_lag8", sample),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "recipe OK (nothing was started)" in result.stdout
     # the paper's 18,432-token rows fit the micro-batches (9,216 tokens per GPU x CP2)
@@ -91,10 +107,19 @@ def test_the_command_line_check_prints_the_summary_and_starts_nothing(tmp_path, 
 def test_the_check_refuses_rows_a_micro_batch_cannot_hold():
     """The CPU demo's rows reach 128 + 24 tokens; 64 tokens per micro-batch hold 65."""
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"), "--check",
-         "learner.micro_batch_tokens=64"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "train",
+            str(EXAMPLES / "cpu_demo.yaml"),
+            "--check",
+            "learner.micro_batch_tokens=64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert (
         "learner.micro_batch_tokens: rows reach 152 tokens (task.max_prompt_tokens 128 + "
@@ -107,13 +132,17 @@ def test_the_check_judges_memory_with_the_recipes_recompute(tmp_path, tokenizer_
     """The flagship without CP holds its rows in micro-batches of 18,432 tokens, which fit 80
     GB only with recompute: the check names the setting and the one that would fit."""
     preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
-    overrides = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
-                 *data_overrides("qwen3_30b_a3b_lag8", sample), "parallel.context=1",
-                 "learner.micro_batch_tokens=18432"]  # fmt: skip
+    overrides = [
+        f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+        *data_overrides("qwen3_30b_a3b_lag8", sample),
+        "parallel.context=1",
+        "learner.micro_batch_tokens=18432",
+    ]
     config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", overrides)
     assert "fits" in check_recipe(config, world, gpu_mem_gb=80, render=False)
-    refused = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml",
-                              [*overrides, "learner.recompute=none"])  # fmt: skip
+    refused = load_run_config(
+        EXAMPLES / "qwen3_30b_a3b_lag8.yaml", [*overrides, "learner.recompute=none"]
+    )
     with pytest.raises(
         CheckFailed,
         match=r"learner.recompute: with none the layout needs .* "
@@ -130,9 +159,12 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("missing data file", [f"task.train.path={tmp_path / 'nope.jsonl'}"], "does not exist"),
         ("no prompt field", [f"task.train.path={no_prompt}"], "'problem'"),
         ("no tokenizer", [f"model.hf_dir={PRESETS}"], "no config.json"),
-        ("SGLang without CUDA", ["rollout.engine.kind=sglang"],
-         "rollout.engine.kind is 'sglang', which needs CUDA GPUs, and this machine has none"),
-    ]  # fmt: skip
+        (
+            "SGLang without CUDA",
+            ["rollout.engine.kind=sglang"],
+            "rollout.engine.kind is 'sglang', which needs CUDA GPUs, and this machine has none",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("index", range(5))
@@ -144,10 +176,20 @@ def test_a_bad_recipe_is_refused_by_train_before_any_process_starts(tmp_path, in
         overrides = [f"model.hf_dir={demo_model}", *overrides]
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "train", str(EXAMPLES / "cpu_demo.yaml"),
-         "--run-dir", str(run_dir), *overrides],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "train",
+            str(EXAMPLES / "cpu_demo.yaml"),
+            "--run-dir",
+            str(run_dir),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, (name, result.stderr[-2000:])
     assert message in result.stderr and "Traceback" not in result.stderr, (name, result.stderr)
     assert not run_dir.exists(), name
@@ -157,9 +199,10 @@ def test_a_model_directory_without_a_tokenizer_fails_the_check(tmp_path):
     directory = tmp_path / "bare"
     directory.mkdir()
     shutil.copy(PRESETS / "qwen3-8b.json", directory / "config.json")
-    config = load_run_config(EXAMPLES / "qwen2p5_math_1p5b.yaml",
-                             [f"model.hf_dir={directory}", *data_overrides(
-                                 "qwen2p5_math_1p5b", "dapo_math.jsonl")])  # fmt: skip
+    config = load_run_config(
+        EXAMPLES / "qwen2p5_math_1p5b.yaml",
+        [f"model.hf_dir={directory}", *data_overrides("qwen2p5_math_1p5b", "dapo_math.jsonl")],
+    )
     with pytest.raises(CheckFailed, match="no usable tokenizer with a chat template"):
         check_recipe(config, 8, None)
 
@@ -170,16 +213,22 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism(tmp_path, tokeni
     exactly the layouts megatron would, naming the keys."""
     megatron_dir = next(iter(importlib.util.find_spec("megatron").submodule_search_locations))
     path = Path(megatron_dir) / "core/transformer/moe/moe_layer.py"
-    layer = next(node for node in ast.parse(path.read_text()).body
-                 if isinstance(node, ast.ClassDef) and node.name == "MoELayer")  # fmt: skip
+    layer = next(
+        node
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "MoELayer"
+    )
     forward = next(node for node in layer.body if getattr(node, "name", "") == "forward")
     rule = next(
-        node.test for node in ast.walk(forward)
+        node.test
+        for node in ast.walk(forward)
         if isinstance(node, ast.If) and "sequence_parallel" in ast.unparse(node.test)
-    )  # fmt: skip
+    )
     preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
-    base = [f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
-            *data_overrides("qwen3_30b_a3b_lag8", sample)]  # fmt: skip
+    base = [
+        f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
+        *data_overrides("qwen3_30b_a3b_lag8", sample),
+    ]
     for tp, sp in [(1, False), (2, False), (4, False), (2, True), (4, True)]:
         layout = [f"parallel.tensor={tp}", f"parallel.sequence_parallel={str(sp).lower()}"]
         config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", [*base, *layout])

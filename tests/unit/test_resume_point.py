@@ -65,15 +65,20 @@ CORRUPTIONS = [
     ("zero-filled .metadata", "learner/.metadata", zero_fill, "unreadable"),
     ("truncated metadata.json", "learner/metadata.json", truncate, "not readable JSON"),
     ("truncated controller.json", "controller.json", truncate, "not readable JSON"),
-    ("controller.json of another step", "controller.json",
-     lambda p: p.write_text(json.dumps({"step": 7, "rollout": {}})), "not this checkpoint's"),
+    (
+        "controller.json of another step",
+        "controller.json",
+        lambda p: p.write_text(json.dumps({"step": 7, "rollout": {}})),
+        "not this checkpoint's",
+    ),
     ("truncated RNG file", "rng/rank1.pt", truncate, "unreadable"),
     ("missing RNG file", "rng/rank1.pt", Path.unlink, "missing (each of the run's 2 ranks"),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("name", "file", "corrupt", "reason"), CORRUPTIONS,
-                         ids=[c[0] for c in CORRUPTIONS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "file", "corrupt", "reason"), CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS]
+)
 def test_a_corrupt_newest_checkpoint_is_named_and_the_one_before_used(
     run_dir, name, file, corrupt, reason
 ):

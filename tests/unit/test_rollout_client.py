@@ -554,8 +554,10 @@ def test_zero_token_aborts_without_routed_experts_are_continued_not_fatal() -> N
 
     rollout = asyncio.run(body())
     assert (rollout.output_ids, rollout.finish_reason, rollout.continuations) == (
-        [7, 8, 9], "length", 2,
-    )  # fmt: skip
+        [7, 8, 9],
+        "length",
+        2,
+    )
     assert [e["routed_experts_start_len"] for e in script.log] == [0, 0, 0]
     assert rollout.routed_experts.experts.tolist() == [routing_of(p) for p in range(4)]
     assert rollout.token_versions == ["3", "3", "3"]

@@ -62,29 +62,56 @@ DP_ATTENTION = ServerLaunchConfig(
 
 def test_sglang_command_multi_node_moe() -> None:
     assert sglang_command(MOE_MULTI_NODE) == [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", "/models/Qwen3-30B-A3B",
-        "--tp-size", "8", "--ep-size", "8",
-        "--mem-fraction-static", "0.8",
-        "--host", "0.0.0.0", "--port", "30000",
-        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/Qwen3-30B-A3B",
+        "--tp-size",
+        "8",
+        "--ep-size",
+        "8",
+        "--mem-fraction-static",
+        "0.8",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--dist-init-addr",
+        "10.0.0.1:5000",
         "--skip-tokenizer-init",
         "--enable-return-routed-experts",
         "--skip-server-warmup",
-        "--cuda-graph-max-bs", "256",
-    ]  # fmt: skip
+        "--cuda-graph-max-bs",
+        "256",
+    ]
 
 
 def test_sglang_command_dp_attention() -> None:
     assert sglang_command(DP_ATTENTION) == [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", "Qwen/Qwen3-30B-A3B",
-        "--tp-size", "4", "--ep-size", "4",
-        "--attn-dp-size", "4",  # 0.5.23's spelling of --dp-size 4 --enable-dp-attention
-        "--mem-fraction-static", "0.7",
-        "--host", "127.0.0.1", "--port", "31000",
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "Qwen/Qwen3-30B-A3B",
+        "--tp-size",
+        "4",
+        "--ep-size",
+        "4",
+        "--attn-dp-size",
+        "4",  # 0.5.23's spelling of --dp-size 4 --enable-dp-attention
+        "--mem-fraction-static",
+        "0.7",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
         "--skip-server-warmup",
-    ]  # fmt: skip
+    ]
 
 
 def test_sglang_flags_are_sglang_server_args() -> None:
@@ -112,10 +139,20 @@ def test_sglang_flags_are_sglang_server_args() -> None:
 def test_cpu_engine_command() -> None:
     cfg = ServerLaunchConfig(model_path="/tmp/tiny-qwen3-moe", port=30123, engine="cpu")
     assert cpu_engine_command(cfg) == [
-        sys.executable, "-m", "megatron_fr.engine.cpu_server",
-        "--model-path", "/tmp/tiny-qwen3-moe", "--host", "127.0.0.1", "--port", "30123",
-        "--threads", "1", "--parent-pid", str(os.getpid()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "megatron_fr.engine.cpu_server",
+        "--model-path",
+        "/tmp/tiny-qwen3-moe",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30123",
+        "--threads",
+        "1",
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     assert server_command(cfg) == cpu_engine_command(cfg)
     # `megatron-fr serve` execs the engine in its own place: no parent to watch.
     assert server_command(cfg, watch_parent=False) == cpu_engine_command(cfg)[:-2]
@@ -160,14 +197,19 @@ def test_nccl_cumem_is_what_sglang_sets_for_itself(monkeypatch) -> None:
     same value, unset or set by the user; an SGLang server started by the run inherits it."""
     tree = ast.parse(src.function_source("srt/entrypoints/engine.py", "_set_envs_and_config"))
     statement = next(
-        node for node in ast.walk(tree)
+        node
+        for node in ast.walk(tree)
         if isinstance(node, ast.If) and NCCL_CUMEM in ast.unparse(node.test)
-    )  # fmt: skip
+    )
     default_args = SimpleNamespace(enable_symm_mem=False)
     for preset in ({}, {NCCL_CUMEM: "1"}, {NCCL_CUMEM: "0"}):
         sglang_env, train_env = dict(preset), dict(preset)
-        namespace = {"os": SimpleNamespace(environ=sglang_env), "cfg": default_args,
-                     "kv_shard_symmetric_scratch": False, "logger": None}  # fmt: skip
+        namespace = {
+            "os": SimpleNamespace(environ=sglang_env),
+            "cfg": default_args,
+            "kv_shard_symmetric_scratch": False,
+            "logger": None,
+        }
         exec(compile(ast.Module([statement], []), "<sglang>", "exec"), namespace)
         assert match_sglang_nccl_env(train_env) == sglang_env[NCCL_CUMEM] == train_env[NCCL_CUMEM]
     monkeypatch.setenv(NCCL_CUMEM, "unset below; restored after the test")
@@ -218,11 +260,12 @@ def test_sglang_goes_on_the_gpus_after_the_learners_under_torchrun() -> None:
 def test_started_sglang_servers_answer_health_without_generating(monkeypatch) -> None:
     """SGLang's /health (read from the installed package) generates unless its EnvBool reads
     SGLANG_ENV's value as false; servers started here get that value, a user's own is kept."""
-    (name, value), = SGLANG_ENV.items()  # fmt: skip
+    ((name, value),) = SGLANG_ENV.items()
     health = src.function_source("srt/entrypoints/http_server.py", "health_generate")
     assert f"not envs.{name}.get()" in health and "return Response(status_code=200)" in health
-    parse = src.exec_function(src.function_source("srt/environ.py", "parse", "EnvBool"),
-                              "parse", {})  # fmt: skip
+    parse = src.exec_function(
+        src.function_source("srt/environ.py", "parse", "EnvBool"), "parse", {}
+    )
     assert parse(None, value) is False
     monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -608,22 +608,35 @@ def sglang_logprob_meta() -> Callable:
 
     from megatron_fr.engine.sglang_source import exec_function, function_source
 
-    names = ("add_logprob_to_meta_info", "detokenize_logprob_tokens",
-             "detokenize_top_logprobs_tokens")  # fmt: skip
+    names = (
+        "add_logprob_to_meta_info",
+        "detokenize_logprob_tokens",
+        "detokenize_top_logprobs_tokens",
+    )
     namespace = {"logger": logging.getLogger("sglang")}
-    methods = {name: exec_function(function_source(TOKENIZER_MANAGER, name, "TokenizerManager"),
-                                   name, namespace) for name in names}  # fmt: skip
+    methods = {
+        name: exec_function(
+            function_source(TOKENIZER_MANAGER, name, "TokenizerManager"), name, namespace
+        )
+        for name in names
+    }
     manager = SimpleNamespace()
     for name in names[1:]:
         setattr(manager, name, functools.partial(methods[name], manager))
 
     def meta(ids: list[int], top: list[tuple[list[float], list[int]]], k: int) -> dict:
-        obj = SimpleNamespace(return_flat_raw_top_logprobs=False,
-                              return_flat_raw_output_top_logprobs=False)  # fmt: skip
-        state = SimpleNamespace(obj=obj, **{
-            f"{side}_{kind}{part}": [] for side in ("input", "output")
-            for kind in ("token_logprobs", "top_logprobs") for part in ("", "_val", "_idx")
-        })  # fmt: skip
+        obj = SimpleNamespace(
+            return_flat_raw_top_logprobs=False, return_flat_raw_output_top_logprobs=False
+        )
+        state = SimpleNamespace(
+            obj=obj,
+            **{
+                f"{side}_{kind}{part}": []
+                for side in ("input", "output")
+                for kind in ("token_logprobs", "top_logprobs")
+                for part in ("", "_val", "_idx")
+            },
+        )
         state.output_token_logprobs_val = [values[0] for values, _ in top]
         state.output_token_logprobs_idx = list(ids)
         state.output_top_logprobs_val = [values for values, _ in top]
@@ -700,8 +713,9 @@ MALFORMED_TOP: list[tuple[str, Callable[[dict], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "mutate", "path"), MALFORMED_TOP,
-                         ids=[c for c, _, _ in MALFORMED_TOP])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "mutate", "path"), MALFORMED_TOP, ids=[c for c, _, _ in MALFORMED_TOP]
+)
 def test_parse_rejects_malformed_top_logprobs(case: str, mutate: Callable, path: str) -> None:
     body = copy.deepcopy(well_formed())
     body["meta_info"]["output_top_logprobs"] = [

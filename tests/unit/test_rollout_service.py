@@ -174,10 +174,16 @@ def test_backoff_doubles_to_its_cap_and_resets_on_success():
 def test_a_dead_engine_ends_the_service_naming_it_and_its_log(tokenizer, tmp_path: Path):
     port = free_port()
     dying = ServerProcess.start(
-        [sys.executable, "-c", "import sys, time; print('CUDA out of memory'); "
-         "sys.stdout.flush(); time.sleep(1.5); sys.exit(3)"],
-        "127.0.0.1", port, tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; print('CUDA out of memory'); "
+            "sys.stdout.flush(); time.sleep(1.5); sys.exit(3)",
+        ],
+        "127.0.0.1",
+        port,
+        tmp_path,
+    )
     engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
     service = make_service(engines.urls, Producer(tokenizer), engines=engines)
     service.start()
@@ -216,8 +222,10 @@ def test_an_engine_dying_during_an_evaluation_ends_it_at_once_naming_the_engine(
     url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
     dying = ServerProcess.start(
         [sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.exit(3)"],
-        "127.0.0.1", free_port(), tmp_path,
-    )  # fmt: skip
+        "127.0.0.1",
+        free_port(),
+        tmp_path,
+    )
     engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
     producer = producer_class(tokenizer)
     service = make_service([url], producer, engines=engines)

@@ -33,12 +33,14 @@ def routing_of(tokens: list[int]) -> list[list[list[int]]]:
 def trajectory(index: int, prompt: int, response: int) -> Trajectory:
     tokens = [(7 * index + 3 * k) % 128 for k in range(prompt + response)]
     return Trajectory(
-        prompt_id=f"p{index}", token_ids=tokens,
+        prompt_id=f"p{index}",
+        token_ids=tokens,
         action_mask=[False] * prompt + [True] * response,
         behavior_log_probs=[0.0] * prompt + [-1.0] * response,
-        token_versions=[-1] * prompt + [0] * response, reward=float(index % 2),
+        token_versions=[-1] * prompt + [0] * response,
+        reward=float(index % 2),
         routed_experts=RoutedExperts.compact(np.array(routing_of(tokens[:-1])), 4),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -46,8 +48,13 @@ def trajectory(index: int, prompt: int, response: int) -> Trajectory:
 def test_micro_batches_route_every_fed_token_as_its_trajectory_and_pad_evenly(dp_rank, pack):
     shapes = [(2, 5), (4, 1), (3, 7), (2, 2), (5, 3)]
     batch = [trajectory(i, p, r) for i, (p, r) in enumerate(shapes)]
-    plan = plan_micro_batches([t.length for t in batch], dp_size=2, micro_batch_tokens=20,
-                              pack=pack, sequence_parallel_size=2)  # fmt: skip
+    plan = plan_micro_batches(
+        [t.length for t in batch],
+        dp_size=2,
+        micro_batch_tokens=20,
+        pack=pack,
+        sequence_parallel_size=2,
+    )
     micros = micro_batches_for_rank(batch, plan, dp_rank=dp_rank, routing=slice(None))
     fed = 0
     for micro in micros:

@@ -25,16 +25,25 @@ def trajectory(k: int, length: int, top_k: int, layers: int = 4) -> Trajectory:
     mask = np.arange(length) >= 3
     experts = np.stack([[rng.permutation(8)[:2] for _ in range(layers)] for _ in range(length - 1)])
     policy = int(mask.sum())
-    top = TopLogProbs.of(
-        [rng.permutation(1000)[:top_k] for _ in range(policy)],
-        np.log(rng.dirichlet(np.ones(top_k + 1), policy)[:, :top_k]), top_k
-    ) if top_k else None  # fmt: skip
+    top = (
+        TopLogProbs.of(
+            [rng.permutation(1000)[:top_k] for _ in range(policy)],
+            np.log(rng.dirichlet(np.ones(top_k + 1), policy)[:, :top_k]),
+            top_k,
+        )
+        if top_k
+        else None
+    )
     return Trajectory(
-        prompt_id=f"p{k}", token_ids=rng.integers(0, 1000, length), action_mask=mask,
+        prompt_id=f"p{k}",
+        token_ids=rng.integers(0, 1000, length),
+        action_mask=mask,
         behavior_log_probs=np.where(mask, -rng.random(length), 0.0),
-        token_versions=np.where(mask, k, NON_POLICY_VERSION), reward=float(k),
-        routed_experts=RoutedExperts(experts.astype(np.uint8), 8), top_logprobs=top,
-    )  # fmt: skip
+        token_versions=np.where(mask, k, NON_POLICY_VERSION),
+        reward=float(k),
+        routed_experts=RoutedExperts(experts.astype(np.uint8), 8),
+        top_logprobs=top,
+    )
 
 
 def gloo_pair() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

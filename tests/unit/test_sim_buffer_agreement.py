@@ -80,24 +80,40 @@ def runs(draw):
     max_lag = draw(st.integers(0, 3))
     capacity = draw(st.integers(batch, (max_lag + 2) * batch))
     max_in_flight = draw(st.one_of(st.none(), st.integers(group, 3 * batch)))
-    buffer = BufferConfig(batch_size=batch, group_size=group, max_lag=max_lag,
-                          capacity=capacity, max_in_flight=max_in_flight)  # fmt: skip
-    config = SimConfig.model_validate({
-        "cluster": {"rollout_nodes": draw(st.integers(1, 3)), "gpus_per_node": 1},
-        "server": {"gpus_per_server": 1, "single_stream_tokens_per_s": 10.0,
-                   "peak_tokens_per_s": draw(st.sampled_from([10.0, 40.0, 400.0])),
-                   "max_running_requests": draw(st.integers(1, 8)),
-                   "prefill_tokens_per_s": draw(st.sampled_from([None, 50.0]))},
-        "learner": {"seconds_per_step": draw(st.floats(0.1, 5.0))},
-        "sync": {"bytes": 0, "latency_s": draw(st.floats(0.0, 2.0))},
-        "steps": 8, "warmup_steps": 0,
-    })  # fmt: skip
+    buffer = BufferConfig(
+        batch_size=batch,
+        group_size=group,
+        max_lag=max_lag,
+        capacity=capacity,
+        max_in_flight=max_in_flight,
+    )
+    config = SimConfig.model_validate(
+        {
+            "cluster": {"rollout_nodes": draw(st.integers(1, 3)), "gpus_per_node": 1},
+            "server": {
+                "gpus_per_server": 1,
+                "single_stream_tokens_per_s": 10.0,
+                "peak_tokens_per_s": draw(st.sampled_from([10.0, 40.0, 400.0])),
+                "max_running_requests": draw(st.integers(1, 8)),
+                "prefill_tokens_per_s": draw(st.sampled_from([None, 50.0])),
+            },
+            "learner": {"seconds_per_step": draw(st.floats(0.1, 5.0))},
+            "sync": {"bytes": 0, "latency_s": draw(st.floats(0.0, 2.0))},
+            "steps": 8,
+            "warmup_steps": 0,
+        }
+    )
     responses = draw(st.lists(st.integers(1, 200), min_size=1, max_size=12))
     return config, Scheme("random", buffer), responses
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(runs())
 def test_simulator_follows_the_buffer_rule(run):
     config, scheme, responses = run

@@ -26,35 +26,58 @@ PROMPT = 20
 
 def truth(train_s: float, peak: float, single: float = 20.0) -> tuple[SimConfig, Scheme]:
     """Two servers, the run's buffer; lengths lognormal around 200 response tokens."""
-    config = SimConfig.model_validate({
-        "cluster": {"rollout_nodes": 2, "gpus_per_node": 1},
-        "server": {"gpus_per_server": 1, "single_stream_tokens_per_s": single,
-                   "peak_tokens_per_s": peak},
-        "learner": {"seconds_per_step": train_s},
-        "sync": {"bytes": 0, "latency_s": 0.5},
-        "lengths": {"median_tokens": 200, "sigma": 0.8, "prompt_tokens": PROMPT},
-        "steps": 60, "warmup_steps": 0, "seed": 5,
-    })  # fmt: skip
+    config = SimConfig.model_validate(
+        {
+            "cluster": {"rollout_nodes": 2, "gpus_per_node": 1},
+            "server": {
+                "gpus_per_server": 1,
+                "single_stream_tokens_per_s": single,
+                "peak_tokens_per_s": peak,
+            },
+            "learner": {"seconds_per_step": train_s},
+            "sync": {"bytes": 0, "latency_s": 0.5},
+            "lengths": {"median_tokens": 200, "sigma": 0.8, "prompt_tokens": PROMPT},
+            "steps": 60,
+            "warmup_steps": 0,
+            "seed": 5,
+        }
+    )
     return config, Scheme("run", BUFFER)
 
 
 def write_run(run_dir, result: SimResult, drop_total: int, rollouts_total: int) -> None:
     """The run directory a training run with these steps would leave (session.log_step)."""
-    run = RunConfig(steps=len(result.steps), buffer=BUFFER, model={"hf_dir": "/models/tiny"},
-                    task={"name": "math", "train": {"path": "/data/train.jsonl"}},
-                    rollout={"engine": {"urls": ["http://a:1", "http://b:1"]}})  # fmt: skip
+    run = RunConfig(
+        steps=len(result.steps),
+        buffer=BUFFER,
+        model={"hf_dir": "/models/tiny"},
+        task={"name": "math", "train": {"path": "/data/train.jsonl"}},
+        rollout={"engine": {"urls": ["http://a:1", "http://b:1"]}},
+    )
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
     lines = []
     for s in result.steps:
         step_s = s.synced_s - s.ready_s
-        lines.append(dict(
-            step=s.step, policy_version=s.step, reward_mean=0.0, acceptance_rate=1.0,
-            lag_mean=statistics.fmean(s.lags), lag_max=max(s.lags),
-            tokens_per_s=s.tokens / step_s, rollouts_total=rollouts_total, loss=0.0,
-            grad_norm=0.0, lr=1e-6, sync_s=s.synced_s - s.trained_s, buffer_occupancy=0,
-            dropped_total=drop_total, step_s=step_s,
-        ))  # fmt: skip
+        lines.append(
+            dict(
+                step=s.step,
+                policy_version=s.step,
+                reward_mean=0.0,
+                acceptance_rate=1.0,
+                lag_mean=statistics.fmean(s.lags),
+                lag_max=max(s.lags),
+                tokens_per_s=s.tokens / step_s,
+                rollouts_total=rollouts_total,
+                loss=0.0,
+                grad_norm=0.0,
+                lr=1e-6,
+                sync_s=s.synced_s - s.trained_s,
+                buffer_occupancy=0,
+                dropped_total=drop_total,
+                step_s=step_s,
+            )
+        )
     lines.insert(3, {"step": 3, "rollouts_total": 1, "eval_accuracy": 0.5})  # an eval line
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     checkpoint = run_dir / "checkpoints" / "step_00000050"
@@ -80,8 +103,9 @@ def test_read_run_takes_the_logged_figures(tmp_path):
     assert figures.tokens_per_trajectory == pytest.approx(tokens)
     assert figures.drop_share == pytest.approx(3 / 600)
     assert figures.lag_histogram == result.lag_histogram and figures.histogram_step == 50
-    sim = run_sim_config(figures, SimConfig().model_copy(
-        update={"lengths": config.lengths}), scale=2.0)  # fmt: skip
+    sim = run_sim_config(
+        figures, SimConfig().model_copy(update={"lengths": config.lengths}), scale=2.0
+    )
     assert (sim.servers, sim.server.peak_tokens_per_s) == (
         2,
         2 * SimConfig().server.peak_tokens_per_s,
@@ -97,8 +121,13 @@ def test_calibration_matches_the_step_time_of_a_rollout_bound_run(tmp_path):
     result = simulate(config, scheme)
     assert result.learner_wait > 0.2  # rollout-bound: the servers' speed sets the pace
     write_run(tmp_path / "run", result, drop_total=0, rollouts_total=600)
-    base = config.model_copy(update={"server": config.server.model_copy(update={
-        "single_stream_tokens_per_s": 5.0, "peak_tokens_per_s": 50.0})})  # fmt: skip
+    base = config.model_copy(
+        update={
+            "server": config.server.model_copy(
+                update={"single_stream_tokens_per_s": 5.0, "peak_tokens_per_s": 50.0}
+            )
+        }
+    )
     validation = validate_run(tmp_path / "run", base)
     assert validation.identifiable
     assert validation.predicted.step_s_mean == pytest.approx(result.step_s_mean, rel=0.02)

@@ -53,16 +53,26 @@ def read_history(run_file: Path) -> list[dict[str, float]]:
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): float(item.value_json)
-                         for item in record.history.item}  # fmt: skip
+                items = {
+                    item.key or "/".join(item.nested_key): float(item.value_json)
+                    for item in record.history.item
+                }
                 rows.append({k: v for k, v in items.items() if not k.startswith("_")})
     return rows
 
 
 def step_line(step: int, reward: float) -> dict:
-    return dict(step=step, policy_version=step, reward_mean=reward, acceptance_rate=1.0,
-                lag_mean=0.5, lag_max=1, tokens_per_s=10.0, rollouts_total=16 * step,
-                finish="text is not a number")  # fmt: skip
+    return dict(
+        step=step,
+        policy_version=step,
+        reward_mean=reward,
+        acceptance_rate=1.0,
+        lag_mean=0.5,
+        lag_max=1,
+        tokens_per_s=10.0,
+        rollouts_total=16 * step,
+        finish="text is not a number",
+    )
 
 
 @pytest.fixture
@@ -83,14 +93,21 @@ def test_an_offline_wandb_run_holds_what_metrics_jsonl_holds(tmp_path: Path, off
     expected = []
     for line in read_metrics(tmp_path):
         scope = "eval" if "eval_accuracy" in line else "train"
-        numbers = {k: float(v) for k, v in line.items()
-                   if isinstance(v, int | float) and k != "step"}  # fmt: skip
-        names = {f"{scope}/{k.removeprefix('eval_') if scope == 'eval' else k}": v
-                 for k, v in numbers.items()}  # fmt: skip
+        numbers = {
+            k: float(v) for k, v in line.items() if isinstance(v, int | float) and k != "step"
+        }
+        names = {
+            f"{scope}/{k.removeprefix('eval_') if scope == 'eval' else k}": v
+            for k, v in numbers.items()
+        }
         expected.append({"step": float(line["step"]), **names})
     assert rows == expected
-    assert rows[-1] == {"step": 2.0, "eval/accuracy": 0.75, "eval/accuracy_std": 0.1,
-                        "eval/rollouts_total": 32.0}  # fmt: skip
+    assert rows[-1] == {
+        "step": 2.0,
+        "eval/accuracy": 0.75,
+        "eval/accuracy_std": 0.1,
+        "eval/rollouts_total": 32.0,
+    }
 
 
 def test_a_restarted_run_directory_continues_the_same_wandb_run(tmp_path: Path, offline) -> None:

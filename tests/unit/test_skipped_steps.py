@@ -15,10 +15,17 @@ def test_skipped_steps_are_counted_and_the_limit_in_a_row_ends_the_run():
     seen = []
     for step, cause in enumerate(causes, 1):
         metrics = {"nonfinite": cause}
-        seen.append((skipped.count(step, metrics), metrics["step_skipped"],
-                     metrics["skipped_steps_total"]))  # fmt: skip
-    assert seen == [(False, 0.0, 0), (True, 1.0, 1), (True, 1.0, 2), (False, 0.0, 2),
-                    (True, 1.0, 3), (True, 1.0, 4)]  # fmt: skip
+        seen.append(
+            (skipped.count(step, metrics), metrics["step_skipped"], metrics["skipped_steps_total"])
+        )
+    assert seen == [
+        (False, 0.0, 0),
+        (True, 1.0, 1),
+        (True, 1.0, 2),
+        (False, 0.0, 2),
+        (True, 1.0, 3),
+        (True, 1.0, 4),
+    ]
     with pytest.raises(NonFiniteSteps) as ended:
         skipped.count(7, {"nonfinite": "gradient"})
     message = str(ended.value)

@@ -19,9 +19,12 @@ from megatron_fr.config.run import load_run_config
 REPO = Path(__file__).resolve().parents[2]
 WRAPPERS = sorted((REPO / "slurm" / "recipes").glob("*.sh"))
 STATIC_SCRIPTS = [
-    REPO / "slurm" / "launch.sh", REPO / "slurm" / "job.sh", *WRAPPERS,
-    REPO / "tools" / "slurm_local.sh", REPO / "tools" / "gpu_check.sh",
-]  # fmt: skip
+    REPO / "slurm" / "launch.sh",
+    REPO / "slurm" / "job.sh",
+    *WRAPPERS,
+    REPO / "tools" / "slurm_local.sh",
+    REPO / "tools" / "gpu_check.sh",
+]
 GPU_WRAPPERS = [path for path in WRAPPERS if path.stem != "cpu_demo"]
 
 
@@ -55,9 +58,13 @@ def launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     if Path(args[0]).stem == "cpu_demo" and not any(a.startswith("model.hf_dir=") for a in args):
         args = (*args, f"model.hf_dir={CPU_MODEL[0]}")
     return subprocess.run(
-        [*args], capture_output=True, text=True, timeout=120, cwd=REPO,
+        [*args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
         env={k: v for k, v in (env or os.environ).items() if not k.startswith("SLURM_")},
-    )  # fmt: skip
+    )
 
 
 def dry_run(wrapper: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -135,8 +142,10 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert "env       NCCL_CUMEM_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=1" in out
     lines = commands(out)
     assert [line.split()[4] for line in lines[:3]] == [
-        "--nodelist=node1", "--nodelist=node2", "--nodelist=node3,node4",
-    ]  # fmt: skip
+        "--nodelist=node1",
+        "--nodelist=node2",
+        "--nodelist=node3,node4",
+    ]
     assert lines[0].endswith("sglang 2 4 1 0 20100") and lines[1].endswith("sglang 2 4 1 0 20102")
     urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
     assert f"'rollout.engine.urls={urls}'" in lines[2]
@@ -146,12 +155,18 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     dry_run(wrapper, tmp_path, "--script-out", str(script), "--time", "04:00:00")
     sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
-        "#SBATCH --job-name=qwen3_30b_a3b_lag8", "#SBATCH --nodes=4",
-        "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={tmp_path}/run/logs/slurm-%j.out",
-        "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
-        "#SBATCH --gpus-per-node=8", "#SBATCH --time=04:00:00", "#SBATCH --exclusive",
+        "#SBATCH --job-name=qwen3_30b_a3b_lag8",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={tmp_path}/run/logs/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=04:00:00",
+        "#SBATCH --exclusive",
         "#SBATCH --mem=0",
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("wrapper", GPU_WRAPPERS, ids=lambda path: path.stem)
@@ -185,11 +200,25 @@ def test_servers_keep_the_gpus_slurm_gave_and_return_routed_experts_when_replaye
     def serve_node(visible: str | None, count: int, gpus: int, routed: int) -> list[str]:
         env = {"PATH": os.environ["PATH"], "SLURMD_NODENAME": "n1"}
         env |= {"CUDA_VISIBLE_DEVICES": visible} if visible is not None else {}
-        args = [str(tmp_path), str(python), "/m", "sglang", str(count), str(gpus), "1",
-                str(routed), "20100", "--foo"]  # fmt: skip
-        result = subprocess.run(["bash", "-c", f"{job_function('serve_node')}\nserve_node \"$@\"",
-                                 "serve_node", *args], capture_output=True, text=True, env=env,
-                                timeout=60)  # fmt: skip
+        args = [
+            str(tmp_path),
+            str(python),
+            "/m",
+            "sglang",
+            str(count),
+            str(gpus),
+            "1",
+            str(routed),
+            "20100",
+            "--foo",
+        ]
+        result = subprocess.run(
+            ["bash", "-c", f'{job_function("serve_node")}\nserve_node "$@"', "serve_node", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         logs = sorted(tmp_path.glob("server-n1-*.log"))
         lines = [log.read_text().splitlines()[-1] for log in logs] if not result.returncode else []
         for log in logs:
@@ -214,8 +243,16 @@ def test_servers_keep_the_gpus_slurm_gave_and_return_routed_experts_when_replaye
 
 def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
     script = tmp_path / "job.sbatch"
-    dry_run(WRAPPERS[0], tmp_path, "--script-out", str(script), "--cpus-per-node", "2",
-            "--mem-per-node-gb", "1.5")  # fmt: skip
+    dry_run(
+        WRAPPERS[0],
+        tmp_path,
+        "--script-out",
+        str(script),
+        "--cpus-per-node",
+        "2",
+        "--mem-per-node-gb",
+        "1.5",
+    )
     sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --cpus-per-task=2" in sbatch and "#SBATCH --mem=1536M" in sbatch
     assert "#SBATCH --exclusive" not in sbatch
@@ -223,24 +260,41 @@ def test_shared_nodes_request_cpus_and_memory_and_steps_get_them(tmp_path):
     function = job_function("step_cpus")
     for job_cpus, expected in (("64(x2),48", "48"), ("96", "96")):
         result = subprocess.run(
-            ["bash", "-c", f"{function}\nstep_cpus"], capture_output=True, text=True,
+            ["bash", "-c", f"{function}\nstep_cpus"],
+            capture_output=True,
+            text=True,
             env={"SLURM_JOB_CPUS_PER_NODE": job_cpus, "PATH": os.environ["PATH"]},
-        )  # fmt: skip
+        )
         assert result.stdout.strip() == expected, result.stderr
     recipe = str(REPO / "examples" / "cpu_demo.yaml")
-    bare = launch(str(REPO / "slurm" / "launch.sh"), recipe, "--run-dir", str(tmp_path / "run"),
-                  "--learner-nodes", "2", "--dry-run")  # fmt: skip
+    bare = launch(
+        str(REPO / "slurm" / "launch.sh"),
+        recipe,
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--learner-nodes",
+        "2",
+        "--dry-run",
+    )
     assert bare.returncode == 2 and "--cpus-per-node N --mem-per-node-gb M" in bare.stderr
 
 
 def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
     plain = commands(dry_run(WRAPPERS[0], tmp_path).stdout)
     assert not any("--container" in line for line in plain)
-    image = ["--container-image", "nvcr.io/team/mfr:1", "--container-mounts", "/shared:/shared",
-             "--container-workdir", "/shared/mfr"]  # fmt: skip
+    image = [
+        "--container-image",
+        "nvcr.io/team/mfr:1",
+        "--container-mounts",
+        "/shared:/shared",
+        "--container-workdir",
+        "/shared/mfr",
+    ]
     out = dry_run(WRAPPERS[0], tmp_path, *image).stdout
-    flags = ("--container-image=nvcr.io/team/mfr:1 --container-mounts=/shared:/shared"
-             " --container-workdir=/shared/mfr")  # fmt: skip
+    flags = (
+        "--container-image=nvcr.io/team/mfr:1 --container-mounts=/shared:/shared"
+        " --container-workdir=/shared/mfr"
+    )
     srun_lines = [line for line in commands(out) if line.startswith("srun")]
     assert len(srun_lines) == 2 and all(flags in line for line in srun_lines)
     assert " python " in srun_lines[0]  # the container's interpreter
@@ -249,13 +303,22 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
 @pytest.mark.parametrize(
     "wrapper, args, reason",
     [
-        ("qwen3_30b_a3b_lag8", ["--learner-nodes", "1", "learner.recompute=none"],
-         "does not fit in GPU memory with learner.recompute=none (learner.recompute=selective "
-         "fits)"),
-        ("qwen3_30b_a3b_lag8", ["parallel.expert=3"],
-         "world_size 16 is not divisible by expert_tensor (1) x expert (3)"),
-        ("qwen3_30b_a3b_lag8", ["parallel.tensor=8", "parallel.expert=2"],
-         "TP 8 does not divide the 4 query groups"),
+        (
+            "qwen3_30b_a3b_lag8",
+            ["--learner-nodes", "1", "learner.recompute=none"],
+            "does not fit in GPU memory with learner.recompute=none (learner.recompute=selective "
+            "fits)",
+        ),
+        (
+            "qwen3_30b_a3b_lag8",
+            ["parallel.expert=3"],
+            "world_size 16 is not divisible by expert_tensor (1) x expert (3)",
+        ),
+        (
+            "qwen3_30b_a3b_lag8",
+            ["parallel.tensor=8", "parallel.expert=2"],
+            "TP 8 does not divide the 4 query groups",
+        ),
         ("cpu_demo", ["--learner-nodes", "3"], "world_size 3 is not divisible by expert_tensor"),
         ("cpu_demo", ["weights.transport=tensor"], "needs engines on the learner's GPUs"),
         ("cpu_demo", ["buffer.batch_size=0"], "recipe"),
@@ -263,7 +326,7 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
         ("cpu_demo", ["--engine", "sglang"], "SGLang needs GPUs"),
         ("cpu_demo", ["--cpus-per-node", "0"], "cpus_per_node"),
     ],
-)  # fmt: skip
+)
 def test_bad_jobs_are_refused_before_submission(wrapper, args, reason, tmp_path):
     fake_bin = tmp_path / "bin"  # an sbatch that would record a submission
     fake_bin.mkdir()

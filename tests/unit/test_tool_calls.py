@@ -19,19 +19,29 @@ CODE = {"name": "python", "arguments": {"code": "print(1)"}}
 
 WELL_FORMED = [
     ('<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}}\n</tool_call>', [CODE]),
-    ('I will compute.<tool_call>{"name":"python","arguments":{"code":"print(1)"}}</tool_call>'
-     " Done.", [CODE]),
-    ('<tool_call>```json\n{"name": "python", "arguments": {"code": "print(1)"}}\n```</tool_call>',
-     [CODE]),
-    ('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>',
-     [CODE]),
+    (
+        'I will compute.<tool_call>{"name":"python","arguments":{"code":"print(1)"}}</tool_call>'
+        " Done.",
+        [CODE],
+    ),
+    (
+        '<tool_call>```json\n{"name": "python", "arguments": {"code": "print(1)"}}\n```'
+        "</tool_call>",
+        [CODE],
+    ),
+    (
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>',
+        [CODE],
+    ),
     ('<tool_call>{"name": "now"}</tool_call>', [{"name": "now", "arguments": {}}]),
-    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
-     '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
-     [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]),
+    (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+        [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}],
+    ),
     ("no call at all", []),
     ("a stray </tool_call> closes nothing", []),
-]  # fmt: skip
+]
 
 MALFORMED = [
     (
@@ -71,8 +81,26 @@ def test_unclosed_call_followed_by_a_good_one() -> None:
 
 def test_random_text_never_raises() -> None:
     rng = random.Random(0)
-    alphabet = ['<tool_call>', '</tool_call>', '{', '}', '"name"', ':', '"python"', ",", "[", "]",
-                '"arguments"', '"code"', "\\", '"', " ", "x", "\n", "```"]  # fmt: skip
+    alphabet = [
+        "<tool_call>",
+        "</tool_call>",
+        "{",
+        "}",
+        '"name"',
+        ":",
+        '"python"',
+        ",",
+        "[",
+        "]",
+        '"arguments"',
+        '"code"',
+        "\\",
+        '"',
+        " ",
+        "x",
+        "\n",
+        "```",
+    ]
     for _ in range(2000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(40)))
         for call in parse_tool_calls(text):
@@ -84,12 +112,20 @@ NESTED = 1000
 BOUNDED = [
     ("<tool_call>" + "[" * NESTED + "</tool_call>", "nested deeper than"),
     ("<tool_call>" + "[" * NESTED + "]" * NESTED + "</tool_call>", "nested deeper than"),
-    ('<tool_call>{"name": "python", "arguments": "' + "[" * NESTED + '"}</tool_call>',
-     "nested deeper than"),
-    ('<tool_call>{"name": "python", "arguments": {"code": ' + '{"a": ' * NESTED + "1"
-     + "}" * NESTED + "}}</tool_call>", "nested deeper than"),
+    (
+        '<tool_call>{"name": "python", "arguments": "' + "[" * NESTED + '"}</tool_call>',
+        "nested deeper than",
+    ),
+    (
+        '<tool_call>{"name": "python", "arguments": {"code": '
+        + '{"a": ' * NESTED
+        + "1"
+        + "}" * NESTED
+        + "}}</tool_call>",
+        "nested deeper than",
+    ),
     ("<tool_call>" + " " * (MAX_CALL_CHARS + 1) + "{}</tool_call>", "longer than"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "reason"), BOUNDED)

@@ -14,10 +14,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 def train(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "train", str(recipe), "--run-dir", str(run_dir),
-         *overrides],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_fr",
+            "train",
+            str(recipe),
+            "--run-dir",
+            str(run_dir),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def good_recipe(tmp_path: Path) -> Path:
@@ -27,21 +37,28 @@ def good_recipe(tmp_path: Path) -> Path:
 
 
 CASES = [
-    ("broken yaml", lambda t: t / "bad.yaml", "steps: 3\nbuffer: {batch_size: 4\n", (),
-     "not valid YAML at line"),
+    (
+        "broken yaml",
+        lambda t: t / "bad.yaml",
+        "steps: 3\nbuffer: {batch_size: 4\n",
+        (),
+        "not valid YAML at line",
+    ),
     ("a directory", lambda t: t, None, (), "is not a file"),
     ("not a mapping", lambda t: t / "list.yaml", "- 1\n- 2\n", (), "must be a mapping"),
     ("unknown key", None, None, ("learner.lrr=1",), "lrr"),
     ("wrong type", None, None, ("steps=many",), "steps"),
     ("bad override value", None, None, ("steps=[1",), "the value is not YAML"),
     ("truncated sampling", None, None, ("rollout.top_p=0.9",), "truncated sampling is refused"),
-]  # fmt: skip
+]
 
 
-@pytest.mark.parametrize(("name", "where", "text", "overrides", "message"), CASES,
-                         ids=[c[0] for c in CASES])  # fmt: skip
-def test_a_bad_recipe_is_refused_before_anything_starts(tmp_path, name, where, text, overrides,
-                                                        message):  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "where", "text", "overrides", "message"), CASES, ids=[c[0] for c in CASES]
+)
+def test_a_bad_recipe_is_refused_before_anything_starts(
+    tmp_path, name, where, text, overrides, message
+):
     recipe = where(tmp_path) if where else good_recipe(tmp_path)
     if text is not None:
         recipe.write_text(text)

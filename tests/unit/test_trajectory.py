@@ -127,8 +127,9 @@ def top(tokens: int = 3, k: int = 4) -> TopLogProbs:
 
 def _top_spoiled(ids=None, log_probs=None) -> TopLogProbs:
     record = top()
-    return TopLogProbs(record.ids if ids is None else ids,
-                       record.log_probs if log_probs is None else log_probs)  # fmt: skip
+    return TopLogProbs(
+        record.ids if ids is None else ids, record.log_probs if log_probs is None else log_probs
+    )
 
 
 def test_top_logprobs_cost_k_times_8_bytes_per_policy_token_and_survive_a_checkpoint():
@@ -166,11 +167,13 @@ def test_top_logprobs_below_float32_become_its_smallest_value_as_sglang_clamps()
         (_top_spoiled(log_probs=top().log_probs * 0 - np.float32("inf")), "log-prob not finite"),
         (_top_spoiled(log_probs=-top().log_probs), "log-prob not finite or positive"),
         (_top_spoiled(ids=top().ids * 0 + np.int32(3)), "repeats a token within a top-K"),
-        (_top_spoiled(log_probs=top().log_probs * 0 - np.float32(0.5)),
-         "probabilities of a top-K sum above 1"),
+        (
+            _top_spoiled(log_probs=top().log_probs * 0 - np.float32(0.5)),
+            "probabilities of a top-K sum above 1",
+        ),
         ("not a record", "is not a TopLogProbs of arrays"),
     ],
-)  # fmt: skip
+)
 def test_bad_top_logprobs_are_refused_with_their_reason(record, problem):
     with pytest.raises(InvalidTrajectory) as caught:
         validate_trajectory(trajectory(top_logprobs=record))

@@ -180,8 +180,12 @@ def test_scores_of_more_ids_are_log_softmax_of_the_logits_and_change_nothing_els
     (detached), while the targets' log-probs, entropies and gradients stay bit-identical to
     the path without ids."""
     h, w, targets = _hidden_inputs(torch.float64)
-    ids = torch.stack([torch.randperm(13, generator=torch.Generator().manual_seed(t))[:4]
-                       for t in range(targets.numel())]).to(torch.int32)  # fmt: skip
+    ids = torch.stack(
+        [
+            torch.randperm(13, generator=torch.Generator().manual_seed(t))[:4]
+            for t in range(targets.numel())
+        ]
+    ).to(torch.int32)
     mine = [h.clone().requires_grad_(True), w.clone().requires_grad_(True)]
     log_probs, entropy, id_log_probs = chunked_vocab_parallel_scores(
         *mine, targets, temperature=temperature, with_entropy=True, ids=ids, chunk=chunk
@@ -228,5 +232,6 @@ def test_chunked_path_refuses_bad_inputs(change, message):
     args = dict(h=h, targets=targets, temperature=1.0)
     args.update({k: v(args[k]) if callable(v) else v for k, v in change.items()})
     with pytest.raises(ValueError, match=message):
-        chunked_vocab_parallel_log_probs(args["h"], w, args["targets"],
-                                         temperature=args["temperature"])  # fmt: skip
+        chunked_vocab_parallel_log_probs(
+            args["h"], w, args["targets"], temperature=args["temperature"]
+        )

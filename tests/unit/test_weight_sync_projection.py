@@ -58,8 +58,10 @@ def test_model_bytes_match_transformers_model(config):
     sizes = model_bytes(load_hf_config(config))
     expected = transformers_bytes(config)
     assert (sizes.experts, sizes.replicated, sizes.dense_sharded) == (
-        expected["experts"], expected["replicated"], expected["dense_sharded"],
-    )  # fmt: skip
+        expected["experts"],
+        expected["replicated"],
+        expected["dense_sharded"],
+    )
 
 
 def test_the_flagship_sender_receives_all_but_its_own_shards():
