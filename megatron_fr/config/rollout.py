@@ -39,9 +39,14 @@ class EngineSettings(StrictModel):
     watch_interval_s: PositiveFloat = 1.0
     """How often the engines are checked while the run goes on."""
     unreachable_after_s: PositiveFloat = 30.0
-    """An engine given by URL that has not answered GET /model_info (which runs no
-    generation, so an engine paused by a long weight sync answers) for this long counts as
-    dead."""
+    """An engine that has not answered GET /model_info (which runs no generation, so an
+    engine paused by a long weight sync answers) for this long is taken out of the pool: hung,
+    stopped or cut off (rollout/supervisor.py)."""
+    restarts: NonNegativeInt = 3
+    """How many times each engine the run started is restarted after it died or hung; past
+    that the run ends naming it and its log's tail (0: the first death ends the run)."""
+    restart_backoff_s: PositiveFloat = 5.0
+    """Wait before an engine's first restart, doubled for each restart after it."""
 
     @property
     def started(self) -> int:

@@ -3,6 +3,7 @@
     generate(prompt) ─► pick server (session sticky, else least outstanding requests)
                           │ POST /generate (rid.<segment>.<attempt>)
             connection error / timeout / 5xx ──► mark server down, retry on another server
+            server taken out of the pool ──────► its in-flight requests retried on another
             4xx / malformed response ──────────► raise (naming the server and the field)
                           │ finish_reason "abort" (server paused for a weight update)
                           └─► re-submit prompt + tokens so far, budget reduced
@@ -24,6 +25,12 @@ Top-K log-probs (config.top_logprobs = K, for the top-K gate): every segment ask
 (SGLang's top_logprobs_num) and the Rollout carries one row per output token, the segments'
 rows in order, so a continued rollout's rows are those of the engines that sampled each token.
 
+The pool changes while the run goes on (rollout/supervisor.py): take_out(url) ends the
+requests in flight on that server at once (each is retried on the others with the prompt and
+the tokens kept so far) and sends it nothing more; admit(url) adds a server, or brings one
+back, once it serves the current weights. With no server in the pool a segment fails as when
+all are down (ServersUnavailable: the group is re-issued after a backoff).
+
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
 Use: `async with RolloutClient(RolloutClientConfig(urls=[...])) as c: await c.generate(ids, sp)`
@@ -36,7 +43,9 @@ import json
 import time
 import uuid
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -173,6 +182,18 @@ class _Server:
     outstanding: int = 0
     sent: int = 0
     down_until: float = 0.0
+    taken_out: asyncio.Event | None = None
+    """Set when the server leaves the pool; its requests in flight wait on it too. Made on
+    first use, inside the client's loop."""
+
+    def out_event(self) -> asyncio.Event:
+        if self.taken_out is None:
+            self.taken_out = asyncio.Event()
+        return self.taken_out
+
+    @property
+    def in_pool(self) -> bool:
+        return self.taken_out is None or not self.taken_out.is_set()
 
 
 class RolloutClient:
@@ -204,6 +225,27 @@ class RolloutClient:
         if self._http is None:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._http
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server the client has known, in the order it learnt of them, in the pool or
+        not (the order of the per-engine metrics)."""
+        return list(self._servers)
+
+    def in_pool(self, url: str) -> bool:
+        server = self._servers.get(url)
+        return server is not None and server.in_pool
+
+    def take_out(self, url: str) -> None:
+        """Send `url` nothing more and end its requests in flight now (each is retried on
+        another server). Called in the client's loop."""
+        self._servers[url].out_event().set()
+
+    def admit(self, url: str) -> None:
+        """Serve from `url`: a new server, or one taken out that is back. Called in the
+        client's loop."""
+        server = self._servers.setdefault(url, _Server(url))
+        server.taken_out, server.down_until = None, 0.0
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished multi-turn session's server (the map would otherwise only grow)."""
@@ -336,6 +378,9 @@ class RolloutClient:
         errors: list[str] = []
         for attempt in range(1, self.config.max_attempts + 1):
             server = self._pick(session_id, tried)
+            if server is None:
+                errors.append("no engine in the pool")
+                break
             tried.add(server.url)
             if attempt > 1:
                 self.metrics.retries += 1
@@ -366,18 +411,22 @@ class RolloutClient:
             f"/generate failed {self.config.max_attempts} time(s): " + "; ".join(errors)
         )
 
-    def _pick(self, session_id: str | None, tried: set[str]) -> _Server:
+    def _pick(self, session_id: str | None, tried: set[str]) -> _Server | None:
         """The session's server while it is up, else the up server with the fewest outstanding
         requests (then the fewest sent, so sequential calls also alternate). Servers already
-        tried for this segment come last, down ones by the end of their cooldown."""
+        tried for this segment come last, down ones by the end of their cooldown; servers out
+        of the pool never (None when no server is in it)."""
         now = time.monotonic()
+        pool = [server for server in self._servers.values() if server.in_pool]
+        if not pool:
+            return None
         sticky = self._servers.get(self._sessions.get(session_id, "")) if session_id else None
-        if sticky is not None and sticky.url not in tried and sticky.down_until <= now:
+        if sticky in pool and sticky.url not in tried and sticky.down_until <= now:
             chosen = sticky
         else:
-            fresh = [s for s in self._servers.values() if s.url not in tried]
+            fresh = [s for s in pool if s.url not in tried]
             chosen = min(
-                fresh or self._servers.values(),
+                fresh or pool,
                 key=lambda s: (max(s.down_until - now, 0.0), s.outstanding, s.sent),
             )
         chosen.sent += 1
@@ -387,7 +436,7 @@ class RolloutClient:
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
-            answer = await self._post_json(server.url, body)
+            answer = await self._unless_taken_out(server, self._post_json(server.url, body))
             return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
@@ -397,6 +446,22 @@ class RolloutClient:
             raise
         finally:
             server.outstanding -= 1
+
+    @staticmethod
+    async def _unless_taken_out(server: _Server, post: Coroutine[Any, Any, object]) -> object:
+        """The answer to `post`, or _Retryable as soon as the server leaves the pool (a hung
+        server would otherwise hold the request until request_timeout_s)."""
+        answer = asyncio.ensure_future(post)
+        out = asyncio.ensure_future(server.out_event().wait())
+        try:
+            done, _ = await asyncio.wait({answer, out}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            out.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer not in done:
+            raise _Retryable(f"{server.url} was taken out of the pool")
+        return answer.result()
 
     async def _post_json(self, url: str, body: dict) -> object:
         try:

@@ -7,13 +7,16 @@
                       sends each (DP, PP) stage leader its share; the leader broadcasts it
                       within its TP x CP ranks: learner/delivery.py)
                       ─► Learner.train_share ─► version += 1
-                      ─► WeightSync (pause, buckets, version, continue; collectives)
+                      ─► PoolSync: WeightSync (pause, buckets, version, continue;
+                         collectives) to the engines in the pool, reconnected when it changed
                       ─► first rank: buffer version, report, eval ─► checkpoint
 
 What waits on what: the learner waits only for a fresh batch (buffer.get_batch); rollouts wait
 only on the buffer's admission budget ((max_lag + 1) * B, buffer/lag_buffer.py), which the
-version bump after each sync opens again. A failure anywhere in the rollout service (a dead
-engine, a bug in a reward) wakes that wait with its cause and ends the run. A restart with the
+version bump after each sync opens again. An engine that dies or hangs leaves the pool and the
+run goes on (rollout/supervisor.py, orchestrator/pool_sync.py); a failure of the rollout
+service itself (an engine past its restart budget, a bug in a reward) wakes that wait with its
+cause and ends the run. A restart with the
 same command resumes from the newest checkpoint whose files are all readable
 (orchestrator/resume.py).
 """
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
+from megatron_fr.orchestrator.pool_sync import PoolSync
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.rollout_process import RolloutProcess
@@ -43,7 +47,6 @@ from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
 if TYPE_CHECKING:
     from megatron_fr.learner.trainer import Learner
-    from megatron_fr.weights.sync import WeightSync
 
 STOP_FILE = "STOP"
 """Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
@@ -92,10 +95,11 @@ def train(config: RunConfig, run_dir: Path) -> None:
             learner.groups, address, None if replay is None else replay.stage_layers
         )
         weight_sync = connect_weight_sync(config, urls, spec, run_dir)
-        weight_sync.sync(learner.module, learner.steps_done)  # engines serve the learner's weights
+        pool = PoolSync(config, weight_sync, rollout)
+        pool.sync(learner.module, learner.steps_done)  # the engines serve the learner's weights
         if rollout is not None:
             rollout.start()
-        _loop(config, run_dir, learner, weight_sync, receiver, pad_id, rollout, report)
+        _loop(config, run_dir, learner, pool, receiver, pad_id, rollout, report)
     except Exception as error:
         if rollout is not None:
             rollout.explain(error)  # a dead engine is named, not the socket it broke
@@ -124,7 +128,7 @@ def _loop(
     config: RunConfig,
     run_dir: Path,
     learner: Learner,
-    weight_sync: WeightSync,
+    pool: PoolSync,
     receiver: ShareReceiver,
     pad_id: int,
     rollout: RolloutProcess | None,
@@ -141,14 +145,12 @@ def _loop(
     skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
     while step < config.steps:
         started = time.monotonic()
-        summaries = rollout.next_batch(step) if rollout else []
+        summaries = pool.wait_for_batch(step, learner.module) or []
         plan, shard = receiver.receive()
         metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
         step += 1
-        if skipped.count(step, metrics):  # no weight changed: the engines keep theirs
-            sync_s = 0.0
-        else:
-            sync_s = weight_sync.sync(learner.module, step).seconds
+        # A skipped step changed no weight: the engines keep theirs.
+        sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
         gpus = gather_telemetry(telemetry)
         last = step == config.steps
         if rollout is not None:

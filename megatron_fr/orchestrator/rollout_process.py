@@ -95,9 +95,18 @@ class RolloutProcess:
     def load_state_dict(self, state: dict) -> None:
         self._call("load_state_dict", state)
 
-    def next_batch(self, step: int) -> list[TrajectorySummary]:
-        """The batch for `step` (as summaries); its shares are on their way to the learners."""
-        return self._call("next_batch", step)
+    def next_batch(self, step: int, wait_s: float | None = None) -> list[TrajectorySummary] | None:
+        """The batch for `step` (as summaries); its shares are on their way to the learners.
+        None when no batch was ready within `wait_s` (None: wait as long as it takes)."""
+        return self._call("next_batch", step, wait_s)
+
+    def membership(self) -> tuple[int, list[str]]:
+        """The pool's epoch and the engines a weight sync must reach (rollout/supervisor.py)."""
+        return self._call("membership")
+
+    def synced(self, urls: list[str], version: int) -> None:
+        """A weight sync reached `urls` at `version`: the engines joining among them serve."""
+        self._call("synced", urls, version)
 
     def set_version(self, version: int) -> None:
         self._call("set_version", version)
@@ -207,8 +216,10 @@ class _Server:
     def _load_state_dict(self, state: dict) -> None:
         self.service.load_state_dict(state)
 
-    def _next_batch(self, step: int) -> list[TrajectorySummary]:
-        batch = self.service.next_batch(step)
+    def _next_batch(self, step: int, wait_s: float | None) -> list[TrajectorySummary] | None:
+        batch = self.service.next_batch(step, wait_s)
+        if batch is None:
+            return None
         if not self._sender_ready.wait(self.address.timeout_s) or self.sender is None:
             raise RolloutProcessError(
                 f"the learners' data group did not form: {self._sender_error}"
@@ -216,6 +227,12 @@ class _Server:
         plan = plan_step(batch, self.config.learner, self.config.parallel, self.sender.dp_size)
         self._pending, _ = self.sender.send(batch, plan)
         return [t.summary() for t in batch]
+
+    def _membership(self) -> tuple[int, list[str]]:
+        return self.service.membership()
+
+    def _synced(self, urls: list[str], version: int) -> None:
+        self.service.synced(urls, version)
 
     def _set_version(self, version: int) -> None:
         self.service.set_version(version)

@@ -36,7 +36,9 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
-    engines = EngineSupervisor.start(settings, hf_dir, run_dir / "logs", routed is not None)
+    engines = EngineSupervisor.start(
+        settings, hf_dir, run_dir / "logs", routed is not None, run_dir=run_dir
+    )
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
         urls=tuple(engines.urls),
@@ -76,6 +78,19 @@ def eval_sets(config: RunConfig, producer: EpisodeProducer) -> dict[str, EvalSet
     }
 
 
+def weight_sync_port(config: RunConfig) -> int:
+    """Every learner rank: where the weight-update groups are hosted, weights.master_port or,
+    where the recipe says 0, a free port picked by the first rank (each connect picks anew: a
+    reconnect never waits for the old groups' port)."""
+    # Imported here: megatron comes with it, and the rollout process, which builds its service
+    # from this module, has no use for megatron (nor its CPU shims).
+    from megatron_fr.parallel.state import broadcast_from_rank0
+
+    return config.weights.master_port or broadcast_from_rank0(
+        free_port() if dist.get_rank() == 0 else None
+    )
+
+
 def connect_weight_sync(
     config: RunConfig, urls: list[str], spec: HFModelSpec, run_dir: Path
 ) -> WeightSync:
@@ -83,14 +98,7 @@ def connect_weight_sync(
     a previous start of this run left on long-lived engines destroyed first: their names are
     kept in RUN_DIR/weight_groups.json). Port 0 in the recipe means a free port picked by the
     first rank (single-node runs)."""
-    # Imported here: megatron comes with it, and the rollout process, which builds its service
-    # from this module, has no use for megatron (nor its CPU shims).
-    from megatron_fr.parallel.state import broadcast_from_rank0
-
-    port = config.weights.master_port or broadcast_from_rank0(
-        free_port() if dist.get_rank() == 0 else None
-    )
-    settings = config.weights.model_copy(update={"master_port": port})
+    settings = config.weights.model_copy(update={"master_port": weight_sync_port(config)})
     engines = [Engine(url) for url in urls]
     weight_sync = WeightSync.from_config(settings, engines, spec, run_dir / GROUPS_FILE)
     weight_sync.connect()

@@ -1,7 +1,8 @@
 """The rollout service: the one owner of everything a run does to produce trajectories.
 
     RolloutService (exists on the first learner rank only; None on the others)
-      ├─ EngineSupervisor   the inference engines (started or adopted), watched
+      ├─ EngineSupervisor   the pool of inference engines (started or adopted): an engine
+      │                     that dies or hangs is taken out, restarted or re-admitted
       ├─ LagAwareBuffer     prompt cursor + re-queue + rollout slots + queue, under one lock
       ├─ EpisodeProducer    what a problem is, how it is played and scored
       └─ its thread: one asyncio loop running
@@ -11,12 +12,13 @@
 
 What waits on what: admission waits on the buffer (its staleness budget and capacity, woken
 by the buffer itself, never polled); the learner waits on buffer.get_batch. Nothing is
-fire-and-forget: the first exception of any task of the loop (a bug in a reward, a dead
-engine) closes the buffer with that error as the cause, which wakes the learner's wait with
-it, and the run ends naming it. A failed generation is not a bug: its group is discarded whole
-(handed out again later), counted, and new work waits an exponential backoff while failures
-repeat, so a dead or overloaded engine never spins a loop. close() stops the loop, joins the
-thread (not a daemon) and closes the loop, so nothing is left behind.
+fire-and-forget: the first exception of any task of the loop (a bug in a reward, an engine
+past its restart budget) closes the buffer with that error as the cause, which wakes the
+learner's wait with it, and the run ends naming it. A failed generation is not a bug: its
+group is discarded whole (handed out again later), counted, and new work waits an exponential
+backoff while failures repeat, so a dead or overloaded engine never spins a loop. close()
+stops the loop, joins the thread (not a daemon) and closes the loop, so nothing is left
+behind.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer
 from megatron_fr.buffer.trajectory import Trajectory
@@ -39,6 +42,7 @@ from megatron_fr.rollout.episodes import EpisodeFailed, EpisodeProducer
 from megatron_fr.rollout.supervisor import EngineSupervisor
 
 log = logging.getLogger("megatron_fr.rollout")
+T = TypeVar("T")
 
 ROLLOUT_FAILURES = (RolloutError, MalformedResponse, EpisodeFailed)
 """What a generation may fail with without it being a bug: counted, the group re-issued."""
@@ -190,7 +194,7 @@ class RolloutService:
         async with RolloutClient(self.client_config) as client:
             self._client = client
             self._started.set()
-            for job in (self._admissions(tasks, finished), self.engines.watch()):
+            for job in (self._admissions(tasks, finished), self.engines.watch(client)):
                 task = asyncio.create_task(job)
                 tasks.add(task)
                 task.add_done_callback(finished)
@@ -237,20 +241,41 @@ class RolloutService:
 
     # --- the learner's side ---------------------------------------------------------------
 
-    def next_batch(self, version: int) -> list[Trajectory]:
-        """The next batch for the learner at `version`; raises RolloutFailed (with the cause)
-        if the service stops meanwhile."""
+    def next_batch(self, version: int, timeout_s: float | None = None) -> list[Trajectory] | None:
+        """The next batch for the learner at `version`, or None when none was ready within
+        `timeout_s` (None: wait for it); raises RolloutFailed (with the cause) if the service
+        stops meanwhile."""
         self.check()
         try:
-            batch = self.buffer.get_batch(version)
+            return self.buffer.get_batch(version, timeout_s)
         except Exception:
             self.check()
             raise
-        assert batch is not None  # without a timeout it waits for a batch (or raises)
-        return batch
 
     def set_version(self, version: int) -> None:
         self.buffer.set_version(version)
+
+    def membership(self) -> tuple[int, list[str]]:
+        """The pool's epoch and the engines the next weight sync must reach (supervisor)."""
+        return self._in_loop(self._membership())
+
+    def synced(self, urls: list[str], version: int) -> None:
+        """A weight sync reached `urls` at `version`: the joining ones among them serve."""
+        self._in_loop(self.engines.synced(urls, str(version)))
+
+    async def _membership(self) -> tuple[int, list[str]]:
+        return self.engines.membership()
+
+    def _in_loop(self, job: Coroutine[Any, Any, T]) -> T:
+        """Run `job` in the service's loop (which alone changes the pool) and wait for it;
+        before start() there is no thread yet, and the loop runs it here."""
+        self.check()
+        if not self._thread.is_alive():
+            return self._loop.run_until_complete(job)
+        future = asyncio.run_coroutine_threadsafe(job, self._loop)
+        wait([future, self._failed], return_when=FIRST_COMPLETED)
+        self.check()
+        return future.result()
 
     # --- state ------------------------------------------------------------------------------
 
@@ -268,9 +293,10 @@ class RolloutService:
             "engines": self._engine_stats(),
         }
 
-    def _engine_stats(self) -> dict[str, int]:
-        urls, client = self.client_config.urls, self._client
-        stats = {"engines_total": len(urls)}
+    def _engine_stats(self) -> dict[str, float]:
+        client = self._client
+        urls = client.urls if client else list(self.client_config.urls)
+        stats: dict[str, float] = {"engines_total": len(urls), **self.engines.stats()}
         for index, url in enumerate(urls):
             stats[f"engine{index}_requests_total"] = client.metrics.requests[url] if client else 0
             stats[f"engine{index}_failures_total"] = client.metrics.failures[url] if client else 0
@@ -294,7 +320,8 @@ class RolloutService:
     ) -> dict[str, tuple[float, float]]:
         """{set: (mean, std)} of avg@k: the reward of k samples per problem at the eval
         sampling settings; the spread is over the k passes. Raises RolloutFailed as soon as
-        the service fails (a dead engine), whatever the evaluation was waiting for."""
+        the service fails (an engine past its restart budget), whatever the evaluation was
+        waiting for."""
         self.check()
         future: Future = asyncio.run_coroutine_threadsafe(
             self._evaluate(sets, sampling), self._loop

@@ -1,74 +1,163 @@
-"""The inference engines of a run, supervised: a dead engine ends the run within seconds.
+"""The inference engines of a run, supervised: an engine that dies, hangs or stops answering
+costs its in-flight work, never the run.
 
 The run's engines are one pool: rollout.engine.count started here (consecutive ports, and for
-SGLang consecutive blocks of GPUs) and any given by URL; the rollout client spreads requests
-over all of them and every weight sync reaches all of them.
+SGLang consecutive blocks of GPUs), any given by URL in the recipe, and any listed later in
+RUN_DIR/engines.txt (one URL a line, read every watch interval: the fleet grows without a
+restart). Before it serves, every engine says what it is on GET /server_info
+(engine/server_info.py); one that does not, or that cannot give the routed experts a
+routing-replay run needs, is refused with the reason (EngineRefused): before any step for the
+recipe's engines, by staying out for the others.
 
-Before any step every engine (started here or given by URL) says what it is on GET
-/server_info (engine/server_info.py); one that does not, or that cannot give the routed
-experts a routing-replay run needs (SGLang without --enable-return-routed-experts), is
-refused with the reason (EngineRefused) instead of failing the first rollout.
+    serving ──(exited; no answer on GET /model_info for unreachable_after_s)──► out
+      ▲            its requests in flight go to the others at once (engine/client.py)
+      │
+    joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
+      │
+      └──(the next weight sync reached it and its /get_weight_version is the learner's)
 
-Engines the run started are watched by their process (exit code and the tail of their log
-name the cause); engines given by URL are probed on GET /model_info, and one that has not
-answered for `unreachable_after_s` counts as dead too. Not /health: SGLang 0.5.23 runs a
-generation there unless started with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, which waits
-while a weight sync pauses the server and answers 503 after 20 s, so a sync longer than the
-window would be taken for a death; /model_info is answered without generating.
+Every change of who is in the pool bumps the membership epoch. The learner asks for it before
+each weight sync (membership()); when it moved, every sending rank leaves its weight-update
+groups and all join new ones, under fresh names, with the engines serving or joining. A
+joining engine is sent requests only after such a sync loaded the current weights into it
+(synced()): its KV cache flushed and its version checked. So an engine never serves stale
+weights, and the group never waits on a dead member.
 
-Why end the run rather than continue on the others: every engine is a member of the
-weight-update process group (NCCL on GPUs), and a group with a dead member cannot broadcast
-again until it is rebuilt on every engine and every sending rank; a restart from the last
-checkpoint with the same command does exactly that (weights/sync.py: connect clears what the
-dead learner left on long-lived engines), and resumes without losing or repeating a prompt.
+A started engine is restarted at most rollout.engine.restarts times; past that the run ends
+with EngineDied naming the engine, the cause and its log's tail (restarts 0: the first death
+ends the run). A pool with no engine serving, joining or restarting for start_timeout_s ends
+the run too. Engines given by URL are probed on GET /model_info, never /health: SGLang 0.5.23
+runs a generation there unless started with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, which
+waits while a weight sync pauses the server and answers 503 after 20 s, so a long sync would
+be taken for a death; /model_info is answered without generating.
+
+Each event goes to RUN_DIR/faults.jsonl (time, engine, event, cause) and into the counters of
+stats(): engines taken out, restarted and back in, and the engine-seconds lost (time engines
+spent out of the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.http import MODEL_INFO_PATH, EngineRequestError
-from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, launch_server
+from megatron_fr.engine.http import MODEL_INFO_PATH, EngineRequestError, get_json
+from megatron_fr.engine.launcher import (
+    ServerExited,
+    ServerLaunchConfig,
+    ServerProcess,
+    launch_server,
+)
 from megatron_fr.engine.server_info import ServerInfo, identify
 from megatron_fr.parallel.spawn import free_port
 
+if TYPE_CHECKING:
+    from megatron_fr.engine.client import RolloutClient
+
+log = logging.getLogger("megatron_fr.rollout")
+
+ENGINES_FILE = "engines.txt"
+FAULTS_FILE = "faults.jsonl"
+STOP_TIMEOUT_S = 5.0
+"""How long an engine taken out may take to exit on SIGTERM before SIGKILL (a hung one never
+does)."""
+
+State = Literal["serving", "joining", "out", "restarting"]
+
 
 class EngineDied(RuntimeError):
-    """An inference engine of the run exited or stopped answering."""
+    """An inference engine of the run could not be kept (restart budget spent, or none left)."""
 
 
 class EngineRefused(RuntimeError):
     """An engine that cannot serve this run (unidentified, or missing a capability it needs)."""
 
 
-class EngineSupervisor:
-    """Starts (or adopts) the run's engines, watches them, stops the ones it started."""
+@dataclass
+class Member:
+    """One engine of the pool."""
 
-    def __init__(self, settings: EngineSettings, processes: list[ServerProcess]) -> None:
-        self.settings = settings
-        self.processes = processes
+    url: str
+    launch: ServerLaunchConfig | None
+    """How it was started; None: given by URL (never restarted from here, re-admitted)."""
+    process: ServerProcess | None
+    state: State = "serving"
+    restarts: int = 0
+    last_answer: float = field(default_factory=time.monotonic)
+    out_since: float = 0.0
+    retry_at: float = 0.0
+    cause: str = ""
+
+
+class EngineSupervisor:
+    """Starts (or adopts) the run's engines, keeps the pool (module docstring), stops the
+    engines it started."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        processes: list[ServerProcess],
+        launches: list[ServerLaunchConfig] | None = None,
+        run_dir: Path | None = None,
+        routed_experts: bool = False,
+    ) -> None:
+        self.settings, self.run_dir, self.routed_experts = settings, run_dir, routed_experts
+        self.members: dict[str, Member] = {}
+        for index, process in enumerate(processes):
+            launch = launches[index] if launches else None
+            self.members[process.url] = Member(process.url, launch, process)
+        for url in settings.urls:
+            self.members[url] = Member(url, None, None)
+        self.epoch = 0
+        self.events: Counter[str] = Counter()
+        self.seconds_lost = 0.0
+        self._client: RolloutClient | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._engines_file_seen: float | None = None
+        self._empty_since: float | None = None
 
     @property
     def urls(self) -> list[str]:
-        """The pool: the engines started here, then those given by URL."""
-        return [process.url for process in self.processes] + list(self.settings.urls)
+        """Every engine the pool has known, in order: started here, by URL, then from
+        RUN_DIR/engines.txt."""
+        return list(self.members)
+
+    @property
+    def processes(self) -> list[ServerProcess]:
+        return [m.process for m in self.members.values() if m.process is not None]
 
     @classmethod
     def start(
-        cls, settings: EngineSettings, model_path: Path, log_dir: Path, routed_experts: bool = False
+        cls,
+        settings: EngineSettings,
+        model_path: Path,
+        log_dir: Path,
+        routed_experts: bool = False,
+        run_dir: Path | None = None,
     ) -> EngineSupervisor:
         """Start settings.started engines of settings.kind serving model_path (returning
         routed experts when asked: MoE routing replay), adopt settings.urls, then check them
         all (module docstring); on any failure stop what was started and raise."""
-        supervisor = cls(settings, [])
+        launches = launch_configs(settings, model_path, log_dir, routed_experts)
+        started: list[ServerProcess] = []
         try:
-            for launch in launch_configs(settings, model_path, log_dir, routed_experts):
-                supervisor.processes.append(launch_server(launch))
+            for launch in launches:
+                started.append(launch_server(launch))
+        except BaseException:
+            for process in started:
+                process.stop()
+            raise
+        supervisor = cls(settings, started, launches, run_dir, routed_experts)
+        try:
             for process in supervisor.processes:
                 process.wait_healthy(deadline_s=settings.start_timeout_s)
             for url in supervisor.urls:
@@ -78,11 +167,12 @@ class EngineSupervisor:
             raise
         return supervisor
 
-    def check(self, url: str, routed_experts: bool) -> ServerInfo:
+    def check(self, url: str, routed_experts: bool, patience_s: float | None = None) -> ServerInfo:
         """What the engine at `url` is; EngineRefused if it cannot serve this run. An engine
-        given by URL that does not answer yet is waited for up to start_timeout_s."""
+        that does not answer yet is waited for up to `patience_s` (start_timeout_s)."""
+        patience = self.settings.start_timeout_s if patience_s is None else patience_s
         try:
-            info = identify(url, self.settings.unreachable_after_s, self.settings.start_timeout_s)
+            info = identify(url, self.settings.unreachable_after_s, patience)
         except EngineRequestError as error:
             raise EngineRefused(f"inference engine refused: {error}") from None
         if routed_experts and not info.routed_experts:
@@ -94,35 +184,185 @@ class EngineSupervisor:
             )
         return info
 
-    async def watch(self) -> None:
-        """Return never; raise EngineDied naming the engine once one is dead."""
-        last_answer = {url: time.monotonic() for url in self.urls}
+    # --- the pool, as the learner sees it ----------------------------------------------------
+
+    def membership(self) -> tuple[int, list[str]]:
+        """(epoch, the engines the next weight sync must reach: serving and joining)."""
+        urls = [m.url for m in self.members.values() if m.state in ("serving", "joining")]
+        return self.epoch, urls
+
+    async def synced(self, urls: list[str], version: str) -> None:
+        """A weight sync to `urls` finished at `version`: each joining engine among them whose
+        /get_weight_version says so serves from now on."""
+        for url in urls:
+            member = self.members.get(url)
+            if member is None or member.state != "joining":
+                continue
+            try:
+                served = await asyncio.to_thread(get_json, url, "/get_weight_version", 10.0)
+            except EngineRequestError as error:
+                log.warning("engine %s did not confirm its weights (%s): it stays out", url, error)
+                continue
+            if str(served.get("weight_version")) != version:
+                log.warning("engine %s serves version %s, not %s", url, served, version)
+                continue
+            member.state = "serving"
+            if member.out_since:
+                self.seconds_lost += time.monotonic() - member.out_since
+                member.out_since = 0.0
+            if self._client is not None:
+                self._client.admit(url)
+            self._record(member, "in", f"serves version {version}")
+
+    # --- the watch ---------------------------------------------------------------------------
+
+    async def watch(self, client: RolloutClient | None = None) -> None:
+        """Return never; keep the pool (module docstring); raise EngineDied when it cannot."""
+        self._client = client
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.settings.unreachable_after_s))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                for process in self.processes:
-                    self._check_process(process)
-                for url in self.settings.urls:
-                    if await _healthy(session, url):
-                        last_answer[url] = time.monotonic()
-                    elif time.monotonic() - last_answer[url] > self.settings.unreachable_after_s:
-                        raise EngineDied(
-                            f"inference engine {url} has not answered GET {MODEL_INFO_PATH} for "
-                            f"{self.settings.unreachable_after_s:g} s"
-                        )
+                await self._read_engines_file()
+                for member in list(self.members.values()):
+                    await self._check_member(session, member)
+                self._check_not_empty()
                 await asyncio.sleep(self.settings.watch_interval_s)
 
-    @staticmethod
-    def _check_process(process: ServerProcess) -> None:
-        code = process.proc.poll()
-        if code is not None:
+    async def _check_member(self, session: aiohttp.ClientSession, member: Member) -> None:
+        now = time.monotonic()
+        if member.state in ("serving", "joining"):
+            code = member.process.proc.poll() if member.process is not None else None
+            if code is not None:
+                await self._take_out(member, f"exited with code {code}")
+            elif await _healthy(session, member.url):
+                member.last_answer = now
+            elif now - member.last_answer > self.settings.unreachable_after_s:
+                window = self.settings.unreachable_after_s
+                await self._take_out(
+                    member, f"has not answered GET {MODEL_INFO_PATH} for {window:g} s"
+                )
+        elif member.state == "out" and now >= member.retry_at:
+            if member.launch is not None:
+                self._restart(member)
+            elif await _healthy(session, member.url):
+                await self._admit_url(member, "answers again")
+            else:
+                member.retry_at = now + self.settings.watch_interval_s
+
+    async def _take_out(self, member: Member, cause: str) -> None:
+        """Out of the pool now (its requests in flight go to the others); a started engine is
+        stopped, and restarted later unless its budget is spent (then EngineDied)."""
+        member.state, member.cause = "out", cause
+        member.out_since = time.monotonic()
+        self.epoch += 1
+        if self._client is not None and self._client.in_pool(member.url):
+            self._client.take_out(member.url)
+        self._record(member, "out", cause)
+        process = member.process
+        if process is None:
+            member.retry_at = member.out_since + self.settings.watch_interval_s
+            return
+        tail = process.log_tail()
+        await asyncio.to_thread(process.stop, STOP_TIMEOUT_S)
+        if member.launch is None or member.restarts >= self.settings.restarts:
+            budget = self.settings.restarts
             raise EngineDied(
-                f"inference engine {process.url} (pid {process.pid}) exited with code {code}; "
-                f"last lines of its log {process.log_path}:\n{process.log_tail()}"
+                f"inference engine {member.url} (pid {process.pid}) {cause}; restarted "
+                f"{member.restarts} time(s) of rollout.engine.restarts={budget}; last lines of "
+                f"its log {process.log_path}:\n{tail}"
             )
+        delay = self.settings.restart_backoff_s * 2**member.restarts
+        member.retry_at = member.out_since + delay
+
+    def _restart(self, member: Member) -> None:
+        member.state = "restarting"
+        member.restarts += 1
+        task = asyncio.create_task(self._relaunch(member))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _relaunch(self, member: Member) -> None:
+        """Start the engine again on its port; it joins at the next sync once healthy. A start
+        that fails counts against the budget like a death."""
+        assert member.launch is not None
+        try:
+            member.process = await asyncio.to_thread(launch_server, member.launch)
+            await asyncio.to_thread(member.process.wait_healthy, self.settings.start_timeout_s)
+            await asyncio.to_thread(self.check, member.url, self.routed_experts, 0.0)
+        except (ServerExited, TimeoutError, EngineRefused, EngineRequestError, OSError) as error:
+            member.state = "serving"  # so that _take_out stops it and applies the budget
+            await self._take_out(member, f"failed to restart: {error}")
+            return
+        self._join(member, f"restarted (restart {member.restarts})")
+
+    async def _admit_url(self, member: Member, event: str) -> None:
+        try:
+            await asyncio.to_thread(self.check, member.url, self.routed_experts, 0.0)
+        except EngineRefused as error:
+            member.retry_at = time.monotonic() + self.settings.unreachable_after_s
+            self._record(member, "refused", str(error))
+            return
+        self._join(member, event)
+
+    def _join(self, member: Member, event: str) -> None:
+        member.state, member.last_answer = "joining", time.monotonic()
+        self.epoch += 1
+        self._record(member, "joining", event)
+
+    async def _read_engines_file(self) -> None:
+        """New URLs in RUN_DIR/engines.txt join the pool (checked first, like the recipe's)."""
+        path = self.run_dir / ENGINES_FILE if self.run_dir is not None else None
+        if path is None or not path.exists() or path.stat().st_mtime == self._engines_file_seen:
+            return
+        self._engines_file_seen = path.stat().st_mtime
+        for line in path.read_text().splitlines():
+            url = line.strip().rstrip("/")
+            if not url or url.startswith("#") or url in self.members:
+                continue
+            if not url.startswith(("http://", "https://")):
+                log.warning("%s: %r is not an http(s) URL; left out", path, url)
+                continue
+            member = self.members[url] = Member(url, None, None, state="out")
+            await self._admit_url(member, f"listed in {ENGINES_FILE}")
+
+    def _check_not_empty(self) -> None:
+        alive = [m for m in self.members.values() if m.state != "out"]
+        now = time.monotonic()
+        if alive:
+            self._empty_since = None
+            return
+        self._empty_since = self._empty_since or now
+        if now - self._empty_since > self.settings.start_timeout_s:
+            causes = "; ".join(f"{m.url} {m.cause}" for m in self.members.values())
+            raise EngineDied(
+                f"no inference engine has been in the pool for "
+                f"{self.settings.start_timeout_s:g} s (rollout.engine.start_timeout_s): {causes}"
+            )
+
+    def _record(self, member: Member, event: str, cause: str) -> None:
+        self.events[event] += 1
+        log.warning("inference engine %s: %s (%s)", member.url, event, cause)
+        if self.run_dir is not None:
+            line = {"time": time.time(), "engine": member.url, "event": event, "cause": cause}
+            with open(self.run_dir / FAULTS_FILE, "a") as faults:
+                faults.write(json.dumps(line) + "\n")
+
+    def stats(self) -> dict[str, float]:
+        """The pool's counters for metrics.jsonl."""
+        now = time.monotonic()
+        out = [m for m in self.members.values() if m.state != "serving" and m.out_since]
+        return {
+            "engines_serving": sum(m.state == "serving" for m in self.members.values()),
+            "engines_out_total": self.events["out"],
+            "engines_restarted_total": sum(m.restarts for m in self.members.values()),
+            "engines_back_in_total": self.events["in"],
+            "engine_seconds_lost": self.seconds_lost + sum(now - m.out_since for m in out),
+        }
 
     def stop(self) -> None:
         """Stop the engines this supervisor started (by their own process groups)."""
+        for task in self._tasks:
+            task.cancel()
         for process in self.processes:
             process.stop()
 

@@ -305,6 +305,18 @@ class WeightSync:
                         f"spot check: {url} serves {name} = {served}, sent {expected.tolist()}"
                     )
 
+    def reconnect(self, engines: list[Engine], master_port: int) -> None:
+        """On every rank, when the pool changed (rollout/supervisor.py): the senders leave
+        their groups without calling the engines, then all connect to `engines` under fresh
+        group names, hosted on `master_port` (connect destroys the old groups, recorded in
+        GROUPS_FILE, on the engines that stay)."""
+        if self.transport is not None and is_stage_sender():
+            self.transport.leave()
+        self.transport = None
+        self.engines = engines
+        self.config = self.config.model_copy(update={"master_port": master_port})
+        self.connect()
+
     def close(self) -> None:
         """At the end of the run, on every rank: the stage senders leave their groups."""
         if self.transport is not None and is_stage_sender():

@@ -3,7 +3,8 @@ EP2, the CPU engine, the gloo weight broadcast) is hit by a seeded schedule of f
 same command is started again after each: SIGKILL of the launcher, SIGKILL of learner rank 1,
 SIGKILL of the inference engine, and two STOP-file stops. After every fault no process of the
 run may be left (found by a marker in the environment every process of the run inherits);
-the engine's death must end the run non-zero within 60 s naming the engine. The finished run
+with no restart allowed (rollout.engine.restarts=0) the engine's death must end the run
+non-zero within 60 s naming the engine (test_elastic_fleet.py rides deaths out). The finished run
 must have logged every step once, its optimizer step counts must be those of an uninterrupted
 run (Adam's step = the optimizer step on every parameter of every rank), and every problem
 must have been handed out once per epoch."""
@@ -38,6 +39,7 @@ SETTINGS = [
     "buffer.capacity=64",
     "buffer.max_in_flight=32",
     "rollout.engine.watch_interval_s=0.5",
+    "rollout.engine.restarts=0",
 ]
 TRAIN_PROBLEMS = 100
 """The train file's size: 14 steps of B = 16 cover more than two epochs of it, so the epoch
@@ -219,11 +221,14 @@ def served_version(url: str) -> str | None:
         return None
 
 
-def url_engine(model: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A CPU engine started outside the run, as a long-lived server given by URL is."""
+def url_engine(
+    model: Path, log_path: Path, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A CPU engine started outside the run, as a long-lived server given by URL is (on `port`,
+    else a free one)."""
     from megatron_fr.parallel.spawn import free_port
 
-    port = free_port()
+    port = port or free_port()
     command = [
         sys.executable,
         "-m",
@@ -278,8 +283,9 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     tmp_path, demo_model
 ):
     """SIGKILL of the engine while the step-0 evaluation runs (its 600 episodes take far
-    longer than the test waits): the run ends non-zero within 60 s, its last error names the
-    engine (not the weight-update group it could no longer leave), and nothing is left."""
+    longer than the test waits), no restart allowed: the run ends non-zero within 60 s, its
+    last error names the engine (not the weight-update group it could no longer leave), and
+    nothing is left."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
     run = Run(run_dir, marker, [*settings, *prompt_files(tmp_path / "data")])

@@ -602,6 +602,50 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_a_server_taken_out_of_the_pool_ends_its_requests_and_gets_no_more() -> None:
+    """A hung server (its answer 60 s away) is taken out while a request waits on it: the
+    request is retried on the other at once, with nothing lost, and nothing more goes to the
+    hung one; admitted again, it serves; with no server in the pool, a call fails at once."""
+    hung, healthy = Script(delay_s=60.0), Script()
+
+    async def body() -> tuple[Rollout, float, list[str]]:
+        async with serving(hung, healthy) as urls, RolloutClient(config(urls)) as client:
+            start = time.monotonic()
+            task = asyncio.create_task(client.generate([7], sampling()))
+            await asyncio.sleep(0.5)
+            assert len(hung.log) == 1 and not healthy.log  # the request waits on the hung one
+            client.take_out(urls[0])
+            rollout = await task
+            elapsed = time.monotonic() - start
+            more = await asyncio.gather(*(client.generate([i], sampling()) for i in range(4)))
+            assert {r.server for r in more} == {urls[1]} and len(hung.log) == 1
+            client.take_out(urls[1])
+            with pytest.raises(ServersUnavailable, match="no engine in the pool"):
+                await client.generate([1], sampling())
+            hung.delay_s = 0.0
+            client.admit(urls[0])
+            assert (await client.generate([2], sampling())).server == urls[0]
+            return rollout, elapsed, client.urls
+
+    rollout, elapsed, known = asyncio.run(body())
+    assert (rollout.server, rollout.attempts) == (known[1], 2)
+    assert rollout.output_ids == [8, 9, 10, 11]
+    assert elapsed < 5.0, elapsed  # not the hung server's 60 s, nor the request timeout
+
+
+def test_a_server_admitted_mid_run_takes_its_share() -> None:
+    first, joined = Script(delay_s=0.2), Script(delay_s=0.2)
+
+    async def body() -> list[str]:
+        async with serving(first, joined) as urls, RolloutClient(config(urls[:1])) as client:
+            client.admit(urls[1])
+            await asyncio.gather(*(client.generate([i], sampling()) for i in range(8)))
+            return client.urls
+
+    assert len(asyncio.run(body())) == 2
+    assert len(first.log) == len(joined.log) == 4
+
+
 def test_refused_server_fails_naming_the_url() -> None:
     url = f"http://127.0.0.1:{_free_port()}"
 

@@ -6,6 +6,7 @@ leaves no thread and no open loop behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import sys
@@ -243,17 +244,27 @@ def test_an_engine_dying_during_an_evaluation_ends_it_at_once_naming_the_engine(
     assert not rollout_threads()
 
 
-def test_an_engine_given_by_url_that_stops_answering_counts_as_dead():
+def test_an_engine_given_by_url_that_stops_answering_is_taken_out(tmp_path: Path):
+    """Out of the pool after unreachable_after_s (recorded in faults.jsonl, the epoch moved);
+    the run ends only when the pool has been empty for start_timeout_s."""
+    url = f"http://127.0.0.1:{free_port()}"
+    settings = EngineSettings(
+        urls=[url], watch_interval_s=0.05, unreachable_after_s=0.3, start_timeout_s=1.0
+    )
+    supervisor = EngineSupervisor(settings, [], run_dir=tmp_path)
+
     async def scenario() -> str:
-        settings = EngineSettings(
-            urls=[f"http://127.0.0.1:{free_port()}"], watch_interval_s=0.05, unreachable_after_s=0.3
-        )
         with pytest.raises(EngineDied) as error:
-            await asyncio.wait_for(EngineSupervisor(settings, []).watch(), 10)
+            await asyncio.wait_for(supervisor.watch(), 10)
         return str(error.value)
 
     message = asyncio.run(scenario())
-    assert "has not answered GET /model_info for 0.3 s" in message
+    assert message.startswith("no inference engine has been in the pool for 1 s")
+    assert f"{url} has not answered GET /model_info for 0.3 s" in message
+    assert supervisor.membership() == (1, [])
+    faults = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(f["engine"], f["event"]) for f in faults] == [(url, "out")]
+    assert supervisor.stats()["engines_out_total"] == 1
 
 
 def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):

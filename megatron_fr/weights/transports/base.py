@@ -98,3 +98,8 @@ class WeightTransport(ABC):
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """On the stage's sending rank, when the run ends: release groups and threads."""
+
+    def leave(self) -> None:  # noqa: B027  (optional hook)
+        """On the stage's sending rank, when the pool changed: release this side of the groups
+        without calling any engine (one may be dead or hung; the next connect destroys the
+        old groups on the engines that stay)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
 
@@ -14,6 +15,8 @@ from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 
 FLATTENED = "flattened_bucket"
+CLOSE_TIMEOUT_S = 10.0
+log = logging.getLogger("megatron_fr.weights")
 
 
 def group_layout(engines: list[Engine]) -> tuple[int, list[int]]:
@@ -134,21 +137,35 @@ class DistributedTransport(WeightTransport):
             self.group.broadcast(tensor)
         _raise_first_engine_error(calls, self.timeout_s)
 
-    def _submit(self, path: str, bodies: list[dict]) -> list[Future]:
+    def _submit(
+        self, path: str, bodies: list[dict], timeout_s: float | None = None
+    ) -> list[Future]:
         """One call per engine (bodies in engine order), each on a thread of its own."""
         return [
-            self._pool.submit(post_json, url, path, body, self.timeout_s)
+            self._pool.submit(post_json, url, path, body, timeout_s or self.timeout_s)
             for url, body in zip(self.urls, bodies, strict=True)
         ]
 
+    def leave(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+
     def close(self) -> None:
+        """The engines are asked to leave the group, for CLOSE_TIMEOUT_S at most: one that
+        does not answer (it died or hung since the last sync) is logged, not raised over,
+        since the next connect destroys the group on it anyway (sync.py's GROUPS_FILE)."""
         if self.group is not None:
             body = protocol.destroy_weights_update_group_request(self.group_name)
             path = protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH
-            calls = self._submit(path, [body] * len(self.urls))
+            calls = self._submit(path, [body] * len(self.urls), CLOSE_TIMEOUT_S)
             self.group.destroy()
             self.group = None
-            _raise_first_engine_error(calls, self.timeout_s)
+            for url, call in zip(self.urls, calls, strict=True):
+                try:
+                    call.result(timeout=CLOSE_TIMEOUT_S)
+                except (EngineRequestError, TimeoutError) as error:
+                    log.warning("%s did not leave weight group %s: %s", url, self.group_name, error)
         self._pool.shutdown(wait=False)
 
 

@@ -1,0 +1,112 @@
+"""The weight sync to a pool of engines that changes while the run goes on.
+
+Before every sync rank 0 asks the rollout process who is in the pool (an epoch and the engines
+serving or joining: rollout/supervisor.py) and every rank gets the answer; when the epoch
+moved, the weight sync reconnects to the new members under fresh group names (weights/sync.py).
+A sync that fails (an engine died or hung during it) is tried again, reconnected, once the
+pool has changed or the engine watch had time to notice, up to SYNC_TRIES times. After a sync,
+the engines that were joining serve.
+
+While the learner waits for a batch, rank 0 looks at the pool every WAIT_S: an engine that
+joined meanwhile gets the current weights then, so a pool whose every engine was out recovers
+(no engine could have generated the batch the learner waits for).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_fr.buffer.trajectory import TrajectorySummary
+from megatron_fr.config.run import RunConfig
+from megatron_fr.orchestrator.rollout_process import RolloutProcess
+from megatron_fr.orchestrator.setup import weight_sync_port
+from megatron_fr.parallel.state import broadcast_from_rank0
+from megatron_fr.weights.sync import WeightSyncError
+from megatron_fr.weights.transports import Engine
+
+if TYPE_CHECKING:
+    from megatron_fr.weights.sync import WeightSync
+
+SYNC_TRIES = 3
+WAIT_S = 5.0
+"""How often the learner, waiting for a batch, looks for engines that joined the pool."""
+
+
+class PoolSync:
+    """Every learner rank's side of the pool: the weight sync kept connected to its members."""
+
+    def __init__(
+        self, config: RunConfig, weight_sync: WeightSync, rollout: RolloutProcess | None
+    ) -> None:
+        self.config, self.weight_sync, self.rollout = config, weight_sync, rollout
+        self.epoch = 0
+        """The pool's epoch the weight sync is connected to (the run starts at 0)."""
+        self.seen = 0
+        """The latest epoch rank 0 acted on while waiting for a batch."""
+
+    def sync(self, model: torch.nn.Module, version: int) -> float:
+        """Send the weights of `version` to the pool's members, on every rank; the seconds it
+        took. WeightSyncError after SYNC_TRIES failed tries."""
+        reconnect = False
+        for attempt in range(1, SYNC_TRIES + 1):
+            epoch, urls = self._membership()
+            self.seen = epoch
+            if not urls:  # nobody to send to: the engines get the weights when they join
+                return 0.0
+            try:
+                if reconnect or epoch != self.epoch:
+                    self._reconnect(epoch, urls)
+                seconds = self.weight_sync.sync(model, version).seconds
+            except WeightSyncError as error:
+                if attempt == SYNC_TRIES:
+                    raise
+                self._await_pool_change(epoch, error)
+                reconnect = True
+                continue
+            if self.rollout is not None:
+                self.rollout.synced(urls, version)
+            return seconds
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def wait_for_batch(self, step: int, model: torch.nn.Module) -> list[TrajectorySummary] | None:
+        """Rank 0: the summaries of step's batch (its shares on their way to the learners);
+        None elsewhere. Meanwhile engines that joined the pool get the weights of `step`."""
+        while True:
+            summaries = self.rollout.next_batch(step, WAIT_S) if self.rollout else None
+            decision = None
+            if self.rollout is not None:
+                decision = "batch" if summaries is not None else self._joined()
+            decision = broadcast_from_rank0(decision)
+            if decision == "batch":
+                return summaries
+            if decision == "sync":
+                self.sync(model, step)
+
+    def _joined(self) -> str:
+        """Rank 0: "sync" when the pool changed since it was last looked at, else "wait"."""
+        assert self.rollout is not None
+        epoch, _ = self.rollout.membership()
+        return "sync" if epoch != self.seen else "wait"
+
+    def _membership(self) -> tuple[int, list[str]]:
+        return broadcast_from_rank0(self.rollout.membership() if self.rollout else None)
+
+    def _reconnect(self, epoch: int, urls: list[str]) -> None:
+        if self.rollout is not None:
+            print(f"weight sync: the pool is now {urls} (epoch {epoch})", flush=True)
+        self.weight_sync.reconnect([Engine(url) for url in urls], weight_sync_port(self.config))
+        self.epoch = epoch
+
+    def _await_pool_change(self, epoch: int, error: WeightSyncError) -> None:
+        """Rank 0: wait until the pool changed or the watch had time to take a hung engine
+        out; the other ranks wait at the next membership broadcast."""
+        if self.rollout is None:
+            return
+        settings = self.config.rollout.engine
+        print(f"{error}; trying again once the pool changed", flush=True)
+        deadline = time.monotonic() + settings.unreachable_after_s + 2 * settings.watch_interval_s
+        while time.monotonic() < deadline and self.rollout.membership()[0] == epoch:
+            time.sleep(settings.watch_interval_s)
