@@ -42,6 +42,9 @@ class EngineSettings(StrictModel):
     """An engine that has not answered GET /model_info (which runs no generation, so an
     engine paused by a long weight sync answers) for this long is taken out of the pool: hung,
     stopped or cut off (rollout/supervisor.py)."""
+    failures_in_a_row: PositiveInt = 10
+    """An engine whose generate requests failed this many times in a row (connection errors,
+    timeouts, 5xx) is taken out of the pool as a dead one is."""
     restarts: NonNegativeInt = 3
     """How many times each engine the run started is restarted after it died or hung; past
     that the run ends naming it and its log's tail (0: the first death ends the run)."""

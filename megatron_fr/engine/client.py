@@ -182,6 +182,8 @@ class _Server:
     outstanding: int = 0
     sent: int = 0
     down_until: float = 0.0
+    failing: int = 0
+    """Requests in a row that failed on the server's side (connection, timeout, 5xx)."""
     taken_out: asyncio.Event | None = None
     """Set when the server leaves the pool; its requests in flight wait on it too. Made on
     first use, inside the client's loop."""
@@ -232,6 +234,11 @@ class RolloutClient:
         not (the order of the per-engine metrics)."""
         return list(self._servers)
 
+    def failing(self, url: str) -> int:
+        """Requests to `url` in a row that failed on its side (0 for a server never used)."""
+        server = self._servers.get(url)
+        return server.failing if server is not None else 0
+
     def in_pool(self, url: str) -> bool:
         server = self._servers.get(url)
         return server is not None and server.in_pool
@@ -245,7 +252,7 @@ class RolloutClient:
         """Serve from `url`: a new server, or one taken out that is back. Called in the
         client's loop."""
         server = self._servers.setdefault(url, _Server(url))
-        server.taken_out, server.down_until = None, 0.0
+        server.taken_out, server.down_until, server.failing = None, 0.0, 0
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished multi-turn session's server (the map would otherwise only grow)."""
@@ -395,8 +402,10 @@ class RolloutClient:
                 out = await self._post_generate(server, body)
             except _Retryable as exc:
                 server.down_until = time.monotonic() + self.config.server_cooldown_s
+                server.failing += 1
                 errors.append(f"{server.url}: {exc}")
                 continue
+            server.failing = 0
             if len(out.output_ids) > sampling.max_new_tokens:
                 self.metrics.failures[server.url] += 1
                 raise MalformedResponse(

@@ -39,6 +39,9 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 X_AXES = (("step", "optimizer step"), ("rollouts_total", "rollouts"))
 EPISODE_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_rate")
 """Text tasks' per-step figures, drawn in an "episodes" panel when the run logged them."""
+POOL_KEYS = ("engines_total", "engines_serving", "engines_out_total", "engine_seconds_lost")
+"""The pool of engines (rollout/supervisor.py), drawn in an "engines" panel: how many there
+are and serve, how many times one left, and the engine-seconds lost out of the pool."""
 
 
 def _spread_key(key: str) -> str | None:
@@ -47,12 +50,14 @@ def _spread_key(key: str) -> str | None:
 
 
 def panels_of(records: Sequence[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
-    """PANELS, with one accuracy line per named eval set and the episodes panel when the run
-    has those figures."""
+    """PANELS, with one accuracy line per named eval set, and the episodes and engines panels
+    when the run has those figures."""
     sets = sorted({key for r in records for key in r if _spread_key(key)} - {"eval_accuracy"})
     panels = [*PANELS[:-1], ("eval accuracy", tuple(sets) or PANELS[-1][1])]
-    logged = tuple(key for key in EPISODE_KEYS if any(key in r for r in records))
-    return panels + ([("episodes", logged)] if logged else [])
+    for title, keys in (("episodes", EPISODE_KEYS), ("engines", POOL_KEYS)):
+        logged = tuple(key for key in keys if any(key in r for r in records))
+        panels += [(title, logged)] if logged else []
+    return panels
 
 
 def _series(

@@ -97,6 +97,7 @@ class RunReport:
                 "step": step,
                 "prompt_ids": [t.prompt_id for t in batch],
                 "response_lengths": [t.num_policy_tokens for t in batch],
+                "oldest_versions": [t.oldest_version for t in batch],
                 "rewards": [t.reward for t in batch],
                 "advantages": learner["advantages"],
                 "admitted": learner["admitted"],

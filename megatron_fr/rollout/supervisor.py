@@ -9,7 +9,8 @@ restart). Before it serves, every engine says what it is on GET /server_info
 routing-replay run needs, is refused with the reason (EngineRefused): before any step for the
 recipe's engines, by staying out for the others.
 
-    serving ──(exited; no answer on GET /model_info for unreachable_after_s)──► out
+    serving ──(exited; no answer on GET /model_info for unreachable_after_s;
+      ▲        failures_in_a_row generate requests failed)────────────────────► out
       ▲            its requests in flight go to the others at once (engine/client.py)
       │
     joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
@@ -207,12 +208,12 @@ class EngineSupervisor:
                 log.warning("engine %s serves version %s, not %s", url, served, version)
                 continue
             member.state = "serving"
-            if member.out_since:
-                self.seconds_lost += time.monotonic() - member.out_since
-                member.out_since = 0.0
+            lost = time.monotonic() - member.out_since if member.out_since else 0.0
+            self.seconds_lost += lost
+            member.out_since = 0.0
             if self._client is not None:
                 self._client.admit(url)
-            self._record(member, "in", f"serves version {version}")
+            self._record(member, "in", f"serves version {version}", seconds_out=lost)
 
     # --- the watch ---------------------------------------------------------------------------
 
@@ -232,8 +233,16 @@ class EngineSupervisor:
         now = time.monotonic()
         if member.state in ("serving", "joining"):
             code = member.process.proc.poll() if member.process is not None else None
+            # Counted only while it serves: a joining engine's count is that of its last life.
+            failing = 0
+            if self._client is not None and member.state == "serving":
+                failing = self._client.failing(member.url)
             if code is not None:
                 await self._take_out(member, f"exited with code {code}")
+            elif failing >= self.settings.failures_in_a_row:
+                await self._take_out(member, f"failed {failing} generate requests in a row")
+                if member.launch is None:  # answering /model_info, it would be back at once
+                    member.retry_at = now + self.settings.unreachable_after_s
             elif await _healthy(session, member.url):
                 member.last_answer = now
             elif now - member.last_answer > self.settings.unreachable_after_s:
@@ -339,11 +348,14 @@ class EngineSupervisor:
                 f"{self.settings.start_timeout_s:g} s (rollout.engine.start_timeout_s): {causes}"
             )
 
-    def _record(self, member: Member, event: str, cause: str) -> None:
+    def _record(self, member: Member, event: str, cause: str, **figures: float) -> None:
+        """One event of the pool: logged, counted, a line of RUN_DIR/faults.jsonl (an "in"
+        line carries seconds_out, the time the engine was out of the pool, if it was)."""
         self.events[event] += 1
         log.warning("inference engine %s: %s (%s)", member.url, event, cause)
         if self.run_dir is not None:
             line = {"time": time.time(), "engine": member.url, "event": event, "cause": cause}
+            line |= figures
             with open(self.run_dir / FAULTS_FILE, "a") as faults:
                 faults.write(json.dumps(line) + "\n")
 

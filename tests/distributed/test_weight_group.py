@@ -10,8 +10,10 @@ negative control shows the test can tell the two apart.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -118,6 +120,81 @@ def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monke
             assert [name for name, _ in got] == [name for name, _ in bucket()]
             for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
                 assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+
+
+def sglang_regroup_rank(role: str, ports: tuple[int, int], regroup, results) -> None:
+    """A TP1 SGLang server in the pool's regroup, with SGLang's own join, receive and group
+    code: both join group A and receive a bucket; "dies" then exits without leaving A; "stays"
+    waits for the regroup, leaves A (whose other member is dead), joins group B under a fresh
+    name with the sender alone, and receives there."""
+    from megatron_fr.engine.sglang_source import DistributedReceiver
+
+    receiver = DistributedReceiver()
+    names = [name for name, _ in bucket()]
+    dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket()]
+    shapes = [list(t.shape) for _, t in bucket()]
+    try:
+        offset = 1 if role == "stays" else 2
+        receiver.join("127.0.0.1", ports[0], offset, 3, "group_a", "gloo", timeout_s=60)
+        first = receiver.receive(names, dtypes, shapes, "group_a", None)
+        if role == "dies":
+            results.put((role, portable(first)))
+            results.close()
+            results.join_thread()  # the answer is out before the process is
+            os._exit(0)  # as if killed: it leaves no group
+        regroup.wait(60)
+        with contextlib.suppress(ValueError):  # a second group of A's name is refused
+            receiver.join("127.0.0.1", ports[1], 1, 2, "group_a", "gloo", timeout_s=5)
+            raise AssertionError("joined a second group under a name it holds")
+        assert receiver.destroy("group_a")
+        receiver.join("127.0.0.1", ports[1], 1, 2, "group_b", "gloo", timeout_s=60)
+        second = receiver.receive(names, dtypes, shapes, "group_b", None)
+        results.put((role, portable(second)))
+        receiver.destroy("group_b")
+    except Exception as error:  # reported, so the test fails with the cause
+        results.put((role, repr(error)))
+
+
+@pytest.mark.distributed
+def test_a_regroup_without_a_dead_engine_runs_on_sglangs_own_code():
+    """The pool's regroup (rollout/supervisor.py): an engine dies after a sync; the sender
+    leaves its group without calling anyone (WeightTransport.leave), the engine that stays
+    destroys the old group by name, and both form a group under a fresh name on another port,
+    where the next bucket arrives intact."""
+    ctx = mp.get_context("spawn")
+    results, regroup = ctx.Queue(), ctx.Event()
+    ports = (free_port(), free_port())
+    procs = {
+        role: ctx.Process(target=sglang_regroup_rank, args=(role, ports, regroup, results))
+        for role in ("stays", "dies")
+    }
+    for proc in procs.values():
+        proc.start()
+    try:
+        group_a = create_weight_update_group("127.0.0.1", ports[0], 3, "group_a", "gloo", 60)
+        for _, tensor in bucket():
+            group_a.broadcast(tensor)
+        role, first = results.get(timeout=120)
+        assert role == "dies", first
+        procs["dies"].join(timeout=60)
+        assert procs["dies"].exitcode == 0
+        group_a.destroy()  # the sender's side, no engine called
+        regroup.set()
+        group_b = create_weight_update_group("127.0.0.1", ports[1], 2, "group_b", "gloo", 60)
+        for _, tensor in bucket():
+            group_b.broadcast(tensor)
+        role, second = results.get(timeout=120)
+        group_b.destroy()
+    finally:
+        for proc in procs.values():
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert role == "stays", second
+    for got in (restored(first), restored(second)):
+        assert [name for name, _ in got] == [name for name, _ in bucket()]
+        for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
+            assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
 
 
 @pytest.mark.distributed

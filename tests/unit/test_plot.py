@@ -130,3 +130,22 @@ def test_named_eval_sets_and_episode_figures_get_their_own_lines_and_panel():
     plot._draw_panel(ax, records, "step", panels["eval accuracy"])
     assert [line.get_label() for line in ax.lines] == list(panels["eval accuracy"])
     assert len(ax.collections) == 1  # the band of the set that logged its spread
+
+
+def test_a_run_with_a_pool_of_engines_gets_an_engines_panel(tmp_path):
+    """engines_total / serving, times an engine left the pool and the engine-seconds lost, one
+    panel, drawn from metrics.jsonl lines as the run writes them."""
+    records = [
+        {"step": 1, "reward_mean": 0.5, "engines_total": 3, "engines_serving": 3},
+        {"step": 2, "engines_total": 3, "engines_serving": 2, "engines_out_total": 1},
+        {"step": 3, "engines_total": 3, "engines_serving": 3, "engine_seconds_lost": 7.5},
+    ]
+    panels = dict(plot.panels_of(records))
+    assert panels["engines"] == plot.POOL_KEYS
+    assert "engines" not in dict(plot.panels_of([{"step": 1, "reward_mean": 0.5}]))
+    ax: Axes = Figure().subplots()
+    plot._draw_panel(ax, records, "step", panels["engines"])
+    serving = next(line for line in ax.lines if line.get_label() == "engines_serving")
+    assert list(serving.get_ydata()) == [3, 2, 3]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot.plot_run(tmp_path).stat().st_size > 0

@@ -603,10 +603,10 @@ def _free_port() -> int:
 
 
 def test_a_server_taken_out_of_the_pool_ends_its_requests_and_gets_no_more() -> None:
-    """A hung server (its answer 60 s away) is taken out while a request waits on it: the
+    """A hung server (its answer 8 s away) is taken out while a request waits on it: the
     request is retried on the other at once, with nothing lost, and nothing more goes to the
     hung one; admitted again, it serves; with no server in the pool, a call fails at once."""
-    hung, healthy = Script(delay_s=60.0), Script()
+    hung, healthy = Script(delay_s=8.0), Script()
 
     async def body() -> tuple[Rollout, float, list[str]]:
         async with serving(hung, healthy) as urls, RolloutClient(config(urls)) as client:
@@ -630,7 +630,28 @@ def test_a_server_taken_out_of_the_pool_ends_its_requests_and_gets_no_more() -> 
     rollout, elapsed, known = asyncio.run(body())
     assert (rollout.server, rollout.attempts) == (known[1], 2)
     assert rollout.output_ids == [8, 9, 10, 11]
-    assert elapsed < 5.0, elapsed  # not the hung server's 60 s, nor the request timeout
+    assert elapsed < 4.0, elapsed  # not the hung server's 8 s, nor the request timeout
+
+
+def test_failures_in_a_row_are_counted_per_server_and_reset_by_a_success() -> None:
+    """What the pool's watch reads to take out an engine that keeps failing."""
+    broken, healthy = Script(status=503), Script()
+
+    async def body() -> list[int]:
+        async with serving(broken, healthy) as urls:
+            cfg = config(urls, server_cooldown_s=0, max_attempts=1)
+            async with RolloutClient(cfg) as client:
+                counts = []
+                for _ in range(4):
+                    with contextlib.suppress(ServersUnavailable):
+                        await client.generate([1], sampling())
+                counts.append(client.failing(urls[0]))
+                broken.status = None
+                for _ in range(2):
+                    await client.generate([1], sampling())
+                return [*counts, client.failing(urls[0]), client.failing(urls[1])]
+
+    assert asyncio.run(body()) == [2, 0, 0]  # 4 calls alternate: 2 on the broken server
 
 
 def test_a_server_admitted_mid_run_takes_its_share() -> None:
