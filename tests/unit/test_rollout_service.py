@@ -185,7 +185,10 @@ def test_a_dead_engine_ends_the_service_naming_it_and_its_log(tokenizer, tmp_pat
         port,
         tmp_path,
     )
-    engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
+    # It never listens: its refused requests would take it out before its exit is seen.
+    engines = EngineSupervisor(
+        EngineSettings(watch_interval_s=0.1, failures_in_a_row=1000), [dying]
+    )
     service = make_service(engines.urls, Producer(tokenizer), engines=engines)
     service.start()
     started = time.monotonic()
@@ -227,7 +230,10 @@ def test_an_engine_dying_during_an_evaluation_ends_it_at_once_naming_the_engine(
         free_port(),
         tmp_path,
     )
-    engines = EngineSupervisor(EngineSettings(watch_interval_s=0.1), [dying])
+    # It never listens: its refused requests would take it out before its exit is seen.
+    engines = EngineSupervisor(
+        EngineSettings(watch_interval_s=0.1, failures_in_a_row=1000), [dying]
+    )
     producer = producer_class(tokenizer)
     service = make_service([url], producer, engines=engines)
     service.start()
