@@ -260,16 +260,18 @@ class EngineSupervisor:
 
     async def _take_out(self, member: Member, cause: str) -> None:
         """Out of the pool now (its requests in flight go to the others); a started engine is
-        stopped, and restarted later unless its budget is spent (then EngineDied)."""
+        stopped, and restarted later unless its budget is spent (then EngineDied). A restart
+        that failed keeps the time the engine first went out, so the time lost counts it all."""
+        now = time.monotonic()
         member.state, member.cause = "out", cause
-        member.out_since = time.monotonic()
+        member.out_since = member.out_since or now
         self.epoch += 1
         if self._client is not None and self._client.in_pool(member.url):
             self._client.take_out(member.url)
         self._record(member, "out", cause)
         process = member.process
         if process is None:
-            member.retry_at = member.out_since + self.settings.watch_interval_s
+            member.retry_at = now + self.settings.watch_interval_s
             return
         tail = process.log_tail()
         await asyncio.to_thread(process.stop, STOP_TIMEOUT_S)
@@ -281,7 +283,7 @@ class EngineSupervisor:
                 f"its log {process.log_path}:\n{tail}"
             )
         delay = self.settings.restart_backoff_s * 2**member.restarts
-        member.retry_at = member.out_since + delay
+        member.retry_at = now + delay
 
     def _restart(self, member: Member) -> None:
         member.state = "restarting"
@@ -299,7 +301,6 @@ class EngineSupervisor:
             await asyncio.to_thread(member.process.wait_healthy, self.settings.start_timeout_s)
             await asyncio.to_thread(self.check, member.url, self.routed_experts, 0.0)
         except (ServerExited, TimeoutError, EngineRefused, EngineRequestError, OSError) as error:
-            member.state = "serving"  # so that _take_out stops it and applies the budget
             await self._take_out(member, f"failed to restart: {error}")
             return
         self._join(member, f"restarted (restart {member.restarts})")
