@@ -10,10 +10,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class StubServer:
     """An HTTP server on a free port answering from `routes`: path -> list of (status, body),
-    used in order (the last one repeats)."""
+    used in order (the last one repeats). A path in `hang` is never answered while the server
+    runs (as a server whose worker is stuck while its HTTP side accepts requests)."""
 
-    def __init__(self, routes: dict[str, list[tuple[int, object]]]):
-        self.routes, self.calls = routes, []
+    def __init__(
+        self, routes: dict[str, list[tuple[int, object]]], hang: frozenset[str] = frozenset()
+    ):
+        self.routes, self.calls, self.hang = routes, [], hang
+        self.released = threading.Event()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -21,6 +25,9 @@ class StubServer:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))  # else: a reset
                 path = self.path.split("?")[0]
                 stub.calls.append(path)
+                if path in stub.hang:
+                    stub.released.wait()
+                    return
                 answers = stub.routes.get(path, [(404, {"detail": "Not Found"})])
                 status, body = answers.pop(0) if len(answers) > 1 else answers[0]
                 text = body if isinstance(body, str) else json.dumps(body)
@@ -41,5 +48,6 @@ class StubServer:
         return self
 
     def __exit__(self, *exc):
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()

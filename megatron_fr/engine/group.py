@@ -9,22 +9,33 @@ directly, not through ``rendezvous("tcp://...")``, because under torchrun that h
 rank 0 a client of the job's agent store (TORCHELASTIC_USE_AGENT_STORE), where nobody would
 host the group's port. tests/distributed/test_weight_group.py checks this sender against
 SGLang's own function, read from the installed package, in separate processes.
+
+A peer may die in the middle of a broadcast (an engine killed or its GPU lost). The group is
+built so that this fails the collective, never the learner: NCCL's watchdog is told, for this
+group alone, to abort the communicator on an error or a timeout and leave the process alone
+(TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly; torch reads it when the group is constructed,
+and its default, 3, tears the whole process down), every wait is bounded by the group's
+timeout on the CPU, and a group whose collective failed is aborted (torch's
+`_abort_process_group`), never destroyed gracefully: a graceful destroy waits for the stalled
+collective it is meant to end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
 import socket
-from collections.abc import MutableMapping
-from dataclasses import dataclass
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     Backend,
     GroupName,
+    _abort_process_group,
     _new_process_group_helper,
     _world,
 )
@@ -34,6 +45,15 @@ NCCL_CUMEM = "NCCL_CUMEM_ENABLE"
 SGLANG_NCCL_CUMEM = "0"
 """What SGLang sets NCCL_CUMEM_ENABLE to for itself when it is unset (srt/entrypoints/engine.py:
 _set_envs_and_config, without --enable-symm-mem or the KV-shard gather)."""
+NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""The environment a weight-update NCCL group is constructed under (module docstring): on an
+error or a timeout its watchdog aborts the communicator (CleanUpOnly) instead of tearing the
+learner down. Read once, at construction; the learner's own groups keep torch's default."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the weight-update group failed or did not finish in time (a peer died
+    or hung); the group has been aborted and cannot be used again."""
 
 
 @dataclass
@@ -45,13 +65,46 @@ class WeightUpdateGroup:
     rank: int
     world_size: int
     name: str
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300)
+    """The longest any collective of the group may take before it counts as failed."""
+    usable: bool = field(default=True, init=False)
+    """False once a collective failed or the group was released."""
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Send one tensor from rank 0 (this end) to every engine rank, in place."""
-        self.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+        """Send one tensor from rank 0 (this end) to every engine rank, in place; the wait is
+        bounded by the group's timeout on the CPU (an NCCL work would otherwise only order
+        the streams and leave the stall to the next synchronisation). CollectiveFailed, with
+        the group aborted, if it did not complete."""
+        if not self.usable:
+            raise CollectiveFailed(f"weight group {self.name} was aborted or released")
+        try:
+            work = self.group.broadcast([tensor], dist.BroadcastOptions())
+            completed = work.wait(self.timeout)
+        except RuntimeError as error:  # gloo and NCCL raise their errors through wait()
+            self.abort()
+            raise CollectiveFailed(
+                f"broadcast on weight group {self.name} failed: {error}"
+            ) from None
+        if completed is False:  # a backend that reports the timeout instead of raising it
+            self.abort()
+            raise CollectiveFailed(
+                f"broadcast on weight group {self.name} did not finish within "
+                f"{self.timeout.total_seconds():g} s"
+            )
+
+    def abort(self) -> None:
+        """Release this end now, whatever the peers do: the communicator is aborted, so no
+        stalled collective is waited for (idempotent)."""
+        if self.usable:
+            self.usable = False
+            _abort_process_group(self.group)
 
     def destroy(self) -> None:
-        dist.destroy_process_group(self.group)
+        """Release this end after the peers were asked to leave: gracefully while every
+        collective completed, else (a collective failed) the abort that already happened."""
+        if self.usable:
+            self.usable = False
+            dist.destroy_process_group(self.group)
 
 
 def match_sglang_nccl_env(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -88,20 +141,40 @@ def create_weight_update_group(
         wait_for_workers=False,
     )
     prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
-    group, _ = _new_process_group_helper(
-        world_size,
-        0,
-        [],
-        Backend(backend),
-        prefixed,
-        group_name=GroupName(group_name),
-        backend_options=None,
-        timeout=timeout,
-        device_id=None,
-    )
+    with construction_environment(backend):
+        group, _ = _new_process_group_helper(
+            world_size,
+            0,
+            [],
+            Backend(backend),
+            prefixed,
+            group_name=GroupName(group_name),
+            backend_options=None,
+            timeout=timeout,
+            device_id=None,
+        )
     # SGLang registers the group's ranks as identity so dist.* calls may name them directly.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return WeightUpdateGroup(group, store, 0, world_size, group_name)
+    return WeightUpdateGroup(group, store, 0, world_size, group_name, timeout)
+
+
+@contextlib.contextmanager
+def construction_environment(
+    backend: str, environ: MutableMapping[str, str] = os.environ
+) -> Iterator[None]:
+    """NCCL_GROUP_ENV set while an NCCL group is constructed, the previous values restored
+    after (gloo groups need nothing)."""
+    wanted = NCCL_GROUP_ENV if backend == "nccl" else {}
+    before = {name: environ.get(name) for name in wanted}
+    environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = value
 
 
 def address_towards(host: str) -> str:

@@ -4,7 +4,10 @@ Before every sync rank 0 asks the rollout process who is in the pool (an epoch a
 serving or joining: rollout/supervisor.py) and every rank gets the answer; when the epoch
 moved, the weight sync reconnects to the new members under fresh group names (weights/sync.py).
 A sync that fails (an engine died or hung during it) is tried again, reconnected, once the
-pool has changed or the engine watch had time to notice, up to SYNC_TRIES times. After a sync,
+pool has changed or the engine watch had time to notice, up to SYNC_TRIES times. An engine
+that did not leave its old groups within weights.regroup_timeout_s at the reconnect is taken
+out of the pool at once (its scheduler is stuck in the failed collective), so the engines
+still alive are regrouped under fresh names within that bound. After a sync,
 the engines that were joining serve.
 
 While the learner waits for a batch, rank 0 looks at the pool every WAIT_S: an engine that
@@ -61,6 +64,7 @@ class PoolSync:
                     self._reconnect(epoch, urls)
                 seconds = self.weight_sync.sync(model, version).seconds
             except WeightSyncError as error:
+                self._take_out_unresponsive()
                 if attempt == SYNC_TRIES:
                     raise
                 self._await_pool_change(epoch, error)
@@ -99,6 +103,17 @@ class PoolSync:
             print(f"weight sync: the pool is now {urls} (epoch {epoch})", flush=True)
         self.weight_sync.reconnect([Engine(url) for url in urls], weight_sync_port(self.config))
         self.epoch = epoch
+
+    def _take_out_unresponsive(self) -> None:
+        """Rank 0: engines the failed connect found not answering leave the pool, so the next
+        try regroups the others at once instead of waiting on them again."""
+        if self.rollout is None:
+            return
+        mute = self.weight_sync.take_unresponsive()
+        if mute:
+            bound = self.config.weights.regroup_timeout_s
+            cause = f"did not leave its old weight groups within {bound:g} s (wedged)"
+            self.rollout.take_out(mute, cause)
 
     def _await_pool_change(self, epoch: int, error: WeightSyncError) -> None:
         """Rank 0: wait until the pool changed or the watch had time to take a hung engine

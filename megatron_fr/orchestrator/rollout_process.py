@@ -108,6 +108,10 @@ class RolloutProcess:
         """A weight sync reached `urls` at `version`: the engines joining among them serve."""
         self._call("synced", urls, version)
 
+    def take_out(self, urls: list[str], cause: str) -> None:
+        """The weight sync found `urls` not answering within its bound: out of the pool."""
+        self._call("take_out", urls, cause)
+
     def set_version(self, version: int) -> None:
         self._call("set_version", version)
 
@@ -233,6 +237,9 @@ class _Server:
 
     def _synced(self, urls: list[str], version: int) -> None:
         self.service.synced(urls, version)
+
+    def _take_out(self, urls: list[str], cause: str) -> None:
+        self.service.take_out(urls, cause)
 
     def _set_version(self, version: int) -> None:
         self.service.set_version(version)

@@ -263,6 +263,10 @@ class RolloutService:
         """A weight sync reached `urls` at `version`: the joining ones among them serve."""
         self._in_loop(self.engines.synced(urls, str(version)))
 
+    def take_out(self, urls: list[str], cause: str) -> None:
+        """Engines the weight sync found not answering within its bound leave the pool."""
+        self._in_loop(self.engines.take_out_unresponsive(urls, cause))
+
     async def _membership(self) -> tuple[int, list[str]]:
         return self.engines.membership()
 

@@ -215,6 +215,19 @@ class EngineSupervisor:
                 self._client.admit(url)
             self._record(member, "in", f"serves version {version}", seconds_out=lost)
 
+    async def take_out_unresponsive(self, urls: list[str], cause: str) -> None:
+        """The weight sync found these engines not answering within its bound (a wedged
+        scheduler still answers /model_info): out like a dead engine. A URL engine is looked
+        at again after unreachable_after_s, not at the next watch, since it may answer the
+        probe all along."""
+        for url in urls:
+            member = self.members.get(url)
+            if member is None or member.state not in ("serving", "joining"):
+                continue
+            await self._take_out(member, cause)
+            if member.launch is None:
+                member.retry_at = time.monotonic() + self.settings.unreachable_after_s
+
     # --- the watch ---------------------------------------------------------------------------
 
     async def watch(self, client: RolloutClient | None = None) -> None:

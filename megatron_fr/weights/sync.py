@@ -38,6 +38,8 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -116,6 +118,9 @@ class WeightSync:
         self.timeout_s = config.timeout_s
         self.transport: WeightTransport | None = None
         self._plan: tuple[torch.nn.Module, ReshardPlan] | None = None
+        self.unresponsive: set[str] = set()
+        """Rank 0: engines that did not answer a connect within weights.regroup_timeout_s
+        since the caller last took them (take_unresponsive); the pool takes them out."""
 
     @classmethod
     def from_config(
@@ -156,17 +161,47 @@ class WeightSync:
 
     def _adopt(self) -> list[Engine]:
         """Rank 0: the engines resolved, each with no update session open and none of the
-        groups GROUPS_FILE names (module docstring)."""
-        engines = [resolve_engine(engine, self.timeout_s) for engine in self.engines]
+        groups GROUPS_FILE names (module docstring), all at once and within
+        regroup_timeout_s: an engine that does not answer in time is recorded in
+        `unresponsive` and the connect fails naming it (the pool then takes it out)."""
         leftovers = _recorded_groups(self.groups_file)
-        for engine in engines:
-            end = protocol.end_weight_update_request()
-            _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, self.timeout_s)
-            for name in leftovers:
-                body = protocol.destroy_weights_update_group_request(name)
-                path = protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH
-                _unless_absent(engine.url, path, body, self.timeout_s)
+        bound = self.config.regroup_timeout_s
+        pool = ThreadPoolExecutor(max_workers=len(self.engines))
+        calls = [pool.submit(self._adopt_one, engine, leftovers) for engine in self.engines]
+        pool.shutdown(wait=False)  # a hung call's thread is not waited for
+        engines, mute = [], []
+        deadline = time.monotonic() + bound
+        for engine, call in zip(self.engines, calls, strict=True):
+            try:
+                engines.append(call.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                mute.append(engine.url)
+            except EngineRequestError as error:
+                if error.status is not None:  # it answered, with an error: not a dead engine
+                    raise
+                mute.append(engine.url)
+        if mute:
+            self.unresponsive.update(mute)
+            raise EngineRequestError(
+                f"engines {mute} did not leave their old weight groups within "
+                f"weights.regroup_timeout_s={bound:g} s: treated as dead"
+            )
         return engines
+
+    def _adopt_one(self, engine: Engine, leftovers: list[str]) -> Engine:
+        bound = self.config.regroup_timeout_s
+        resolved = resolve_engine(engine, bound)
+        end = protocol.end_weight_update_request()
+        _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
+        for name in leftovers:
+            body = protocol.destroy_weights_update_group_request(name)
+            _unless_absent(engine.url, protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH, body, bound)
+        return resolved
+
+    def take_unresponsive(self) -> list[str]:
+        """Rank 0: the engines found not answering since the last call (and forget them)."""
+        urls, self.unresponsive = sorted(self.unresponsive), set()
+        return urls
 
     def _record(self, names: list[str]) -> None:
         """Rank 0: the groups this connect forms, written before any engine joins them."""

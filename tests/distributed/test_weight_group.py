@@ -215,3 +215,110 @@ def test_a_hand_built_prefix_store_sender_never_meets_sglang():
         dist.ProcessGroupGloo(dist.PrefixStore(GROUP, store), 0, 2, timeout)
     assert results.get(timeout=60) != "joined"
     proc.join(timeout=60)
+
+
+BIG = 8_000_000  # float32 elements (32 MB): far more than a socket buffer holds
+
+
+def sglang_receiver_of_a_big_tensor(role: str, ports: tuple[int, int], started, results) -> None:
+    """A TP1 SGLang server with SGLang's own join, receive and group code. Both join group A
+    and start receiving a big tensor; the test stops and kills "dies" while the sender is
+    still in that broadcast. "stays" reports how its receive ended, destroys group A (the
+    pool's reconnect asks it to), joins group B under a fresh name and receives the bucket."""
+    from megatron_fr.engine.sglang_source import DistributedReceiver
+
+    receiver = DistributedReceiver()
+    try:
+        offset = 1 if role == "stays" else 2
+        receiver.join("127.0.0.1", ports[0], offset, 3, "group_a", "gloo", timeout_s=60)
+        started.put(role)
+        try:
+            receiver.receive(["big"], ["float32"], [[BIG]], "group_a", None)
+            ended = "complete"
+        except RuntimeError as error:
+            ended = f"failed: {error}"[:200]
+        if role == "dies":
+            return
+        results.put(("first", ended))
+        assert receiver.destroy("group_a")
+        receiver.join("127.0.0.1", ports[1], 1, 2, "group_b", "gloo", timeout_s=60)
+        names = [name for name, _ in bucket()]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket()]
+        shapes = [list(t.shape) for _, t in bucket()]
+        second = receiver.receive(names, dtypes, shapes, "group_b", None)
+        results.put(("second", portable(second)))
+        receiver.destroy("group_b")
+    except Exception as error:  # reported, so the test fails with the cause
+        results.put(("error", repr(error)))
+
+
+@pytest.mark.distributed
+def test_a_receiver_killed_mid_broadcast_fails_the_collective_not_the_learner():
+    """A receiver stopped inside a broadcast holds the sender there (the tensor is far larger
+    than the socket buffers); killed, it fails the sender's collective within the group's
+    timeout instead of taking the process down: CollectiveFailed, the group aborted (no
+    graceful destroy that would wait on the stalled collective). The receiver that stays
+    leaves the old group and forms a fresh one with the sender, where the next bucket arrives
+    intact, all on SGLang's own receiving code."""
+    import signal
+    import threading
+    import time
+
+    from megatron_fr.engine.group import CollectiveFailed
+
+    ctx = mp.get_context("spawn")
+    started, results = ctx.Queue(), ctx.Queue()
+    ports = (free_port(), free_port())
+    procs = {
+        role: ctx.Process(
+            target=sglang_receiver_of_a_big_tensor, args=(role, ports, started, results)
+        )
+        for role in ("stays", "dies")
+    }
+    for proc in procs.values():
+        proc.start()
+    outcome: list[BaseException | None] = []
+    try:
+        group_a = create_weight_update_group("127.0.0.1", ports[0], 3, "group_a", "gloo", 30)
+        assert {started.get(timeout=60), started.get(timeout=60)} == {"stays", "dies"}
+        os.kill(procs["dies"].pid, signal.SIGSTOP)
+
+        def send() -> None:
+            try:
+                group_a.broadcast(torch.ones(BIG))
+                outcome.append(None)
+            except CollectiveFailed as error:
+                outcome.append(error)
+
+        sender = threading.Thread(target=send, daemon=True)
+        began = time.monotonic()
+        sender.start()
+        sender.join(timeout=3)
+        assert sender.is_alive(), "the broadcast finished past a stopped receiver"
+        os.kill(procs["dies"].pid, signal.SIGKILL)
+        sender.join(timeout=60)
+        failed_after = time.monotonic() - began
+        assert not sender.is_alive(), "the broadcast never returned"
+        assert isinstance(outcome[0], CollectiveFailed), outcome
+        assert not group_a.usable  # aborted: a second use is refused, nothing waits on it
+        with pytest.raises(CollectiveFailed):
+            group_a.broadcast(torch.ones(1))
+        kind, first = results.get(timeout=90)
+        assert kind == "first", first
+        group_b = create_weight_update_group("127.0.0.1", ports[1], 2, "group_b", "gloo", 60)
+        for _, tensor in bucket():
+            group_b.broadcast(tensor)
+        kind, second = results.get(timeout=120)
+        group_b.destroy()
+    finally:
+        for proc in procs.values():
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert kind == "second", second
+    print(f"\ncollective failed {failed_after:.1f} s after it began; the survivor's: {first}")
+    assert failed_after < 30  # within the group's timeout
+    got = restored(second)
+    assert [name for name, _ in got] == [name for name, _ in bucket()]
+    for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
+        assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)

@@ -9,7 +9,12 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_fr.engine import protocol
-from megatron_fr.engine.group import WeightUpdateGroup, address_towards, create_weight_update_group
+from megatron_fr.engine.group import (
+    CollectiveFailed,
+    WeightUpdateGroup,
+    address_towards,
+    create_weight_update_group,
+)
 from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
@@ -133,8 +138,11 @@ class DistributedTransport(WeightTransport):
             load_format=FLATTENED if flat is not None else None,
         )
         calls = self._submit(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, [body] * len(self.urls))
-        for tensor in [flat] if flat is not None else [t.contiguous() for _, t in bucket]:
-            self.group.broadcast(tensor)
+        try:
+            for tensor in [flat] if flat is not None else [t.contiguous() for _, t in bucket]:
+                self.group.broadcast(tensor)
+        except CollectiveFailed as error:  # the group is aborted; say which engines failed
+            raise CollectiveFailed(f"{error}{_engine_errors(self.urls, calls)}") from None
         _raise_first_engine_error(calls, self.timeout_s)
 
     def _submit(
@@ -147,8 +155,10 @@ class DistributedTransport(WeightTransport):
         ]
 
     def leave(self) -> None:
+        """Abort this end of the group: an engine may have died in a collective, and a
+        graceful destroy would wait for it (engine/group.py)."""
         if self.group is not None:
-            self.group.destroy()
+            self.group.abort()
             self.group = None
 
     def close(self) -> None:
@@ -167,6 +177,17 @@ class DistributedTransport(WeightTransport):
                 except (EngineRequestError, TimeoutError) as error:
                     log.warning("%s did not leave weight group %s: %s", url, self.group_name, error)
         self._pool.shutdown(wait=False)
+
+
+def _engine_errors(urls: list[str], calls: list[Future]) -> str:
+    """What the engines' update calls that already ended in an error said (a dead engine's
+    refused connection names it), for the message of a failed collective."""
+    said = [
+        f"{url}: {call.exception()}"
+        for url, call in zip(urls, calls, strict=True)
+        if call.done() and call.exception() is not None
+    ]
+    return f" (engines: {'; '.join(said)})" if said else ""
 
 
 def _raise_first_engine_error(calls: list[Future], timeout_s: float) -> None:
