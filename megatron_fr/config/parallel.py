@@ -29,6 +29,12 @@ class ParallelConfig(StrictModel):
     """torch.distributed backend; auto picks nccl when CUDA is available and gloo otherwise."""
     timeout_minutes: PositiveInt = Field(default=30)
     """Collective timeout for the process groups."""
+    data_address: str | None = None
+    """Address of the first learner rank's node, where the rollout process hosts the data
+    group that the other nodes' stage leaders join (each binds its end to its own address
+    that routes there, or to GLOO_SOCKET_IFNAME's interface when set). None: the launcher's
+    MASTER_ADDR (torchrun's rank 0 is on that node; the Slurm job gives it the node's
+    NodeAddr), or loopback when every rank is on one node."""
 
     @property
     def effective_expert_tensor(self) -> int:

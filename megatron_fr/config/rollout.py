@@ -120,5 +120,6 @@ class EvalSettings(StrictModel):
     """Evaluation samples at its own temperature (the paper's math evals: 0.7; its ALFWorld
     eval: 1.0); no importance ratio is taken, so top_p < 1 is allowed here."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    timeout_s: PositiveFloat = 1800.0
-    """Deadline of one evaluation (all sets)."""
+    timeout_s: PositiveFloat = 1200.0
+    """Deadline of one evaluation (all sets); below the learner's collective timeout
+    (parallel.timeout_minutes), which the run refuses it to reach."""

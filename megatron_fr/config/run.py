@@ -73,6 +73,29 @@ class RunConfig(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _deadlines_below_the_collective_timeout(self) -> RunConfig:
+        """While the first rank waits out one of these deadlines the other ranks wait for it
+        in collectives (in slices, but a single call to an engine is not sliced), and a
+        collective that reaches parallel.timeout_minutes kills the job through the
+        watchdog: each deadline must end before it."""
+        collective_s = self.parallel.timeout_minutes * 60
+        deadlines = {
+            "eval.timeout_s": self.eval.timeout_s,
+            "rollout.engine.start_timeout_s": self.rollout.engine.start_timeout_s,
+            "weights.timeout_s": self.weights.timeout_s,
+            "weights.regroup_timeout_s": self.weights.regroup_timeout_s,
+        }
+        for name, seconds in deadlines.items():
+            if seconds >= collective_s:
+                raise ValueError(
+                    f"{name}={seconds:g} s reaches parallel.timeout_minutes="
+                    f"{self.parallel.timeout_minutes} ({collective_s:g} s): the other ranks "
+                    "would be killed by the collective timeout while the first rank waits; "
+                    f"lower {name} or raise parallel.timeout_minutes"
+                )
+        return self
+
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last

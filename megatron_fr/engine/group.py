@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import os
-import socket
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 
@@ -175,24 +173,3 @@ def construction_environment(
                 environ.pop(name, None)
             else:
                 environ[name] = value
-
-
-def address_towards(host: str) -> str:
-    """This machine's address on the interface that routes to `host` (no packet is sent):
-    what a stage's sending rank tells the engines to connect to."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((socket.gethostbyname(host), 9))
-        except OSError as error:
-            raise OSError(f"no route from this host to engine host {host!r}: {error}") from error
-        return probe.getsockname()[0]
-
-
-def is_this_host(host: str) -> bool:
-    """Whether `host` is this machine: a loopback address, or one the kernel routes to from
-    this machine's own address of that name (no packet is sent)."""
-    try:
-        address = socket.gethostbyname(host)
-        return ipaddress.ip_address(address).is_loopback or address_towards(address) == address
-    except (OSError, ValueError):
-        return False

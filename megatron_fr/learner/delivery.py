@@ -23,8 +23,9 @@ no knowledge of the learner's layout beyond the group size.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -41,10 +42,12 @@ from megatron_fr.buffer.shards import (
 )
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.learner.step_plan import StepPlan
+from megatron_fr.utils.net import address_towards
 
 if TYPE_CHECKING:  # megatron stays out of the rollout process, which sends from this module
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 HANDSHAKE = 4
 """(DP rank, PP stage, first layer, end layer) of a stage leader; layers -1 without routing."""
 
@@ -60,16 +63,27 @@ class DataPathAddress:
 
 
 def _data_group(address: DataPathAddress, rank: int) -> PointToPoint:
-    store = dist.TCPStore(
-        address.host,
-        address.port,
-        address.leaders + 1,
-        rank == 0,
-        timeout=datetime.timedelta(seconds=address.timeout_s),
-    )
+    """The sender (rank 0) hosts the store at address.host; every member binds its gloo end
+    to gloo_device(address.host), never to what its host name resolves to."""
     timeout = datetime.timedelta(seconds=address.timeout_s)
+    size = address.leaders + 1
+    store = dist.TCPStore(address.host, address.port, size, rank == 0, timeout=timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [gloo_device(address.host)]
     # torch's stubs omit the gloo backend's send/recv, which it has
-    return cast(PointToPoint, dist.ProcessGroupGloo(store, rank, address.leaders + 1, timeout))
+    return cast(PointToPoint, dist.ProcessGroupGloo(store, rank, size, options))
+
+
+def gloo_device(toward: str, environ: Mapping[str, str] = os.environ) -> object:
+    """This process's end of a gloo group whose store is at `toward`: on the interface
+    GLOO_SOCKET_IFNAME names when it is set (the user's choice, as for torch's own groups),
+    else on this machine's address that routes to `toward` (the sender's own address, on the
+    node that hosts it)."""
+    interface = environ.get(GLOO_SOCKET_IFNAME, "").split(",")[0]
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_device(hostname=address_towards(toward))
 
 
 class ShareSender:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_po
 from megatron_fr.orchestrator.rollout_process import RolloutProcess
 from megatron_fr.orchestrator.setup import connect_weight_sync
 from megatron_fr.parallel.spawn import free_port
-from megatron_fr.parallel.state import broadcast_from_rank0
+from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 
@@ -115,13 +115,30 @@ def train(config: RunConfig, run_dir: Path) -> None:
 
 
 def data_path_address(config: RunConfig, learner: Learner) -> DataPathAddress:
-    """Where the rollout process hosts the data group: this node (loopback when the whole
-    learner is on it), a free port, one member per (DP rank, PP stage). Its waits are the
-    learner's collective timeout: a stage leader waits there for each batch."""
-    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
-    host = "127.0.0.1" if one_node else socket.gethostname()
+    """Where the rollout process hosts the data group: this node, at data_path_host, a free
+    port, one member per (DP rank, PP stage). Its waits are the learner's collective timeout:
+    a stage leader waits there for each batch."""
     leaders = learner.groups.dp.size() * learner.groups.pp.size()
+    host = data_path_host(config, dist.get_world_size())
     return DataPathAddress(host, free_port(), leaders, config.parallel.timeout_minutes * 60.0)
+
+
+def data_path_host(
+    config: RunConfig, world_size: int, environ: Mapping[str, str] = os.environ
+) -> str:
+    """parallel.data_address, else loopback when the whole learner is on this node, else
+    the launcher's MASTER_ADDR (the node of rank 0); never this host's name, which resolves
+    to a loopback address on many distributions."""
+    if config.parallel.data_address:
+        return config.parallel.data_address
+    if environ.get("LOCAL_WORLD_SIZE") == str(world_size):
+        return "127.0.0.1"
+    if environ.get("MASTER_ADDR"):
+        return environ["MASTER_ADDR"]
+    raise ValueError(
+        "the learner spans nodes and neither parallel.data_address nor MASTER_ADDR says where "
+        "its first rank is: set parallel.data_address to that node's address"
+    )
 
 
 def _loop(
@@ -139,9 +156,8 @@ def _loop(
     telemetry = GpuTelemetry()
     if rollout is not None:
         stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
-        assert report is not None  # the first rank makes both
-        if step == 0:
-            evaluate(rollout, report, step)
+    if step == 0:
+        evaluate(config, rollout, report, step)
     skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
     while step < config.steps:
         started = time.monotonic()
@@ -158,8 +174,8 @@ def _loop(
             rollout.set_version(step)
             seconds = time.monotonic() - started
             report.step(step, summaries, metrics | gpus, sync_s, rollout.stats(), seconds)
-            if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
-                evaluate(rollout, report, step)
+        if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
+            evaluate(config, rollout, report, step)
         stop = broadcast_from_rank0(stop_file.exists() if rollout else None)
         if last or stop or step % config.checkpoint.every_steps == 0:
             save_checkpoint(config, run_dir, learner, rollout, step)
@@ -231,10 +247,24 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
     }
 
 
-def evaluate(rollout: RolloutProcess, report: RunReport, step: int) -> None:
-    """avg@k on every held-out set, at the eval's own sampling temperature."""
-    results, rollouts_total = rollout.evaluate()
-    report.evaluation(step, results, rollouts_total)
+def evaluate(
+    config: RunConfig, rollout: RolloutProcess | None, report: RunReport | None, step: int
+) -> None:
+    """avg@k on every held-out set, at the eval's own sampling temperature: the first rank
+    evaluates while every rank waits in slices (run_on_rank0)."""
+
+    def work() -> None:
+        assert rollout is not None and report is not None  # the first rank makes both
+        results, rollouts_total = rollout.evaluate()
+        report.evaluation(step, results, rollouts_total)
+
+    run_on_rank0(work if rollout is not None else None, wait_slice_s(config))
+
+
+def wait_slice_s(config: RunConfig) -> float:
+    """How long a rank waits for the first rank in one collective: a quarter of the
+    collective timeout, at most a minute."""
+    return min(60.0, config.parallel.timeout_minutes * 60 / 4)
 
 
 def save_checkpoint(
@@ -247,8 +277,11 @@ def save_checkpoint(
     directory = ckpt.step_dir(run_dir, step)
     learner.save(str(directory / "learner"))
     ckpt.save_rng(directory, dist.get_rank())
-    if rollout is not None:
+
+    def controller_state() -> None:
+        assert rollout is not None
         ckpt.save_controller_state(directory, {"step": step, "rollout": rollout.state_dict()})
-    dist.barrier()
+
+    run_on_rank0(controller_state if rollout is not None else None, wait_slice_s(config))
     if rollout is not None:
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)

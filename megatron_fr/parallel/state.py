@@ -12,6 +12,8 @@ go on without them. ``process_groups()`` hands the groups to the code that uses 
 from __future__ import annotations
 
 import datetime
+import threading
+from collections.abc import Callable
 from typing import TypeVar, cast
 
 import torch
@@ -85,12 +87,54 @@ def initialize_single_process(
     initialize(config or ParallelConfig(), seed)
 
 
-def broadcast_from_rank0(value: T | None) -> T:
-    """Rank 0's value on every rank (any picklable object; a collective of the default group).
-    The other ranks' values are not read: they pass None where only rank 0 has the value."""
+def broadcast_from_rank0(value: T | None, group: dist.ProcessGroup | None = None) -> T:
+    """Rank 0's value on every rank (any picklable object; a collective of `group`, the
+    default group if None). The other ranks' values are not read: they pass None where only
+    rank 0 has the value."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return cast(T, box[0])  # rank 0's value, which rank 0 always passes
+
+
+class FirstRankFailed(RuntimeError):
+    """What the other ranks raise when the first rank's work (run_on_rank0) failed."""
+
+
+def run_on_rank0(
+    work: Callable[[], T] | None, slice_s: float, group: dist.ProcessGroup | None = None
+) -> T:
+    """Rank 0 runs `work` (the other ranks pass None) on a thread while every rank meets in a
+    broadcast every `slice_s` seconds, so no rank sits in one collective for as long as the
+    work may take (an evaluation, a checkpoint's controller state): the collective timeout
+    would kill it. Every rank returns rank 0's result; an error of the work is raised on
+    rank 0 as it was, and as FirstRankFailed naming it on the others."""
+    outcome: list[tuple[str, object]] = []
+    thread = None
+    if work is not None:
+
+        def run() -> None:
+            try:
+                outcome.append(("done", work()))
+            except BaseException as error:  # handed to the caller's thread below
+                outcome.append(("error", error))
+
+        thread = threading.Thread(target=run, name="first-rank-work", daemon=True)
+        thread.start()
+    while True:
+        status = None
+        if thread is not None:
+            thread.join(slice_s)
+            if not thread.is_alive():
+                kind, value = outcome[0]
+                status = (kind, value if kind == "done" else f"{type(value).__name__}: {value}")
+        status = broadcast_from_rank0(status, group)
+        if status is None:
+            continue
+        if status[0] == "done":
+            return cast(T, status[1])
+        if thread is not None:
+            raise cast(BaseException, outcome[0][1])
+        raise FirstRankFailed(f"the first rank failed: {status[1]}")
 
 
 def destroy() -> None:

@@ -55,3 +55,53 @@ def test_a_failing_rank_reports_its_traceback_and_its_peer_is_stopped():
     assert "KeyError: 'rank one could not find its shard'" in failures[1]
     assert "fail_on_rank_one" in failures[1]
     assert 0 in failures
+
+
+def first_rank_works_longer_than_a_collective_may_wait(rank: int, world_size: int) -> dict:
+    """A group whose collectives time out after 1 s: rank 0 works 3 s, then fails."""
+    import datetime
+    import time
+
+    from megatron_fr.parallel.state import FirstRankFailed, run_on_rank0
+
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+
+    def work() -> str:
+        time.sleep(3)
+        return "evaluated"
+
+    got = run_on_rank0(work if rank == 0 else None, slice_s=0.25, group=short)
+
+    def failing() -> None:
+        time.sleep(1.5)
+        raise ValueError("engine pool empty")
+
+    try:
+        run_on_rank0(failing if rank == 0 else None, slice_s=0.25, group=short)
+        failed = None
+    except (ValueError, FirstRankFailed) as error:
+        failed = (type(error).__name__, str(error))
+    try:  # the same wait in one collective: the timeout fires
+        box = [None]
+        if rank == 0:
+            time.sleep(3)
+        dist.broadcast_object_list(box, src=0, group=short)
+        unsliced = "returned"
+    except RuntimeError:
+        unsliced = "timed out"
+    return dict(got=got, failed=failed, unsliced=unsliced)
+
+
+@pytest.mark.distributed
+def test_the_other_ranks_wait_for_the_first_ranks_work_in_slices_below_the_timeout():
+    """run_on_rank0: work longer than the group's collective timeout finishes on every rank
+    (the others meet rank 0 in a broadcast every slice); the work's error is rank 0's own and
+    named on the others; the same wait in one collective times out (the control)."""
+    first, second = run_on_ranks(first_rank_works_longer_than_a_collective_may_wait, 2)
+    assert first["got"] == second["got"] == "evaluated"
+    assert first["failed"] == ("ValueError", "engine pool empty")
+    assert second["failed"] == (
+        "FirstRankFailed",
+        "the first rank failed: ValueError: engine pool empty",
+    )
+    assert second["unsliced"] == "timed out"

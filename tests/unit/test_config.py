@@ -122,6 +122,29 @@ def test_check_fails_on_a_poisoned_number_with_one_line_naming_it(override, caps
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "deadline",
+    [
+        "eval.timeout_s=1800",
+        "rollout.engine.start_timeout_s=3600",
+        "weights.timeout_s=1800",
+        "weights.regroup_timeout_s=2000",
+    ],
+)
+def test_check_refuses_a_deadline_that_reaches_the_collective_timeout(deadline, capsys):
+    """The first rank waiting out the deadline would hold the others in collectives past
+    parallel.timeout_minutes (30 min = 1,800 s): refused by --check, naming both keys."""
+    from megatron_fr.cli import main
+
+    assert main(["train", str(RECIPE), "--check", deadline]) == 2
+    err = capsys.readouterr().err.strip()
+    key = deadline.split("=")[0]
+    assert f"{key}=" in err and "parallel.timeout_minutes=30 (1800 s)" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    raised = load_run_config(RECIPE, [deadline, "parallel.timeout_minutes=61"])
+    assert raised.parallel.timeout_minutes == 61  # the remedy it names is accepted
+
+
 def _schemas(model: type[pydantic.BaseModel]) -> set[type[pydantic.BaseModel]]:
     """model and every pydantic model its fields hold, however nested (lists, dicts, unions)."""
     found, annotations = {model}, [f.annotation for f in model.model_fields.values()]

@@ -125,7 +125,7 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model
         f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
         f" model.hf_dir={demo_model}"
         """ 'rollout.engine.urls=["http://node1:20100"]' weights.master_address=node2"""
-        " weights.master_port=20010 learner_ranks=2",
+        " weights.master_port=20010 parallel.data_address=node2 learner_ranks=2",
         "scontrol requeue dryrun",
     ]
 
@@ -150,7 +150,8 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     urls = '["http://node1:20100","http://node1:20101","http://node2:20102","http://node2:20103"]'
     assert f"'rollout.engine.urls={urls}'" in lines[2]
     assert "learner_node" in lines[2] and " 2 8 node3 20000 " in lines[2]
-    assert "weights.master_address=node3 weights.master_port=20010 learner_ranks=16" in lines[2]
+    weights = "weights.master_address=node3 weights.master_port=20010"
+    assert f"{weights} parallel.data_address=node3 learner_ranks=16" in lines[2]
     script = tmp_path / "job.sbatch"
     dry_run(wrapper, tmp_path, "--script-out", str(script), "--time", "04:00:00")
     sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]

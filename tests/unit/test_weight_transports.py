@@ -30,10 +30,10 @@ from test_rollout_protocol import class_fields
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.engine import protocol
 from megatron_fr.engine import sglang_source as src
-from megatron_fr.engine.group import address_towards
 from megatron_fr.engine.http import EngineRequestError, flush_cache
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, UnknownServer
 from megatron_fr.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
+from megatron_fr.utils.net import address_towards
 from megatron_fr.weights import sync as sync_module
 from megatron_fr.weights.transports import disk as disk_module
 from megatron_fr.weights.transports import distributed as dist_module

@@ -9,13 +9,9 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_fr.engine import protocol
-from megatron_fr.engine.group import (
-    CollectiveFailed,
-    WeightUpdateGroup,
-    address_towards,
-    create_weight_update_group,
-)
+from megatron_fr.engine.group import CollectiveFailed, WeightUpdateGroup, create_weight_update_group
 from megatron_fr.engine.http import EngineRequestError, post_json
+from megatron_fr.utils.net import address_towards
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 

@@ -18,8 +18,8 @@ import torch
 
 from megatron_fr.engine import protocol
 from megatron_fr.engine import sglang_source as src
-from megatron_fr.engine.group import is_this_host
 from megatron_fr.engine.http import post_json
+from megatron_fr.utils.net import is_this_host
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
 
