@@ -29,10 +29,10 @@ class WeightSyncConfig(StrictModel):
     """Deadline of every engine call and of each broadcast."""
     regroup_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline for each engine to leave the old weight-update groups when the learner
-    connects (ending an open update session, destroying the groups of a previous connect).
-    An engine that does not answer in time is taken out of the pool as dead: SGLang's
-    scheduler answers a destroy only after the collective it is stuck in, so waiting longer
-    would hold every other engine's regroup."""
+    connects (ending an open update session, destroying the groups of a previous connect);
+    timeout_s where that is shorter. An engine that does not answer in time is taken out of
+    the pool as dead: SGLang's scheduler answers a destroy only after the collective it is
+    stuck in, so waiting longer would hold every other engine's regroup."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause during the update; "abort" ends in-flight requests, which the rollout
     client continues under the new version, so every token's version is exact."""

@@ -68,7 +68,7 @@ def _data_group(address: DataPathAddress, rank: int) -> PointToPoint:
     timeout = datetime.timedelta(seconds=address.timeout_s)
     size = address.leaders + 1
     store = dist.TCPStore(address.host, address.port, size, rank == 0, timeout=timeout)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
     options._timeout = timeout
     options._devices = [gloo_device(address.host)]
     # torch's stubs omit the gloo backend's send/recv, which it has

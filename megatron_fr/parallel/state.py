@@ -121,20 +121,20 @@ def run_on_rank0(
         thread = threading.Thread(target=run, name="first-rank-work", daemon=True)
         thread.start()
     while True:
-        status = None
+        status: tuple[str, object] | None = None
         if thread is not None:
             thread.join(slice_s)
             if not thread.is_alive():
                 kind, value = outcome[0]
                 status = (kind, value if kind == "done" else f"{type(value).__name__}: {value}")
-        status = broadcast_from_rank0(status, group)
-        if status is None:
+        received: tuple[str, object] | None = broadcast_from_rank0(status, group)
+        if received is None:
             continue
-        if status[0] == "done":
-            return cast(T, status[1])
+        if received[0] == "done":
+            return cast(T, received[1])
         if thread is not None:
             raise cast(BaseException, outcome[0][1])
-        raise FirstRankFailed(f"the first rank failed: {status[1]}")
+        raise FirstRankFailed(f"the first rank failed: {received[1]}")
 
 
 def destroy() -> None:

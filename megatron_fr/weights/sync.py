@@ -165,7 +165,7 @@ class WeightSync:
         regroup_timeout_s: an engine that does not answer in time is recorded in
         `unresponsive` and the connect fails naming it (the pool then takes it out)."""
         leftovers = _recorded_groups(self.groups_file)
-        bound = self.config.regroup_timeout_s
+        bound = self._regroup_bound()
         pool = ThreadPoolExecutor(max_workers=len(self.engines))
         calls = [pool.submit(self._adopt_one, engine, leftovers) for engine in self.engines]
         pool.shutdown(wait=False)  # a hung call's thread is not waited for
@@ -183,13 +183,18 @@ class WeightSync:
         if mute:
             self.unresponsive.update(mute)
             raise EngineRequestError(
-                f"engines {mute} did not leave their old weight groups within "
-                f"weights.regroup_timeout_s={bound:g} s: treated as dead"
+                f"engines {mute} did not end their update session and leave their old weight "
+                f"groups ({protocol.END_WEIGHT_UPDATE_PATH}, "
+                f"{protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH}) within {bound:g} s "
+                "(weights.regroup_timeout_s, at most weights.timeout_s): treated as dead"
             )
         return engines
 
+    def _regroup_bound(self) -> float:
+        return min(self.config.regroup_timeout_s, self.timeout_s)
+
     def _adopt_one(self, engine: Engine, leftovers: list[str]) -> Engine:
-        bound = self.config.regroup_timeout_s
+        bound = self._regroup_bound()
         resolved = resolve_engine(engine, bound)
         end = protocol.end_weight_update_request()
         _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
