@@ -28,7 +28,6 @@ GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
 PAUSE_GENERATION_PATH = "/pause_generation"
 CONTINUE_GENERATION_PATH = "/continue_generation"
-ABORT_REQUEST_PATH = "/abort_request"
 INIT_WEIGHTS_UPDATE_GROUP_PATH = "/init_weights_update_group"
 DESTROY_WEIGHTS_UPDATE_GROUP_PATH = "/destroy_weights_update_group"
 BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
@@ -37,6 +36,7 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
 UPDATE_WEIGHTS_FROM_TENSOR_PATH = "/update_weights_from_tensor"
 UPDATE_WEIGHTS_FROM_DISK_PATH = "/update_weights_from_disk"
 UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+GET_WEIGHTS_BY_NAME_PATH = "/get_weights_by_name"
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -589,8 +589,7 @@ def update_weight_version_request(
     }
 
 
-def abort_request_request(rid: str | None = None, abort_all: bool = False) -> dict[str, object]:
-    """Body of /abort_request: one request by rid, or all of them (exactly one of the two)."""
-    if (rid is None) == (not abort_all):
-        raise ValueError("abort_request needs exactly one of rid or abort_all=True")
-    return {"abort_all": True} if abort_all else {"rid": rid, "abort_all": False}
+def get_weights_by_name_request(name: str, truncate_size: int) -> dict[str, object]:
+    """Body of /get_weights_by_name: the first `truncate_size` values of tensor `name` (SGLang
+    reads them back only for some model types: weights/sync.py's spot check)."""
+    return {"name": name, "truncate_size": truncate_size}

@@ -15,7 +15,7 @@ recipe's engines, by staying out for the others.
       │
     joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
       │
-      └──(the next weight sync reached it and its /get_weight_version is the learner's)
+      └──(the next weight sync reached it and its /model_info weight_version is the learner's)
 
 Every change of who is in the pool bumps the membership epoch. The learner asks for it before
 each weight sync (membership()); when it moved, every sending rank leaves its weight-update
@@ -194,18 +194,20 @@ class EngineSupervisor:
 
     async def synced(self, urls: list[str], version: str) -> None:
         """A weight sync to `urls` finished at `version`: each joining engine among them whose
-        /get_weight_version says so serves from now on."""
+        GET /model_info says so (SGLang's server-wide `weight_version`, which
+        /update_weight_version set) serves from now on."""
         for url in urls:
             member = self.members.get(url)
             if member is None or member.state != "joining":
                 continue
             try:
-                served = await asyncio.to_thread(get_json, url, "/get_weight_version", 10.0)
+                info = await asyncio.to_thread(get_json, url, MODEL_INFO_PATH, 10.0)
             except EngineRequestError as error:
                 log.warning("engine %s did not confirm its weights (%s): it stays out", url, error)
                 continue
-            if str(served.get("weight_version")) != version:
-                log.warning("engine %s serves version %s, not %s", url, served, version)
+            served = info.get("weight_version") if isinstance(info, dict) else info
+            if str(served) != version:
+                log.warning("engine %s serves version %r, not %s", url, served, version)
                 continue
             member.state = "serving"
             lost = time.monotonic() - member.out_since if member.out_since else 0.0
