@@ -184,6 +184,9 @@ class _Server:
     down_until: float = 0.0
     failing: int = 0
     """Requests in a row that failed on the server's side (connection, timeout, 5xx)."""
+    progress_at: float = 0.0
+    """When its requests in flight last moved: its last answer to a /generate, or the moment
+    it got work with nothing in flight (time.monotonic())."""
     taken_out: asyncio.Event | None = None
     """Set when the server leaves the pool; its requests in flight wait on it too. Made on
     first use, inside the client's loop."""
@@ -238,6 +241,14 @@ class RolloutClient:
         """Requests to `url` in a row that failed on its side (0 for a server never used)."""
         server = self._servers.get(url)
         return server.failing if server is not None else 0
+
+    def stalled_s(self, url: str) -> float:
+        """Seconds the requests in flight at `url` have gone without an answer (_Server.
+        progress_at); 0 with nothing in flight: an idle server is never stalled."""
+        server = self._servers.get(url)
+        if server is None or not server.outstanding:
+            return 0.0
+        return time.monotonic() - server.progress_at
 
     def in_pool(self, url: str) -> bool:
         server = self._servers.get(url)
@@ -442,10 +453,13 @@ class RolloutClient:
         return chosen
 
     async def _post_generate(self, server: _Server, body: dict) -> GenerateOutput:
+        if not server.outstanding:
+            server.progress_at = time.monotonic()
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
             answer = await self._unless_taken_out(server, self._post_json(server.url, body))
+            server.progress_at = time.monotonic()
             return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
