@@ -24,6 +24,8 @@ run (RoutedExpertsUnavailable): it is misconfigured, and a retry would not help.
 Top-K log-probs (config.top_logprobs = K, for the top-K gate): every segment asks for them
 (SGLang's top_logprobs_num) and the Rollout carries one row per output token, the segments'
 rows in order, so a continued rollout's rows are those of the engines that sampled each token.
+A server that sends null for some tokens (SGLang's rows for tokens it has no top-K of) ends
+the run (TopLogProbsUnavailable), as missing routed experts do: the gate cannot be fed.
 
 The pool changes while the run goes on (rollout/supervisor.py): take_out(url) ends the
 requests in flight on that server at once (each is retried on the others with the prompt and
@@ -172,6 +174,11 @@ class RoutedExpertsUnavailable(RuntimeError):
     misconfigured run (SGLang without --enable-return-routed-experts, or a dense model)."""
 
 
+class TopLogProbsUnavailable(RuntimeError):
+    """Top-K log-probs were asked for and the server sent null for some output tokens (SGLang
+    has none for them): not a failed rollout but a run whose top-K gate cannot be fed."""
+
+
 class _Retryable(Exception):
     """A failure of the server, not of the request."""
 
@@ -316,6 +323,13 @@ class RolloutClient:
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
+            if out.top_logprobs_from:
+                raise TopLogProbsUnavailable(
+                    f"{server} sent no top-{self.config.top_logprobs} log-probs (null) for the "
+                    f"first {out.top_logprobs_from} of {len(out.output_ids)} output tokens; the "
+                    "top-K gate needs every token's: use learner.flash_reinforce.gate_kl "
+                    "bernoulli with this server"
+                )
             if out.top_logprobs is not None:
                 tops.append(out.top_logprobs)
             if (layout := self.config.routed_experts) is not None:

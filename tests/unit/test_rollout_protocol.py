@@ -570,7 +570,7 @@ def sglang_logprob_meta() -> Callable:
                 for part in ("", "_val", "_idx")
             },
         )
-        state.output_token_logprobs_val = [values[0] for values, _ in top]
+        state.output_token_logprobs_val = [values[0] if values else -1.0 for values, _ in top]
         state.output_token_logprobs_idx = list(ids)
         state.output_top_logprobs_val = [values for values, _ in top]
         state.output_top_logprobs_idx = [tokens for _, tokens in top]
@@ -625,6 +625,49 @@ def test_the_cpu_engine_writes_top_logprobs_exactly_as_sglang(sglang_logprob_met
         expected = sglang_logprob_meta(ids, top, k)
         for key in ("input_top_logprobs", "output_top_logprobs", "output_token_logprobs"):
             assert meta[key] == expected[key], (key, count)
+
+
+@pytest.fixture(scope="module")
+def sglang_flat_layout() -> Callable:
+    """flat_top_logprobs_layout as written in the installed io_struct.py: SGLang's rule for
+    which rows of top log-probs may be null (it raises on any other)."""
+    from megatron_fr.engine.sglang_source import exec_function, function_source
+
+    name = "flat_top_logprobs_layout"
+    return exec_function(function_source("srt/managers/io_struct.py", name), name, {})
+
+
+def test_null_top_logprobs_rows_parse_where_sglangs_own_layout_allows_them(
+    sglang_logprob_meta, sglang_flat_layout
+) -> None:
+    """Random rows emptied (SGLang writes null for an empty row): the parser accepts exactly
+    the answers SGLang's flat layout accepts (nulls only in a leading run), reports that run's
+    length as SGLang does, keeps the rows after it, and names the first null after a row."""
+    rng = random.Random(4)
+    accepted = refused = 0
+    for _ in range(200):
+        count, k = rng.randint(1, 6), rng.randint(1, 4)
+        ids, top = _random_top(rng, count, k)
+        top = [([], []) if rng.random() < 0.3 else row for row in top]
+        body = well_formed()
+        body["output_ids"] = ids
+        body["meta_info"]["weight_versions"] = [{"version": "2", "start": 0, "end": count}]
+        body["meta_info"] |= sglang_logprob_meta(ids, top, k)
+        try:
+            null_prefix, _ = sglang_flat_layout([values for values, _ in top], k)
+        except ValueError:
+            first = next(i for i, (values, _) in enumerate(top) if values)
+            interior = next(i for i in range(first, count) if not top[i][0])
+            with pytest.raises(MalformedResponse) as info:
+                p.parse_generate_response(body, top_logprobs_num=k)
+            assert info.value.path == f"meta_info.output_top_logprobs[{interior}]"
+            refused += 1
+            continue
+        out = p.parse_generate_response(body, top_logprobs_num=k)
+        assert out.top_logprobs_from == null_prefix
+        assert out.top_logprobs.ids.tolist() == [tokens for _, tokens in top[null_prefix:]]
+        accepted += 1
+    assert accepted > 50 and refused > 50, (accepted, refused)
 
 
 TOP = ("meta_info", "output_top_logprobs")
