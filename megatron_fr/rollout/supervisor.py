@@ -263,10 +263,10 @@ class EngineSupervisor:
                 member.retry_at = now + self.settings.watch_interval_s
 
     def _generation_failure(self, member: Member) -> str | None:
-        """Why a serving engine that may still answer GET /model_info cannot generate: its
-        requests failed failures_in_a_row times in a row, or those in flight have had no answer
-        for stalled_after_s (wedged); None when neither. Counted only while it serves: a
-        joining engine's counts are those of its last life."""
+        """Why a serving engine cannot generate, whether or not it answers GET /model_info:
+        its requests failed failures_in_a_row times in a row, or those in flight have had no
+        answer for stalled_after_s (wedged); None when neither. Counted only while it serves:
+        a joining engine's counts are those of its last life."""
         if self._client is None or member.state != "serving":
             return None
         failing = self._client.failing(member.url)
@@ -276,8 +276,7 @@ class EngineSupervisor:
         if stalled >= self.settings.stalled_after_s:
             return (
                 f"wedged: its generate requests in flight had no answer for {stalled:.1f} s "
-                f"(rollout.engine.stalled_after_s={self.settings.stalled_after_s:g}) while it "
-                f"answered GET {MODEL_INFO_PATH}"
+                f"(rollout.engine.stalled_after_s={self.settings.stalled_after_s:g})"
             )
         return None
 
