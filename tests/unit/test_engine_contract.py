@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,7 @@ class _Module:
         return _module_constant(f"{package}.{name}", attribute)
 
 
-@functools.cache
+@cache
 def _module(path: Path) -> _Module:
     return _Module(path)
 
@@ -179,6 +178,7 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef
 
 
 def _callee(node: ast.expr) -> str | None:
+    """The called name: `f` of f(..) and of x.f(..)."""
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
@@ -187,6 +187,7 @@ def _callee(node: ast.expr) -> str | None:
 
 
 def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Positional parameters as callers count them (a method's self or cls left out)."""
     names = [a.arg for a in (*function.args.posonlyargs, *function.args.args)]
     return names[1:] if names[:1] in (["self"], ["cls"]) else names
 

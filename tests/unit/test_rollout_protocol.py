@@ -1,7 +1,9 @@
-"""SGLang wire format: request bodies checked against SGLang's own request types (read from the
-installed source with `ast`; importing sglang fails without its dependencies), and the strict
-/generate response parser checked against well-formed and malformed bodies, and the per-token
-weight-version spans checked against SGLang's own span code (run from the installed source)."""
+"""SGLang wire format: sampling keys and the fields the CPU engine accepts checked against
+SGLang's own types (read from the installed source with `ast`; importing sglang fails without
+its dependencies; request bodies against their routes' types are test_engine_contract.py's),
+the strict /generate response parser checked against well-formed and malformed bodies, and
+the per-token weight-version spans and top-K rows checked against SGLang's own code (run from
+the installed source)."""
 
 from __future__ import annotations
 import __future__
