@@ -24,6 +24,8 @@ run (RoutedExpertsUnavailable): it is misconfigured, and a retry would not help.
 Top-K log-probs (config.top_logprobs = K, for the top-K gate): every segment asks for them
 (SGLang's top_logprobs_num) and the Rollout carries one row per output token, the segments'
 rows in order, so a continued rollout's rows are those of the engines that sampled each token.
+A server that sends null for some tokens (SGLang's rows for tokens it has no top-K of) ends
+the run (TopLogProbsUnavailable), as missing routed experts do: the gate cannot be fed.
 
 The pool changes while the run goes on (rollout/supervisor.py): take_out(url) ends the
 requests in flight on that server at once (each is retried on the others with the prompt and
@@ -172,6 +174,11 @@ class RoutedExpertsUnavailable(RuntimeError):
     misconfigured run (SGLang without --enable-return-routed-experts, or a dense model)."""
 
 
+class TopLogProbsUnavailable(RuntimeError):
+    """Top-K log-probs were asked for and the server sent null for some output tokens (SGLang
+    has none for them): not a failed rollout but a run whose top-K gate cannot be fed."""
+
+
 class _Retryable(Exception):
     """A failure of the server, not of the request."""
 
@@ -184,6 +191,9 @@ class _Server:
     down_until: float = 0.0
     failing: int = 0
     """Requests in a row that failed on the server's side (connection, timeout, 5xx)."""
+    progress_at: float = 0.0
+    """When its requests in flight last moved: its last answer to a /generate, or the moment
+    it got work with nothing in flight (time.monotonic())."""
     taken_out: asyncio.Event | None = None
     """Set when the server leaves the pool; its requests in flight wait on it too. Made on
     first use, inside the client's loop."""
@@ -238,6 +248,14 @@ class RolloutClient:
         """Requests to `url` in a row that failed on its side (0 for a server never used)."""
         server = self._servers.get(url)
         return server.failing if server is not None else 0
+
+    def stalled_s(self, url: str) -> float:
+        """Seconds the requests in flight at `url` have gone without an answer (_Server.
+        progress_at); 0 with nothing in flight: an idle server is never stalled."""
+        server = self._servers.get(url)
+        if server is None or not server.outstanding:
+            return 0.0
+        return time.monotonic() - server.progress_at
 
     def in_pool(self, url: str) -> bool:
         server = self._servers.get(url)
@@ -305,6 +323,13 @@ class RolloutClient:
             output_ids += out.output_ids
             logprobs += out.output_logprobs
             versions += out.token_versions
+            if out.top_logprobs_from:
+                raise TopLogProbsUnavailable(
+                    f"{server} sent no top-{self.config.top_logprobs} log-probs (null) for the "
+                    f"first {out.top_logprobs_from} of {len(out.output_ids)} output tokens; the "
+                    "top-K gate needs every token's: use learner.flash_reinforce.gate_kl "
+                    "bernoulli with this server"
+                )
             if out.top_logprobs is not None:
                 tops.append(out.top_logprobs)
             if (layout := self.config.routed_experts) is not None:
@@ -442,10 +467,13 @@ class RolloutClient:
         return chosen
 
     async def _post_generate(self, server: _Server, body: dict) -> GenerateOutput:
+        if not server.outstanding:
+            server.progress_at = time.monotonic()
         server.outstanding += 1
         self.metrics.requests[server.url] += 1
         try:
             answer = await self._unless_taken_out(server, self._post_json(server.url, body))
+            server.progress_at = time.monotonic()
             return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1

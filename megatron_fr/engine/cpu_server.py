@@ -3,13 +3,13 @@
     python -m megatron_fr.engine.cpu_server --model-path HF_DIR --host 127.0.0.1 --port 30000
 
 Speaks the subset of SGLang's HTTP API that RL training uses (field names as in SGLang's
-io_struct): /health, /model_info, /server_info (SGLang's fields for a one-process server, and
-"engine": "megatron-fr-cpu": engine/server_info.py), /generate (single and batched,
-input_ids or text),
-/get_weight_version, /pause_generation, /continue_generation, /flush_cache, /abort_request,
-/init_weights_update_group (backend "gloo"), /begin_weight_update and /end_weight_update
-(the session SGLang requires around /update_weights_from_distributed),
-/update_weights_from_distributed,
+io_struct), and no route SGLang lacks (tests/unit/test_engine_contract.py): /health,
+/model_info (the served weight_version among SGLang's fields), /server_info (SGLang's fields
+for a one-process server, and "engine": "megatron-fr-cpu": engine/server_info.py),
+/generate (single and batched, input_ids or text), /pause_generation, /continue_generation,
+/flush_cache, /abort_request, /init_weights_update_group (backend "gloo"),
+/begin_weight_update and /end_weight_update (the session SGLang requires around
+/update_weights_from_distributed), /update_weights_from_distributed,
 /update_weights_from_disk, /update_weight_version, /destroy_weights_update_group and
 /get_weights_by_name. Requests are served concurrently (one thread each, interleaved token by
 token); a model directory without tokenizer files serves input_ids requests.
@@ -120,7 +120,6 @@ class CpuServer:
             "/health_generate": self.health,
             "/model_info": self.model_info,
             "/server_info": self.server_info,
-            "/get_weight_version": self.get_weight_version,
         }
         post = {
             "/generate": self.generate,
@@ -177,9 +176,6 @@ class CpuServer:
                 ENGINE_FIELD: CPU_ENGINE,
             }
         )
-
-    async def get_weight_version(self, _request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.engine.weight_version})
 
     # --- generation ---------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ log-prob paired with the wrong token, or a positive "log-prob", silently corrupt
 ratio, so a response that breaks the contract is refused with the offending field named
 (`meta_info.output_token_logprobs[3][1]`), never repaired. The same holds for the top-K
 log-probs asked for with top_logprobs_num (the top-K gate's input): exactly K entries
-[logprob, token_id, text|null] per output token, as SGLang's tokenizer manager writes them.
+[logprob, token_id, text|null] per output token, as SGLang's tokenizer manager writes them,
+or null for the leading tokens SGLang has none of.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
 PAUSE_GENERATION_PATH = "/pause_generation"
 CONTINUE_GENERATION_PATH = "/continue_generation"
-ABORT_REQUEST_PATH = "/abort_request"
 INIT_WEIGHTS_UPDATE_GROUP_PATH = "/init_weights_update_group"
 DESTROY_WEIGHTS_UPDATE_GROUP_PATH = "/destroy_weights_update_group"
 BEGIN_WEIGHT_UPDATE_PATH = "/begin_weight_update"
@@ -37,6 +37,7 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH = "/update_weights_from_distributed"
 UPDATE_WEIGHTS_FROM_TENSOR_PATH = "/update_weights_from_tensor"
 UPDATE_WEIGHTS_FROM_DISK_PATH = "/update_weights_from_disk"
 UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+GET_WEIGHTS_BY_NAME_PATH = "/get_weights_by_name"
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -223,8 +224,11 @@ class GenerateOutput:
     it, knowing the rows asked for); None when the server sent none."""
     prompt_tokens: int | None
     top_logprobs: TopLogProbs | None = None
-    """The top-K ids and log-probs of each output token's distribution (one row per output
-    token), when they were asked for (top_logprobs_num > 0); None otherwise."""
+    """The top-K ids and log-probs of each output token's distribution from token
+    `top_logprobs_from` on (one row per token), when they were asked for (top_logprobs_num >
+    0); None otherwise."""
+    top_logprobs_from: int = 0
+    """How many leading output tokens came without their top-K (SGLang's null rows)."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -280,22 +284,32 @@ def _parse_logprobs(meta: dict, output_ids: list[int], prefix: str) -> list[floa
     return logprobs
 
 
-def _parse_top_logprobs(meta: dict, output_ids: list[int], k: int, prefix: str) -> TopLogProbs:
-    """SGLang's meta_info.output_top_logprobs for top_logprobs_num = k: one list per output
-    token of exactly k entries [logprob, token_id, text|null] (tokenizer_manager.py:
+def _parse_top_logprobs(
+    meta: dict, output_ids: list[int], k: int, prefix: str
+) -> tuple[TopLogProbs, int]:
+    """SGLang's meta_info.output_top_logprobs for top_logprobs_num = k: one entry per output
+    token, a list of exactly k entries [logprob, token_id, text|null] (tokenizer_manager.py:
     detokenize_top_logprobs_tokens; JSON turns its tuples into lists), log-probs finite and
-    <= 0 (SGLang clamps -inf to the float's smallest value), token ids in int32's range."""
+    <= 0 (SGLang clamps -inf to the float's smallest value), token ids in int32's range; or
+    null for a token SGLang has no top-K of (its row was empty), only in a leading run, the
+    one place SGLang's own flat layout allows them (io_struct.py: flat_top_logprobs_layout).
+    Returns the rows after that run and its length (SGLang's output_top_logprobs_null_prefix)."""
     path = _join(prefix, "output_top_logprobs")
     if not output_ids and "output_top_logprobs" not in meta:
-        return TopLogProbs.of([], [], k)  # some of SGLang's abort paths add no log-probs
+        return TopLogProbs.of([], [], k), 0  # some of SGLang's abort paths add no log-probs
     rows = _require(meta, "output_top_logprobs", prefix)
     if not isinstance(rows, list) or len(rows) != len(output_ids):
         got = f"{len(rows)} entries" if isinstance(rows, list) else type(rows).__name__
         raise MalformedResponse(
             path, f"expected {len(output_ids)} lists (one per output token), got {got}"
         )
+    null_prefix = next((i for i, row in enumerate(rows) if row is not None), len(rows))
     ids, log_probs = [], []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows[null_prefix:], start=null_prefix):
+        if row is None:
+            raise MalformedResponse(
+                f"{path}[{i}]", f"null after a token with its top-{k} (nulls only lead)"
+            )
         if not isinstance(row, list) or len(row) != k:
             raise MalformedResponse(f"{path}[{i}]", f"expected {k} entries, got {row!r:.80}")
         for j, entry in enumerate(row):
@@ -313,7 +327,7 @@ def _parse_top_logprobs(meta: dict, output_ids: list[int], k: int, prefix: str) 
                 raise MalformedResponse(f"{where}[1]", f"expected a token id, got {token!r}")
             ids.append(token)
             log_probs.append(logprob)
-    return TopLogProbs.of(ids, log_probs, k)
+    return TopLogProbs.of(ids, log_probs, k), null_prefix
 
 
 def _parse_finish_reason(meta: dict, prefix: str) -> FinishReason:
@@ -395,6 +409,9 @@ def _parse_one(body: object, prefix: str, top_logprobs_num: int = 0) -> Generate
         raise MalformedResponse(
             _join(meta_prefix, "prompt_tokens"), f"expected an int >= 0, got {prompt_tokens!r}"
         )
+    top, top_from = None, 0
+    if top_logprobs_num:
+        top, top_from = _parse_top_logprobs(meta, output_ids, top_logprobs_num, meta_prefix)
     return GenerateOutput(
         output_ids=output_ids,
         output_logprobs=logprobs,
@@ -403,9 +420,8 @@ def _parse_one(body: object, prefix: str, top_logprobs_num: int = 0) -> Generate
         token_versions=_parse_version_spans(meta, len(output_ids), version, meta_prefix),
         routed_experts=meta.get("routed_experts"),
         prompt_tokens=prompt_tokens,
-        top_logprobs=_parse_top_logprobs(meta, output_ids, top_logprobs_num, meta_prefix)
-        if top_logprobs_num
-        else None,
+        top_logprobs=top,
+        top_logprobs_from=top_from,
     )
 
 
@@ -589,8 +605,7 @@ def update_weight_version_request(
     }
 
 
-def abort_request_request(rid: str | None = None, abort_all: bool = False) -> dict[str, object]:
-    """Body of /abort_request: one request by rid, or all of them (exactly one of the two)."""
-    if (rid is None) == (not abort_all):
-        raise ValueError("abort_request needs exactly one of rid or abort_all=True")
-    return {"abort_all": True} if abort_all else {"rid": rid, "abort_all": False}
+def get_weights_by_name_request(name: str, truncate_size: int) -> dict[str, object]:
+    """Body of /get_weights_by_name: the first `truncate_size` values of tensor `name` (SGLang
+    reads them back only for some model types: weights/sync.py's spot check)."""
+    return {"name": name, "truncate_size": truncate_size}

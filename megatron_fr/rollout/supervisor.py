@@ -10,12 +10,13 @@ routing-replay run needs, is refused with the reason (EngineRefused): before any
 recipe's engines, by staying out for the others.
 
     serving ──(exited; no answer on GET /model_info for unreachable_after_s;
-      ▲        failures_in_a_row generate requests failed)────────────────────► out
+      ▲        failures_in_a_row generate requests failed; wedged: the requests
+      ▲        in flight had no answer for stalled_after_s)──────────────────► out
       ▲            its requests in flight go to the others at once (engine/client.py)
       │
     joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
       │
-      └──(the next weight sync reached it and its /get_weight_version is the learner's)
+      └──(the next weight sync reached it and its /model_info weight_version is the learner's)
 
 Every change of who is in the pool bumps the membership epoch. The learner asks for it before
 each weight sync (membership()); when it moved, every sending rank leaves its weight-update
@@ -30,7 +31,12 @@ ends the run). A pool with no engine serving, joining or restarting for start_ti
 the run too. Engines given by URL are probed on GET /model_info, never /health: SGLang 0.5.23
 runs a generation there unless started with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, which
 waits while a weight sync pauses the server and answers 503 after 20 s, so a long sync would
-be taken for a death; /model_info is answered without generating.
+be taken for a death; /model_info is answered without generating. Which is also why it cannot
+see a wedged engine: SGLang's HTTP process answers it without the scheduler, so a scheduler
+stuck in a collective answers 200 there while its requests hang. The rollout client times the
+requests in flight at each engine from its last answer (RolloutClient.stalled_s); an engine
+serving requests that have had none for stalled_after_s is taken out as wedged, restarted or
+re-admitted as a dead one is.
 
 Each event goes to RUN_DIR/faults.jsonl (time, engine, event, cause) and into the counters of
 stats(): engines taken out, restarted and back in, and the engine-seconds lost (time engines
@@ -194,18 +200,20 @@ class EngineSupervisor:
 
     async def synced(self, urls: list[str], version: str) -> None:
         """A weight sync to `urls` finished at `version`: each joining engine among them whose
-        /get_weight_version says so serves from now on."""
+        GET /model_info says so (SGLang's server-wide `weight_version`, which
+        /update_weight_version set) serves from now on."""
         for url in urls:
             member = self.members.get(url)
             if member is None or member.state != "joining":
                 continue
             try:
-                served = await asyncio.to_thread(get_json, url, "/get_weight_version", 10.0)
+                info = await asyncio.to_thread(get_json, url, MODEL_INFO_PATH, 10.0)
             except EngineRequestError as error:
                 log.warning("engine %s did not confirm its weights (%s): it stays out", url, error)
                 continue
-            if str(served.get("weight_version")) != version:
-                log.warning("engine %s serves version %s, not %s", url, served, version)
+            served = info.get("weight_version") if isinstance(info, dict) else info
+            if str(served) != version:
+                log.warning("engine %s serves version %r, not %s", url, served, version)
                 continue
             member.state = "serving"
             lost = time.monotonic() - member.out_since if member.out_since else 0.0
@@ -246,14 +254,10 @@ class EngineSupervisor:
         now = time.monotonic()
         if member.state in ("serving", "joining"):
             code = member.process.proc.poll() if member.process is not None else None
-            # Counted only while it serves: a joining engine's count is that of its last life.
-            failing = 0
-            if self._client is not None and member.state == "serving":
-                failing = self._client.failing(member.url)
             if code is not None:
                 await self._take_out(member, f"exited with code {code}")
-            elif failing >= self.settings.failures_in_a_row:
-                await self._take_out(member, f"failed {failing} generate requests in a row")
+            elif failure := self._generation_failure(member):
+                await self._take_out(member, failure)
                 if member.launch is None:  # answering /model_info, it would be back at once
                     member.retry_at = now + self.settings.unreachable_after_s
             elif await _healthy(session, member.url):
@@ -270,6 +274,24 @@ class EngineSupervisor:
                 await self._admit_url(member, "answers again")
             else:
                 member.retry_at = now + self.settings.watch_interval_s
+
+    def _generation_failure(self, member: Member) -> str | None:
+        """Why a serving engine cannot generate, whether or not it answers GET /model_info:
+        its requests failed failures_in_a_row times in a row, or those in flight have had no
+        answer for stalled_after_s (wedged); None when neither. Counted only while it serves:
+        a joining engine's counts are those of its last life."""
+        if self._client is None or member.state != "serving":
+            return None
+        failing = self._client.failing(member.url)
+        if failing >= self.settings.failures_in_a_row:
+            return f"failed {failing} generate requests in a row"
+        stalled = self._client.stalled_s(member.url)
+        if stalled >= self.settings.stalled_after_s:
+            return (
+                f"wedged: its generate requests in flight had no answer for {stalled:.1f} s "
+                f"(rollout.engine.stalled_after_s={self.settings.stalled_after_s:g})"
+            )
+        return None
 
     async def _take_out(self, member: Member, cause: str) -> None:
         """Out of the pool now (its requests in flight go to the others); a started engine is

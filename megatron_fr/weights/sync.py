@@ -338,8 +338,8 @@ class WeightSync:
         """Read the first values of a few sent tensors back from every engine, bitwise."""
         for name, expected in kept:
             for url in self._connected().urls:
-                body = {"name": name, "truncate_size": expected.numel()}
-                served = post_json(url, "/get_weights_by_name", body, self.timeout_s)
+                body = protocol.get_weights_by_name_request(name, expected.numel())
+                served = post_json(url, protocol.GET_WEIGHTS_BY_NAME_PATH, body, self.timeout_s)
                 if torch.tensor(served, dtype=torch.float32).tolist() != expected.float().tolist():
                     raise WeightSyncError(
                         f"spot check: {url} serves {name} = {served}, sent {expected.tolist()}"

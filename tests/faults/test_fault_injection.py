@@ -215,7 +215,7 @@ def served_version(url: str) -> str | None:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{url}/get_weight_version", timeout=2) as answer:
+        with urllib.request.urlopen(f"{url}/model_info", timeout=2) as answer:
             return json.loads(answer.read())["weight_version"]
     except (OSError, ValueError, KeyError, TypeError):
         return None

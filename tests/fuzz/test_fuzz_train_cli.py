@@ -61,6 +61,7 @@ RATES = [
     "rollout.engine.start_timeout_s",
     "rollout.engine.watch_interval_s",
     "rollout.engine.unreachable_after_s",
+    "rollout.engine.stalled_after_s",
 ]
 """Positive floats."""
 AMOUNTS = [

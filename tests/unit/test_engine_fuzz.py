@@ -51,7 +51,7 @@ DEADLINE_S = 30.0
 """Per request; a request still unanswered after it counts as a hang."""
 MAX_REQUEST_BYTES = 64 * 2**10
 CONTEXT = 16
-GET_PATHS = ["/health", "/health_generate", "/model_info", "/get_weight_version", "/flush_cache"]
+GET_PATHS = ["/health", "/health_generate", "/model_info", "/server_info", "/flush_cache"]
 
 scalars = (
     st.none()

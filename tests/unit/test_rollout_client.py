@@ -41,6 +41,7 @@ from megatron_fr.engine.client import (
     RolloutClientConfig,
     RoutedExpertsUnavailable,
     ServersUnavailable,
+    TopLogProbsUnavailable,
 )
 from megatron_fr.engine.protocol import MalformedResponse, RoutedExpertsLayout, SamplingParams
 from megatron_fr.engine.sglang_source import exec_function, function_source
@@ -59,7 +60,8 @@ class Script:
     malformed: str | None = None
     """"token_id": output_token_logprobs[1][1] is wrong; "not_json": the body is not JSON;
     "too_long": one token more than max_new_tokens; "spans": the version spans miss a token;
-    "top_short": output_top_logprobs misses the last token."""
+    "top_short": output_top_logprobs misses the last token; "top_null": its first row is null
+    (SGLang's row for a token it has no top-K of)."""
     abort_after: int = 0
     aborts: int = 0
     """This many times, stop after `abort_after` tokens with finish "abort" (ignoring stop
@@ -127,6 +129,8 @@ def _generate_body(script: Script, body: dict) -> dict:
         meta["output_top_logprobs"] = [
             [[-0.5 - j - script.version / 100, token + j, None] for j in range(k)] for token in ids
         ][: len(ids) - (script.malformed == "top_short")]
+        if script.malformed == "top_null" and ids:
+            meta["output_top_logprobs"][0] = None
     if script.malformed == "token_id":
         meta["output_token_logprobs"][1][1] += 1000
     if aborting:
@@ -455,6 +459,8 @@ def test_top_logprobs_of_every_segment_follow_the_output_tokens() -> None:
     assert asyncio.run(body(waiting)).top_logprobs.tokens == 6
     with pytest.raises(MalformedResponse, match=r"output_top_logprobs: expected 6 lists"):
         asyncio.run(body(Script(malformed="top_short")))
+    with pytest.raises(TopLogProbsUnavailable, match="for the first 1 of 6 output tokens"):
+        asyncio.run(body(Script(malformed="top_null")))
 
 
 def test_version_spans_missing_a_token_are_malformed_and_not_retried() -> None:

@@ -16,16 +16,25 @@ from pathlib import Path
 
 import pytest
 from agent_fixtures import ScriptedEngine, build_tokenizer, serving
+from engine_harness import PROMPT, StepGate, until
+from engine_harness import serving as engine_serving
 from stub_server import StubServer
+from tiny_qwen import tiny_checkpoint
 from trajectory_fixtures import single_turn_trajectory
 
 from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, ServersUnavailable
+from megatron_fr.engine.cpu_engine import CpuEngine
+from megatron_fr.engine.http import MODEL_INFO_PATH, get_json, post_json
 from megatron_fr.engine.launcher import ServerProcess
-from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.engine.protocol import (
+    UPDATE_WEIGHT_VERSION_PATH,
+    SamplingParams,
+    update_weight_version_request,
+)
 from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.service import Backoff, EvalSet, RolloutFailed, RolloutService
 from megatron_fr.rollout.supervisor import EngineDied, EngineRefused, EngineSupervisor
@@ -306,3 +315,78 @@ def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
     with pytest.raises(EngineRefused, match=f"{silent}/server_info: no answer"):
         start([silent], routed=False, timeout_s=1.0)
     assert 0.5 <= time.monotonic() - began < 1.0 + 5.0
+
+
+def test_a_wedged_engine_is_taken_out_and_rejoins_once_it_serves_the_learners_weights(
+    tmp_path: Path,
+):
+    """A CPU engine whose decoding thread is held inside a forward step (engine_harness.
+    StepGate: generation frozen, the HTTP side answering) still answers GET /model_info; the
+    supervisor takes it out as wedged within stalled_after_s + a watch interval of its last
+    progress, its request in flight ends at once, and faults.jsonl says why. Idle, it was never
+    stalled. Given by URL, it is re-admitted once it answers (joining), and serves again once
+    its /model_info weight_version is the one a weight sync set (SGLang's field; it has no
+    /get_weight_version)."""
+    tiny_checkpoint("qwen3_moe", tmp_path / "model", seed=0)
+    engine = CpuEngine(tmp_path / "model", context_length=64)
+    gate = StepGate(engine, {"model": tmp_path / "model"})
+    stalled_s, interval_s = 2.0, 0.2
+    sampling = SamplingParams(max_new_tokens=4)
+
+    async def scenario() -> dict:
+        async with engine_serving(engine) as (url, _server):
+            settings = EngineSettings(
+                urls=[url],
+                watch_interval_s=interval_s,
+                stalled_after_s=stalled_s,
+                unreachable_after_s=1.0,
+                start_timeout_s=60.0,
+            )
+            supervisor = EngineSupervisor(settings, [], run_dir=tmp_path)
+            config = RolloutClientConfig(urls=[url], request_timeout_s=60, max_attempts=1)
+            async with RolloutClient(config) as client:
+                watch = asyncio.create_task(supervisor.watch(client))
+                state = supervisor.members[url]
+                await client.generate(PROMPT, sampling)
+                await asyncio.sleep(stalled_s + 3 * interval_s)  # idle: never stalled
+                idle_state = state.state
+                gate.hold_at(gate.calls + 2)  # the second decoding step of the next request
+                frozen = asyncio.create_task(client.generate(PROMPT, sampling))
+                await gate.held()
+                held_at = time.monotonic()
+                info = await asyncio.to_thread(get_json, url, MODEL_INFO_PATH, 5.0)
+                await until(lambda: state.state == "out", "the wedged engine taken out")
+                out_after = time.monotonic() - held_at
+                with pytest.raises(ServersUnavailable):
+                    await asyncio.wait_for(frozen, 5.0)  # ended at once, not at its deadline
+                gate.go()  # the step finishes; the aborted request ends there
+                await until(lambda: state.state == "joining", "re-admitted by URL")
+                await supervisor.synced([url], "5")  # a sync that never reached it
+                unsynced = state.state
+                body = update_weight_version_request("5")
+                await asyncio.to_thread(post_json, url, UPDATE_WEIGHT_VERSION_PATH, body, 5.0)
+                await supervisor.synced([url], "5")
+                back = await client.generate(PROMPT, sampling)
+                watch.cancel()
+        return {
+            "idle": idle_state,
+            "info": info,
+            "out_after": out_after,
+            "unsynced": unsynced,
+            "state": state.state,
+            "back": back,
+        }
+
+    result = asyncio.run(scenario())
+    assert result["idle"] == "serving"
+    assert result["info"]["weight_version"] == "default"  # /model_info answered while frozen
+    # Its last progress was the request's start, just before the hold: out after stalled_s,
+    # and within a watch interval of it (plus the probes of one watch round).
+    assert stalled_s - 0.5 <= result["out_after"] <= stalled_s + interval_s + 0.5, result
+    assert result["unsynced"] == "joining" and result["state"] == "serving"
+    assert result["back"].token_versions == ["5"] * 4
+    faults = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [f["event"] for f in faults] == ["out", "joining", "in"]
+    assert faults[0]["cause"].startswith("wedged: its generate requests in flight had no answer")
+    assert "rollout.engine.stalled_after_s=2" in faults[0]["cause"]
+    assert faults[2]["cause"] == "serves version 5"
