@@ -121,32 +121,43 @@ def chunked_causal_attention(
     """query [local tokens, b, heads, d]; key and value [gathered tokens, b, groups, d] as the
     CP group gathered them (rank order; the local ones at CP 1). Returns [local tokens, b,
     heads, d], each chunk's queries attending causally to their sequence's keys."""
-    if layout.key_spans != ((0, key.shape[0]),):
-        key, value = (torch.cat([x[s:e] for s, e in layout.key_spans]) for x in (key, value))
-    q_all, k_all, v_all = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
-    gqa = q_all.shape[1] != k_all.shape[1]
     outputs = []
-    for chunk in layout.chunks:
-        (q0, q1), (k0, k1) = chunk.queries, chunk.keys
-        q, k, v = q_all[:, :, q0:q1], k_all[:, :, k0:k1], v_all[:, :, k0:k1]
-        if q1 - q0 == k1 - k0:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
-            bias = _lower_right_bias(q, k, v, gqa, layout)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa
-            )
+    for q, k, v, bias in chunk_inputs(query, key, value, layout):
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            is_causal=bias is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         outputs.append(out.permute(2, 0, 1, 3))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, gqa: bool, layout: ChunkLayout) -> Tensor:
+def chunk_inputs(
+    query: Tensor, key: Tensor, value: Tensor, layout: ChunkLayout
+) -> list[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+    """What each chunk's SDPA call takes: its queries, keys and values ([b, heads, s, d]
+    views, the keys in row order) and its causal bias (None for a square chunk: is_causal)."""
+    if layout.key_spans != ((0, key.shape[0]),):
+        key, value = (torch.cat([x[s:e] for s, e in layout.key_spans]) for x in (key, value))
+    q_all, k_all, v_all = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+    inputs = []
+    for chunk in layout.chunks:
+        (q0, q1), (k0, k1) = chunk.queries, chunk.keys
+        q, k, v = q_all[:, :, q0:q1], k_all[:, :, k0:k1], v_all[:, :, k0:k1]
+        bias = None if q1 - q0 == k1 - k0 else _lower_right_bias(q, k, v, layout)
+        inputs.append((q, k, v, bias))
+    return inputs
+
+
+def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, layout: ChunkLayout) -> Tensor:
     """torch's lower-right causal bias where a fused kernel applies it (the same test torch's
     CausalBias makes before it would build the mask itself), else the corner of the shared
     tile."""
-    params = SDPAParams(q, k, v, None, 0.0, False, gqa)
+    params = SDPAParams(q, k, v, None, 0.0, False, q.shape[1] != k.shape[1])
     if can_use_flash_attention(params) or can_use_efficient_attention(params):
         return causal_lower_right(q.shape[2], k.shape[2])
     rows, cols = layout.tile_shape  # type: ignore[misc]  # a non-square chunk exists
