@@ -61,18 +61,9 @@ class ChunkLayout:
     """Spans of the gathered keys (ranks in order, each rank's own chunks in its order) whose
     concatenation is the row-ordered keys the chunks index."""
 
-    @property
-    def tile_shape(self) -> Span | None:
-        """The smallest lower-right tile every non-square chunk's bias is a corner of (None:
-        every chunk is square)."""
-        shapes = [
-            (q1 - q0, k1 - k0)
-            for (q0, q1), (k0, k1) in ((c.queries, c.keys) for c in self.chunks)
-            if q1 - q0 != k1 - k0
-        ]
-        if not shapes:
-            return None
-        return max(rows for rows, _ in shapes), max(cols for _, cols in shapes)
+    tile: Span | None
+    """The smallest lower-right tile every non-square chunk's bias is a corner of, (rows,
+    columns); None when every chunk is square."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,7 +99,12 @@ def chunk_layout(boundaries: tuple[int, ...], cp_size: int, cp_rank: int) -> Chu
         first = key_start[sequence]
         chunks.append(Chunk((local, local + end - start), (first, first + end - sequence)))
         local += end - start
-    return ChunkLayout(tuple(chunks), tuple(key_spans))
+    shapes = [(c.queries[1] - c.queries[0], c.keys[1] - c.keys[0]) for c in chunks]
+    lower_right = [(rows, cols) for rows, cols in shapes if rows != cols]
+    tile = None
+    if lower_right:
+        tile = max(rows for rows, _ in lower_right), max(cols for _, cols in lower_right)
+    return ChunkLayout(tuple(chunks), tuple(key_spans), tile)
 
 
 def _sequence_start(boundaries: tuple[int, ...], position: int) -> int:
@@ -160,7 +156,8 @@ def _lower_right_bias(q: Tensor, k: Tensor, v: Tensor, layout: ChunkLayout) -> T
     params = SDPAParams(q, k, v, None, 0.0, False, q.shape[1] != k.shape[1])
     if can_use_flash_attention(params) or can_use_efficient_attention(params):
         return causal_lower_right(q.shape[2], k.shape[2])
-    rows, cols = layout.tile_shape  # type: ignore[misc]  # a non-square chunk exists
+    assert layout.tile is not None  # q is a non-square chunk's
+    rows, cols = layout.tile
     return lower_right_tile(rows, cols, q.device, q.dtype)[-q.shape[2] :, -k.shape[2] :]
 
 

@@ -116,7 +116,7 @@ def attention_at_cp2(rank: int) -> list[dict]:
                 ],
                 built=MASKS.built - built,
                 host_bytes=MASKS.host_bytes - host,
-                tile=layout.tile_shape,
+                tile=layout.tile,
                 row_mask_made=(len(local), tokens) in shapes.seen,
             )
         )
