@@ -2,7 +2,8 @@
 (models/chunked_attention.py: one causal SDPA per zigzag chunk, no row mask) computes plain
 causal attention within each sequence.
 
-One spawn of 2 gloo ranks:
+In one process, every rank of CP 1 to 4 (the gather stood in for by indexing), with the
+shared tile and with the bias CUDA's kernels take. One spawn of 2 gloo ranks:
   - the attention at CP2 (keys and values gathered over the real CP group) against causal
     attention per sequence written out below (float64 matmul, softmax, matmul on the whole
     row, no CP): outputs and the gradients of queries, keys and values agree to 1e-10 for
@@ -58,6 +59,54 @@ def causal_per_sequence(query, key, value, boundaries):
     return torch.cat(outputs)
 
 
+def random_row(tokens: int, rows: int, seed: int) -> list[torch.Tensor]:
+    """Queries, keys, values and an upstream gradient for `rows` rows of `tokens` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(tokens, rows, heads, DIM, generator=generator, dtype=torch.float64)
+        for heads in (HEADS, GROUPS, GROUPS, HEADS)
+    ]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_every_rank_of_cp1_to_cp4_in_one_process(monkeypatch, fused):
+    """CP 1 to 4 on packed rows, every rank in this process (the all-gather stood in for by
+    indexing with the ranks' zigzag positions, so the gradients flow back the same way), all
+    ranks' outputs and gradients against causal attention per sequence. fused: the branch a
+    CUDA kernel takes (torch's lower-right CausalBias, which this CPU torch expands itself)
+    in place of the shared tile; no tile is then built."""
+    from megatron_fr.models import chunked_attention
+    from megatron_fr.parallel.context_parallel import zigzag_indices
+
+    if fused:
+        monkeypatch.setattr(chunked_attention, "can_use_flash_attention", lambda params: True)
+    built = chunked_attention.MASKS.built
+    for cp, boundaries in {
+        1: [0, 5, 12],
+        2: [0, 8, 32, 36, 48],
+        3: [0, 12, 36, 48],
+        4: [0, 16, 48, 64],
+    }.items():
+        leaves = [x.requires_grad_() for x in random_row(boundaries[-1], 1, seed=cp)]
+        query, key, value, upstream = leaves
+        expected = causal_per_sequence(query, key, value, boundaries)
+        wanted = torch.autograd.grad((expected * upstream).sum(), (query, key, value))
+        gathered = torch.cat([zigzag_indices(boundaries, cp, rank) for rank in range(cp)])
+        total = 0
+        for rank in range(cp):
+            local = zigzag_indices(boundaries, cp, rank)
+            layout = chunked_attention.chunk_layout(tuple(boundaries), cp, rank)
+            output = chunked_attention.chunked_causal_attention(
+                query[local], key[gathered], value[gathered], layout, SCALE
+            )
+            assert (output - expected[local]).abs().max() <= 1e-10, (cp, rank)
+            total = total + (output * upstream[local]).sum()
+        found = torch.autograd.grad(total, (query, key, value))
+        for ours, theirs in zip(found, wanted, strict=True):
+            assert (ours - theirs).abs().max() <= 1e-10, cp
+    assert (chunked_attention.MASKS.built == built) == fused
+
+
 def attention_at_cp2(rank: int) -> list[dict]:
     """Per row layout: this rank's outputs and gradients against the reference's share, the
     mask tiles built by three layers, and the largest trailing 2-D shape any op produced."""
@@ -87,13 +136,8 @@ def attention_at_cp2(rank: int) -> list[dict]:
     group = ps.get_context_parallel_group()
     results = []
     for boundaries, rows in ROWS:
-        generator = torch.Generator().manual_seed(len(boundaries) * 100 + rows)
         tokens = boundaries[-1]
-
-        def draw(heads, generator=generator, tokens=tokens, rows=rows):
-            return torch.randn(tokens, rows, heads, DIM, generator=generator, dtype=torch.float64)
-
-        query, key, value, upstream = draw(HEADS), draw(GROUPS), draw(GROUPS), draw(HEADS)
+        query, key, value, upstream = random_row(tokens, rows, seed=len(boundaries) * 100 + rows)
         leaves = [x.clone().requires_grad_() for x in (query, key, value)]
         causal_per_sequence(*leaves, boundaries).backward(upstream)
         local = zigzag_indices(boundaries, 2, rank)
