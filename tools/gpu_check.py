@@ -50,7 +50,9 @@ STEPS = {
             "tools/bench_learner.py: the local and the torch spec on a 4-layer "
             "Qwen3-30B-A3B slice at 4,096 tokens (their TFLOP/s ratio), then the torch "
             "spec on the 8-layer slice at 16,384 packed tokens (128 experts, top-8): "
-            "tokens/s, model TFLOP/s, peak memory, where the time goes, loss path memory",
+            "tokens/s, model TFLOP/s, peak memory, where the time goes, loss path memory; "
+            "tools/bench_attention.py: the torch spec's CP attention at the flagship's CP2 "
+            "shape, 48 layers forward and backward, the masks it builds",
         ),
         (
             "train",
@@ -231,7 +233,8 @@ BENCH_RUNS = (  # (label, tools/bench_learner.py arguments)
 
 
 def bench(args: argparse.Namespace) -> int:
-    """tools/bench_learner.py on the Qwen3-30B-A3B slice, a fresh process per run."""
+    """tools/bench_learner.py on the Qwen3-30B-A3B slice, a fresh process per run, then
+    tools/bench_attention.py at its defaults."""
     tflops = {}
     for label, extra in BENCH_RUNS:
         bench_learner = str(REPO / "tools" / "bench_learner.py")
@@ -251,6 +254,14 @@ def bench(args: argparse.Namespace) -> int:
         f"{mine:.1f} / {local:.1f} = {mine / local:.1f} x",
     )
     figure("model TFLOP/s torch spec (8 layers, 16,384 tokens)", f"{slice_:.1f}")
+    command = [sys.executable, str(REPO / "tools" / "bench_attention.py"), "--attention"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    print("  [torch spec CP attention, the flagship's CP2 shape]")
+    for line in result.stdout.splitlines():
+        print(f"    {line}", flush=True)
+    if result.returncode:
+        print(f"FAILED: bench_attention: exit {result.returncode}\n{result.stderr[-3000:]}")
+        return FAILED
     return 0
 
 

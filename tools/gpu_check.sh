@@ -5,7 +5,8 @@
 # network; meant to take under 8 min, not yet timed with these steps): the tiny Qwen3-MoE learner on CUDA in bf16 against transformers with
 # every layer spec the machine has (packed rows too); tools/bench_learner.py's torch and local
 # specs on a 4-layer Qwen3-30B-A3B slice at 4,096 tokens (their model TFLOP/s and ratio), the
-# torch spec on the 8-layer slice at 16,384 packed tokens; 3 steps of the training loop with a
+# torch spec on the 8-layer slice at 16,384 packed tokens; tools/bench_attention.py (the torch
+# spec's CP attention at the flagship's CP2 shape); 3 steps of the training loop with a
 # disk weight update. Cluster tier (transformer-engine, SGLang and >= 2
 # GPUs): the parity check with TE's layer spec, then a real SGLang server updated over NCCL,
 # its log-probs against the learner's, GB/s per bucket. A tier that cannot run here says why

@@ -27,8 +27,15 @@ Activations per GPU, following Korthikanti et al. 2022, "Reducing Activation Rec
 Large Transformer Models" (arXiv:2205.05198, Sec. 4): their per-layer s b h (34 + 5 a s / h)
 bytes (bf16, MHA, ungated 4h GeLU MLP) counted per token per layer, without the a s^2 terms,
 and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
-    attention  3h + 4q + 4kv  (+ 2q + 2kv with q/k norms)   [input 2h, Q 2q, K and V 4kv,
-                              core-attention output 2q, dropout mask h; MHA: q = kv = h, 11h]
+    attention  3h + 4q + 4kv c + 4a  (+ 2q + 2kv with q/k norms, + 2q with CP > 1)
+                              [input 2h, Q 2q, the K and V the attention reads 4kv c (c =
+                              CP: the keys are gathered over the CP group, and its first
+                              rank reads every key of its sequences), core-attention output
+                              2q, the kernel's fp32 log-sum-exp per head 4a (a = heads),
+                              dropout mask h; with CP > 1 the output of each zigzag chunk,
+                              kept by its kernel beside their concatenation, 2q
+                              (models/chunked_attention.py); MHA at CP 1, without the
+                              log-sum-exp: q = kv = h, 11h]
     norms      4h                                           [two norm inputs]
     MLP        2h r + 6F + h                                [fc1 input 2h per routed copy,
                               gate|up output 4F, activation output 2F, dropout mask h; their
@@ -41,7 +48,9 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
     combine    2hk                                          [expert outputs, kept by the
                               multiplication with the routing probabilities]
   Flash attention never stores the a s^2 softmax tensors (the part Korthikanti's selective
-  recompute drops), so the estimate depends on tokens only.
+  recompute drops), and on a GPU the torch spec's attention keeps no mask for packed rows or
+  CP (each zigzag chunk's causal alignment is applied inside the kernel), so the estimate
+  depends on tokens only.
   Sequence parallelism is assumed whenever TP > 1 (megatron requires it for MoE with TP > 1),
   so every term is divided by TP; a GPU holds T / TP tokens of a micro-batch of
   T = LearnerConfig.micro_batch_tokens tokens on each CP rank (the micro-batch holds T x CP,
@@ -260,16 +269,20 @@ def stage_params(spec: HFModelSpec, parallel: ParallelConfig, stage: int) -> Par
     return ParamCounts(dense=dense, expert=expert)
 
 
-def attention_bytes_per_token_layer(spec: HFModelSpec) -> int:
-    """What a layer's attention keeps per token (module docstring)."""
-    h, q, kv = spec.hidden_size, _q(spec), _kv(spec)
-    return 3 * h + 4 * q + 4 * kv + (2 * q + 2 * kv if spec.qk_layernorm else 0)
+def attention_bytes_per_token_layer(spec: HFModelSpec, context: int = 1) -> int:
+    """What a layer's attention keeps per token at CP `context` (module docstring)."""
+    h, q, kv, heads = spec.hidden_size, _q(spec), _kv(spec), spec.num_attention_heads
+    kept = 3 * h + 4 * q + 4 * kv * context + 4 * heads
+    chunk_outputs = 2 * q if context > 1 else 0
+    return kept + chunk_outputs + (2 * q + 2 * kv if spec.qk_layernorm else 0)
 
 
-def activation_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int = 1) -> int:
+def activation_bytes_per_token_layer(
+    spec: HFModelSpec, expert_tensor: int = 1, context: int = 1
+) -> int:
     """Bytes one token leaves for the backward in one layer, no recompute (module docstring)."""
     h = spec.hidden_size
-    attention, norms = attention_bytes_per_token_layer(spec), 4 * h
+    attention, norms = attention_bytes_per_token_layer(spec, context), 4 * h
     if not spec.is_moe:
         return attention + norms + 2 * h + 6 * spec.intermediate_size + h
     k = spec.num_experts_per_tok
@@ -279,14 +292,16 @@ def activation_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int = 1) 
     return attention + norms + experts + router + combine
 
 
-def kept_bytes_per_token_layer(spec: HFModelSpec, expert_tensor: int, recompute: str) -> int:
+def kept_bytes_per_token_layer(
+    spec: HFModelSpec, expert_tensor: int, recompute: str, context: int = 1
+) -> int:
     """What one layer keeps per token for the backward under a recompute setting."""
     h = spec.hidden_size
     if recompute == "full":
         return 2 * h
     if recompute == "selective":
-        return attention_bytes_per_token_layer(spec) + 4 * h + 2 * h
-    return activation_bytes_per_token_layer(spec, expert_tensor)
+        return attention_bytes_per_token_layer(spec, context) + 4 * h + 2 * h
+    return activation_bytes_per_token_layer(spec, expert_tensor, context)
 
 
 def moe_dispatch_bytes_per_token(spec: HFModelSpec, expert_tensor: int = 1) -> int:
@@ -370,13 +385,14 @@ def _stage_plan(
     tokens = micro_batch_tokens / tp  # this GPU's share of a micro-batch
     params = stage_params(spec, parallel, stage)
     layers, in_flight = spec.num_layers // pp, pp - stage
-    layer = tokens * activation_bytes_per_token_layer(spec, etp)  # one layer's working set
+    cp = parallel.context
+    layer = tokens * activation_bytes_per_token_layer(spec, etp, cp)  # one layer's working set
     buffers = tokens * moe_dispatch_bytes_per_token(spec, etp)
     if stage == pp - 1:
         buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
     activations: dict[str, int] = {}
     for mode in RECOMPUTE:
-        kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode)
+        kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
         activations[mode] = int(kept + recomputing + buffers)
     return StagePlan(

@@ -16,7 +16,8 @@ subclass that computes what TE computes:
 
 Everything around the attention product stays megatron's: THD RoPE restarting at each
 sequence, RoPE's CP slicing, the CP split of the rotary tables, the gradient reductions. The
-torch spec's attention (models/torch_spec.py) uses the same gather and masks.
+torch spec's attention (models/torch_spec.py) uses the same gather, and in place of the row
+mask attends chunk by chunk (models/chunked_attention.py).
 """
 
 from __future__ import annotations

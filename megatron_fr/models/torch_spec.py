@@ -4,9 +4,11 @@ and no transformer-engine.
   attention  TorchAttention: torch.nn.functional.scaled_dot_product_attention (flash or
              memory-efficient kernels on a GPU, GQA without repeating K/V); a packed row
              (THD) through torch.nn.attention.varlen.varlen_attn where this torch has it on
-             this device (CUDA), else SDPA under the row's block-diagonal causal mask; context
-             parallelism as the local spec does it (models/attention.py: keys and values
-             all-gathered over the CP group, megatron's zigzag split kept).
+             this device (CUDA); context parallelism with keys and values all-gathered over
+             the CP group (models/attention.py) and megatron's zigzag split kept. Packed rows
+             without varlen attention and every CP row go through
+             models/chunked_attention.py: one causal SDPA per zigzag chunk against its own
+             sequence's keys, no [queries x keys] mask.
   experts    megatron's own grouped-MLP module, TEGroupedMLP, whose linear_fc1 / linear_fc2
              are built from builders (transformer/moe/experts.py, GroupedLinearFc1Builder);
              TorchGroupedLinear is such a builder: every local expert's weight is its own
@@ -43,8 +45,8 @@ from megatron_fr.models.attention import (
     context_parallel_group,
     gather_keys_and_values,
     row_boundaries,
-    row_causal_mask,
 )
+from megatron_fr.models.chunked_attention import chunk_layout, chunked_causal_attention
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -110,31 +112,13 @@ class TorchAttention(MegatronModule):
             return self._varlen(query, key, value, packed_seq_params).flatten(-2)
         if thd:
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        if packed_seq_params is None and group.size() == 1:
-            output = self._sdpa(query, key, value, None)
-        else:
-            boundaries = row_boundaries(query, packed_seq_params, group.size())
-            mask = ~row_causal_mask(boundaries, group.size(), group.rank()).to(query.device)
-            if group.size() > 1:
-                key, value = gather_keys_and_values(key, value, group)
-            output = self._sdpa(query, key, value, mask)
+        boundaries = row_boundaries(query, packed_seq_params, group.size())
+        layout = chunk_layout(tuple(boundaries), group.size(), group.rank())
+        if group.size() > 1:
+            key, value = gather_keys_and_values(key, value, group)
+        output = chunked_causal_attention(query, key, value, layout, self.softmax_scale)
         output = output.flatten(-2)
         return output.squeeze(1) if thd else output
-
-    def _sdpa(self, query: Tensor, key: Tensor, value: Tensor, allowed: Tensor | None) -> Tensor:
-        """[s, b, heads, d] -> SDPA over [b, heads, s, d]; causal unless `allowed` is given
-        (bool [sq, sk], True where a query may attend)."""
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=allowed,
-            is_causal=allowed is None,
-            scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out.permute(2, 0, 1, 3)
 
     def _can_varlen(self, query: Tensor) -> bool:
         return self.varlen is not None and query.is_cuda and query.dtype != torch.float32

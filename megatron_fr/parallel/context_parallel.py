@@ -9,8 +9,8 @@ cu_seqlens); a packed row is split sequence by sequence, each over its own bound
 attention and megatron's THD RoPE (rope_utils._get_thd_freqs_on_this_cp_rank) expect.
 
 The learner splits its rows with it (learner/micro_batches.py), and the attention of the
-local and torch layer specs (models/attention.py) uses it to know where each gathered key
-sits.
+local and torch layer specs (models/attention.py, models/chunked_attention.py) uses it to know
+where each gathered key sits.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 
-def zigzag_indices(boundaries: Sequence[int], cp_size: int, cp_rank: int) -> Tensor:
-    """Row positions (int64, increasing within each sequence) that CP rank `cp_rank` holds.
+def zigzag_chunks(boundaries: Sequence[int], cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+    """The row spans [start, end) that CP rank `cp_rank` holds, in its order: chunks r and
+    2 CP - 1 - r of each sequence (each whole sequence when cp_size is 1).
 
     boundaries: the row's sequence boundaries [0, b_1, ..., row width] (cu_seqlens of a packed
     row, or [0, width] for a row of one sequence); every sequence's length must divide by
@@ -35,9 +36,9 @@ def zigzag_indices(boundaries: Sequence[int], cp_size: int, cp_rank: int) -> Ten
     if len(bounds) < 2 or bounds[0] != 0 or any(b >= e for b, e in itertools.pairwise(bounds)):
         raise ValueError(f"boundaries must rise strictly from 0, got {bounds}")
     if cp_size == 1:
-        return torch.arange(bounds[-1])
+        return list(itertools.pairwise(bounds))
     chunks = 2 * cp_size
-    pieces = []
+    spans = []
     for start, end in itertools.pairwise(bounds):
         if (end - start) % chunks:
             raise ValueError(
@@ -46,8 +47,15 @@ def zigzag_indices(boundaries: Sequence[int], cp_size: int, cp_rank: int) -> Ten
             )
         size = (end - start) // chunks
         for chunk in (cp_rank, chunks - 1 - cp_rank):
-            pieces.append(torch.arange(start + chunk * size, start + (chunk + 1) * size))
-    return torch.cat(pieces)
+            spans.append((start + chunk * size, start + (chunk + 1) * size))
+    return spans
+
+
+def zigzag_indices(boundaries: Sequence[int], cp_size: int, cp_rank: int) -> Tensor:
+    """Row positions (int64, increasing within each sequence) that CP rank `cp_rank` holds:
+    zigzag_chunks' spans, position by position."""
+    spans = zigzag_chunks(boundaries, cp_size, cp_rank)
+    return torch.cat([torch.arange(start, end) for start, end in spans])
 
 
 def segment_of(boundaries: Sequence[int], indices: Tensor) -> Tensor:

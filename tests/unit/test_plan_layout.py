@@ -49,7 +49,8 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     weights, grads = 2 * (dense + expert), 4 * (dense + expert)
     optimizer = 12 * dense // 2 + 12 * expert // 1
     # Activations at 16,384 tokens per micro-batch: TP4 + SP leaves 4,096 tokens per GPU.
-    # Per token and layer: attention 3h + 4q + 4kv + (2q + 2kv) for q/k norms, norms 4h,
+    # Per token and layer: attention 3h + 4q + 4kv + 4a (the kernel's fp32 log-sum-exp of
+    # each of the a = 32 heads) + (2q + 2kv) for q/k norms, norms 4h,
     # experts 2h*k*ETP + 6*k*f + h, router 2h + 4E, combine 2h*k (the expert outputs the
     # probability weighting keeps). Once per GPU: the MoE dispatch working set 2h*k*(2 + 2 ETP);
     # the chunked loss path: per token of the micro-batch 2h/TP (final-norm input) + 2h (its
@@ -57,7 +58,7 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     # place) + half one for the bf16 product, and the fp32 accumulator + one bf16 part of the
     # output layer's gradient, (V/TP) h (4 + 2).
     tokens, etp = 16384 // 4, 1
-    attention = 3 * h + 4 * q + 4 * kv + 2 * q + 2 * kv
+    attention = 3 * h + 4 * q + 4 * kv + 4 * 32 + 2 * q + 2 * kv
     expert_acts = 2 * h * top_k * etp + 6 * top_k * width + h
     router_acts, combine_acts = 2 * h + 4 * experts, 2 * h * top_k
     per_layer = tokens * (attention + 4 * h + expert_acts + router_acts + combine_acts)
@@ -145,14 +146,24 @@ def test_invalid_layouts_are_refused_with_the_reason(args, reason):
 
 def test_micro_batch_tokens_are_per_gpu_and_cp_lengthens_the_rows():
     """learner.micro_batch_tokens is what each GPU of a CP group holds: CP2 at the same setting
-    keeps every GPU's activations and holds rows twice as long (the learner's longest_row),
-    and a layout whose micro-batches cannot hold the recipe's rows is refused, naming both
-    settings and the least micro_batch_tokens that would do."""
+    keeps every GPU's activations but the attention's own, holds rows twice as long (the
+    learner's longest_row), and a layout whose micro-batches cannot hold the recipe's rows is
+    refused, naming both settings and the least micro_batch_tokens that would do."""
     spec = load_hf_config("qwen3-30b-a3b")
     base = dict(micro_batch_tokens=9216, params_dtype="bfloat16")
     one = plan_layout(spec, ParallelConfig(expert=8), 8, **base)
     two = plan_layout(spec, ParallelConfig(expert=4, context=2), 8, **base)
-    assert two.stages[0].activation_bytes == one.stages[0].activation_bytes
+    # At CP2 a layer's attention keeps the keys and values gathered from both CP ranks (4 kv
+    # bytes per token more: the first rank reads every key of its sequences) and each zigzag
+    # chunk's output beside their concatenation (2 q): kept by all 48 layers without
+    # recompute or with selective, and by the one layer being re-run with either recompute.
+    q, kv = 32 * 128, 4 * 128
+    extra = 9216 * (4 * kv + 2 * q)
+    difference = {
+        mode: two.stages[0].activation_bytes[mode] - one.stages[0].activation_bytes[mode]
+        for mode in ("none", "selective", "full")
+    }
+    assert difference == {"none": 48 * extra, "selective": 49 * extra, "full": extra}
     assert (one.longest_row, two.longest_row) == (9217, 18433)
     tp4_cp2 = ParallelConfig(tensor=4, context=2, expert=8, expert_tensor=1, sequence_parallel=True)
     assert plan_layout(spec, tp4_cp2, 16, row_tokens=18432, **base).longest_row == 18433
