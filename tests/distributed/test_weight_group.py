@@ -48,6 +48,27 @@ def restored(pairs: list) -> list:
     ]
 
 
+def broadcast_bucket_to(port: int, world_size: int, name: str):
+    """Host group `name` as its rank 0 and broadcast bucket() on it; the group."""
+    group = create_weight_update_group("127.0.0.1", port, world_size, name, "gloo", 60)
+    for _, tensor in bucket():
+        group.broadcast(tensor)
+    return group
+
+
+def stop_all(procs: dict) -> None:
+    for proc in procs.values():
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+def assert_is_the_bucket(got: list) -> None:
+    assert [name for name, _ in got] == [name for name, _ in bucket()]
+    for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
+        assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+
+
 def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
     """One TP rank of an SGLang server: joins with SGLang's function, receives one bucket
     tensor by tensor and one flattened, with SGLang's receive code."""
@@ -180,21 +201,14 @@ def test_a_regroup_without_a_dead_engine_runs_on_sglangs_own_code():
         assert procs["dies"].exitcode == 0
         group_a.destroy()  # the sender's side, no engine called
         regroup.set()
-        group_b = create_weight_update_group("127.0.0.1", ports[1], 2, "group_b", "gloo", 60)
-        for _, tensor in bucket():
-            group_b.broadcast(tensor)
+        group_b = broadcast_bucket_to(ports[1], 2, "group_b")
         role, second = results.get(timeout=120)
         group_b.destroy()
     finally:
-        for proc in procs.values():
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+        stop_all(procs)
     assert role == "stays", second
     for got in (restored(first), restored(second)):
-        assert [name for name, _ in got] == [name for name, _ in bucket()]
-        for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
-            assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+        assert_is_the_bucket(got)
 
 
 @pytest.mark.distributed
@@ -305,20 +319,12 @@ def test_a_receiver_killed_mid_broadcast_fails_the_collective_not_the_learner():
             group_a.broadcast(torch.ones(1))
         kind, first = results.get(timeout=90)
         assert kind == "first", first
-        group_b = create_weight_update_group("127.0.0.1", ports[1], 2, "group_b", "gloo", 60)
-        for _, tensor in bucket():
-            group_b.broadcast(tensor)
+        group_b = broadcast_bucket_to(ports[1], 2, "group_b")
         kind, second = results.get(timeout=120)
         group_b.destroy()
     finally:
-        for proc in procs.values():
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
+        stop_all(procs)
     assert kind == "second", second
     print(f"\ncollective failed {failed_after:.1f} s after it began; the survivor's: {first}")
     assert failed_after < 30  # within the group's timeout
-    got = restored(second)
-    assert [name for name, _ in got] == [name for name, _ in bucket()]
-    for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
-        assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+    assert_is_the_bucket(restored(second))
