@@ -28,6 +28,10 @@ class WarmStartConfig(StrictModel):
     """Share of demonstrations whose answer is one of the task's slips instead of the answer."""
     seed: int = 0
     """Seeds the initialisation, the problem stream, the label noise and the sampled eval."""
+    threads: PositiveInt = 2
+    """torch threads the warm start runs on, whatever the caller's setting: the kernels split
+    their sums by thread count, so the same seed on 1 and 2 threads gives other weights
+    (compounded over the steps); fixed, the model is the same bits on any machine of a kind."""
     eval_problems: PositiveInt = 200
     """Held-out problems scored after training (always the same: drawn at the task's seed)."""
     problems: ArithmeticConfig = ArithmeticConfig(digits=2, operations=("+",))

@@ -34,6 +34,7 @@ it; different ones retrain and replace it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,6 +43,7 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -54,6 +56,7 @@ from megatron_fr.demo.arithmetic import Problem, Split
 from megatron_fr.demo.config import WarmStartConfig
 from megatron_fr.demo.tiny_models import build_model
 from megatron_fr.utils.atomic_dir import atomic_directory
+from megatron_fr.utils.provenance import weights_sha256
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -109,6 +112,9 @@ class WarmStartReport:
     it moves less with the other processes' load than the wall time does."""
     reused: bool = False
     """True when an existing directory with the same arguments was returned untouched."""
+    model_sha256: str | None = None
+    """sha256 of the saved weights (utils/provenance.py; None in records written before it
+    was kept): the model a run or a results table started from."""
 
 
 def warm_start(
@@ -141,18 +147,20 @@ def warm_start(
         return dataclasses.replace(WarmStartReport(**stored["report"]), reused=True)
 
     start, cpu_start = time.perf_counter(), time.process_time()
-    with torch.random.fork_rng():  # a seeded init that leaves the caller's generator alone
+    with torch_threads(config.threads), torch.random.fork_rng():  # the caller's left alone
         torch.manual_seed(config.seed)
         model = build_model(model_config, task.stop_token_ids)
-    losses = train(model, task, config, progress=progress)
+        losses = train(model, task, config, progress=progress)
+        held_out = task.problems("eval", config.eval_problems)
+        greedy = mean_reward(model, task, held_out, temperature=0.0)
+        sampled = mean_reward(model, task, held_out, temperature=1.0, seed=config.seed)
     tail = losses[-max(1, len(losses) // 10) :]
-    held_out = task.problems("eval", config.eval_problems)
     report = WarmStartReport(
         initial_loss=losses[0],
         final_loss=sum(tail) / len(tail),
         steps_run=len(losses),
-        greedy_accuracy=mean_reward(model, task, held_out, temperature=0.0),
-        sampled_reward=mean_reward(model, task, held_out, temperature=1.0, seed=config.seed),
+        greedy_accuracy=greedy,
+        sampled_reward=sampled,
         eval_problems=len(held_out),
         seconds=time.perf_counter() - start,
         cpu_seconds=time.process_time() - cpu_start,
@@ -163,9 +171,21 @@ def warm_start(
         model.save_pretrained(partial)
         if tokenizer is not None:
             tokenizer.save_pretrained(partial)
+        report = dataclasses.replace(report, model_sha256=weights_sha256(partial))
         record = dict(identity=identity, report=dataclasses.asdict(report))
         (partial / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     return report
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` for the block, the caller's count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _fingerprint(tokenizer: PreTrainedTokenizerBase | None) -> str | None:

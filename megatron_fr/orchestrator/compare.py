@@ -40,6 +40,7 @@ from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator import compare_stats as stats
 from megatron_fr.orchestrator.run_log import read_metrics
+from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
 """learner.flash_reinforce.gate_kl's values: what `compare lag --gates` takes."""
@@ -276,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
             summary = summarise(variant.name, seed, run_dir, config.buffer.batch_size)
             by_variant[variant.name].append(summary)
     reference = _reference(variants) if args.mode == "methods" else None
-    table = results_table(by_variant, reference)
+    provenance = run_provenance(config.model.hf_dir)
+    started_from = "; ".join(f"{key}: {value}" for key, value in provenance.items())
+    table = f"Started from {started_from}.\n\n" + results_table(by_variant, reference)
     (out / "results.md").write_text(table)
     results = {name: [run.__dict__ for run in runs] for name, runs in by_variant.items()}
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -27,6 +27,7 @@ from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
 from megatron_fr.orchestrator.sinks import build_sinks
 from megatron_fr.rollout.episodes import episode_metrics
+from megatron_fr.utils.provenance import run_provenance
 
 BATCHES_FILE = "batches.jsonl"
 
@@ -41,7 +42,8 @@ class RunReport:
         for name in (METRICS_FILE, BATCHES_FILE):
             ckpt.truncate_jsonl(run_dir / name, step if step > 0 else -1)
         resolved = config.model_dump(mode="json")
-        save_resolved_config(run_dir, resolved)
+        self.provenance = run_provenance(config.model.hf_dir)
+        save_resolved_config(run_dir, resolved, self.provenance)
         sinks = build_sinks(config.report, run_dir, resolved)
         self.logger = RunLogger(run_dir, sinks=sinks, progress_total=config.steps)
 

@@ -143,14 +143,19 @@ def last_step(run_dir: str | Path) -> int | None:
     return int(records[-1]["step"]) if records else None
 
 
-def save_resolved_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
+def save_resolved_config(
+    run_dir: str | Path, config: Mapping[str, Any], header: Mapping[str, object] | None = None
+) -> Path:
     """Write run_dir/config.yaml, keys in the config's own order, atomically (a crash leaves
-    the previous file or the new one, never half of one). Returns the path."""
+    the previous file or the new one, never half of one), `header` as comment lines above
+    them (what the run started from; the file still loads as the config). Returns the path."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
     partial = run_dir / f".{CONFIG_FILE}.partial-{os.getpid()}"
-    partial.write_text(yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
+    comments = "".join(f"# {key}: {value}\n" for key, value in (header or {}).items())
+    text = comments + yaml.safe_dump(dict(config), sort_keys=False)
+    partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)
     return path
 

@@ -113,8 +113,8 @@ def test_chunked_loss_path_equals_log_softmax_of_the_full_logits(chunk, temperat
     """float32: log-probs, entropies and the gradients of the hidden states and the weight
     equal those of log_softmax(h @ W.T / T) built whole, to 1e-6 absolute plus 1e-6 relative
     (a few float32 rounding steps at |log p| of a few nats; the sum's order differs by
-    chunk and by the machine's kernels); chunks of 5 tokens: several, with a short last one; None: the
-    default, one chunk here)."""
+    chunk and by the machine's kernels); chunks of 5 tokens: several, with a short last
+    one; None: the default, one chunk here)."""
     h, w, targets = _hidden_inputs(torch.float32)
     weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
     mine = [h.clone().requires_grad_(True), w.clone().requires_grad_(True)]

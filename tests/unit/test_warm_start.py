@@ -241,3 +241,31 @@ def test_a_different_tokenizer_retrains(tmp_path, text_task):
         assert tiny_chat_model_config(other.tokenizer) == config  # same padded vocabulary
         again = warm_start(out, other, config, quick, tokenizer=other.tokenizer, progress=False)
     assert not again.reused
+
+
+def test_the_model_is_the_same_bits_whatever_the_callers_threads(tmp_path):
+    """The warm start runs on its own `threads`: made from a caller on 1 thread and from one
+    on 2, the weights are the same bits and warm_start.json carries their sha256 (checked
+    here over the file with hashlib). The control: the warm start itself on 1 thread and on
+    2 makes other weights, so the thread count is what the fixed setting holds still."""
+    import hashlib
+
+    config = SHORT.model_copy(update={"steps": 12, "batch_size": 64})
+    before = torch.get_num_threads()
+    made = {}
+    try:
+        for caller_threads, own_threads in ((1, 2), (2, 2), (2, 1)):
+            torch.set_num_threads(caller_threads)
+            out = tmp_path / f"caller{caller_threads}-own{own_threads}"
+            own = config.model_copy(update={"threads": own_threads})
+            report = warm_start(out, TokenArithmetic(), model_config(), own, progress=False)
+            assert torch.get_num_threads() == caller_threads  # the caller's setting is back
+            weights = (out / "model.safetensors").read_bytes()
+            expected = hashlib.sha256(b"model.safetensors\0" + weights).hexdigest()
+            assert report.model_sha256 == expected
+            assert json.loads((out / MARKER).read_text())["report"]["model_sha256"] == expected
+            made[caller_threads, own_threads] = expected
+    finally:
+        torch.set_num_threads(before)
+    assert made[1, 2] == made[2, 2]
+    assert made[2, 1] != made[2, 2]
