@@ -7,6 +7,7 @@ megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accura
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
                                         megatron-to-hf, verify)
+megatron-fr config show RECIPE [KEY]    a recipe's resolved settings, their defaults and docs
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_fr.config import cli as config
     from megatron_fr.convert import cli as convert
     from megatron_fr.demo import cli as demo
     from megatron_fr.engine import serve_cli
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
          "FlashREINFORCE vs GRPO vs RLOO at equal rollouts, or a max_lag sweep"),
         ("demo", demo, demo.main,
          "the CPU demos: `demo prepare RECIPE` makes a demo recipe's tiny model"),
+        ("config", config, config.main,
+         "a recipe's resolved settings with their docs (show), every setting's (reference)"),
     )  # fmt: skip
     for name, module, run, help_text in subcommands:
         sub = commands.add_parser(name, help=help_text)

@@ -53,6 +53,7 @@ class PPOClipConfig(StrictModel):
     taken against the behaviour log-probs the engine reported (algo/ppo.py)."""
 
     eps_low: float = Field(default=0.2, ge=0)
+    """Lower clip: the ratio is clipped at 1 - eps_low."""
     eps_high: float = Field(default=0.2, ge=0)
     """Clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: eps_high > eps_low)."""
     aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] | None = None
@@ -66,7 +67,9 @@ class PPOClipConfig(StrictModel):
     (by the sum or mean of their log-ratio) whose ratio pi / mu lies outside
     [correction_low, correction_high]."""
     correction_low: float = Field(default=0.5, ge=0)
+    """Lower end of the ratio pi / mu a token or trajectory keeps under `correction`."""
     correction_high: float = Field(default=2.0, gt=0)
+    """Upper end of the ratio pi / mu a token or trajectory keeps under `correction`."""
 
     @model_validator(mode="after")
     def _interval(self) -> PPOClipConfig:

@@ -30,9 +30,13 @@ _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 40
 
 class StrictModel(BaseModel):
     """Unknown keys are refused (a typo is an error, not a default), values are frozen, and
-    numbers are finite and at most MAX_MAGNITUDE in size (module docstring)."""
+    numbers are finite and at most MAX_MAGNITUDE in size (module docstring). The docstring
+    under each field is its description (shown by `megatron-fr config show` and in
+    docs/config.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
     @field_validator("*", mode="after")
     @classmethod

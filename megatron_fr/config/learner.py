@@ -69,16 +69,25 @@ class LearnerConfig(StrictModel):
     """Pack several trajectories per micro-batch row (THD / cu_seqlens on GPU, a
     block-diagonal causal mask on CPU); False: one right-padded trajectory per row."""
     params_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """The learner's parameter and compute dtype (the optimizer keeps float32 master weights)."""
     lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate of the distributed Adam optimizer."""
     min_lr: float = Field(default=0.0, ge=0)
+    """The rate a linear or cosine decay ends at (at most lr)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to lr."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How the rate goes from lr toward min_lr after the warmup."""
     weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay (AdamW)."""
     clip_grad: float = Field(default=1.0, ge=0)
     """Global gradient-norm clip (0 disables)."""
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """Adam's first-moment decay."""
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """Adam's second-moment decay."""
     adam_eps: float = Field(default=1e-8, gt=0)
+    """Adam's epsilon (added to the second moment's square root)."""
     max_nonfinite_steps: int = Field(default=5, ge=1)
     """A step whose loss or gradient is not finite is skipped (no update, nothing sent to the
     engines, counted as skipped_steps_total); this many in a row end the run, naming it."""

@@ -13,11 +13,13 @@ class WandbConfig(StrictModel):
     """A Weights & Biases run mirroring metrics.jsonl (the `wandb` package must be installed)."""
 
     project: str = Field(default="megatron-fr", min_length=1)
+    """The Weights & Biases project the run logs to."""
     entity: str | None = None
     """The team or user; None: the logged-in default."""
     name: str | None = None
     """The run's display name; None: the run directory's name."""
     tags: tuple[str, ...] = ()
+    """Tags of the run on Weights & Biases."""
     mode: Literal["online", "offline"] = "online"
     """offline: written under RUN_DIR/wandb only (no network), to `wandb sync` later."""
 

@@ -87,6 +87,7 @@ class RolloutSettings(StrictModel):
     """Sampling temperature of training rollouts. The learner's log-probs are those of the
     same distribution (log softmax(logits / temperature)), as the engines report them."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling of training rollouts: 1 only (see top_k)."""
     top_k: int = -1
     """Truncated sampling (top_p < 1, top_k > 0) is refused for training: both policy losses
     weight tokens by pi / mu, and engines report mu of the untruncated distribution (SGLang
@@ -139,6 +140,7 @@ class EvalSettings(StrictModel):
     """Evaluation samples at its own temperature (the paper's math evals: 0.7; its ALFWorld
     eval: 1.0); no importance ratio is taken, so top_p < 1 is allowed here."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling of the evaluation (no ratio is taken there, so below 1 is allowed)."""
     timeout_s: PositiveFloat = 1200.0
     """Deadline of one evaluation (all sets); below the learner's collective timeout
     (parallel.timeout_minutes), which the run refuses it to reach."""

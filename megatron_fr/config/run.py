@@ -42,13 +42,17 @@ class ModelSettings(StrictModel):
 
 class CheckpointSettings(StrictModel):
     every_steps: int = Field(default=10, ge=1)
+    """A checkpoint every this many steps (and at the last step and on a STOP request)."""
     keep: int = Field(default=2, ge=1)
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
 
 
 class RunConfig(StrictModel):
     steps: int = Field(ge=1)
     """Optimizer steps (policy versions) to train."""
     seed: int = 0
+    """Seeds the learner's random state, the order prompts are handed out in, and the
+    engines' sampling (their sampling_seed)."""
     learner_ranks: int = Field(default=1, ge=1)
     """Learner processes on this node when `megatron-fr train` starts them itself (torchrun
     --nproc-per-node); under an existing torchrun/srun launch the environment decides."""

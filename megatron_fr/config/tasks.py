@@ -31,6 +31,7 @@ class AgentConfig(StrictModel):
     max_turns: PositiveInt = 8
     """Policy turns (generate calls) per episode."""
     max_new_tokens_per_turn: PositiveInt = 1024
+    """Tokens the policy may generate in one turn."""
     max_episode_tokens: PositiveInt = 8192
     """Length of the whole row: prompt, every turn, every observation."""
     max_turn_time_s: PositiveFloat = 300.0
