@@ -33,6 +33,15 @@ class WeightSyncConfig(StrictModel):
     timeout_s where that is shorter. An engine that does not answer in time is taken out of
     the pool as dead: SGLang's scheduler answers a destroy only after the collective it is
     stuck in, so waiting longer would hold every other engine's regroup."""
+    verify_every: int = Field(default=1, ge=0)
+    """Check every this many syncs that each engine computes the learner's log-probs
+    (weights/verify.py: a 16-token probe per engine, scored by the learner); 0: never."""
+    verify_tolerance: float = Field(default=1.0, gt=0)
+    """Largest per-token |engine - learner| log-prob (nats) an engine may show on the probe;
+    past it the engine is taken out of the pool. Engines and learner in float32 agree to
+    about 1e-5; in bf16 single tokens can differ by tenths (a routing tie in an MoE layer),
+    so the default only catches weights that are wrong, not bf16 noise: read the run's
+    sync_logprob_gap before tightening it."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How engines pause during the update; "abort" ends in-flight requests, which the rollout
     client continues under the new version, so every token's version is exact."""

@@ -23,6 +23,7 @@ same command resumes from the newest checkpoint whose files are all readable
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -44,9 +45,11 @@ from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:
     from megatron_fr.learner.trainer import Learner
+    from megatron_fr.models.hf_config import HFModelSpec
 
 STOP_FILE = "STOP"
 """Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
@@ -95,7 +98,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
             learner.groups, address, None if replay is None else replay.stage_layers
         )
         weight_sync = connect_weight_sync(config, urls, spec, run_dir)
-        pool = PoolSync(config, weight_sync, rollout)
+        pool = PoolSync(config, weight_sync, rollout, sync_check(config, learner, spec, pad_id))
         pool.sync(learner.module, learner.steps_done)  # the engines serve the learner's weights
         if rollout is not None:
             rollout.start()
@@ -112,6 +115,20 @@ def train(config: RunConfig, run_dir: Path) -> None:
                 ("run report", report.close if report else None),
             ]
         )
+
+
+def sync_check(config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int) -> SyncCheck:
+    """The check after each weight sync (weights/verify.py), scored by the learner with its
+    own routing at the rollouts' temperature."""
+    settings = config.weights
+    return SyncCheck(
+        functools.partial(learner.policy_log_probs, pad_id=pad_id, routing_replay=False),
+        spec.vocab_size,
+        config.rollout.temperature,
+        settings.verify_every,
+        settings.verify_tolerance,
+        settings.timeout_s,
+    )
 
 
 def data_path_address(config: RunConfig, learner: Learner) -> DataPathAddress:
@@ -173,7 +190,8 @@ def _loop(
             assert report is not None
             rollout.set_version(step)
             seconds = time.monotonic() - started
-            report.step(step, summaries, metrics | gpus, sync_s, rollout.stats(), seconds)
+            checked = pool.check_metrics()
+            report.step(step, summaries, metrics | gpus | checked, sync_s, rollout.stats(), seconds)
         if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
             evaluate(config, rollout, report, step)
         stop = broadcast_from_rank0(stop_file.exists() if rollout else None)

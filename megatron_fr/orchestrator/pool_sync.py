@@ -32,6 +32,7 @@ from megatron_fr.weights.transports import Engine
 
 if TYPE_CHECKING:
     from megatron_fr.weights.sync import WeightSync
+    from megatron_fr.weights.verify import EngineCheck, SyncCheck
 
 SYNC_TRIES = 3
 WAIT_S = 5.0
@@ -42,9 +43,18 @@ class PoolSync:
     """Every learner rank's side of the pool: the weight sync kept connected to its members."""
 
     def __init__(
-        self, config: RunConfig, weight_sync: WeightSync, rollout: RolloutProcess | None
+        self,
+        config: RunConfig,
+        weight_sync: WeightSync,
+        rollout: RolloutProcess | None,
+        check: SyncCheck | None = None,
     ) -> None:
         self.config, self.weight_sync, self.rollout = config, weight_sync, rollout
+        self.check = check
+        """Checks after a sync that every engine computes the learner's log-probs (None: no
+        check); a failed engine leaves the pool."""
+        self.checked: list[EngineCheck] = []
+        """Rank 0: the engines' checks of the latest sync that ran one (check_metrics)."""
         self.epoch = 0
         """The pool's epoch the weight sync is connected to (the run starts at 0)."""
         self.seen = 0
@@ -53,7 +63,7 @@ class PoolSync:
     def sync(self, model: torch.nn.Module, version: int) -> float:
         """Send the weights of `version` to the pool's members, on every rank; the seconds it
         took. WeightSyncError after SYNC_TRIES failed tries."""
-        reconnect = False
+        reconnect, self.checked = False, []
         for attempt in range(1, SYNC_TRIES + 1):
             epoch, urls = self._membership()
             self.seen = epoch
@@ -72,6 +82,8 @@ class PoolSync:
                 continue
             if self.rollout is not None:
                 self.rollout.synced(urls, version)
+            if self.check is not None and self.check.due(version):
+                self._verify(urls, version)
             return seconds
         raise AssertionError("unreachable: the last try returns or raises")
 
@@ -103,6 +115,28 @@ class PoolSync:
             print(f"weight sync: the pool is now {urls} (epoch {epoch})", flush=True)
         self.weight_sync.reconnect([Engine(url) for url in urls], weight_sync_port(self.config))
         self.epoch = epoch
+
+    def check_metrics(self) -> dict[str, float]:
+        """Rank 0: the latest check's figures for the step's metrics (empty without one): the
+        largest and mean per-token gap over the engines that answered, and how many failed."""
+        answered = [c for c in self.checked if c.tokens]
+        if not self.checked:
+            return {}
+        out = {"sync_checks_failed": float(sum(c.problem is not None for c in self.checked))}
+        if answered:
+            out["sync_logprob_gap"] = max(c.gap for c in answered)
+            out["sync_logprob_gap_mean"] = sum(c.mean_gap for c in answered) / len(answered)
+        return out
+
+    def _verify(self, urls: list[str], version: int) -> None:
+        """Every rank: the check after the sync to `urls`; engines that fail it leave the pool,
+        each named with its gap."""
+        assert self.check is not None
+        self.checked = self.check.run(urls if self.rollout is not None else None, version)
+        for failed in [c for c in self.checked if c.problem is not None]:
+            assert self.rollout is not None  # only rank 0 has checks
+            print(f"weight sync check: {failed.url} {failed.problem}: taken out", flush=True)
+            self.rollout.take_out([failed.url], f"sync check: {failed.problem}")
 
     def _take_out_unresponsive(self) -> None:
         """Rank 0: engines the failed connect found not answering leave the pool, so the next

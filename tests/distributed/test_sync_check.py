@@ -1,0 +1,100 @@
+"""Syncs that verify themselves (weights/verify.py), against a real CPU engine and a real
+learner: an engine holding the learner's weights passes the probe with a gap of float32
+rounding; the same engine after a push of other weights behind the learner's back (a
+checkpoint of another seed loaded from disk, with the version set as a correct sync would)
+fails it with a gap thousands of times larger, and the pool takes it out naming the gap.
+An engine that serves another version fails too, whatever its weights."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_weight_sync import cpu_engine  # noqa: F401  (the fixture)
+from tiny_qwen import tiny_checkpoint
+
+from megatron_fr.engine import protocol
+from megatron_fr.parallel.spawn import run_on_ranks
+
+TOLERANCE = 0.05
+"""nats: a random tiny model's distributions are nearly flat, so other weights move its
+log-probs by tenths, not the whole nats of a trained model's (weights.verify_tolerance's
+default, 1, is for those)."""
+
+
+def _post(url: str, path: str, body: dict) -> None:
+    request = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(request, timeout=120).close()
+
+
+class RecordingPool:
+    """Stands in for the rollout process behind PoolSync: records what it is told to take
+    out (PoolSync's decision is what is tested)."""
+
+    def __init__(self) -> None:
+        self.taken_out: list[tuple[list[str], str]] = []
+
+    def synced(self, urls: list[str], version: int) -> None:
+        pass
+
+    def take_out(self, urls: list[str], cause: str) -> None:
+        self.taken_out.append((urls, cause))
+
+
+def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: str) -> dict:
+    import json as json_module
+
+    from megatron_fr.config import LearnerConfig, ParallelConfig
+    from megatron_fr.learner.trainer import Learner
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.orchestrator.pool_sync import PoolSync
+    from megatron_fr.parallel import state
+    from megatron_fr.weights.verify import SyncCheck
+
+    parallel = ParallelConfig()
+    state.initialize(parallel, seed=0)
+    spec = load_hf_config(json_module.loads((Path(hf_dir) / "config.json").read_text()))
+    config = LearnerConfig(params_dtype="float32")
+    learner = Learner(spec, parallel, config, total_steps=1, init_hf_dir=hf_dir)
+    check = SyncCheck(learner.policy_log_probs, spec.vocab_size, 1.0, 1, TOLERANCE, 120.0)
+    version = protocol.update_weight_version_request
+    _post(url, protocol.UPDATE_WEIGHT_VERSION_PATH, version("0"))
+    results = {"same": check.run([url], 0)}
+    _post(
+        url,
+        protocol.UPDATE_WEIGHTS_FROM_DISK_PATH,
+        protocol.update_weights_from_disk_request(other_dir),
+    )
+    _post(url, protocol.UPDATE_WEIGHT_VERSION_PATH, version("1"))
+    results["corrupted"] = check.run([url], 1)
+    results["stale version"] = check.run([url], 2)
+
+    pool = RecordingPool()
+    sync = PoolSync(None, None, pool, check)  # type: ignore[arg-type]  # its check alone
+    sync._verify([url], 1)
+    results["taken out"] = pool.taken_out
+    results["metrics"] = sync.check_metrics()
+    return results
+
+
+@pytest.mark.distributed
+def test_a_push_of_other_weights_is_caught_by_the_probe(tmp_path, cpu_engine, capfd):  # noqa: F811
+    served, other = tmp_path / "served", tmp_path / "other"  # the fixture serves seed 0
+    tiny_checkpoint("qwen3_moe", other, seed=1)
+    (results,) = run_on_ranks(check_on_rank, 1, str(served), str(other), cpu_engine)
+    (same,) = results["same"]
+    assert same.problem is None and same.tokens > 0 and same.gap < 1e-4, same
+    (corrupted,) = results["corrupted"]
+    assert corrupted.gap > 1000 * same.gap and corrupted.gap > TOLERANCE, corrupted
+    assert f"exceeds weights.verify_tolerance={TOLERANCE:g}" in corrupted.problem
+    (stale,) = results["stale version"]
+    assert stale.problem == "serves weight version 1, not 2" and stale.tokens == 0
+    ((urls, cause),) = results["taken out"]
+    assert urls == [cpu_engine] and cause.startswith("sync check: log-prob gap ")
+    assert results["metrics"]["sync_checks_failed"] == 1.0
+    assert results["metrics"]["sync_logprob_gap"] == pytest.approx(corrupted.gap)
+    print(f"\nsync check gaps: own weights {same.gap:.2e}, other weights {corrupted.gap:.3f}")
