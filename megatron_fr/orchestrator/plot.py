@@ -42,6 +42,9 @@ EPISODE_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_
 POOL_KEYS = ("engines_total", "engines_serving", "engines_out_total", "engine_seconds_lost")
 """The pool of engines (rollout/supervisor.py), drawn in an "engines" panel: how many there
 are and serve, how many times one left, and the engine-seconds lost out of the pool."""
+SYNC_CHECK_KEYS = ("sync_logprob_gap", "sync_logprob_gap_mean")
+"""The check after each weight sync (weights/verify.py), drawn in a "sync check" panel: the
+largest and the mean per-token gap between the engines' and the learner's log-probs."""
 
 
 def _spread_key(key: str) -> str | None:
@@ -50,11 +53,12 @@ def _spread_key(key: str) -> str | None:
 
 
 def panels_of(records: Sequence[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
-    """PANELS, with one accuracy line per named eval set, and the episodes and engines panels
-    when the run has those figures."""
+    """PANELS, with one accuracy line per named eval set, and the episodes, engines and sync
+    check panels when the run has those figures."""
     sets = sorted({key for r in records for key in r if _spread_key(key)} - {"eval_accuracy"})
     panels = [*PANELS[:-1], ("eval accuracy", tuple(sets) or PANELS[-1][1])]
-    for title, keys in (("episodes", EPISODE_KEYS), ("engines", POOL_KEYS)):
+    optional = (("episodes", EPISODE_KEYS), ("engines", POOL_KEYS), ("sync check", SYNC_CHECK_KEYS))
+    for title, keys in optional:
         logged = tuple(key for key in keys if any(key in r for r in records))
         panels += [(title, logged)] if logged else []
     return panels

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_fr.cli import main
-from megatron_fr.config.run import RunConfig
 from megatron_fr.config.reference import render_reference, settings
+from megatron_fr.config.run import RunConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"

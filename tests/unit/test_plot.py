@@ -149,3 +149,17 @@ def test_a_run_with_a_pool_of_engines_gets_an_engines_panel(tmp_path):
     assert list(serving.get_ydata()) == [3, 2, 3]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot.plot_run(tmp_path).stat().st_size > 0
+
+
+def test_the_sync_check_panel_draws_the_gaps_when_the_run_logged_them():
+    records = [
+        {"step": 1, "reward_mean": 0.5, "sync_logprob_gap": 2e-6, "sync_logprob_gap_mean": 1e-6},
+        {"step": 2, "reward_mean": 0.6, "sync_logprob_gap": 0.4, "sync_logprob_gap_mean": 0.1},
+    ]
+    panels = dict(plot.panels_of(records))
+    assert panels["sync check"] == plot.SYNC_CHECK_KEYS
+    assert "sync check" not in dict(plot.panels_of([{"step": 1, "reward_mean": 0.5}]))
+    ax: Axes = Figure().subplots()
+    plot._draw_panel(ax, records, "step", panels["sync check"])
+    gap = next(line for line in ax.lines if line.get_label() == "sync_logprob_gap")
+    assert list(gap.get_ydata()) == [2e-6, 0.4]
