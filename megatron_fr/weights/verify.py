@@ -16,12 +16,14 @@ one forward over a few dozen tokens per check.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch.distributed as dist
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.engine import protocol
@@ -80,7 +82,9 @@ class SyncCheck:
         check; the others get []. Every rank takes part in the learner's forward."""
         probes = broadcast_from_rank0(self._probe(urls, version) if urls is not None else None)
         trajectories = [p for p in probes if isinstance(p, Trajectory)]
-        scored = self.score(trajectories) if trajectories else []
+        scored = []
+        if trajectories:  # the same on every rank: all of them score, or none
+            scored = self.score(_enough_for_every_rank(trajectories))[: len(trajectories)]
         if urls is None:
             return []
         learner = iter(scored)
@@ -141,3 +145,17 @@ class SyncCheck:
                 f"weights.verify_tolerance={self.tolerance:g}"
             )
         return EngineCheck(url, gap, mean, len(gaps), problem)
+
+
+def _enough_for_every_rank(probes: list[Trajectory]) -> list[Trajectory]:
+    """The probes repeated to a multiple of the world size (at least one each), so that
+    every data-parallel rank gets one to score (the learner's step plan needs a trajectory
+    per DP rank); the first len(probes) results are the probes'."""
+    world = dist.get_world_size()
+    count = -(-len(probes) // world) * world
+    return [
+        dataclasses.replace(
+            probes[i % len(probes)], prompt_id=f"{probes[i % len(probes)].prompt_id}#{i}"
+        )
+        for i in range(count)
+    ]
