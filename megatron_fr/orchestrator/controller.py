@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
+from megatron_fr.orchestrator.manifest import write_manifest
 from megatron_fr.orchestrator.pool_sync import PoolSync
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
@@ -79,8 +80,6 @@ def train(config: RunConfig, run_dir: Path) -> None:
     rollout = report = weight_sync = None
     try:
         if first:
-            for path in ckpt.discard_after_latest(run_dir):
-                print(f"deleted {path}: written after the last complete checkpoint", flush=True)
             address = data_path_address(config, learner)
             rollout = RolloutProcess(config, hf_dir, run_dir, address)
             if resume_from is not None:
@@ -251,4 +250,5 @@ def save_checkpoint(
         ckpt.save_controller_state(directory, {"step": step, "rollout": rollout.state_dict()})
     dist.barrier()
     if rollout is not None:
+        write_manifest(directory)  # last: a checkpoint with a manifest is whole
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)
