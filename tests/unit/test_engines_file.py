@@ -195,6 +195,10 @@ def test_the_engines_file_with_six_bad_contents_while_the_pool_goes_on(tmp_path)
         finally:
             watch.stop()
             supervisor.stop()
+    print(
+        f"\nengine killed during the flood: out after {out_after:.2f} s; 40 mute URLs refused "
+        f"after {flood:.2f} s (unreachable_after_s {window:g}, file_probes 8)"
+    )
     assert watch.error is None and not watch._thread.is_alive()
     records = faults(tmp_path)
     skipped = [f["cause"] for f in records if f["event"] == "skipped"]
@@ -202,9 +206,9 @@ def test_the_engines_file_with_six_bad_contents_while_the_pool_goes_on(tmp_path)
     assert skipped[1] == f"{engines}:1: not UTF-8 text; left out (one URL a line)"
     assert skipped[2].startswith(f"{engines}: not a regular file (a directory); left unread")
     at_own = f"is at the address of {own.url}, already in the pool; left out"
-    assert skipped[3:5] == [
-        f"{ENGINES_FILE}: http://localhost:{port} {at_own}",
+    assert sorted(skipped[3:5]) == [  # probed at once: either may finish first
         f"{ENGINES_FILE}: http://0.0.0.0:{port} {at_own}",
+        f"{ENGINES_FILE}: http://localhost:{port} {at_own}",
     ]
     assert skipped[5].startswith(f"{engines}: not a regular file (a FIFO); left unread")
     assert skipped[6] == (
@@ -216,9 +220,10 @@ def test_the_engines_file_with_six_bad_contents_while_the_pool_goes_on(tmp_path)
     assert len(refused) == 40 and all(
         f"no answer on GET /server_info within {window:g} s" in f["cause"] for f in refused
     )
-    # The watch went on: the death seen within the window (plus a watch interval or two),
-    # while the 40 probes, 8 at a time, took at least 5 windows.
-    assert out_after < window + 1.0, out_after
+    # The watch went on: the death seen within the window (plus watch intervals, with slack
+    # for a loaded machine), while the 40 probes, 8 at a time, took at least 4 windows (one
+    # at a time they would take 20, and the death would wait for them).
+    assert out_after < window + 2.0, out_after
     assert flood >= 4 * window, flood
     assert [(f["engine"], f["event"]) for f in records if f["event"] in ("out", "joining")] == [
         (victim.url, "out"),
