@@ -50,6 +50,7 @@ spent out of the pool).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import logging
@@ -57,6 +58,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -145,6 +147,9 @@ class EngineSupervisor:
         self._tasks: set[asyncio.Task] = set()
         self._engines_file = EnginesFile(run_dir / ENGINES_FILE) if run_dir is not None else None
         self._probe_slots = asyncio.Semaphore(settings.file_probes)
+        # Names are resolved on threads of their own: a host that never resolves must not hold
+        # the default executor's threads, which the watch uses (process.stop, re-admission).
+        self._resolver = ThreadPoolExecutor(settings.file_probes, "engines-file-resolve")
         self._probing: set[str] = set()
         self._resolved: dict[str, frozenset[tuple[str, int]]] = {}
         self._instances: dict[str, str] = {}
@@ -416,10 +421,12 @@ class EngineSupervisor:
             return self._resolved[url]
         parts = urlsplit(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        loop = asyncio.get_running_loop()
+        lookup = functools.partial(
+            socket.getaddrinfo, parts.hostname, port, type=socket.SOCK_STREAM
+        )
         try:
             found = await asyncio.wait_for(
-                loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM),
+                asyncio.get_running_loop().run_in_executor(self._resolver, lookup),
                 self.settings.unreachable_after_s,
             )
         except (OSError, TimeoutError):
@@ -492,6 +499,7 @@ class EngineSupervisor:
         """Stop the engines this supervisor started (by their own process groups)."""
         for task in self._tasks:
             task.cancel()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
         for process in self.processes:
             process.stop()
 

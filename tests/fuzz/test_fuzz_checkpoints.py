@@ -4,8 +4,8 @@ replaced by a directory or a FIFO, 64 bytes flipped in a shard, a broken `latest
 (a symlink loop among them), both checkpoints broken, and harmless changes. The first rank's
 resume decision (orchestrator/resume.py) must name the bad file and resume from the newest
 usable checkpoint (or stop, naming each, when none is), never raise, hang or resume from a bad
-one. Then the real command resumes a run whose newest shard is zero-filled and finishes it
-(tests/fuzz/fuzz_harness.py)."""
+one. Then the real command resumes a run whose `latest` is a symlink loop and whose newest
+shard is zero-filled, and finishes it (tests/fuzz/fuzz_harness.py)."""
 
 from __future__ import annotations
 
@@ -205,17 +205,24 @@ def test_fuzz_checkpoints(workspace):
     cases = [*file_cases(runs, rng), *pointer_cases(runs), *whole_run_cases(runs, rng)]
     results = [run_case(case, resume_decision) for case in cases]
 
-    resumed = runs.copy()  # the real command, on a run whose newest shard is zero-filled
+    # The real command, on a run whose `latest` is a symlink loop and whose newest shard is
+    # zero-filled: the loop is named, the damaged checkpoint set aside, nothing deleted.
+    resumed = runs.copy()
     shard = ckpt.step_dir(resumed, 2) / FILES[3]
     zero_fill(shard, rng)
+    pointer = ckpt.checkpoint_root(resumed) / ckpt.LATEST
+    pointer.unlink()
+    pointer.symlink_to(ckpt.LATEST)
     done = train(workspace, resumed, steps=3)
     output = done.stdout + done.stderr
     print(f"resumed through the real command: exit {done.returncode}")
     assert done.returncode == 0, output[-3000:]
-    assert f"cannot be resumed from: {shard}: its bytes differ from the manifest" in output, output[
-        -3000:
-    ]
+    assert f"cannot use {pointer}: not a regular file" in output, output[-3000:]
+    assert f"cannot be resumed from: {shard}: its bytes differ from the manifest" in output
     assert f"resumed from {ckpt.step_dir(resumed, 1)} (step 1)" in output
+    assert "deleted" not in output
+    corrupt = ckpt.checkpoint_root(resumed) / "corrupt" / "step_00000002" / FILES[3]
+    assert corrupt.read_bytes() == bytes(corrupt.stat().st_size)  # kept as it was found
     steps = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in steps if "reward_mean" in record]
     assert [r["step"] for r in steps] == [1, 2, 3]
