@@ -5,8 +5,9 @@ The file is written by hand or by a script while the run trains, so it can hold 
 URL cut short (``http://[::1``), bytes that are not text, a name written twice. It is read
 only when it changed (its inode, size or modification time), only if it is a regular file
 (a directory or a FIFO is refused without being opened: reading a FIFO waits for a writer),
-and at most MAX_BYTES of it. Each line must be an engine's root URL as a recipe gives one,
-``http(s)://HOST:PORT``; a line that is not, or that names the same scheme, host and port as
+and at most MAX_BYTES of it. Each line must be an engine's root URL, ``http(s)://HOST:PORT``,
+by the rule the recipe's rollout.engine.urls follow (url_problem, which the preflight applies
+to them); a line that is not, or that names the same scheme, host and port as
 an earlier line, is one problem naming the file, the line and the remedy. Whether a good line
 names an engine already in the pool under another spelling (``localhost`` for ``127.0.0.1``)
 is decided by the supervisor, which knows the pool (rollout/supervisor.py).
@@ -36,6 +37,8 @@ class Listing:
 
 def url_problem(url: str) -> str | None:
     """Why `url` cannot be an inference engine's address, None when it can."""
+    if not url.isprintable() or any(character.isspace() for character in url):
+        return "holds spaces or control characters"
     try:
         parts = urlsplit(url)
         port = parts.port  # raises on a port that is not a number in 0..65535

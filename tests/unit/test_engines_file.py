@@ -35,6 +35,8 @@ from megatron_fr.rollout.supervisor import ENGINES_FILE, FAULTS_FILE, EngineSupe
         ("http://127.0.0.1:99999", "is not a URL (Port out of range 0-65535)"),
         ("http://127.0.0.1:80/generate", "is not a server's root URL"),
         ("http://user@127.0.0.1:80", "is not a server's root URL"),
+        ("http://127.0.0.1 :80", "holds spaces or control characters"),
+        ("http://127.0.0.1:80\x00", "holds spaces or control characters"),
     ],
 )
 def test_a_line_that_cannot_name_an_engine_says_why(line, problem):
