@@ -80,6 +80,8 @@ def manifest_problem(checkpoint: Path) -> str | None:
     """Why `checkpoint`'s files disagree with its manifest (which must exist), naming the file;
     None when every listed file is there, a regular file of its size and hash."""
     path = checkpoint / MANIFEST
+    if not path.is_file():  # a FIFO would block the read
+        return f"{path}: not a regular file"
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]

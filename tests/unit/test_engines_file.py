@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from stub_server import StubServer
+from stub_server import StubServer, mute_listeners
 
 from megatron_fr.config.rollout import EngineSettings
 from megatron_fr.rollout.engines_file import MAX_BYTES, EnginesFile, url_problem
@@ -128,17 +127,6 @@ def wait_for(what: str, condition: Callable[[], bool], timeout_s: float) -> floa
         assert time.monotonic() - began < timeout_s, f"no {what} within {timeout_s} s"
         time.sleep(0.05)
     return time.monotonic() - began
-
-
-def mute_listeners(count: int) -> list[socket.socket]:
-    """Sockets on 127.0.0.1 that accept connections (the kernel's backlog) and never answer."""
-    sockets = []
-    for _ in range(count):
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        sockets.append(listener)
-    return sockets
 
 
 def test_the_engines_file_with_six_bad_contents_while_the_pool_goes_on(tmp_path):

@@ -280,11 +280,17 @@ def test_a_checkpoint_from_before_manifests_is_used_with_a_line_saying_so(tmp_pa
     assert f"checkpoint {path} has no manifest.json" in capsys.readouterr().out
 
 
-def test_a_fifo_in_place_of_a_listed_file_is_named_without_blocking(tmp_path):
+@pytest.mark.parametrize(
+    ("file", "reason"),
+    [(SHARD, "not a regular file (the manifest lists a file)"), (MANIFEST, "not a regular file")],
+)
+def test_a_fifo_in_place_of_a_listed_file_or_the_manifest_is_named_without_blocking(
+    tmp_path, file, reason
+):
     write_checkpoint(tmp_path, 10)
     newest = write_checkpoint(tmp_path, 20)
-    (newest / SHARD).unlink()
-    os.mkfifo(newest / SHARD)
+    (newest / file).unlink()
+    os.mkfifo(newest / file)
     chosen, bad = resume_point(tmp_path, 2)
     assert chosen == ckpt.step_dir(tmp_path, 10)
-    assert bad == [(newest, f"{newest / SHARD}: not a regular file (the manifest lists a file)")]
+    assert bad == [(newest, f"{newest / file}: {reason}")]
