@@ -172,15 +172,18 @@ def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int
     skipped = sum(path.name != LATEST for path, _ in bad)
     if chosen is None and bad:
         return None, skipped, none_usable(run_dir, bad)
+    # From here on `bad` is empty unless a checkpoint was chosen.
+    name = chosen.name if chosen is not None else "any usable checkpoint"
     for path, why in bad:
         if path.name == LATEST:
-            print(f"cannot use {why}; {LATEST} now names {chosen.name}", flush=True)
+            print(f"cannot use {why}; {LATEST} now names {name}", flush=True)
         else:
             moved = _set_aside(path, CORRUPT_DIR)
             print(f"checkpoint {path} cannot be resumed from: {why}; moved to {moved}", flush=True)
-    for path in _newer_than(run_dir, chosen):
+    floor = -1 if chosen is None else step_number(chosen)
+    for path in _newer_than(run_dir, -1 if floor is None else floor):
         moved = _set_aside(path, UNFINISHED_DIR)
-        print(f"checkpoint {path} moved to {moved}: {_unfinished_reason(path, chosen)}", flush=True)
+        print(f"checkpoint {path} moved to {moved}: {_unfinished_reason(path, name)}", flush=True)
     if chosen is not None:
         if not (chosen / MANIFEST).exists():
             print(
@@ -193,9 +196,8 @@ def settle_resume_point(run_dir: Path, world_size: int) -> tuple[str | None, int
     return (str(chosen) if chosen else None), skipped, None
 
 
-def _newer_than(run_dir: Path, chosen: Path | None) -> list[Path]:
-    """The step directories after `chosen` (all of them when None), oldest first."""
-    floor = -1 if chosen is None else step_number(chosen)
+def _newer_than(run_dir: Path, floor: int) -> list[Path]:
+    """The step directories after step `floor`, oldest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
@@ -203,10 +205,9 @@ def _newer_than(run_dir: Path, chosen: Path | None) -> list[Path]:
     return sorted(path for path, step in steps.items() if step is not None and step > floor)
 
 
-def _unfinished_reason(path: Path, chosen: Path | None) -> str:
+def _unfinished_reason(path: Path, chosen: str) -> str:
     if (path / MANIFEST).exists():
-        after = chosen.name if chosen else "any usable checkpoint"
-        return f"written after {after}, which {LATEST} names"
+        return f"written after {chosen}, which {LATEST} names"
     return f"no {MANIFEST}: a save that did not finish"
 
 

@@ -99,7 +99,7 @@ class EnginesFile:
         return Listing(problems=[problem])
 
     def _parse(self, data: bytes) -> Listing:
-        listing, first_line = Listing(), {}
+        listing, first_line = Listing(), dict[str, int]()
         if len(data) > MAX_BYTES:
             listing.problems.append(f"{self.path}: past {MAX_BYTES} bytes; the rest is left out")
             data = data[:MAX_BYTES]

@@ -431,7 +431,7 @@ class EngineSupervisor:
             )
         except (OSError, TimeoutError):
             return frozenset()
-        where = frozenset((_this_host(entry[4][0]), port) for entry in found)
+        where = frozenset((_this_host(str(entry[4][0])), port) for entry in found)
         self._resolved[url] = where
         return where
 
