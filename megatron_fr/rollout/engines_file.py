@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 MAX_BYTES = 65536
 """How much of the file is read (a thousand URLs fit)."""
+URL_FORM = "write each engine as http(s)://HOST:PORT"
+"""The remedy for a URL that url_problem refuses."""
 
 
 @dataclass
@@ -49,9 +51,9 @@ def url_problem(url: str) -> str | None:
     if not parts.hostname:
         return "names no host"
     if not port:
-        return "names no port (write http://HOST:PORT)"
+        return "names no port"
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        return "is not a server's root URL (write http://HOST:PORT, nothing after it)"
+        return "is not a server's root URL (it has a path, a query or a user)"
     return None
 
 
@@ -114,7 +116,7 @@ class EnginesFile:
                 continue
             problem = url_problem(line)
             if problem is not None:
-                listing.problems.append(f"{where}: {line[:120]!r} {problem}; left out")
+                listing.problems.append(f"{where}: {line[:120]!r} {problem}; left out ({URL_FORM})")
                 continue
             url = root_url(line)
             if url in first_line:

@@ -110,7 +110,10 @@ def test_six_bad_engines_files_while_the_run_trains(tmp_path, demo_model):
     faults = records(run_dir, "faults.jsonl")
     skipped = [f["cause"] for f in faults if f["event"] == "skipped"]
     assert len(skipped) == 6, skipped
-    assert skipped[0] == f"{engines}:1: 'http://[::1' is not a URL (Invalid IPv6 URL); left out"
+    assert skipped[0] == (
+        f"{engines}:1: 'http://[::1' is not a URL (Invalid IPv6 URL); left out "
+        "(write each engine as http(s)://HOST:PORT)"
+    )
     assert skipped[1] == f"{engines}:1: not UTF-8 text; left out (one URL a line)"
     assert skipped[2].startswith(f"{engines}: not a regular file (a directory); left unread")
     at_own = f"is at the address of {own}, already in the pool; left out"

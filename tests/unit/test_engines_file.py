@@ -192,7 +192,10 @@ def test_the_engines_file_with_six_bad_contents_while_the_pool_goes_on(tmp_path)
     assert watch.error is None and not watch._thread.is_alive()
     records = faults(tmp_path)
     skipped = [f["cause"] for f in records if f["event"] == "skipped"]
-    assert skipped[0] == f"{engines}:1: 'http://[::1' is not a URL (Invalid IPv6 URL); left out"
+    assert skipped[0] == (
+        f"{engines}:1: 'http://[::1' is not a URL (Invalid IPv6 URL); left out "
+        "(write each engine as http(s)://HOST:PORT)"
+    )
     assert skipped[1] == f"{engines}:1: not UTF-8 text; left out (one URL a line)"
     assert skipped[2].startswith(f"{engines}: not a regular file (a directory); left unread")
     at_own = f"is at the address of {own.url}, already in the pool; left out"
