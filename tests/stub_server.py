@@ -4,6 +4,7 @@ engines (discovery, cache flushing, the weight sync's pause / version / continue
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -51,3 +52,15 @@ class StubServer:
         self.released.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+def mute_listeners(count: int) -> list[socket.socket]:
+    """Sockets on 127.0.0.1 that accept connections (the kernel's backlog) and never answer:
+    engines that hang before their first byte. The caller closes them."""
+    sockets = []
+    for _ in range(count):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        sockets.append(listener)
+    return sockets

@@ -58,6 +58,10 @@ class EngineSettings(StrictModel):
     that the run ends naming it and its log's tail (0: the first death ends the run)."""
     restart_backoff_s: PositiveFloat = 5.0
     """Wait before an engine's first restart, doubled for each restart after it."""
+    file_probes: PositiveInt = 8
+    """How many URLs listed in RUN_DIR/engines.txt are probed at once, each for up to
+    `unreachable_after_s`, beside the watch of the pool: a flood of URLs that never answer
+    delays only their own admission, never the check of the engines already in the pool."""
 
     @property
     def started(self) -> int:

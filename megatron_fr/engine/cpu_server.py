@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -55,7 +56,7 @@ from megatron_fr.engine.cpu_wire import (
     parse_generate,
     version_field,
 )
-from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD
+from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, INSTANCE_FIELD
 from megatron_fr.engine.sglang_source import DistributedReceiver, JoinArgs, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
@@ -105,6 +106,7 @@ class CpuServer:
         # join_timeout_s: a master that never answers holds neither.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
+        self.instance = uuid.uuid4().hex  # /server_info: one process under two URLs is one
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -174,6 +176,7 @@ class CpuServer:
                 "enable_dp_attention": False,
                 "enable_return_routed_experts": engine.return_routed_experts,
                 ENGINE_FIELD: CPU_ENGINE,
+                INSTANCE_FIELD: self.instance,
             }
         )
 

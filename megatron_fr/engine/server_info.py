@@ -22,6 +22,10 @@ EngineKind = Literal["sglang", "cpu"]
 ENGINE_FIELD = "engine"
 """The /server_info field by which the CPU engine names itself (SGLang has none of that name)."""
 CPU_ENGINE = "megatron-fr-cpu"
+INSTANCE_FIELD = "instance_id"
+"""The /server_info field by which the CPU engine tells its process from every other one (a
+random id drawn at its start): one engine reached under two URLs says the same id. SGLang
+has none; its engines are told apart by address alone (rollout/supervisor.py)."""
 RETRY_S = 0.5
 """How often a server that does not answer yet is asked again (identify's patience_s)."""
 
@@ -43,6 +47,8 @@ class ServerInfo:
     """Whole data-parallel replicas (dp_size; attention DP lives inside one replica)."""
     routed_experts: bool
     """enable_return_routed_experts: requests may ask for their routed experts."""
+    instance: str | None = None
+    """The server process's own id (INSTANCE_FIELD), where it gives one."""
 
 
 def identify(url: str, timeout_s: float, patience_s: float = 0.0) -> ServerInfo:
@@ -93,6 +99,7 @@ def parse_server_info(url: str, info: object) -> ServerInfo:
         pp_size=_size(info, "pp_size", where),
         dp_replicas=1 if old_spelling else _size(info, "dp_size", where),
         routed_experts=info.get("enable_return_routed_experts") is True,
+        instance=str(info[INSTANCE_FIELD])[:200] if INSTANCE_FIELD in info else None,
     )
 
 

@@ -3,11 +3,13 @@
     RUN_DIR/checkpoints/step_00000010/learner/      model + optimizer + LR schedule (all ranks)
                                       rng/rank<r>.pt  each rank's RNG states
                                       controller.json step, version, buffer, prompt cursor
+                                      manifest.json   every file's size and hash, written last
     RUN_DIR/checkpoints/latest                        name of the newest COMPLETE checkpoint
 
-``latest`` is replaced (write + rename) only after every rank has finished writing, so a run
-killed at any moment resumes from a complete checkpoint. On resume, the per-step logs are cut
-back to that checkpoint's step: the steps after it are trained again, and numbered again.
+``latest`` is replaced (write + rename) only after every rank has finished writing and the
+manifest is on the disk (orchestrator/manifest.py), so a run killed at any moment resumes from
+a complete checkpoint. On resume, the per-step logs are cut back to that checkpoint's step: the
+steps after it are trained again, and numbered again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from pathlib import Path
 import torch
 
 LATEST = "latest"
+WRITES_MANIFEST = "writes_manifest"
+"""The controller.json key (true) that marks a checkpoint whose save ends with a manifest:
+without one, its save did not finish. Checkpoints written before manifests lack the key."""
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -81,21 +86,6 @@ def mark_latest(run_dir: Path, checkpoint: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def discard_after_latest(run_dir: Path) -> list[Path]:
-    """Delete the step directories newer than `latest` (all of them when there is none): what a
-    killed run was writing. Called once, by the first rank, before a (re)started run saves, so
-    a step is never written over a half-written copy of itself. Returns what was deleted."""
-    latest = latest_checkpoint(run_dir)
-    stale = [
-        path
-        for path in sorted(checkpoint_root(run_dir).glob("step_*"))
-        if path.is_dir() and (latest is None or path.name > latest.name)
-    ]
-    for path in stale:
-        shutil.rmtree(path)
-    return stale
-
-
 def save_rng(checkpoint: Path, rank: int) -> None:
     (checkpoint / "rng").mkdir(parents=True, exist_ok=True)
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -110,7 +100,7 @@ def load_rng(checkpoint: Path, rank: int) -> None:
 
 def save_controller_state(checkpoint: Path, state: dict) -> None:
     partial = checkpoint / "controller.json.partial"
-    partial.write_text(json.dumps(state))
+    partial.write_text(json.dumps(state | {WRITES_MANIFEST: True}))
     os.replace(partial, checkpoint / "controller.json")
 
 

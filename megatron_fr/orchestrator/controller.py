@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
+from megatron_fr.orchestrator.manifest import write_manifest
 from megatron_fr.orchestrator.pool_sync import PoolSync
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
@@ -82,8 +83,6 @@ def train(config: RunConfig, run_dir: Path) -> None:
     rollout = report = weight_sync = None
     try:
         if first:
-            for path in ckpt.discard_after_latest(run_dir):
-                print(f"deleted {path}: written after the last complete checkpoint", flush=True)
             address = data_path_address(config, learner)
             rollout = RolloutProcess(config, hf_dir, run_dir, address)
             if resume_from is not None:
@@ -302,4 +301,5 @@ def save_checkpoint(
 
     run_on_rank0(controller_state if rollout is not None else None, wait_slice_s(config))
     if rollout is not None:
+        write_manifest(directory)  # last: a checkpoint with a manifest is whole
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)

@@ -101,13 +101,17 @@ def check_resume(run_dir: Path, world_size: int) -> None:
 def check_engines(config: RunConfig, poll_s: float = 1.0) -> None:
     """Every engine the recipe names answers GET /health within
     rollout.engine.start_timeout_s (one still starting is waited for, as the run would); a
-    URL that cannot be one is refused at once."""
+    URL that cannot be an engine's (rollout/engines_file.py: url_problem) is refused at once."""
     from megatron_fr.engine.http import EngineRequestError, get_json
     from megatron_fr.engine.protocol import HEALTH_PATH
+    from megatron_fr.rollout.engines_file import URL_FORM, url_problem
 
     settings = config.rollout.engine
     deadline = time.monotonic() + settings.start_timeout_s
     for url in settings.urls:
+        problem = url_problem(url.rstrip("/"))
+        if problem is not None:  # the rule every engine URL follows, RUN_DIR/engines.txt's too
+            raise ValueError(f"rollout.engine.urls: {url!r} {problem} ({URL_FORM})")
         while True:
             try:
                 get_json(url, HEALTH_PATH, min(10.0, settings.start_timeout_s))

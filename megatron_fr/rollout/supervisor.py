@@ -3,11 +3,12 @@ costs its in-flight work, never the run.
 
 The run's engines are one pool: rollout.engine.count started here (consecutive ports, and for
 SGLang consecutive blocks of GPUs), any given by URL in the recipe, and any listed later in
-RUN_DIR/engines.txt (one URL a line, read every watch interval: the fleet grows without a
-restart). Before it serves, every engine says what it is on GET /server_info
-(engine/server_info.py); one that does not, or that cannot give the routed experts a
-routing-replay run needs, is refused with the reason (EngineRefused): before any step for the
-recipe's engines, by staying out for the others.
+RUN_DIR/engines.txt (one URL a line, read when it changes: the fleet grows without a
+restart; rollout/engines_file.py says what a line must be, and a line that is not one is left
+out with a "skipped" line in faults.jsonl, never fatal). Before it serves, every engine says
+what it is on GET /server_info (engine/server_info.py); one that does not, or that cannot give
+the routed experts a routing-replay run needs, is refused with the reason (EngineRefused):
+before any step for the recipe's engines, by staying out for the others.
 
     serving ──(exited; no answer on GET /model_info for unreachable_after_s;
       ▲        failures_in_a_row generate requests failed; wedged: the requests
@@ -38,6 +39,15 @@ requests in flight at each engine from its last answer (RolloutClient.stalled_s)
 serving requests that have had none for stalled_after_s is taken out as wedged, restarted or
 re-admitted as a dead one is.
 
+A URL of the engines file is probed beside the watch, never in its way: at most
+rollout.engine.file_probes at once, each given unreachable_after_s to answer /server_info, so a
+flood of URLs that never answer does not delay the check of the engines in the pool. It is
+left out ("skipped") when it is an engine already in the pool under another spelling: the
+same resolved address (loopback and 0.0.0.0 count as this host: localhost, 127.0.0.1 and
+0.0.0.0 on one port are one engine) or the same /server_info instance id (the CPU engine's;
+SGLang gives none). One that does not answer or cannot serve the run is "refused"; either is
+tried again when the file changes.
+
 Each event goes to RUN_DIR/faults.jsonl (time, engine, event, cause) and into the counters of
 stats(): engines taken out, restarted and back in, and the engine-seconds lost (time engines
 spent out of the pool).
@@ -46,26 +56,38 @@ spent out of the pool).
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import json
 import logging
+import socket
 import time
 from collections import Counter
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.http import MODEL_INFO_PATH, EngineRequestError, get_json
+from megatron_fr.engine.http import (
+    MODEL_INFO_PATH,
+    SERVER_INFO_PATH,
+    EngineRequestError,
+    get_json,
+)
 from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
     launch_server,
 )
-from megatron_fr.engine.server_info import ServerInfo, identify
+from megatron_fr.engine.server_info import ServerInfo, identify, parse_server_info
 from megatron_fr.parallel.spawn import free_port
+from megatron_fr.rollout.engines_file import EnginesFile
 
 if TYPE_CHECKING:
     from megatron_fr.engine.client import RolloutClient
@@ -129,7 +151,14 @@ class EngineSupervisor:
         self.seconds_lost = 0.0
         self._client: RolloutClient | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._engines_file_seen: float | None = None
+        self._engines_file = EnginesFile(run_dir / ENGINES_FILE) if run_dir is not None else None
+        self._probe_slots = asyncio.Semaphore(settings.file_probes)
+        # Names are resolved on threads of their own: a host that never resolves must not hold
+        # the default executor's threads, which the watch uses (process.stop, re-admission).
+        self._resolver = ThreadPoolExecutor(settings.file_probes, "engines-file-resolve")
+        self._probing: set[str] = set()
+        self._resolved: dict[str, frozenset[tuple[str, int]]] = {}
+        self._instances: dict[str, str] = {}
         self._empty_since: float | None = None
 
     @property
@@ -182,6 +211,11 @@ class EngineSupervisor:
             info = identify(url, self.settings.unreachable_after_s, patience)
         except EngineRequestError as error:
             raise EngineRefused(f"inference engine refused: {error}") from None
+        return self._fit(info, routed_experts)
+
+    def _fit(self, info: ServerInfo, routed_experts: bool) -> ServerInfo:
+        """`info`, its instance id remembered; EngineRefused if it cannot serve this run."""
+        url = info.url
         if routed_experts and not info.routed_experts:
             flag = "--enable-return-routed-experts"
             raise EngineRefused(
@@ -189,6 +223,8 @@ class EngineSupervisor:
                 f"experts of every position, and this {info.kind} server runs without them "
                 f"(/server_info: enable_return_routed_experts is not true): start it with {flag}"
             )
+        if info.instance is not None:
+            self._instances[url] = info.instance
         return info
 
     # --- the pool, as the learner sees it ----------------------------------------------------
@@ -221,7 +257,7 @@ class EngineSupervisor:
             member.out_since = 0.0
             if self._client is not None:
                 self._client.admit(url)
-            self._record(member, "in", f"serves version {version}", seconds_out=lost)
+            self._record(member.url, "in", f"serves version {version}", seconds_out=lost)
 
     async def take_out_unresponsive(self, urls: list[str], cause: str) -> None:
         """The weight sync found these engines not answering within its bound (a wedged
@@ -244,7 +280,7 @@ class EngineSupervisor:
         timeout = aiohttp.ClientTimeout(total=min(5.0, self.settings.unreachable_after_s))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
-                await self._read_engines_file()
+                self._read_engines_file(session)
                 for member in list(self.members.values()):
                     await self._check_member(session, member)
                 self._check_not_empty()
@@ -303,7 +339,7 @@ class EngineSupervisor:
         self.epoch += 1
         if self._client is not None and self._client.in_pool(member.url):
             self._client.take_out(member.url)
-        self._record(member, "out", cause)
+        self._record(member.url, "out", cause)
         process = member.process
         if process is None:
             member.retry_at = now + self.settings.watch_interval_s
@@ -323,7 +359,11 @@ class EngineSupervisor:
     def _restart(self, member: Member) -> None:
         member.state = "restarting"
         member.restarts += 1
-        task = asyncio.create_task(self._relaunch(member))
+        self._spawn(self._relaunch(member))
+
+    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+        """Run `work` beside the watch (cancelled by stop())."""
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -345,30 +385,113 @@ class EngineSupervisor:
             await asyncio.to_thread(self.check, member.url, self.routed_experts, 0.0)
         except EngineRefused as error:
             member.retry_at = time.monotonic() + self.settings.unreachable_after_s
-            self._record(member, "refused", str(error))
+            self._record(member.url, "refused", str(error))
             return
         self._join(member, event)
 
     def _join(self, member: Member, event: str) -> None:
         member.state, member.last_answer = "joining", time.monotonic()
         self.epoch += 1
-        self._record(member, "joining", event)
+        self._record(member.url, "joining", event)
 
-    async def _read_engines_file(self) -> None:
-        """New URLs in RUN_DIR/engines.txt join the pool (checked first, like the recipe's)."""
-        path = self.run_dir / ENGINES_FILE if self.run_dir is not None else None
-        if path is None or not path.exists() or path.stat().st_mtime == self._engines_file_seen:
+    def _read_engines_file(self, session: aiohttp.ClientSession) -> None:
+        """When RUN_DIR/engines.txt changed: each line it leaves out is a "skipped" line of
+        faults.jsonl, each URL new to the pool is probed beside the watch (_probe)."""
+        listing = self._engines_file.changed() if self._engines_file is not None else None
+        if listing is None:
             return
-        self._engines_file_seen = path.stat().st_mtime
-        for line in path.read_text().splitlines():
-            url = line.strip().rstrip("/")
-            if not url or url.startswith("#") or url in self.members:
-                continue
-            if not url.startswith(("http://", "https://")):
-                log.warning("%s: %r is not an http(s) URL; left out", path, url)
-                continue
-            member = self.members[url] = Member(url, None, None, state="out")
-            await self._admit_url(member, f"listed in {ENGINES_FILE}")
+        for problem in listing.problems:
+            self._record(ENGINES_FILE, "skipped", problem)
+        for url in listing.urls:
+            if url not in self.members and url not in self._probing:
+                self._probing.add(url)
+                self._spawn(self._probe(session, url))
+
+    async def _probe(self, session: aiohttp.ClientSession, url: str) -> None:
+        """A URL of the engines file joins the pool once it has answered /server_info, can
+        serve the run and is no engine of the pool under another spelling (module docstring);
+        otherwise a line of faults.jsonl says why."""
+        try:
+            async with self._probe_slots:
+                same = await self._same_engine(url, session)
+        except EngineRefused as error:
+            self._record(url, "refused", str(error))
+            return
+        finally:
+            self._probing.discard(url)
+        if same is not None:
+            self._record(url, "skipped", f"{ENGINES_FILE}: {url} is {same}; left out")
+            return
+        member = self.members[url] = Member(url, None, None, state="out")
+        self._join(member, f"listed in {ENGINES_FILE}")
+
+    async def _same_engine(self, url: str, session: aiohttp.ClientSession) -> str | None:
+        """Which engine of the pool `url` is (words for the record), None when it is new;
+        EngineRefused when it does not resolve, answer or fit. Nothing is awaited between the
+        last comparison and the caller's admission, so two spellings of one new engine probed
+        at once do not both join."""
+        where = await self._resolve(url)
+        if not where:
+            raise EngineRefused(f"inference engine {url} refused: its host does not resolve")
+        for member in list(self.members.values()):
+            await self._resolve(member.url)
+        same = self._compare(where, None)
+        if same is None:
+            info = await self._identify(session, url)
+            same = self._compare(where, info.instance)
+        return same
+
+    def _compare(self, where: frozenset[tuple[str, int]], instance: str | None) -> str | None:
+        for member in self.members.values():
+            if where & self._resolved.get(member.url, frozenset()):
+                return f"at the address of {member.url}, already in the pool"
+            if instance is not None and self._instances.get(member.url) == instance:
+                return f"{member.url} of the pool (the same /server_info instance_id)"
+        return None
+
+    async def _resolve(self, url: str) -> frozenset[tuple[str, int]]:
+        """The (address, port) pairs `url` reaches, this host's own addresses as one name;
+        empty when its host does not resolve within unreachable_after_s (not remembered)."""
+        if url in self._resolved:
+            return self._resolved[url]
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        lookup = functools.partial(
+            socket.getaddrinfo, parts.hostname, port, type=socket.SOCK_STREAM
+        )
+        try:
+            found = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._resolver, lookup),
+                self.settings.unreachable_after_s,
+            )
+        except (OSError, TimeoutError):
+            return frozenset()
+        where = frozenset((_this_host(str(entry[4][0])), port) for entry in found)
+        self._resolved[url] = where
+        return where
+
+    async def _identify(self, session: aiohttp.ClientSession, url: str) -> ServerInfo:
+        """/server_info of `url`, read and fitted to the run, within unreachable_after_s
+        (without a thread: a flood of mute URLs holds none of the pool's)."""
+        window = self.settings.unreachable_after_s
+        try:
+            async with session.get(
+                url + SERVER_INFO_PATH, timeout=aiohttp.ClientTimeout(total=window)
+            ) as response:
+                if response.status >= 300:
+                    raise EngineRequestError(f"HTTP {response.status}", response.status)
+                body = await response.json(content_type=None)
+            info = parse_server_info(url, body)
+        except TimeoutError:
+            raise EngineRefused(
+                f"inference engine {url} refused: no answer on GET {SERVER_INFO_PATH} within "
+                f"{window:g} s (rollout.engine.unreachable_after_s)"
+            ) from None
+        except (aiohttp.ClientError, OSError, ValueError, EngineRequestError) as error:
+            raise EngineRefused(
+                f"inference engine {url} refused: GET {SERVER_INFO_PATH}: {error}"
+            ) from None
+        return self._fit(info, self.routed_experts)
 
     def _check_not_empty(self) -> None:
         alive = [m for m in self.members.values() if m.state != "out"]
@@ -384,13 +507,13 @@ class EngineSupervisor:
                 f"{self.settings.start_timeout_s:g} s (rollout.engine.start_timeout_s): {causes}"
             )
 
-    def _record(self, member: Member, event: str, cause: str, **figures: float) -> None:
+    def _record(self, engine: str, event: str, cause: str, **figures: float) -> None:
         """One event of the pool: logged, counted, a line of RUN_DIR/faults.jsonl (an "in"
         line carries seconds_out, the time the engine was out of the pool, if it was)."""
         self.events[event] += 1
-        log.warning("inference engine %s: %s (%s)", member.url, event, cause)
+        log.warning("inference engine %s: %s (%s)", engine, event, cause)
         if self.run_dir is not None:
-            line = {"time": time.time(), "engine": member.url, "event": event, "cause": cause}
+            line = {"time": time.time(), "engine": engine, "event": event, "cause": cause}
             line |= figures
             with open(self.run_dir / FAULTS_FILE, "a") as faults:
                 faults.write(json.dumps(line) + "\n")
@@ -411,6 +534,7 @@ class EngineSupervisor:
         """Stop the engines this supervisor started (by their own process groups)."""
         for task in self._tasks:
             task.cancel()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
         for process in self.processes:
             process.stop()
 
@@ -440,6 +564,12 @@ def launch_configs(
             )
         )
     return configs
+
+
+def _this_host(address: str) -> str:
+    """`address`, or "this host" for a loopback or unspecified one (0.0.0.0 reaches here)."""
+    parsed = ipaddress.ip_address(address.split("%")[0])
+    return "this host" if parsed.is_loopback or parsed.is_unspecified else str(parsed)
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:

@@ -1,10 +1,11 @@
 """Fuzz of a run's checkpoints as a restart finds them: the files of the newest checkpoint of a
 real run (2 learner ranks, the CPU engine) cut short, zero-filled, deleted, overwritten or
-replaced by a directory or a FIFO, a broken `latest` pointer, both checkpoints broken, and
-harmless changes. The first rank's resume decision (orchestrator/resume.py) must name the bad
-file and resume from the newest usable checkpoint (or stop, naming each, when none is), never
-raise, hang or resume from a bad one. Then the real command resumes a run whose newest shard is
-zero-filled and finishes it (tests/fuzz/fuzz_harness.py)."""
+replaced by a directory or a FIFO, 64 bytes flipped in a shard, a broken `latest` pointer
+(a symlink loop among them), both checkpoints broken, and harmless changes. The first rank's
+resume decision (orchestrator/resume.py) must name the bad file and resume from the newest
+usable checkpoint (or stop, naming each, when none is), never raise, hang or resume from a bad
+one. Then the real command resumes a run whose `latest` is a symlink loop and whose newest
+shard is zero-filled, and finishes it (tests/fuzz/fuzz_harness.py)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,13 @@ def delete(path: Path, rng: random.Random) -> None:
     path.unlink()
 
 
+def flip_64_bytes(path: Path, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    start = rng.randrange(0, len(data) - 64)
+    data[start : start + 64] = bytes(b ^ 0xFF for b in data[start : start + 64])
+    path.write_bytes(bytes(data))
+
+
 def a_directory(path: Path, rng: random.Random) -> None:
     path.unlink()
     path.mkdir()
@@ -135,6 +143,9 @@ def file_cases(runs: Runs, rng: random.Random) -> list[Case]:
     run_dir = runs.copy()
     a_fifo(ckpt.step_dir(run_dir, 2) / FILES[3], rng)
     cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[3], "a FIFO shard"))
+    run_dir = runs.copy()
+    flip_64_bytes(ckpt.step_dir(run_dir, 2) / FILES[4], rng)
+    cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[4], "64 bytes flipped"))
     return cases
 
 
@@ -144,6 +155,11 @@ def pointer_cases(runs: Runs) -> list[Case]:
         run_dir = runs.copy()
         (ckpt.checkpoint_root(run_dir) / ckpt.LATEST).write_text(text, errors="surrogateescape")
         cases.append(decide(run_dir, ckpt.step_dir(run_dir, 2), "latest", f"latest {text!r}"))
+    run_dir = runs.copy()
+    pointer = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
+    pointer.unlink()
+    pointer.symlink_to(ckpt.LATEST)
+    cases.append(decide(run_dir, ckpt.step_dir(run_dir, 2), "latest", "latest a symlink loop"))
     run_dir = runs.copy()
     pointer = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
     pointer.unlink()
@@ -189,15 +205,24 @@ def test_fuzz_checkpoints(workspace):
     cases = [*file_cases(runs, rng), *pointer_cases(runs), *whole_run_cases(runs, rng)]
     results = [run_case(case, resume_decision) for case in cases]
 
-    resumed = runs.copy()  # the real command, on a run whose newest shard is zero-filled
+    # The real command, on a run whose `latest` is a symlink loop and whose newest shard is
+    # zero-filled: the loop is named, the damaged checkpoint set aside, nothing deleted.
+    resumed = runs.copy()
     shard = ckpt.step_dir(resumed, 2) / FILES[3]
     zero_fill(shard, rng)
+    pointer = ckpt.checkpoint_root(resumed) / ckpt.LATEST
+    pointer.unlink()
+    pointer.symlink_to(ckpt.LATEST)
     done = train(workspace, resumed, steps=3)
     output = done.stdout + done.stderr
     print(f"resumed through the real command: exit {done.returncode}")
     assert done.returncode == 0, output[-3000:]
-    assert f"cannot be resumed from: {shard}: the item at byte 0" in output, output[-3000:]
+    assert f"cannot use {pointer}: not a regular file" in output, output[-3000:]
+    assert f"cannot be resumed from: {shard}: its bytes differ from the manifest" in output
     assert f"resumed from {ckpt.step_dir(resumed, 1)} (step 1)" in output
+    assert "deleted" not in output
+    corrupt = ckpt.checkpoint_root(resumed) / "corrupt" / "step_00000002" / FILES[3]
+    assert corrupt.read_bytes() == bytes(corrupt.stat().st_size)  # kept as it was found
     steps = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in steps if "reward_mean" in record]
     assert [r["step"] for r in steps] == [1, 2, 3]

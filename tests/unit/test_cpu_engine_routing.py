@@ -29,7 +29,7 @@ from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.cpu_engine import CpuEngine
 from megatron_fr.engine.cpu_server import CpuServer
 from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
-from megatron_fr.engine.server_info import ENGINE_FIELD, identify
+from megatron_fr.engine.server_info import ENGINE_FIELD, INSTANCE_FIELD, identify
 from megatron_fr.engine.sglang_source import exec_function, function_source, sglang_root
 
 PROMPTS = [[3, 17, 42, 5], [9, 8, 100]]
@@ -221,8 +221,8 @@ def test_a_routed_rollout_survives_a_sync_that_aborts_requests_still_waiting(mod
 
 
 def test_server_info_has_sglangs_fields_and_names_the_engine(model_dirs):
-    """Every field but the engine's name is a field of SGLang's ServerArgs, and the one reader
-    of /server_info (engine/server_info.py) sizes the CPU engine from it."""
+    """Every field but the engine's name and instance id is a field of SGLang's ServerArgs,
+    and the one reader of /server_info (engine/server_info.py) sizes the CPU engine from it."""
     fields = {
         stmt.target.id
         for path in (sglang_root() / "srt/arg_groups/fields").glob("*.py")
@@ -241,7 +241,8 @@ def test_server_info_has_sglangs_fields_and_names_the_engine(model_dirs):
 
     for enabled in (True, False):
         info, identified = asyncio.run(main(enabled))
-        assert set(info) - {ENGINE_FIELD} <= fields, set(info) - fields
+        assert set(info) - {ENGINE_FIELD, INSTANCE_FIELD} <= fields, set(info) - fields
+        assert identified.instance == info[INSTANCE_FIELD] and len(identified.instance) == 32
         assert info["enable_return_routed_experts"] is enabled
         assert (identified.kind, identified.tp_size, identified.pp_size) == ("cpu", 1, 1)
         assert (identified.dp_replicas, identified.routed_experts) == (1, enabled)

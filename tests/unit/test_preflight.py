@@ -141,5 +141,7 @@ def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatc
     with pytest.raises(ValueError, match=r"has not answered GET /health within .*=1 s"):
         preflight.check_engines(engine_config(silent, "rollout.engine.start_timeout_s=1"), 0.2)
     assert time.monotonic() - started < 10
-    with pytest.raises(ValueError, match="'nonsense' is not a URL"):
+    with pytest.raises(ValueError, match="'nonsense' is not an http\\(s\\) URL"):
         preflight.check_engines(engine_config("rollout.engine.urls=[nonsense]"), 0.2)
+    with pytest.raises(ValueError, match=r"'http://\[::1' is not a URL \(Invalid IPv6 URL\)"):
+        preflight.check_engines(engine_config("rollout.engine.urls=['http://[::1']"), 0.2)
