@@ -299,7 +299,10 @@ def save_checkpoint(
         assert rollout is not None
         ckpt.save_controller_state(directory, {"step": step, "rollout": rollout.state_dict()})
 
-    run_on_rank0(controller_state if rollout is not None else None, wait_slice_s(config))
-    if rollout is not None:
-        write_manifest(directory)  # last: a checkpoint with a manifest is whole
+    def seal() -> None:  # every rank's files are written: the manifest last makes it whole
+        write_manifest(directory)
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)
+
+    slice_s = wait_slice_s(config)
+    run_on_rank0(controller_state if rollout is not None else None, slice_s)
+    run_on_rank0(seal if rollout is not None else None, slice_s)  # hashing may take minutes
