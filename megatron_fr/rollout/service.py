@@ -286,7 +286,8 @@ class RolloutService:
     def stats(self) -> dict:
         """The buffer's stats plus rollouts completed (over resumes), failures by reason, and
         the engines' figures (under "engines": engines_total, and per engine of the pool,
-        engine<i> in its order, generate requests sent and failed since this start)."""
+        engine<i> in its order, generate requests sent, failed and timed out since this start,
+        and the requests it may have in flight now)."""
         with self._counts_lock:
             completed, failures = self.completed, dict(self.failures)
         return {
@@ -304,6 +305,10 @@ class RolloutService:
         for index, url in enumerate(urls):
             stats[f"engine{index}_requests_total"] = client.metrics.requests[url] if client else 0
             stats[f"engine{index}_failures_total"] = client.metrics.failures[url] if client else 0
+            stats[f"engine{index}_timeouts_total"] = client.metrics.timeouts[url] if client else 0
+            stats[f"engine{index}_in_flight_limit"] = (
+                client.in_flight_limit(url) if client else self.client_config.max_in_flight
+            )
         return stats
 
     def state_dict(self) -> dict:
