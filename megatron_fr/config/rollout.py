@@ -52,7 +52,9 @@ class EngineSettings(StrictModel):
     may run with nothing else in flight, and stay below rollout.request_timeout_s."""
     failures_in_a_row: PositiveInt = 10
     """An engine whose generate requests failed this many times in a row (connection errors,
-    timeouts, 5xx) is taken out of the pool as a dead one is."""
+    5xx) is taken out of the pool as a dead one is. Timeouts do not count: an engine that
+    answers /model_info and makes progress is slow, not dead; its timeouts lower its requests
+    in flight (rollout.max_in_flight_per_engine) and are retried."""
     restarts: NonNegativeInt = 3
     """How many times each engine the run started is restarted after it died or hung; past
     that the run ends naming it and its log's tail (0: the first death ends the run)."""
@@ -98,10 +100,19 @@ class RolloutSettings(StrictModel):
     computes its log-probs before top-p / top-k), so the ratio would be wrong. The fields
     exist so that such a recipe fails with this reason instead of being silently ignored."""
     request_timeout_s: PositiveFloat = 600.0
-    """Deadline of one generate call (per attempt) at the engines."""
+    """Deadline of one generate call (per attempt) at the engines. A timeout is back-pressure:
+    it halves that engine's requests in flight (to a floor of 1) and the request is retried."""
     max_attempts: PositiveInt = 3
     """Tries of one generation on the engines (another one each time, when there are several)
-    before it counts as a failed rollout (its group is then discarded and re-issued)."""
+    that failed on connection error or 5xx before it counts as a failed rollout (its group is
+    then discarded and re-issued); timeouts are counted apart (max_timeouts)."""
+    max_timeouts: PositiveInt = 16
+    """Timeouts of one generation before it counts as a failed rollout: each already lowered
+    an engine's requests in flight, so this many means the pool cannot serve it in time."""
+    max_in_flight_per_engine: PositiveInt = 1024
+    """Most generate requests in flight at one engine; after timeouts the limit drops (half
+    of those in flight) and climbs back by one per limit's worth of answers. Requests over it
+    wait in the client."""
     seeded: bool = False
     """Seed every training request's sampler from the run's seed, the prompt id and the turn:
     a rerun of the run samples the same tokens (with the same weights) whatever order requests

@@ -2,7 +2,9 @@
 
     generate(prompt) ─► pick server (session sticky, else least outstanding requests)
                           │ POST /generate (rid.<segment>.<attempt>)
-            connection error / timeout / 5xx ──► mark server down, retry on another server
+            connection error / 5xx ────────────► mark server down, retry on another server
+            timeout (the server is slow) ──────► halve its in-flight limit, retry (the server
+                                                 is not marked down nor counted as failing)
             server taken out of the pool ──────► its in-flight requests retried on another
             4xx / malformed response ──────────► raise (naming the server and the field)
                           │ finish_reason "abort" (server paused for a weight update)
@@ -32,6 +34,14 @@ requests in flight on that server at once (each is retried on the others with th
 the tokens kept so far) and sends it nothing more; admit(url) adds a server, or brings one
 back, once it serves the current weights. With no server in the pool a segment fails as when
 all are down (ServersUnavailable: the group is re-issued after a backoff).
+
+Slow is not dead: a timeout is back-pressure from a server that may still be answering, so it
+lowers that server's limit on requests in flight (multiplicative decrease to half of those in
+flight, a floor of 1; each success adds 1/limit back, up to max_in_flight) and the segment is
+retried without using one of its max_attempts; requests over the limit wait in the client,
+where they count neither as in flight nor as stalled. Only connection errors, 5xx and a server
+leaving the pool count toward `failing(url)`, which the pool's watch reads to take a server out;
+a server that makes no progress at all is the watch's to find (`stalled_s`).
 
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
@@ -92,7 +102,13 @@ class RolloutClientConfig(BaseModel):
     connect_timeout_s: PositiveFloat = 10.0
     """TCP connect limit: how fast an unreachable server is given up on."""
     max_attempts: PositiveInt = 3
-    """Tries per segment (first try included) before the call fails."""
+    """Tries per segment (first try included) that failed on connection error or 5xx before
+    the call fails; timeouts are counted apart (max_timeouts)."""
+    max_timeouts: PositiveInt = 16
+    """Timeouts per segment before the call fails: each lowered the server's in-flight limit
+    and was retried; so many in a row means no server can serve the request in time."""
+    max_in_flight: PositiveInt = 1024
+    """Most requests in flight per server; timeouts lower a server's limit below it."""
     server_cooldown_s: NonNegativeFloat = 30.0
     """How long a server that failed is avoided (it is still used when no other is left)."""
     max_continuations: NonNegativeInt = 8
@@ -152,7 +168,9 @@ class ClientMetrics:
     requests: Counter[str] = field(default_factory=Counter)
     """POST /generate sent, per server."""
     failures: Counter[str] = field(default_factory=Counter)
-    """Failed POST /generate (any reason), per server."""
+    """Failed POST /generate (any reason, timeouts included), per server."""
+    timeouts: Counter[str] = field(default_factory=Counter)
+    """POST /generate that timed out, per server."""
     retries: int = 0
     continuations: int = 0
 
@@ -183,14 +201,30 @@ class _Retryable(Exception):
     """A failure of the server, not of the request."""
 
 
+class _Timeout(_Retryable):
+    """The request had no answer within request_timeout_s: the server may be slow, not dead."""
+
+
 @dataclass
 class _Server:
     url: str
+    limit: float
+    """Requests it may have in flight (AIMD, module docstring); int(limit) of them."""
     outstanding: int = 0
+    """Requests in flight at it."""
+    waiting: int = 0
+    """Requests waiting in the client for it to have fewer than its limit in flight."""
     sent: int = 0
     down_until: float = 0.0
     failing: int = 0
-    """Requests in a row that failed on the server's side (connection, timeout, 5xx)."""
+    """Requests in a row that failed on the server's side (connection, 5xx, taken out);
+    timeouts neither count nor reset it."""
+    lowered_at: float = 0.0
+    """When its limit was last lowered: a timeout of a request sent before then lowers it no
+    further (the requests in flight then were already counted)."""
+    freed: asyncio.Event | None = None
+    """Set (and dropped) when a request in flight ends, the limit rises or the server leaves
+    the pool: what the requests waiting for a slot wait on."""
     progress_at: float = 0.0
     """When its requests in flight last moved: its last answer to a /generate, or the moment
     it got work with nothing in flight (time.monotonic())."""
@@ -207,6 +241,49 @@ class _Server:
     def in_pool(self) -> bool:
         return self.taken_out is None or not self.taken_out.is_set()
 
+    @property
+    def queued(self) -> int:
+        return self.outstanding + self.waiting
+
+    def wake(self) -> None:
+        """Let the requests waiting for a slot look again."""
+        if self.freed is not None:
+            self.freed.set()
+            self.freed = None
+
+    async def acquire(self) -> None:
+        """Wait until the server has a slot under its limit and take it; _Retryable when it
+        leaves the pool first."""
+        self.waiting += 1
+        try:
+            while self.in_pool and self.outstanding >= int(self.limit):
+                if self.freed is None:
+                    self.freed = asyncio.Event()
+                await self.freed.wait()
+        finally:
+            self.waiting -= 1
+        if not self.in_pool:
+            raise _Retryable(f"{self.url} was taken out of the pool")
+        if not self.outstanding:
+            self.progress_at = time.monotonic()
+        self.outstanding += 1
+
+    def release(self) -> None:
+        self.outstanding -= 1
+        self.wake()
+
+    def slowed(self, sent_at: float) -> None:
+        """A request sent at `sent_at` timed out: halve the requests in flight."""
+        if sent_at >= self.lowered_at:
+            self.limit = max(1.0, min(self.limit, self.outstanding) / 2)
+            self.lowered_at = time.monotonic()
+
+    def served(self, most: int) -> None:
+        """A request was answered: the limit grows by one per limit's worth of answers."""
+        if self.limit < most:
+            self.limit = min(float(most), self.limit + 1 / self.limit)
+            self.wake()
+
 
 class RolloutClient:
     """Least-outstanding-requests client over `config.urls` (one per SGLang server)."""
@@ -214,7 +291,7 @@ class RolloutClient:
     def __init__(self, config: RolloutClientConfig) -> None:
         self.config = config
         self.metrics = ClientMetrics()
-        self._servers = {url: _Server(url) for url in config.urls}
+        self._servers = {url: self._new_server(url) for url in config.urls}
         self._sessions: dict[str, str] = {}
         self._http: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(
@@ -238,6 +315,9 @@ class RolloutClient:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._http
 
+    def _new_server(self, url: str) -> _Server:
+        return _Server(url, limit=float(self.config.max_in_flight))
+
     @property
     def urls(self) -> list[str]:
         """Every server the client has known, in the order it learnt of them, in the pool or
@@ -248,6 +328,11 @@ class RolloutClient:
         """Requests to `url` in a row that failed on its side (0 for a server never used)."""
         server = self._servers.get(url)
         return server.failing if server is not None else 0
+
+    def in_flight_limit(self, url: str) -> int:
+        """Requests `url` may have in flight now (lowered by its timeouts)."""
+        server = self._servers.get(url)
+        return int(server.limit) if server is not None else self.config.max_in_flight
 
     def stalled_s(self, url: str) -> float:
         """Seconds the requests in flight at `url` have gone without an answer (_Server.
@@ -264,13 +349,16 @@ class RolloutClient:
     def take_out(self, url: str) -> None:
         """Send `url` nothing more and end its requests in flight now (each is retried on
         another server). Called in the client's loop."""
-        self._servers[url].out_event().set()
+        server = self._servers[url]
+        server.out_event().set()
+        server.wake()
 
     def admit(self, url: str) -> None:
         """Serve from `url`: a new server, or one taken out that is back. Called in the
         client's loop."""
-        server = self._servers.setdefault(url, _Server(url))
+        server = self._servers.setdefault(url, self._new_server(url))
         server.taken_out, server.down_until, server.failing = None, 0.0, 0
+        server.limit = float(self.config.max_in_flight)  # a new process, or one back
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished multi-turn session's server (the map would otherwise only grow)."""
@@ -404,16 +492,18 @@ class RolloutClient:
         rid: str,
         routing_start: int,
     ) -> tuple[GenerateOutput, str, int]:
-        """One segment on one server, retried on another server when the server fails.
-        Returns (output, server url, attempts)."""
+        """One segment on one server, retried on another server when the server fails or
+        times out. Returns (output, server url, attempts)."""
         tried: set[str] = set()
         errors: list[str] = []
-        for attempt in range(1, self.config.max_attempts + 1):
+        failures = timeouts = attempt = 0
+        while failures < self.config.max_attempts and timeouts < self.config.max_timeouts:
             server = self._pick(session_id, tried)
             if server is None:
                 errors.append("no engine in the pool")
                 break
             tried.add(server.url)
+            attempt += 1
             if attempt > 1:
                 self.metrics.retries += 1
             body = generate_request(
@@ -425,9 +515,14 @@ class RolloutClient:
             )
             try:
                 out = await self._post_generate(server, body)
+            except _Timeout as exc:
+                timeouts += 1
+                errors.append(f"{server.url}: {exc}")
+                continue
             except _Retryable as exc:
                 server.down_until = time.monotonic() + self.config.server_cooldown_s
                 server.failing += 1
+                failures += 1
                 errors.append(f"{server.url}: {exc}")
                 continue
             server.failing = 0
@@ -442,14 +537,14 @@ class RolloutClient:
                 self._sessions[session_id] = server.url
             return out, server.url, attempt
         raise ServersUnavailable(
-            f"/generate failed {self.config.max_attempts} time(s): " + "; ".join(errors)
+            f"/generate failed {len(errors)} time(s) ({timeouts} timeout(s)): " + "; ".join(errors)
         )
 
     def _pick(self, session_id: str | None, tried: set[str]) -> _Server | None:
-        """The session's server while it is up, else the up server with the fewest outstanding
-        requests (then the fewest sent, so sequential calls also alternate). Servers already
-        tried for this segment come last, down ones by the end of their cooldown; servers out
-        of the pool never (None when no server is in it)."""
+        """The session's server while it is up, else the up server with the fewest requests
+        in flight or waiting for it for its limit, then the fewest sent (so sequential calls
+        also alternate). Servers already tried for this segment come last, down ones by the end
+        of their cooldown; servers out of the pool never (None when no server is in it)."""
         now = time.monotonic()
         pool = [server for server in self._servers.values() if server.in_pool]
         if not pool:
@@ -461,28 +556,33 @@ class RolloutClient:
             fresh = [s for s in pool if s.url not in tried]
             chosen = min(
                 fresh or pool,
-                key=lambda s: (max(s.down_until - now, 0.0), s.outstanding, s.sent),
+                key=lambda s: (max(s.down_until - now, 0.0), s.queued / s.limit, s.sent),
             )
         chosen.sent += 1
         return chosen
 
     async def _post_generate(self, server: _Server, body: dict) -> GenerateOutput:
-        if not server.outstanding:
-            server.progress_at = time.monotonic()
-        server.outstanding += 1
+        await server.acquire()
+        sent_at = time.monotonic()
         self.metrics.requests[server.url] += 1
         try:
             answer = await self._unless_taken_out(server, self._post_json(server.url, body))
             server.progress_at = time.monotonic()
+            server.served(self.config.max_in_flight)
             return parse_generate_response(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
             raise exc.from_server(server.url) from exc
+        except _Timeout:
+            self.metrics.failures[server.url] += 1
+            self.metrics.timeouts[server.url] += 1
+            server.slowed(sent_at)
+            raise
         except (_Retryable, RequestRejected):
             self.metrics.failures[server.url] += 1
             raise
         finally:
-            server.outstanding -= 1
+            server.release()
 
     @staticmethod
     async def _unless_taken_out(server: _Server, post: Coroutine[Any, Any, object]) -> object:
@@ -506,7 +606,13 @@ class RolloutClient:
                 url + GENERATE_PATH, json=body, timeout=self._timeout
             ) as resp:
                 raw = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except aiohttp.ConnectionTimeoutError as exc:  # no connection: not a busy server
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise _Timeout(
+                f"{type(exc).__name__}: no answer within {self._timeout.total} s"
+            ) from exc
+        except aiohttp.ClientError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         if resp.status >= 400:
             text = raw[:500].decode(errors="replace")

@@ -39,7 +39,7 @@ from typing import get_args
 from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.run_log import read_metrics
+from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
 from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
@@ -130,6 +130,7 @@ def train_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str
 def finished(run_dir: Path, steps: int) -> bool:
     if not (run_dir / "metrics.jsonl").exists():
         return False
+    # the last step's eval line, complete or not: the run ran to its end
     return any(r.get("step") == steps and "eval_accuracy" in r for r in read_metrics(run_dir))
 
 
@@ -148,7 +149,7 @@ class RunSummary:
 
 def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSummary:
     records = read_metrics(run_dir)
-    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+    evals = {r["step"]: r["eval_accuracy"] for r in records if has_accuracy(r)}
     steps = [r for r in records if "reward_mean" in r]
     kls = [r["sequence_kl_mean"] for r in steps if r.get("sequence_kl_mean") is not None]
     lags = [r["lag_mean"] for r in steps if r.get("lag_mean") is not None]

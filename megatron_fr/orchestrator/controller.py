@@ -272,8 +272,8 @@ def evaluate(
 
     def work() -> None:
         assert rollout is not None and report is not None  # the first rank makes both
-        results, rollouts_total = rollout.evaluate()
-        report.evaluation(step, results, rollouts_total)
+        evaluation, rollouts_total = rollout.evaluate()
+        report.evaluation(step, evaluation, rollouts_total)
 
     run_on_rank0(work if rollout is not None else None, wait_slice_s(config))
 

@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_fr.orchestrator.run_log import read_metrics
+from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
 
 PLOT_FILE = "metrics.png"
 
@@ -86,7 +86,15 @@ def _series(
 def _draw_panel(
     ax: Axes, records: Sequence[dict[str, Any]], x_key: str, keys: tuple[str, ...]
 ) -> None:
+    """The keys' curves; in the eval accuracy panel each incomplete evaluation (no accuracy:
+    the pool did not serve it) is a dotted red line at its x, not a point at 0."""
     drawn = 0
+    if any(_spread_key(key) for key in keys):
+        incomplete = [r[x_key] for r in records if r.get("eval_incomplete") and x_key in r]
+        for index, x in enumerate(incomplete):
+            label = "incomplete eval" if index == 0 else None
+            ax.axvline(x, color="tab:red", linestyle=":", label=label)
+        drawn += len(incomplete)
     for key in keys:
         xs, ys, spread = _series(records, x_key, key)
         if not len(xs):
@@ -109,7 +117,7 @@ def _draw_panel(
 def _title(run_dir: Path, records: Sequence[dict[str, Any]]) -> str:
     steps = [r["step"] for r in records if "reward_mean" in r]
     rollouts = [r["rollouts_total"] for r in records if "rollouts_total" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
+    evals = [r for r in records if has_accuracy(r)]
     title = f"{run_dir.resolve().name}: {steps[-1] if steps else 0} steps"
     if rollouts:
         title += f", {max(rollouts):,} rollouts"

@@ -27,6 +27,7 @@ from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
 from megatron_fr.orchestrator.sinks import build_sinks
 from megatron_fr.rollout.episodes import episode_metrics
+from megatron_fr.rollout.service import Evaluation
 from megatron_fr.utils.provenance import run_provenance
 
 BATCHES_FILE = "batches.jsonl"
@@ -107,14 +108,23 @@ class RunReport:
             },
         )
 
-    def evaluation(
-        self, step: int, results: dict[str, tuple[float, float]], rollouts_total: int
-    ) -> None:
-        """One eval line: eval_accuracy (mean over the sets) plus each set's mean and spread."""
+    def evaluation(self, step: int, evaluation: Evaluation, rollouts_total: int) -> None:
+        """One eval line: eval_accuracy (mean over the sets) plus each set's mean and spread,
+        eval_failed_episodes (episode tries the pool failed, retried) and eval_incomplete. An
+        incomplete evaluation's eval_accuracy is null, with the reason, and printed: a set
+        the pool could not serve has no accuracy, never 0."""
+        results = evaluation.accuracies
         record: dict[str, Any] = dict(step=step, rollouts_total=rollouts_total)
-        record["eval_accuracy"] = statistics.fmean(mean for mean, _ in results.values())
-        if len(results) == 1:
-            (record["eval_accuracy_std"],) = (std for _, std in results.values())
+        record["eval_incomplete"] = int(evaluation.incomplete is not None)
+        record["eval_failed_episodes"] = evaluation.failed_episodes
+        if evaluation.incomplete is not None:
+            record["eval_accuracy"] = None
+            record["eval_incomplete_reason"] = evaluation.incomplete
+            print(f"step {step}: evaluation incomplete: {evaluation.incomplete}", flush=True)
+        else:
+            record["eval_accuracy"] = statistics.fmean(mean for mean, _ in results.values())
+            if len(results) == 1:
+                (record["eval_accuracy_std"],) = (std for _, std in results.values())
         for name, (mean, std) in results.items():
             record[f"eval_{name}_accuracy"] = mean
             record[f"eval_{name}_accuracy_std"] = std

@@ -33,7 +33,7 @@ from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareSender
 from megatron_fr.learner.step_plan import plan_step
 from megatron_fr.orchestrator.setup import build_rollout_service, eval_sets
-from megatron_fr.rollout.service import RolloutService
+from megatron_fr.rollout.service import Evaluation, RolloutService
 
 START_TIMEOUT_S = 3600.0
 """Engines load models before the service answers its first call (SGLang: minutes)."""
@@ -118,8 +118,9 @@ class RolloutProcess:
     def stats(self) -> dict:
         return self._call("stats")
 
-    def evaluate(self) -> tuple[dict[str, tuple[float, float]], int]:
-        """Every held-out set's (mean, spread), and the rollouts completed so far."""
+    def evaluate(self) -> tuple[Evaluation, int]:
+        """Every held-out set's (mean, spread), or why it has none, and the rollouts
+        completed so far."""
         return self._call("evaluate")
 
     def state_dict(self) -> dict:
@@ -247,7 +248,7 @@ class _Server:
     def _stats(self) -> dict:
         return self.service.stats()
 
-    def _evaluate(self) -> tuple[dict[str, tuple[float, float]], int]:
+    def _evaluate(self) -> tuple[Evaluation, int]:
         config, producer = self.config, self.service.producer
         sampling = producer.sampling(config.eval.temperature, config.eval.top_p)
         results = self.service.evaluate(

@@ -46,6 +46,8 @@ STEP_KEYS = (
     "rollouts_total",
 )
 EVAL_KEYS = ("step", "rollouts_total", "eval_accuracy")
+INCOMPLETE_EVAL_KEYS = ("step", "rollouts_total", "eval_incomplete")
+"""An evaluation the pool could not serve: `eval_incomplete` 1 and `eval_accuracy` null."""
 
 # Progress-bar postfix: label -> metric key, in display order.
 _POSTFIX = (
@@ -133,6 +135,12 @@ def read_run_log(run_dir: str | Path, name: str) -> list[dict[str, Any]]:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl, in file order (step and eval lines interleaved)."""
     return read_run_log(run_dir, METRICS_FILE)
+
+
+def has_accuracy(record: Mapping[str, Any]) -> bool:
+    """An evaluation line with an accuracy: not a step line, not an incomplete evaluation
+    (whose eval_accuracy is null: results must skip it, not read it as 0)."""
+    return is_number(record.get("eval_accuracy"))
 
 
 def last_step(run_dir: str | Path) -> int | None:
@@ -229,11 +237,17 @@ class RunLogger:
 
     def log_eval(self, metrics: Mapping[str, Any]) -> None:
         """One evaluation; needs EVAL_KEYS (`eval_accuracy_std`, the spread over eval seeds,
-        is optional). TensorBoard tags drop the `eval_` prefix: eval/accuracy, eval/accuracy_std."""
+        is optional), or INCOMPLETE_EVAL_KEYS with `eval_accuracy` null. TensorBoard tags drop
+        the `eval_` prefix: eval/accuracy, eval/accuracy_std."""
         if not self.enabled:
             return
         metrics = _plain(metrics)
-        _check(metrics, EVAL_KEYS, "log_eval")
+        if metrics.get("eval_incomplete"):
+            _check(metrics, INCOMPLETE_EVAL_KEYS, "log_eval")
+            if metrics.get("eval_accuracy") is not None:
+                raise ValueError("log_eval: an incomplete evaluation has no eval_accuracy")
+        else:
+            _check(metrics, EVAL_KEYS, "log_eval")
         self._write(metrics, scope="eval")
         self._show()
 

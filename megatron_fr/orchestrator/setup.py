@@ -44,6 +44,8 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
         urls=tuple(engines.urls),
         request_timeout_s=config.rollout.request_timeout_s,
         max_attempts=config.rollout.max_attempts,
+        max_timeouts=config.rollout.max_timeouts,
+        max_in_flight=config.rollout.max_in_flight_per_engine,
         routed_experts=routed,
         top_logprobs=config.learner.top_logprobs,
     )

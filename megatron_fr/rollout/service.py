@@ -25,6 +25,7 @@ behind.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import statistics
 import threading
@@ -54,6 +55,31 @@ class EvalSet:
     problems: list[str]
     samples: int
     """k: samples per problem; the set's accuracy is avg@k."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one evaluation measured. An accuracy is reported only for a set whose every
+    episode was scored: an episode the pool failed is retried, never scored 0, so an outage
+    can make an evaluation incomplete but never lower an accuracy."""
+
+    accuracies: dict[str, tuple[float, float]]
+    """{set: (mean, std over the k passes) of avg@k}, for the sets scored in full."""
+    failed_episodes: int
+    """Episode tries the pool failed (each was retried)."""
+    incomplete: str | None = None
+    """Why some set has no accuracy (the pool did not serve it by the deadline); None when
+    every set was scored."""
+
+
+@dataclass
+class _EvalTally:
+    """An evaluation's progress, written by the loop and read by the caller's thread once the
+    deadline passed."""
+
+    accuracies: dict[str, tuple[float, float]]
+    failed: int = 0
+    first_error: BaseException | None = None
 
 
 class RolloutFailed(RuntimeError):
@@ -287,7 +313,8 @@ class RolloutService:
     def stats(self) -> dict:
         """The buffer's stats plus rollouts completed (over resumes), failures by reason, and
         the engines' figures (under "engines": engines_total, and per engine of the pool,
-        engine<i> in its order, generate requests sent and failed since this start)."""
+        engine<i> in its order, generate requests sent, failed and timed out since this start,
+        and the requests it may have in flight now)."""
         with self._counts_lock:
             completed, failures = self.completed, dict(self.failures)
         return {
@@ -305,6 +332,10 @@ class RolloutService:
         for index, url in enumerate(urls):
             stats[f"engine{index}_requests_total"] = client.metrics.requests[url] if client else 0
             stats[f"engine{index}_failures_total"] = client.metrics.failures[url] if client else 0
+            stats[f"engine{index}_timeouts_total"] = client.metrics.timeouts[url] if client else 0
+            stats[f"engine{index}_in_flight_limit"] = (
+                client.in_flight_limit(url) if client else self.client_config.max_in_flight
+            )
         return stats
 
     def state_dict(self) -> dict:
@@ -322,59 +353,73 @@ class RolloutService:
 
     def evaluate(
         self, sets: dict[str, EvalSet], sampling: SamplingParams, timeout_s: float
-    ) -> dict[str, tuple[float, float]]:
-        """{set: (mean, std)} of avg@k: the reward of k samples per problem at the eval
-        sampling settings; the spread is over the k passes. Raises RolloutFailed as soon as
-        the service fails (an engine past its restart budget), whatever the evaluation was
+    ) -> Evaluation:
+        """avg@k of every set: the reward of k samples per problem at the eval sampling
+        settings, the spread over the k passes. Episodes the pool fails are retried until
+        `timeout_s`; a set not scored in full by then has no accuracy and the evaluation is
+        incomplete (an outage is not a wrong answer). Raises RolloutFailed as soon as the
+        service fails (an engine past its restart budget), whatever the evaluation was
         waiting for."""
         self.check()
+        tally = _EvalTally(accuracies={})
         future: Future = asyncio.run_coroutine_threadsafe(
-            self._evaluate(sets, sampling), self._loop
+            self._evaluate(sets, sampling, tally), self._loop
         )
         finished = wait([future, self._failed], timeout_s, return_when=FIRST_COMPLETED).done
         if future not in finished:
             future.cancel()
         self.check()  # the service's cause, not what the evaluation saw of it
-        if future not in finished:
-            raise TimeoutError(f"evaluation did not finish within {timeout_s} s")
-        return future.result()
+        if future in finished:
+            future.result()  # a bug in an episode is raised
+            return Evaluation(dict(tally.accuracies), tally.failed)
+        missing = [name for name in sets if name not in tally.accuracies]
+        reason = (
+            f"set(s) {missing} not served within {timeout_s:g} s; {tally.failed} episode "
+            f"tries failed (first: {tally.first_error})"
+        )
+        log.warning("evaluation incomplete, no accuracy recorded: %s", reason)
+        return Evaluation(dict(tally.accuracies), tally.failed, reason)
 
     async def _evaluate(
-        self, sets: dict[str, EvalSet], sampling: SamplingParams
-    ) -> dict[str, tuple[float, float]]:
+        self, sets: dict[str, EvalSet], sampling: SamplingParams, tally: _EvalTally
+    ) -> None:
         client = self._running_client()
-        results = {}
         for name, spec in sets.items():
             passes = []
             for k in range(spec.samples):
-                outcomes = await asyncio.gather(
+                rewards = await asyncio.gather(
                     *(
-                        self.producer.run(
-                            client, problem, f"eval-{name}-{problem}#{k}", "eval", sampling
-                        )
+                        self._eval_episode(client, name, problem, k, sampling, tally)
                         for problem in spec.problems
-                    ),
-                    return_exceptions=True,
+                    )
                 )
-                passes.append(self._eval_pass(name, outcomes))
-            results[name] = (statistics.fmean(passes), statistics.pstdev(passes))
-        return results
+                passes.append(statistics.fmean(rewards))
+            tally.accuracies[name] = (statistics.fmean(passes), statistics.pstdev(passes))
 
-    def _eval_pass(self, name: str, outcomes: list) -> float:
-        """Mean reward of one pass; an episode that failed scores 0 (it is a wrong answer as
-        far as the benchmark goes) and is counted; a bug is raised."""
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException) and not isinstance(outcome, ROLLOUT_FAILURES):
-                raise outcome
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        if failed:
-            with self._counts_lock:
-                self.failures[f"eval {name}"] += len(failed)
-            log.warning(
-                "%d of %d eval episodes of %r failed (scored 0); first: %s",
-                len(failed),
-                len(outcomes),
-                name,
-                failed[0],
-            )
-        return statistics.fmean(0.0 if isinstance(o, BaseException) else o.reward for o in outcomes)
+    async def _eval_episode(
+        self,
+        client: RolloutClient,
+        name: str,
+        problem: str,
+        k: int,
+        sampling: SamplingParams,
+        tally: _EvalTally,
+    ) -> float:
+        """One eval episode's reward, retried after a backoff (0.5 s doubling to 10 s) while
+        the pool fails it; each failure counted, the evaluation's first one logged. A bug is
+        raised."""
+        episode_id = f"eval-{name}-{problem}#{k}"
+        for tries in itertools.count():
+            try:
+                outcome = await self.producer.run(client, problem, episode_id, "eval", sampling)
+            except ROLLOUT_FAILURES as error:
+                with self._counts_lock:
+                    self.failures[f"eval {name}"] += 1
+                tally.failed += 1
+                if tally.first_error is None:
+                    tally.first_error = error
+                    log.warning("eval episodes of %r failing, retried: %s", name, error)
+                await asyncio.sleep(min(10.0, 0.5 * 2**tries))
+                continue
+            return outcome.reward
+        raise AssertionError("unreachable")

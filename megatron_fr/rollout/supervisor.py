@@ -11,8 +11,8 @@ the routed experts a routing-replay run needs, is refused with the reason (Engin
 before any step for the recipe's engines, by staying out for the others.
 
     serving ──(exited; no answer on GET /model_info for unreachable_after_s;
-      ▲        failures_in_a_row generate requests failed; wedged: the requests
-      ▲        in flight had no answer for stalled_after_s)──────────────────► out
+      ▲        failures_in_a_row generate requests failed, timeouts not counted; wedged:
+      ▲        the requests in flight had no answer for stalled_after_s)─────────► out
       ▲            its requests in flight go to the others at once (engine/client.py)
       │
     joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
@@ -37,7 +37,9 @@ see a wedged engine: SGLang's HTTP process answers it without the scheduler, so 
 stuck in a collective answers 200 there while its requests hang. The rollout client times the
 requests in flight at each engine from its last answer (RolloutClient.stalled_s); an engine
 serving requests that have had none for stalled_after_s is taken out as wedged, restarted or
-re-admitted as a dead one is.
+re-admitted as a dead one is. Slow is not dead: an engine whose requests time out while it
+answers /model_info and keeps answering some is never taken out for it; the client lowers its
+requests in flight instead (engine/client.py).
 
 A URL of the engines file is probed beside the watch, never in its way: at most
 rollout.engine.file_probes at once, each given unreachable_after_s to answer /server_info, so a

@@ -29,23 +29,37 @@ G = 4
 
 
 class FlakyProxy:
-    """Forwards every request to `target`; /generate number 7, 14, ... answers 503."""
+    """Forwards every request to `target`; /generate number 7, 14, ... answers 503 (`every`
+    0: none). `pace_s` > 0 makes it a busy engine: it forwards one /generate at a time, each
+    after pace_s, so a request's service time grows with the requests ahead of it while
+    answers keep coming; one whose client gave up while queued is dropped (`dropped`), as an
+    engine aborts a request whose client disconnected."""
 
-    def __init__(self, target: str, every: int = 7) -> None:
-        self.target, self.every = target, every
-        self.generates = self.failed = 0
+    def __init__(self, target: str, every: int = 7, pace_s: float = 0.0) -> None:
+        self.target, self.every, self.pace_s = target, every, pace_s
+        self.generates = self.failed = self.dropped = 0
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),))
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
         if request.path == "/generate":
             self.generates += 1
-            if self.generates % self.every == 0:
+            if self.every and self.generates % self.every == 0:
                 self.failed += 1
                 return web.Response(status=503, text="injected failure")
-        body = await request.read()
+            if self.pace_s:
+                async with self.turn:
+                    if request.transport is None or request.transport.is_closing():
+                        self.dropped += 1
+                        return web.Response(status=499, text="client gone")
+                    await asyncio.sleep(self.pace_s)
+                    return await self._upstream(request, body)
+        return await self._upstream(request, body)
+
+    async def _upstream(self, request: web.Request, body: bytes) -> web.Response:
         async with self.session.request(
             request.method,
             self.target + request.path_qs,
@@ -60,6 +74,7 @@ class FlakyProxy:
 
     async def _serve(self) -> None:
         self.stopping = asyncio.Event()
+        self.turn = asyncio.Lock()
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as self.session:
             app = web.Application(client_max_size=1 << 30)

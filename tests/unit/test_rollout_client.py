@@ -55,6 +55,9 @@ class Script:
 
     version: int = 1
     delay_s: float = 0.0
+    serial: bool = False
+    """Serve one /generate at a time (each taking delay_s), as an engine whose service time
+    grows with the requests it holds; a request whose client gave up is still served."""
     status: int | None = None
     """Answer every /generate with this HTTP status."""
     malformed: str | None = None
@@ -153,6 +156,8 @@ def _spans(script: Script, count: int) -> list[dict]:
 
 
 def scripted_app(script: Script) -> web.Application:
+    serial = asyncio.Lock()
+
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         script.log.append(
@@ -165,7 +170,11 @@ def scripted_app(script: Script) -> web.Application:
                 "top_logprobs_num": body.get("top_logprobs_num"),
             }
         )
-        await asyncio.sleep(script.delay_s)
+        if script.serial:
+            async with serial:
+                await asyncio.sleep(script.delay_s)
+        else:
+            await asyncio.sleep(script.delay_s)
         if script.status is not None:
             return web.Response(status=script.status, text="scripted failure")
         if script.malformed == "not_json":
@@ -690,7 +699,7 @@ def test_silent_server_times_out_within_the_request_timeout() -> None:
         hole.bind(("127.0.0.1", 0))
         hole.listen(8)
         url = f"http://127.0.0.1:{hole.getsockname()[1]}"
-        cfg = RolloutClientConfig(urls=[url], request_timeout_s=0.5, max_attempts=1)
+        cfg = RolloutClientConfig(urls=[url], request_timeout_s=0.5, max_timeouts=1)
 
         async def body() -> float:
             async with RolloutClient(cfg) as client:
@@ -740,3 +749,47 @@ if __name__ == "__main__":
     parser.add_argument("--delay", type=float, default=0.0)
     args = parser.parse_args()
     _serve_forever(args.port, args.delay)
+
+
+def test_timeouts_halve_the_in_flight_limit_and_do_not_count_as_failing() -> None:
+    """Four requests time out together: the limit goes from 1024 to half of the 4 in flight
+    (the other three were sent before it was lowered, so they lower it no further); the server
+    answered nothing, yet none of it counts toward taking it out. Answers then add 1/limit."""
+    slow = Script(delay_s=1.0)
+
+    async def body() -> tuple[int, int, int, int]:
+        async with serving(slow) as urls:
+            cfg = RolloutClientConfig(urls=urls, request_timeout_s=0.3, max_timeouts=1)
+            async with RolloutClient(cfg) as client:
+                calls = (client.generate([i], sampling()) for i in range(4))
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                assert all(isinstance(o, ServersUnavailable) for o in outcomes), outcomes
+                lowered = client.in_flight_limit(urls[0])
+                slow.delay_s = 0.0
+                for _ in range(3):  # 2 + 1/2 + 1/2.5 + 1/2.9 = 3.24
+                    await client.generate([1], sampling())
+                timeouts = client.metrics.timeouts[urls[0]]
+                return lowered, client.in_flight_limit(urls[0]), client.failing(urls[0]), timeouts
+
+    assert asyncio.run(body()) == (2, 3, 0, 4)
+
+
+def test_an_overloaded_server_serves_every_request_under_a_lowered_limit() -> None:
+    """A server serving one request at a time (0.15 s each) gets 8 at once with a 0.5 s
+    timeout: those past the third time out; the limit drops and the retries, queued in the
+    client, are all served there. No call fails and the server is never counted failing."""
+    busy = Script(delay_s=0.15, serial=True)
+
+    async def body() -> tuple[list[Rollout], int, int, int]:
+        async with serving(busy) as urls:
+            cfg = RolloutClientConfig(urls=urls, request_timeout_s=0.5, max_attempts=1)
+            async with RolloutClient(cfg) as client:
+                calls = (client.generate([i], sampling()) for i in range(8))
+                rollouts = await asyncio.gather(*calls)
+                url = urls[0]
+                return rollouts, client.metrics.timeouts[url], client.failing(url), len(busy.log)
+
+    rollouts, timeouts, failing, posts = asyncio.run(body())
+    assert [r.output_ids[0] for r in rollouts] == list(range(1, 9))
+    assert timeouts > 0 and failing == 0
+    assert posts == 8 + timeouts  # every timed-out request was sent again, nothing else

@@ -44,16 +44,18 @@ PROBLEMS = [f"p{i}" for i in range(20)]
 
 class Producer:
     """Episodes of one generate call; the reward is 1 for even problems. `broken_after`
-    makes the n-th episode raise a plain bug (not a rollout failure)."""
+    makes the n-th episode raise a plain bug (not a rollout failure); the first `outage`
+    eval episodes fail as when the pool cannot serve them (ServersUnavailable)."""
 
     pad_id = 0
 
-    def __init__(self, tokenizer, broken_after: int | None = None) -> None:
+    def __init__(self, tokenizer, broken_after: int | None = None, outage: int = 0) -> None:
         self.tokenizer = tokenizer
         self.train_problems = PROBLEMS
         self.eval_sets = {"small": PROBLEMS[:4]}
         self.calls = 0
         self.broken_after = broken_after
+        self.outage = outage
         self.closed = False
 
     def sampling(self, temperature: float, top_p: float = 1.0) -> SamplingParams:
@@ -63,6 +65,9 @@ class Producer:
         self.calls += 1
         if self.broken_after is not None and self.calls > self.broken_after:
             raise ZeroDivisionError("a bug in the reward")
+        if group == "eval" and self.outage:
+            self.outage -= 1
+            raise ServersUnavailable("scripted outage")
         ids = self.tokenizer.encode(f"solve {problem}", add_special_tokens=False)
         rollout = await client.generate(ids, sampling)
         reward = float(int(problem[1:]) % 2 == 0)
@@ -127,12 +132,43 @@ def test_batches_flow_and_close_leaves_nothing_behind(tokenizer):
             results = service.evaluate(
                 {"small": EvalSet(PROBLEMS[:4], samples=2)}, producer.sampling(0.7), 30
             )
-            assert results == {"small": (0.5, 0.0)}  # p0, p2 of p0..p3 score 1
+            assert results.accuracies == {"small": (0.5, 0.0)}  # p0, p2 of p0..p3 score 1
+            assert (results.failed_episodes, results.incomplete) == (0, None)
             assert service.stats()["rollouts_total"] >= 4
         finally:
             service.close()
     assert not rollout_threads() and service._loop.is_closed() and producer.closed
     service.close()  # twice is fine
+
+
+@pytest.mark.parametrize("outage, timeout_s", [(3, 30.0), (10**9, 2.0)])
+def test_failed_eval_episodes_are_retried_and_an_outage_never_scores_0(
+    tokenizer, outage, timeout_s
+):
+    """Three failed episodes are retried and the accuracy is that of a healthy pool (p0, p2 of
+    p0..p3 score 1); a pool that serves nothing by the deadline leaves no accuracy at all."""
+    with ServerThread(tokenizer) as server:
+        producer = Producer(tokenizer, outage=outage)
+        service = make_service([server.url], producer)
+        service.start()
+        try:
+            started = time.monotonic()
+            evaluation = service.evaluate(
+                {"small": EvalSet(PROBLEMS[:4], samples=1)}, producer.sampling(0.7), timeout_s
+            )
+            elapsed = time.monotonic() - started
+            failures = service.stats()["rollout_failures"]
+        finally:
+            service.close()
+    if outage == 3:
+        assert evaluation.accuracies == {"small": (0.5, 0.0)}
+        assert (evaluation.failed_episodes, evaluation.incomplete) == (3, None)
+    else:
+        assert evaluation.accuracies == {} and evaluation.failed_episodes >= 4
+        assert "['small'] not served within 2 s" in evaluation.incomplete
+        assert "scripted outage" in evaluation.incomplete
+        assert elapsed < timeout_s + 1.0
+    assert failures["eval small"] == evaluation.failed_episodes
 
 
 def test_a_bug_in_an_episode_ends_the_service_with_its_cause(tokenizer):
