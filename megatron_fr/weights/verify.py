@@ -148,14 +148,18 @@ class SyncCheck:
 
 
 def _enough_for_every_rank(probes: list[Trajectory]) -> list[Trajectory]:
-    """The probes repeated to a multiple of the world size (at least one each), so that
-    every data-parallel rank gets one to score (the learner's step plan needs a trajectory
-    per DP rank); the first len(probes) results are the probes'."""
+    """The probes repeated to a multiple of the world size (at least two), so that every
+    data-parallel rank gets one to score (the learner's step plan needs a trajectory per DP
+    rank), all in one group (a group estimator's plan needs whole groups of two or more;
+    the advantages are not used); the first len(probes) results are the probes'."""
     world = dist.get_world_size()
     count = -(-len(probes) // world) * world
+    count *= 2 if count < 2 else 1
     return [
         dataclasses.replace(
-            probes[i % len(probes)], prompt_id=f"{probes[i % len(probes)].prompt_id}#{i}"
+            probes[i % len(probes)],
+            prompt_id=f"{probes[i % len(probes)].prompt_id}#{i}",
+            info={"group": "sync-probe"},
         )
         for i in range(count)
     ]
