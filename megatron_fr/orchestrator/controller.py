@@ -116,9 +116,14 @@ def train(config: RunConfig, run_dir: Path) -> None:
         )
 
 
-def sync_check(config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int) -> SyncCheck:
+def sync_check(
+    config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int
+) -> SyncCheck | None:
     """The check after each weight sync (weights/verify.py), scored by the learner with its
-    own routing at the rollouts' temperature."""
+    own routing at the rollouts' temperature. None under the top-K gate: the learner's plan
+    wants every trajectory's top-K records, which the probe does not ask for yet."""
+    if config.learner.flash_reinforce.gate_kl == "topk":
+        return None
     settings = config.weights
     return SyncCheck(
         functools.partial(learner.policy_log_probs, pad_id=pad_id, routing_replay=False),
