@@ -118,12 +118,11 @@ def train(config: RunConfig, run_dir: Path) -> None:
 
 def sync_check(
     config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int
-) -> SyncCheck | None:
+) -> SyncCheck:
     """The check after each weight sync (weights/verify.py), scored by the learner with its
-    own routing at the rollouts' temperature. None under the top-K gate: the learner's plan
-    wants every trajectory's top-K records, which the probe does not ask for yet."""
-    if config.learner.flash_reinforce.gate_kl == "topk":
-        return None
+    own routing at the rollouts' temperature. Under the top-K gate the probe asks the engines
+    for the gate's top-K too: the learner's step plan wants them on every trajectory."""
+    gate = config.learner.flash_reinforce
     settings = config.weights
     return SyncCheck(
         functools.partial(learner.policy_log_probs, pad_id=pad_id, routing_replay=False),
@@ -132,6 +131,7 @@ def sync_check(
         settings.verify_every,
         settings.verify_tolerance,
         settings.timeout_s,
+        top_logprobs_num=gate.gate_top_k if gate.gate_kl == "topk" else 0,
     )
 
 

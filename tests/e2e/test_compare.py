@@ -102,10 +102,14 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
         )
         assert result.returncode == 0, result.stderr[-12000:]
         table = (out / "results.md").read_text()
+        made = json.loads((Path(demo_model) / "warm_start.json").read_text())
+        model_hash = made["report"]["model_sha256"]
+        assert table.startswith(f"Started from model_sha256: {model_hash}; commit: "), table
         for name in names:
             assert f"| {name} | 1 |" in table
             config = (out / f"{name}-seed0" / "config.yaml").read_text()
             assert f"hf_dir: {demo_model}" in config  # every run from the one model
+            assert config.startswith(f"# model_sha256: {model_hash}\n# commit: "), config
         assert (out / "accuracy.png").stat().st_size > 10_000
     ungated = (out / "flash_reinforce_lag2_no_gate-seed0" / "config.yaml").read_text()
     assert "delta: .inf" in ungated
