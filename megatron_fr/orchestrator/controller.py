@@ -116,9 +116,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
         )
 
 
-def sync_check(
-    config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int
-) -> SyncCheck:
+def sync_check(config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int) -> SyncCheck:
     """The check after each weight sync (weights/verify.py), scored by the learner with its
     own routing at the rollouts' temperature. Under the top-K gate the probe asks the engines
     for the gate's top-K too: the learner's step plan wants them on every trajectory."""
