@@ -2,8 +2,11 @@
 the project's launcher and spoken to through its vLLM wire (engine/vllm/): sampled tokens and
 their log-probs equal transformers' own forward pass of the same model at temperature 1 and
 0.7 (the log-probs of the distribution sampled from), greedy generation equals transformers'
-greedy, and a request in flight across a pause, a weight-version change and a resume finishes
-whole, its tokens tagged with the version that produced each. Skipped, saying why, where vLLM
+greedy, a request in flight across a pause, a weight-version change and a resume finishes
+whole, its tokens tagged with the version that produced each, and a push of other weights from
+this process through vLLM's weight-update protocol and the project's gloo backend
+(engine/vllm/gloo_transfer.py, loaded into vLLM's worker) makes the server compute the new
+model's log-probs. Skipped, saying why, where vLLM
 is not installed. The server is started once (about 1-3 minutes on a 2-core machine)."""
 
 from __future__ import annotations
@@ -149,3 +152,52 @@ def test_a_request_in_flight_survives_a_pause_and_a_version_change(vllm_server) 
     assert set(out.token_versions[first_new:]) == {"7"}
     info = json.load(urllib.request.urlopen(url + wire.WEIGHT_INFO_PATH, timeout=30))
     assert info == {"weight_version": "7"}
+
+
+def test_a_push_through_the_gloo_backend_serves_the_new_weights(vllm_server) -> None:
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from megatron_fr.engine.group import create_weight_update_group
+
+    url, _ = vllm_server
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**TINY_QWEN3)).eval()
+    tensors = list(other.state_dict().items())
+    port, errors = free_port(), []
+
+    def call(path: str, body: dict) -> None:
+        try:
+            _post(url, path, body)
+        except Exception as error:  # surfaced below, with the sender's side
+            errors.append(error)
+
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
+    init |= {"world_size": 2, "group_name": "push-test"}
+    joining = threading.Thread(
+        target=call, args=("/init_weight_transfer_engine", {"init_info": init})
+    )
+    joining.start()
+    group = create_weight_update_group("127.0.0.1", port, 2, "push-test", timeout_s=120)
+    joining.join(timeout=120)
+    _post(url, "/start_weight_update", {})
+    update = {
+        "names": [name for name, _ in tensors],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+        "shapes": [list(t.shape) for _, t in tensors],
+    }
+    receiving = threading.Thread(target=call, args=("/update_weights", {"update_info": update}))
+    receiving.start()
+    for _, tensor in tensors:
+        group.broadcast(tensor.contiguous())
+    receiving.join(timeout=300)
+    _post(url, "/finish_weight_update", {"weight_version": "1"})
+    group.destroy()
+    assert not errors, errors
+    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=16, sampling_seed=4)
+    out = wire.parse_generate_response(
+        _post(url, wire.GENERATE_PATH, wire.generate_request(PROMPT, sampling))
+    )
+    assert set(out.token_versions) == {"1"}
+    reference = _reference_log_probs(other, out.output_ids, 1.0)
+    gaps = [abs(a - b) for a, b in zip(out.output_logprobs, reference, strict=True)]
+    assert max(gaps) < 1e-4, gaps

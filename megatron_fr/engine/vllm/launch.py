@@ -12,22 +12,30 @@ distribution sampled from, after temperature: what the importance ratio needs; v
 is before temperature), and VLLM_SERVER_DEV_MODE=1 in its environment (the RL routes: /pause,
 /resume, the weight-update protocol; vLLM logs a warning that they are unauthenticated, as
 SGLang's are). On a machine without CUDA it also runs eagerly (no graph capture) with a KV
-cache of VLLM_CPU_KVCACHE_GIB, threads unbound (the machine is shared with the learner).
+cache of VLLM_CPU_KVCACHE_GIB, threads unbound (the machine is shared with the learner), and
+receives weight pushes through the project's gloo backend (gloo_transfer.py).
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import os
 from pathlib import Path
 
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
 """What every vLLM server started by the project runs with (module docstring)."""
+GLOO_EXTENSION = "megatron_fr.engine.vllm.gloo_transfer.GlooTransferExtension"
+GLOO_BACKEND = "megatron_fr_gloo"
+"""The weight-transfer backend vLLM servers without CUDA receive pushes with (gloo_transfer.py,
+loaded into vLLM's workers from this repository through PYTHONPATH)."""
 VLLM_CPU_KVCACHE_GIB = 1
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": str(VLLM_CPU_KVCACHE_GIB),
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
-LOCAL_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
+REPO = Path(__file__).resolve().parents[3]
+LOCAL_VENV = REPO / ".venv-vllm"
 """Where tools/setup_vllm_cpu.sh puts vLLM, next to the project's own .venv."""
 
 
@@ -60,12 +68,16 @@ def vllm_command(
     command += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
     if skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
-    if not cuda:
-        command.append("--enforce-eager")
+    if not cuda:  # vLLM's own weight-transfer backends need CUDA: the project's gloo one
+        command += ["--enforce-eager", "--worker-extension-cls", GLOO_EXTENSION]
+        command += ["--weight-transfer-config", json.dumps({"backend": GLOO_BACKEND})]
     return command + list(extra_args)
 
 
 def vllm_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
     """`base` with VLLM_ENV, and CPU_ENV where there is no CUDA; a setting `base` already has
     wins (a user's own VLLM_CPU_KVCACHE_SPACE, say)."""
-    return VLLM_ENV | ({} if cuda else CPU_ENV) | base
+    env = VLLM_ENV | ({} if cuda else CPU_ENV) | base
+    if not cuda:  # the gloo extension is imported from this repository in vLLM's workers
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
+    return env
