@@ -102,6 +102,21 @@ def safetensors_cases(ws: Path, rng: random.Random) -> list[Case]:
         "bad_shape": lambda p: safetensors(p, with_entry(shape=["a", 2]), data),
         "negative_offsets": lambda p: safetensors(p, with_entry(data_offsets=[-8, 0]), data),
         "offsets_as_text": lambda p: safetensors(p, with_entry(data_offsets="0-8"), data),
+        "offsets_as_strings": lambda p: safetensors(
+            p, with_entry(data_offsets=[str(o) for o in entry["data_offsets"]]), data
+        ),
+        "offsets_as_floats": lambda p: safetensors(
+            p, with_entry(data_offsets=[float(o) for o in entry["data_offsets"]]), data
+        ),
+        "dtype_a_list": lambda p: safetensors(p, with_entry(dtype=["F32"]), data),
+        "dtype_an_object": lambda p: safetensors(p, with_entry(dtype={"F32": 1}), data),
+        "shape_of_bools": lambda p: safetensors(p, with_entry(shape=[True] * 2), data),
+        "shape_a_number": lambda p: safetensors(p, with_entry(shape=64), data),
+        "deep_nesting": lambda p: safetensors(
+            p,
+            json.dumps(header)[:-1].encode() + b', "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            data,
+        ),
         "short_data": lambda p: safetensors(p, header, data[: len(data) // 2]),
         "long_data": lambda p: safetensors(p, header, data + b"\0" * 64),
         "truncated": lambda p: p.write_bytes(original[: rng.randrange(9, len(original) // 2)]),
@@ -267,6 +282,17 @@ def verify_cases(ws: Path) -> list[Case]:
         (["--seq", "100000"], "--seq"),
     ]
     cases = [convert("verify", "--hf-dir", hf, *argv, names=names) for argv, names in bad]
+    other = copy_model(ws, "verify_other_model")  # the checkpoint is of ws/model
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = config["num_hidden_layers"] + 1
+    (other / "config.json").write_text(json.dumps(config))
+    megatron = str(ws / "out" / "good")
+    cases.append(
+        convert(
+            "verify", "--hf-dir", str(other), "--megatron-dir", megatron, names="--megatron-dir"
+        )
+    )
+    cases.append(convert("verify", "--hf-dir", hf, "--megatron-dir", hf, names="--megatron-dir"))
     cases.append(convert("verify", "--hf-dir", str(ws / "nowhere"), names="nowhere"))
     cases.append(convert("verify", names="--hf-dir"))
     cases.append(convert("nonsense", names="nonsense"))
