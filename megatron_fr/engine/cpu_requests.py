@@ -13,7 +13,7 @@ One request must neither cost the server more than it can afford nor stop it ans
     not JSON, not a JSON object            400
     nested deeper than MAX_JSON_DEPTH      400 (Python's parser would raise RecursionError)
 
-The server reads bodies as they were sent (cpu_server: RUNNER_OPTIONS turns aiohttp's own
+The server reads bodies as they were sent (cpu_server: AUTO_DECOMPRESS turns aiohttp's own
 inflating off, which runs on the event loop: a 260 KiB body inflating to 256 MiB held /health
 there for seconds), and a compressed body is inflated here.
 

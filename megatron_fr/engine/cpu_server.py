@@ -74,9 +74,9 @@ DEFAULT_READ_TIMEOUT_S = 60.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 """How long joining a weight-update group may wait for its master (and its other ranks)."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
-RUNNER_OPTIONS = {"auto_decompress": False}
-"""aiohttp's server options: bodies are read as sent and inflated off the event loop, within
-the body limit (cpu_requests.inflate)."""
+AUTO_DECOMPRESS = False
+"""aiohttp's server option: off, so bodies are read as sent and inflated off the event loop,
+within the body limit (cpu_requests.inflate)."""
 
 
 class CpuServer:
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         print=None,
         access_log=None,
         keepalive_timeout=args.read_timeout_s,
-        **RUNNER_OPTIONS,
+        auto_decompress=AUTO_DECOMPRESS,
     )
 
 
