@@ -25,7 +25,7 @@ class BufferConfig(StrictModel):
     rejected or too-old member is discarded whole and its problem handed out again."""
     max_lag: int = Field(default=0, ge=0, le=MAX_LAG)
     """Most versions between a trajectory's oldest policy token and the learner that trains on
-    it; 0 is synchronous on-policy training."""
+    it (at most 1000); 0 is synchronous on-policy training."""
     max_in_flight: PositiveInt | None = None
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
     fill_staleness_budget: bool = False

@@ -22,10 +22,10 @@ class EngineSettings(StrictModel):
     urls: list[str] = Field(default_factory=list)
     """Running inference servers, members of the pool besides the `count` started here (each
     says what it is on GET /server_info, and is refused before any step if it cannot serve
-    the run)."""
+    the run). Each a root URL, http(s)://HOST:PORT, each engine once."""
     count: int | None = Field(default=None, ge=0, le=MAX_ENGINES)
-    """Engines of `kind` the run starts itself, on the first learner rank's node; None: one
-    when `urls` is empty, none otherwise."""
+    """Engines of `kind` the run starts itself, on the first learner rank's node (at most
+    256); None: one when `urls` is empty, none otherwise."""
     kind: Literal["sglang", "cpu"] = "sglang"
     """The engines started here: SGLang (CUDA GPUs; refused on a machine without them) or the
     project's CPU engine (SGLang's protocol on transformers, for CPU machines). Never chosen
@@ -34,7 +34,7 @@ class EngineSettings(StrictModel):
     """Port of the first engine started here, the next one on port + 1, and so on (0: free
     ports)."""
     threads: int = Field(default=1, ge=1, le=MAX_THREADS)
-    """torch threads of each CPU engine."""
+    """torch threads of each CPU engine (at most 1024)."""
     tp_size: int = Field(default=1, ge=1, le=64)
     """Tensor-parallel size of each SGLang server started here."""
     gpu_ids: StrictTuple[Annotated[int, Field(ge=0, le=65535)]] = ()
@@ -43,7 +43,8 @@ class EngineSettings(StrictModel):
     start_timeout_s: Seconds = 300.0
     """How long a started engine may take to answer /health."""
     watch_interval_s: Seconds = 1.0
-    """How often the engines are checked while the run goes on."""
+    """How often the engines are checked while the run goes on (every duration setting is at
+    least 0.01 s)."""
     unreachable_after_s: Seconds = 30.0
     """An engine that has not answered GET /model_info (which runs no generation, so an
     engine paused by a long weight sync answers) for this long is taken out of the pool: hung,
@@ -121,8 +122,9 @@ class EngineSettings(StrictModel):
 
 class RolloutSettings(StrictModel):
     temperature: Temperature = 1.0
-    """Sampling temperature of training rollouts. The learner's log-probs are those of the
-    same distribution (log softmax(logits / temperature)), as the engines report them."""
+    """Sampling temperature of training rollouts (at least 0.001). The learner's log-probs are
+    those of the same distribution (log softmax(logits / temperature)), as the engines report
+    them."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling of training rollouts: 1 only (see top_k)."""
     top_k: int = -1
