@@ -67,7 +67,10 @@ def config_cases(ws: Path) -> list[Case]:
         hf = copy_model(ws, name)
         (hf / "config.json").write_text(json.dumps(value))
         cases.append(to_megatron(ws, hf, names[name]))
-    for name, text in [("config_not_json", "{"), ("config_empty", "")]:
+    twice = json.dumps(config)[:-1] + ', "num_hidden_layers": 7}'
+    deep = json.dumps(config)[:-1] + ', "x": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    texts = [("config_not_json", "{"), ("config_empty", ""), ("config_key_twice", twice)]
+    for name, text in [*texts, ("config_deep", deep)]:
         hf = copy_model(ws, name)
         (hf / "config.json").write_text(text)
         cases.append(to_megatron(ws, hf, "config.json"))
@@ -181,9 +184,16 @@ def index_cases(ws: Path) -> list[Case]:
         (hf / "subdir").mkdir()
         (hf / "model.safetensors.index.json").write_text(json.dumps(index))
         cases.append(to_megatron(ws, hf, names_what))
-    hf = copy_model(ws, "index_not_json")
-    (hf / "model.safetensors.index.json").write_text("{")
-    cases.append(to_megatron(ws, hf, "index.json"))
+    mapped = json.dumps({"weight_map": weight_map})
+    texts = {
+        "index_not_json": "{",
+        "index_tensor_twice": mapped[:-2] + f', "{names[0]}": "other.safetensors"}}}}',
+        "index_deep": '{"weight_map": {}, "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    }
+    for kind, text in texts.items():
+        hf = copy_model(ws, kind)
+        (hf / "model.safetensors.index.json").write_text(text)
+        cases.append(to_megatron(ws, hf, "index.json"))
     return cases
 
 
