@@ -42,10 +42,10 @@ from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.rollout_process import RolloutProcess
 from megatron_fr.orchestrator.setup import connect_weight_sync
-from megatron_fr.parallel.spawn import free_port
 from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:

@@ -20,10 +20,10 @@ from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
 from megatron_fr.engine.protocol import RoutedExpertsLayout
 from megatron_fr.orchestrator.workload import build_producer
-from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet, RolloutService
 from megatron_fr.rollout.supervisor import EngineSupervisor
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
 from megatron_fr.weights.transports import Engine
 
