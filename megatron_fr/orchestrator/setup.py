@@ -18,10 +18,10 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
-from megatron_fr.engine.protocol import RoutedExpertsLayout
+from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.rollout.episodes import EpisodeProducer
-from megatron_fr.rollout.service import EvalSet, RolloutService
+from megatron_fr.rollout.service import EvalSet
 from megatron_fr.rollout.supervisor import EngineSupervisor
 from megatron_fr.utils.net import free_port
 from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
@@ -31,8 +31,14 @@ if TYPE_CHECKING:
     from megatron_fr.models.hf_config import HFModelSpec
 
 
-def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> RolloutService:
-    """The rollout service with its engines started and healthy (not generating yet)."""
+ServiceParts = tuple[
+    EngineSupervisor, LagAwareBuffer, EpisodeProducer, RolloutClientConfig, SamplingParams
+]
+"""What a RolloutService is built of, in its constructor's order."""
+
+
+def rollout_service_parts(config: RunConfig, hf_dir: Path, run_dir: Path) -> ServiceParts:
+    """The rollout service's parts, its engines started and healthy (not generating yet)."""
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
@@ -52,7 +58,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     sampling = producer.sampling(config.rollout.temperature)
     if config.rollout.seeded:
         sampling = sampling.model_copy(update={"sampling_seed": config.seed})
-    return RolloutService(engines, buffer, producer, client, sampling)
+    return engines, buffer, producer, client, sampling
 
 
 def routed_experts_layout(hf_dir: Path) -> RoutedExpertsLayout:
