@@ -49,6 +49,7 @@ from megatron_fr.utils.net import free_port
 from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:
+    from megatron_fr.learner.step_metrics import StepMetrics
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import HFModelSpec
 
@@ -178,15 +179,14 @@ def _loop(
         step += 1
         # A skipped step changed no weight: the engines keep theirs.
         sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
-        gpus = gather_telemetry(telemetry)
         last = step == config.steps
-        metrics |= gpus | pool.check_metrics()
+        figures = gather_telemetry(telemetry) | pool.check_metrics()
         rank.act(
             functools.partial(
                 Leader.report_step,
                 step=step,
                 summaries=summaries,
-                metrics=metrics,
+                metrics=(metrics, figures),
                 sync_s=sync_s,
                 started=started,
             )
@@ -220,12 +220,12 @@ class SkippedSteps:
         self.limit, self.say = limit, say
         self.in_a_row = self.total = 0
 
-    def count(self, step: int, metrics: dict) -> bool:
+    def count(self, step: int, metrics: StepMetrics) -> bool:
         """Whether the step was skipped (sets its metrics); NonFiniteSteps at the limit."""
         cause = metrics["nonfinite"]
         self.in_a_row = self.in_a_row + 1 if cause else 0
         self.total += bool(cause)
-        metrics.update(step_skipped=float(bool(cause)), skipped_steps_total=self.total)
+        metrics["step_skipped"], metrics["skipped_steps_total"] = float(bool(cause)), self.total
         if cause and self.in_a_row >= self.limit:
             raise NonFiniteSteps(
                 f"the last {self.in_a_row} steps (to step {step}) had a non-finite {cause}: "

@@ -24,6 +24,7 @@ from typing import TypeVar
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress
+from megatron_fr.learner.step_metrics import StepMetrics
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.rollout_process import Hello, RunRollout, start_rollout_process
@@ -129,15 +130,18 @@ class Leader(Rank):
         self,
         step: int,
         summaries: list[TrajectorySummary],
-        metrics: dict,
+        metrics: tuple[StepMetrics, dict[str, float]],
         sync_s: float,
         started: float,
     ) -> None:
-        """The step's record, once the buffer's version moved to `step`: the step's seconds
-        are counted from `started` to then."""
+        """The step's record (`metrics`: the learner's and the step's other figures), once
+        the buffer's version moved to `step`: the step's seconds are counted from `started`
+        to then."""
         self.rollout.set_version(step)
         seconds = time.monotonic() - started
-        self.report.step(step, summaries, metrics, sync_s, self.rollout.stats(), seconds)
+        learner, figures = metrics
+        stats = self.rollout.stats()
+        self.report.step(step, summaries, learner, figures, sync_s, stats, seconds)
 
 
 class Follower(Rank):
