@@ -93,7 +93,7 @@ def train(config: RunConfig, run_dir: Path) -> None:
         receiver = ShareReceiver(
             learner.groups, hello.address, None if replay is None else replay.stage_layers
         )
-        weight_sync = connect_weight_sync(config, hello.urls, spec, run_dir)
+        weight_sync = connect_weight_sync(config, hello.urls, spec, run_dir, learner.groups)
         check = sync_check(config, learner, spec, hello.pad_id)
         pool = PoolSync(config, weight_sync, rank, check)
         pool.sync(learner.module, learner.steps_done)  # the engines serve the learner's weights

@@ -28,6 +28,8 @@ from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
 from megatron_fr.weights.transports import Engine
 
 if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     from megatron_fr.models.hf_config import HFModelSpec
 
 
@@ -100,14 +102,19 @@ def weight_sync_port(config: RunConfig) -> int:
 
 
 def connect_weight_sync(
-    config: RunConfig, urls: list[str], spec: HFModelSpec, run_dir: Path
+    config: RunConfig,
+    urls: list[str],
+    spec: HFModelSpec,
+    run_dir: Path,
+    groups: ProcessGroupCollection,
 ) -> WeightSync:
-    """Every learner rank: the weight sync to the run's engines, its groups formed (the groups
-    a previous start of this run left on long-lived engines destroyed first: their names are
-    kept in RUN_DIR/weight_groups.json). Port 0 in the recipe means a free port picked by the
-    first rank (single-node runs)."""
+    """Every learner rank: the weight sync to the run's engines from the learner's process
+    `groups`, its groups formed (the groups a previous start of this run left on long-lived
+    engines destroyed first: their names are kept in RUN_DIR/weight_groups.json). Port 0 in
+    the recipe means a free port picked by the first rank (single-node runs)."""
     settings = config.weights.model_copy(update={"master_port": weight_sync_port(config)})
     engines = [Engine(url) for url in urls]
-    weight_sync = WeightSync.from_config(settings, engines, spec, run_dir / GROUPS_FILE)
+    groups_file = run_dir / GROUPS_FILE
+    weight_sync = WeightSync.from_config(settings, engines, spec, groups_file, groups)
     weight_sync.connect()
     return weight_sync
