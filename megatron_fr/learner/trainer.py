@@ -235,7 +235,7 @@ class Learner:
         if init_checkpoint is not None:
             load_megatron_checkpoint(module, init_checkpoint)
         elif init_hf_dir is not None:  # every rank reads only its own shards
-            load_hf_into_model(module, init_hf_dir, self.spec, progress=False)
+            load_hf_into_model(module, init_hf_dir, self.spec, progress=False, groups=self.groups)
         return module
 
     def _build_optimizer(self) -> MegatronOptimizer:

@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_fr.convert.qwen import MegatronNames, megatron_tensor_to_hf, outer_pairs
-from megatron_fr.convert.shard import expert_global_name, partition_dim, stage_layer_numbers
+from megatron_fr.convert.shard import (
+    expert_global_name,
+    groups_or_megatron,
+    partition_dim,
+    stage_layer_numbers,
+)
 from megatron_fr.models.hf_config import HFModelSpec
 
 if TYPE_CHECKING:
@@ -168,11 +173,8 @@ def build_plan(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     params = dict(model.named_parameters())
     has_experts = any(".experts." in name for name in params)
-    if groups is None:
-        from megatron_fr.parallel.state import process_groups
-
-        groups = process_groups()
-    plan_groups, names = _groups(has_experts, groups), MegatronNames.of(params)
+    plan_groups = _groups(has_experts, groups_or_megatron(groups))
+    names = MegatronNames.of(params)
     sender = _sender(plan_groups, has_experts)
     buckets: list[BucketPlan] = []
     window: list[FullTensor] = []  # the open bucket's

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.convert.shard import groups_or_megatron
 from megatron_fr.engine import protocol
 from megatron_fr.engine.http import EngineRequestError, flush_cache, post_all, post_json
 from megatron_fr.models.hf_config import HFModelSpec
@@ -90,16 +91,8 @@ class SyncReport:
 def is_stage_sender(groups: ProcessGroupCollection | None = None) -> bool:
     """The one rank per pipeline stage that hands the stage's tensors to the transport
     (`groups`: the learner's; megatron's when not given)."""
-    groups = groups or _megatron_groups()
+    groups = groups_or_megatron(groups)
     return groups.tp.rank() == 0 and groups.dp_cp.rank() == 0
-
-
-def _megatron_groups() -> ProcessGroupCollection:
-    """The groups parallel/state.initialize built. Imported here, not at the top: the rollout
-    process imports this module and must not import megatron."""
-    from megatron_fr.parallel.state import process_groups
-
-    return process_groups()
 
 
 class WeightSync:
@@ -140,7 +133,7 @@ class WeightSync:
     def groups(self) -> ProcessGroupCollection:
         """The learner's process groups it syncs from: those given, else megatron's (looked up
         at the first connect: the sync is made before anything needs them)."""
-        self._groups = self._groups or _megatron_groups()
+        self._groups = groups_or_megatron(self._groups)
         return self._groups
 
     def connect(self) -> None:
