@@ -8,8 +8,8 @@
 So the training loop (controller.py) and the pool's sync (pool_sync.py) read the same on every
 rank: work that only the leader can do is a function of the Leader, handed to `act` (the
 leader runs it, a follower does nothing), `share` (the leader's answer, broadcast to every
-rank: the one broadcast of the loop) or `run` (the leader runs it on a thread while every rank
-meets in slices: parallel/state.py run_on_rank0).
+rank: the loop's one way to broadcast) or `run` (the leader runs it on a thread while every
+rank meets in slices: parallel/state.py run_on_rank0).
 """
 
 from __future__ import annotations
