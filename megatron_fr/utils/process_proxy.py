@@ -19,7 +19,7 @@ is sent: work the caller must have its answer before (a send its own rank receiv
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -36,6 +36,7 @@ class Served(Protocol):
 
 
 P = TypeVar("P", bound=Served)
+log = logging.getLogger("megatron_fr.process_proxy")
 
 
 class ProcessDied(RuntimeError):
@@ -113,10 +114,15 @@ class ProcessProxy(Generic[P]):
         )
 
     def close(self) -> None:
-        """Ask the served object to close, then end the process; idempotent."""
+        """Ask the served object to close, then end the process; idempotent. Best effort: the
+        process ends whatever the served close raised (logged)."""
         if self.process.is_alive() and "close" in self.methods:
-            with contextlib.suppress(ProcessDied):
+            try:
                 self.call("close", ())
+            except ProcessDied:
+                pass
+            except Exception as error:
+                log.warning("closing what the %s serves failed: %r", self.name, error)
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
