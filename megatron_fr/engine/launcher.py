@@ -51,7 +51,7 @@ from pydantic import (
 
 from megatron_fr.engine.protocol import HEALTH_PATH
 from megatron_fr.engine.vllm import launch as vllm_launch
-from megatron_fr.parallel.spawn import standalone_env
+from megatron_fr.utils.launcher_env import standalone_env
 
 LOG_TAIL_LINES = 20
 SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}

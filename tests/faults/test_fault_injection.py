@@ -226,7 +226,7 @@ def url_engine(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A CPU engine started outside the run, as a long-lived server given by URL is (on `port`,
     else a free one)."""
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     port = port or free_port()
     command = [

@@ -45,7 +45,7 @@ from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.cpu_engine import CpuEngine
 from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, cpu_engine_command
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 DEADLINE_S = 30.0
 """Per request; a request still unanswered after it counts as a hang."""

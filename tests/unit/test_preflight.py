@@ -114,7 +114,7 @@ def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatc
     import threading
     import time
 
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     port = free_port()
 

@@ -23,7 +23,7 @@ from megatron_fr.engine import protocol
 from megatron_fr.engine.launcher import ServerLaunchConfig, launch_server, server_command
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.engine.vllm import wire
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 pytestmark = pytest.mark.vllm
 
