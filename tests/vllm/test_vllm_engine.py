@@ -173,25 +173,26 @@ def test_a_push_through_the_gloo_backend_serves_the_new_weights(vllm_server) -> 
 
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
     init |= {"world_size": 2, "group_name": "push-test"}
-    joining = threading.Thread(
-        target=call, args=("/init_weight_transfer_engine", {"init_info": init})
-    )
+    joining = threading.Thread(target=call, args=(wire.INIT_TRANSFER_PATH, {"init_info": init}))
     joining.start()
     group = create_weight_update_group("127.0.0.1", port, 2, "push-test", timeout_s=120)
     joining.join(timeout=120)
-    _post(url, "/start_weight_update", {})
+    _post(url, wire.START_UPDATE_PATH, {})
     update = {
         "names": [name for name, _ in tensors],
         "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
         "shapes": [list(t.shape) for _, t in tensors],
     }
-    receiving = threading.Thread(target=call, args=("/update_weights", {"update_info": update}))
+    receiving = threading.Thread(
+        target=call, args=(wire.UPDATE_WEIGHTS_PATH, {"update_info": update})
+    )
     receiving.start()
     for _, tensor in tensors:
         group.broadcast(tensor.contiguous())
     receiving.join(timeout=300)
-    _post(url, "/finish_weight_update", {"weight_version": "1"})
+    _post(url, wire.FINISH_UPDATE_PATH, {"weight_version": "1"})
     group.destroy()
+    _post(url, wire.SHUTDOWN_TRANSFER_PATH, {})  # released; the server serves on
     assert not errors, errors
     sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=16, sampling_seed=4)
     out = wire.parse_generate_response(

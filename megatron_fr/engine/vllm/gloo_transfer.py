@@ -21,11 +21,17 @@ backend does.
 from __future__ import annotations
 
 import datetime
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, GroupName, _new_process_group_helper
+from torch.distributed.distributed_c10d import (
+    Backend,
+    GroupName,
+    _new_process_group_helper,
+    _world,
+)
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -34,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "megatron_fr_gloo"
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,6 +107,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             timeout=timeout,
             device_id=None,
         )
+        # Registered with identity ranks, as the learner's end registers it (engine/group.py),
+        # so torch's destroy_process_group can release it.
+        _world.pg_group_ranks[self.group] = {i: i for i in range(init_info.world_size)}
         self._store = store  # the client must live as long as the group
 
     def start_weight_update(self) -> None:
@@ -123,9 +133,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.model.load_weights([(name, tensor)])
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        """Release the group. Never raises: an exception in a worker's RPC ends vLLM's engine."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as error:  # the group is dropped either way
+                LOG.warning("releasing the weight-transfer group: %s", error)
 
 
 class GlooTransferExtension:

@@ -33,6 +33,11 @@ RESUME_PATH = "/resume"
 IS_PAUSED_PATH = "/is_paused"
 UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
 HEALTH_PATH = "/health"
+INIT_TRANSFER_PATH = "/init_weight_transfer_engine"
+START_UPDATE_PATH = "/start_weight_update"
+UPDATE_WEIGHTS_PATH = "/update_weights"
+FINISH_UPDATE_PATH = "/finish_weight_update"
+SHUTDOWN_TRANSFER_PATH = "/shutdown_weight_transfer_engine"
 ROUTES = {
     GENERATE_PATH: "POST",
     WEIGHT_INFO_PATH: "GET",
@@ -41,6 +46,11 @@ ROUTES = {
     IS_PAUSED_PATH: "GET",
     UPDATE_WEIGHT_VERSION_PATH: "POST",
     HEALTH_PATH: "GET",
+    INIT_TRANSFER_PATH: "POST",
+    START_UPDATE_PATH: "POST",
+    UPDATE_WEIGHTS_PATH: "POST",
+    FINISH_UPDATE_PATH: "POST",
+    SHUTDOWN_TRANSFER_PATH: "POST",
 }
 """Every vLLM route the project calls, with its method (checked against the installed vLLM's
 source by tests/unit/test_vllm_contract.py)."""
