@@ -20,9 +20,15 @@ import pytest
 import torch
 
 from megatron_fr.engine import protocol
-from megatron_fr.engine.launcher import ServerLaunchConfig, launch_server, server_command
+from megatron_fr.engine.launcher import (
+    ServerExited,
+    ServerLaunchConfig,
+    launch_server,
+    server_command,
+)
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.engine.vllm import wire
+from megatron_fr.engine.vllm.push import push_tensors
 from megatron_fr.utils.net import free_port
 
 pytestmark = pytest.mark.vllm
@@ -68,20 +74,34 @@ def vllm_server(tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**TINY_QWEN3))
     model.save_pretrained(root / "hf")
-    config = ServerLaunchConfig(
-        model_path=str(root / "hf"),
-        port=free_port(),
-        log_dir=root,
-        engine="vllm",
-        skip_tokenizer_init=True,
-        extra_args=SERVER_ARGS,
-    )
-    server = launch_server(config)
+    server = _started(root)
     try:
-        server.wait_healthy(deadline_s=900)
         yield server.url, model.eval()
     finally:
         server.stop()
+
+
+def _started(root, attempts: int = 3):
+    """The server, healthy; started again on another port when the one picked was taken in
+    the seconds vLLM spends importing before it binds (other tests pick ports too)."""
+    for attempt in range(attempts):
+        config = ServerLaunchConfig(
+            model_path=str(root / "hf"),
+            port=free_port(),
+            log_dir=root,
+            engine="vllm",
+            skip_tokenizer_init=True,
+            extra_args=SERVER_ARGS,
+        )
+        server = launch_server(config)
+        try:
+            server.wait_healthy(deadline_s=900)
+            return server
+        except ServerExited as error:
+            server.stop()
+            if "Address already in use" not in str(error) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _post(url: str, path: str, body: dict) -> dict:
@@ -157,48 +177,16 @@ def test_a_request_in_flight_survives_a_pause_and_a_version_change(vllm_server) 
 def test_a_push_through_the_gloo_backend_serves_the_new_weights(vllm_server) -> None:
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from megatron_fr.engine.group import create_weight_update_group
-
     url, _ = vllm_server
     torch.manual_seed(1)
     other = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**TINY_QWEN3)).eval()
     tensors = list(other.state_dict().items())
-    port, errors = free_port(), []
-
-    def call(path: str, body: dict) -> None:
-        try:
-            _post(url, path, body)
-        except Exception as error:  # surfaced below, with the sender's side
-            errors.append(error)
-
-    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1}
-    init |= {"world_size": 2, "group_name": "push-test"}
-    joining = threading.Thread(target=call, args=(wire.INIT_TRANSFER_PATH, {"init_info": init}))
-    joining.start()
-    group = create_weight_update_group("127.0.0.1", port, 2, "push-test", timeout_s=120)
-    joining.join(timeout=120)
-    _post(url, wire.START_UPDATE_PATH, {})
-    update = {
-        "names": [name for name, _ in tensors],
-        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-        "shapes": [list(t.shape) for _, t in tensors],
-    }
-    receiving = threading.Thread(
-        target=call, args=(wire.UPDATE_WEIGHTS_PATH, {"update_info": update})
-    )
-    receiving.start()
-    for _, tensor in tensors:
-        group.broadcast(tensor.contiguous())
-    receiving.join(timeout=300)
-    _post(url, wire.FINISH_UPDATE_PATH, {"weight_version": "1"})
-    group.destroy()
-    _post(url, wire.SHUTDOWN_TRANSFER_PATH, {})  # released; the server serves on
-    assert not errors, errors
+    push_tensors(url, tensors, "1", "127.0.0.1", free_port(), "push-test", timeout_s=120)
     sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=16, sampling_seed=4)
     out = wire.parse_generate_response(
         _post(url, wire.GENERATE_PATH, wire.generate_request(PROMPT, sampling))
     )
-    assert set(out.token_versions) == {"1"}
+    assert set(out.token_versions) == {"1"}  # and the server serves on after the release
     reference = _reference_log_probs(other, out.output_ids, 1.0)
     gaps = [abs(a - b) for a, b in zip(out.output_logprobs, reference, strict=True)]
     assert max(gaps) < 1e-4, gaps

@@ -85,6 +85,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     group: dist.ProcessGroup | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()  # a group left by a push that failed half way
         parallel = self.parallel_config  # one rank per worker of every data-parallel replica
         worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
         rank = init_info.rank_offset + worker
