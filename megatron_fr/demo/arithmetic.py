@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from megatron_fr.config.base import StrictModel
+from megatron_fr.config.base import StrictModel, StrictTuple
 
 _OPERATION_CODES = {"+": 0, "-": 1}
 """Fixed per operation (not its position in the config), so adding '-' to a task leaves the
@@ -35,7 +35,7 @@ class ArithmeticConfig(StrictModel):
     digits: int = Field(default=2, ge=1, le=3)
     """Operand digits: operands are 0 .. 10**digits - 1. At most 3, because the split is found
     by enumerating every problem (a million per operation at 3 digits)."""
-    operations: tuple[Literal["+", "-"], ...] = ("+",)
+    operations: StrictTuple[Literal["+", "-"]] = ("+",)
     """Operations drawn from; '-' brings negative answers ("-12")."""
     eval_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
     """Expected share of all problems held out for evaluation."""
