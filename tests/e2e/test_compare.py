@@ -117,7 +117,7 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
         model_hash = made["report"]["model_sha256"]
         assert table.startswith(f"Started from model_sha256: {model_hash}; commit: "), table
         for name in names:
-            assert f"| {name} | 1 |" in table
+            assert f"| {name} | recipe | 1 |" in table  # the recipe's lr, one seed
             config = (out / f"{name}-seed0" / "config.yaml").read_text()
             assert f"hf_dir: {demo_model}" in config  # every run from the one model
             assert config.startswith(f"# model_sha256: {model_hash}\n# commit: "), config
