@@ -129,6 +129,9 @@ class StagePlan:
     optimizer_bytes: int
     activation_bytes: dict[str, int]
     """By LearnerConfig.recompute setting."""
+    kept_bytes: dict[str, int]
+    """The part of activation_bytes kept for the backward (the rest: the working buffers and
+    the layer being recomputed), by recompute setting."""
 
     @property
     def state_bytes(self) -> int:
@@ -391,10 +394,13 @@ def _stage_plan(
     if stage == pp - 1:
         buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
     activations: dict[str, int] = {}
+    kept: dict[str, int] = {}
     for mode in RECOMPUTE:
-        kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
+        kept[mode] = int(
+            in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
+        )
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
-        activations[mode] = int(kept + recomputing + buffers)
+        activations[mode] = int(kept[mode] + recomputing + buffers)
     return StagePlan(
         stage=stage,
         params=params,
@@ -403,6 +409,7 @@ def _stage_plan(
         optimizer_bytes=params.dense * optim_b // (dp * parallel.context)
         + params.expert * optim_b // edp,
         activation_bytes=activations,
+        kept_bytes=kept,
     )
 
 
