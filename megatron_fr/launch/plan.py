@@ -61,7 +61,10 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                input 2h, which megatron's checkpoint keeps to re-run the block
     full       the layer's input 2h
   and with recompute, one layer's full working set while it is recomputed.
-  Working buffers, once per GPU on top of the kept activations:
+  Working buffers, on top of the kept activations; the layers' (dispatch, recomputation)
+  and the loss path's are alive at different moments of the step, so the larger of the
+  two counts (tools/plan_layout.py's figures are checked against a rehearsal of the step,
+  launch/rehearsal.py: tests/unit/test_rehearsal.py):
     MoE dispatch  2hk (2 + 2 ETP)   [one layer at a time: the permuted token copies, the
                               all-to-all output, its ETP all-gather and the expert-sorted copy
                               are alive together]
@@ -390,9 +393,10 @@ def _stage_plan(
     layers, in_flight = spec.num_layers // pp, pp - stage
     cp = parallel.context
     layer = tokens * activation_bytes_per_token_layer(spec, etp, cp)  # one layer's working set
-    buffers = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    dispatch = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    loss = 0
     if stage == pp - 1:
-        buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
+        loss = loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
     activations: dict[str, int] = {}
     kept: dict[str, int] = {}
     for mode in RECOMPUTE:
@@ -400,7 +404,9 @@ def _stage_plan(
             in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
         )
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
-        activations[mode] = int(kept[mode] + recomputing + buffers)
+        # the loss path's working set (the output layer's backward) and a layer's (its
+        # dispatch, its recomputation) are alive at different moments of the step
+        activations[mode] = int(kept[mode] + max(loss, recomputing + dispatch))
     return StagePlan(
         stage=stage,
         params=params,

@@ -97,6 +97,61 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def gpu_kernels() -> Iterator[None]:
+    """The memory behaviour of the kernels a GPU runs where the CPU's differ (module
+    docstring), undone on exit."""
+    from torch.optim import adam
+
+    with (
+        mock.patch.object(torch.nn.functional, "rms_norm", _fused_rms_norm),
+        mock.patch.object(adam, "_default_to_fused_or_foreach", _foreach),
+    ):
+        yield
+
+
+def _foreach(*_args: Any, **_kwargs: Any) -> tuple[bool, bool]:
+    return False, True  # (fused, foreach): torch's choice for CUDA tensors
+
+
+def _fused_rms_norm(
+    x: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    if weight is None or weight.dtype != x.dtype or len(normalized_shape) != 1:
+        return torch.rms_norm(x, normalized_shape, weight, eps)
+    return _FusedRMSNorm.apply(x, weight, 1e-6 if eps is None else eps)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMS norm over the last dimension keeping what CUDA's fused kernel keeps for the
+    backward: its input and the float32 inverse RMS of each row (the CPU's composite keeps
+    float32 copies of the input)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        wide = _wide(x)
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (wide * rstd * _wide(weight)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = _wide(x) * rstd
+        grad_weight = (_wide(grad) * normed).reshape(-1, x.shape[-1]).sum(0)
+        scaled = _wide(grad) * _wide(weight)
+        grad_x = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in the kernels' accumulation type: float32, or float64 for float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@contextlib.contextmanager
 def rehearsal_patches(skew: float = 0.0) -> Iterator[None]:
     """Every patch of the module docstring, undone on exit."""
     from megatron.core.distributed import param_and_grad_buffer
@@ -190,18 +245,25 @@ def rehearse(
     world: int,
     rank: int,
     skew: float = 0.0,
+    cpu_kernels: bool = False,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> Memory:
     """Rank `rank`'s learner of `config` for the model `spec` on `world` fake ranks: its
-    memory over the measured step (module docstring). Needs the CPU shims installed."""
+    memory over the measured step (module docstring), with the GPU's kernels' memory
+    (gpu_kernels) unless `cpu_kernels`. Needs the CPU shims installed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.parallel.loss import skip_input_checks
     from megatron_fr.parallel.state import initialize
 
+    from megatron_fr.models import chunked_attention
+
     start = time.monotonic()
-    with fake_world(rank, world), rehearsal_patches(skew), skip_input_checks():
+    chunked_attention.lower_right_tile.cache_clear()  # a tile of another fake mode
+    tiles = chunked_attention.MASKS.host_bytes
+    kernels = contextlib.nullcontext() if cpu_kernels else gpu_kernels()
+    with fake_world(rank, world), rehearsal_patches(skew), kernels, skip_input_checks():
         initialize(config.parallel, seed=config.seed)
         with FakeTensorMode(allow_non_fake_inputs=True):
             learner = Learner(
@@ -225,15 +287,18 @@ def rehearse(
                 learner.optimizer.step()
             peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
             stage = learner.groups.pp.rank()
+    chunked_attention.lower_right_tile.cache_clear()
+    # a GPU's flash kernels align the causal mask inside the kernel: no tile there
+    tiles = 0 if cpu_kernels else chunked_attention.MASKS.host_bytes - tiles
     weights, grads, optimizer = state
-    activations = peak["Activation"]
+    activations, total = peak["Activation"] - tiles, peak["Total"] - tiles
     return Memory(
         weights=weights,
         grads=grads,
         optimizer=optimizer,
         activations=activations,
-        temporaries=peak["Total"] - weights - grads - optimizer - activations,
-        peak=peak["Total"],
+        temporaries=total - weights - grads - optimizer - activations,
+        peak=total,
         stage=stage,
         seconds=time.monotonic() - start,
     )

@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--rehearse: this rank's experts receive (1 + skew) x the balanced token count",
     )
     parser.add_argument(
+        "--cpu-kernels",
+        action="store_true",
+        help="--rehearse: the CPU kernels' memory where a GPU's differs (norms, Adam)",
+    )
+    parser.add_argument(
         "--layers",
         type=int,
         default=0,
@@ -75,7 +80,15 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
           f"{DEFAULT_RESERVE_GIB:g} GiB", flush=True)  # fmt: skip
     fits = True
     for rank in ranks:
-        memory = rehearse(config, spec, world=world, rank=rank, skew=args.skew, progress=_bar)
+        memory = rehearse(
+            config,
+            spec,
+            world=world,
+            rank=rank,
+            skew=args.skew,
+            cpu_kernels=args.cpu_kernels,
+            progress=_bar,
+        )
         print(file=sys.stderr)
         print(table(config, plan, rank, memory), flush=True)
         fits &= memory.peak + plan.reserve_bytes <= (plan.gpu_mem_bytes or 0)
