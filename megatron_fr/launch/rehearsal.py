@@ -254,10 +254,9 @@ def rehearse(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_fr.learner.trainer import Learner
+    from megatron_fr.models import chunked_attention
     from megatron_fr.parallel.loss import skip_input_checks
     from megatron_fr.parallel.state import initialize
-
-    from megatron_fr.models import chunked_attention
 
     start = time.monotonic()
     chunked_attention.lower_right_tile.cache_clear()  # a tile of another fake mode
@@ -275,31 +274,43 @@ def rehearse(
                 spec_kind=config.model.spec or "torch",
             )
             progress(f"built rank {rank}'s learner ({time.monotonic() - start:.0f} s)")
-            learner.model.zero_grad_buffer()
-            learner.optimizer.step()  # the Adam state, as Learner.load makes it
-            progress(f"first optimizer step ({time.monotonic() - start:.0f} s)")
-            step, rows = worst_case_step(config, learner)
-            state = _state_bytes(learner)
-            tracker = _Tracker()
-            tracker.track_external(learner.module, *_external_state(learner))
-            with tracker, _layer_progress(learner, progress):
-                learner.accumulate_gradients(step, rows)
-                learner.optimizer.step()
-            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-            stage = learner.groups.pp.rank()
+            memory = measure_step(config, learner, progress)
     chunked_attention.lower_right_tile.cache_clear()
     # a GPU's flash kernels align the causal mask inside the kernel: no tile there
     tiles = 0 if cpu_kernels else chunked_attention.MASKS.host_bytes - tiles
-    weights, grads, optimizer = state
-    activations, total = peak["Activation"] - tiles, peak["Total"] - tiles
+    return dataclasses.replace(
+        memory,
+        activations=memory.activations - tiles,
+        peak=memory.peak - tiles,
+        seconds=time.monotonic() - start,
+    )
+
+
+def measure_step(
+    config: RunConfig, learner: Learner, progress: Callable[[str], None] = lambda _line: None
+) -> Memory:
+    """A learner's memory over the measured step of the module docstring (fake tensors or
+    real ones: tests/distributed/test_rehearsal.py measures both)."""
+    start = time.monotonic()
+    learner.model.zero_grad_buffer()
+    learner.optimizer.step()  # the Adam state, as Learner.load makes it
+    step, rows = worst_case_step(config, learner)
+    weights, grads, optimizer = _state_bytes(learner)
+    tracker = _Tracker()
+    tracker.track_external(learner.module, *_external_state(learner))
+    with tracker, _layer_progress(learner, progress):
+        learner.accumulate_gradients(step, rows)
+        learner.optimizer.step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    activations = peak["Activation"]
     return Memory(
         weights=weights,
         grads=grads,
         optimizer=optimizer,
         activations=activations,
-        temporaries=total - weights - grads - optimizer - activations,
-        peak=total,
-        stage=stage,
+        temporaries=peak["Total"] - weights - grads - optimizer - activations,
+        peak=peak["Total"],
+        stage=learner.groups.pp.rank(),
         seconds=time.monotonic() - start,
     )
 
@@ -388,6 +399,14 @@ def _tracker_class() -> type:
             if not callable(module.buffers):
                 module = module.module
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            """The peak of the whole step only: MemTracker's per-module peaks, updated at
+            every operation for every module, take most of a large model's rehearsal."""
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
 
     return Tracker
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_fr.config.learner import LOSS_CHUNK_BYTES
 from megatron_fr.config.parallel import ParallelConfig
-from megatron_fr.launch.plan import LayoutError, plan_layout, total_params
+from megatron_fr.launch.plan import LayoutError, loss_path_bytes, plan_layout, total_params
 from megatron_fr.models.hf_config import load_hf_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,14 +66,15 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     output = 16384 * (2 * h // 4 + 2 * h) + LOSS_CHUNK_BYTES * 3 // 2 + vocab // 4 * h * 6
     # What a layer keeps: none all of it; selective the attention, the norms' inputs and the
     # MoE block's input (re-run in the backward); full its input. With recompute, one layer's
-    # whole working set while it is re-run.
+    # whole working set while it is re-run. The layer's working set (dispatch, recomputation)
+    # and the loss path's are alive at different moments: the larger counts.
     kept = {
         "none": per_layer,
         "selective": tokens * (attention + 4 * h + 2 * h),
         "full": tokens * 2 * h,
     }
     activations = {
-        mode: layers * kept[mode] + (mode != "none") * per_layer + dispatch + output
+        mode: layers * kept[mode] + max((mode != "none") * per_layer + dispatch, output)
         for mode in kept
     }
 
@@ -114,12 +115,16 @@ def test_entropies_and_expert_tensor_parallelism_add_what_the_formula_says():
     with_entropy = plan_layout(spec, etp1, 8, entropies=True, **base).stages[0]
     assert with_entropy.activation_bytes["none"] - plain == LOSS_CHUNK_BYTES
     # ETP4 (EP2 on 8 GPUs): expert inputs all-gathered over ETP: 2hk per token more per
-    # layer for each extra ETP rank, and the dispatch set grows by 4hk per extra ETP rank.
+    # layer for each extra ETP rank, and the dispatch set grows by 4hk per extra ETP rank;
+    # the dispatch set and the loss path are alive at different moments: the larger counts.
     etp4 = ParallelConfig(tensor=4, expert=2, expert_tensor=4, sequence_parallel=True)
     ep2 = ParallelConfig(tensor=4, expert=2, expert_tensor=1, sequence_parallel=True)
     wide = plan_layout(spec, etp4, 8, **base).stages[0].activation_bytes["none"]
     narrow = plan_layout(spec, ep2, 16, **base).stages[0].activation_bytes["none"]
-    assert wide - narrow == 48 * tokens * 2 * h * k * 3 + tokens * 4 * h * k * 3
+    loss = loss_path_bytes(spec, 16384, 4, "bfloat16", entropies=False)
+    dispatch = {etp: tokens * 2 * h * k * (2 + 2 * etp) for etp in (1, 4)}
+    assert dispatch[1] < loss < dispatch[4]
+    assert wide - narrow == 48 * tokens * 2 * h * k * 3 + dispatch[4] - loss
 
 
 @pytest.mark.parametrize(
