@@ -79,8 +79,12 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                               + 2 for a bf16 weight (one chunk's bf16 part).
                               The logits of the micro-batch are never held whole
                               (models/token_scores.py).
-  Not counted: the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator
-  fragmentation (the `reserve` allowance stands in for the last three).
+  The optimizer step, after the activations are freed: torch Adam's foreach kernels (a GPU's,
+  without TE or apex) hold one fp32 temporary of the rank's optimizer shards, 4 bytes per
+  parameter over the shard group; a stage's peak on top of its model state is the larger of
+  that and its activations (activation_bytes).
+  Not counted: the CUDA context, NCCL buffers, allocator fragmentation (the `reserve`
+  allowance stands in for them).
 
 Rows: a micro-batch holds trajectories of at most config/learner.py's longest_row tokens
 (micro_batch_tokens x CP, less the CP and SP padding), the learner's own rule; plan_layout
@@ -131,7 +135,9 @@ class StagePlan:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: dict[str, int]
-    """By LearnerConfig.recompute setting."""
+    """What the stage holds on top of its model state at its peak, by LearnerConfig.recompute
+    setting: its activations and working buffers, or the optimizer step's temporaries when
+    larger (module docstring)."""
     kept_bytes: dict[str, int]
     """The part of activation_bytes kept for the backward (the rest: the working buffers and
     the layer being recomputed), by recompute setting."""
@@ -406,7 +412,10 @@ def _stage_plan(
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
         # the loss path's working set (the output layer's backward) and a layer's (its
         # dispatch, its recomputation) are alive at different moments of the step
-        activations[mode] = int(kept[mode] + max(loss, recomputing + dispatch))
+        activations[mode] = max(
+            int(kept[mode] + max(loss, recomputing + dispatch)),
+            optimizer_step_bytes(params, parallel.context * dp, edp),
+        )
     return StagePlan(
         stage=stage,
         params=params,
@@ -417,6 +426,12 @@ def _stage_plan(
         activation_bytes=activations,
         kept_bytes=kept,
     )
+
+
+def optimizer_step_bytes(params: ParamCounts, dense_group: int, expert_group: int) -> int:
+    """The optimizer step's working memory (module docstring): torch Adam's foreach kernels
+    (a GPU's) hold one float32 temporary of this rank's optimizer shards."""
+    return 4 * (params.dense // dense_group + params.expert // expert_group)
 
 
 def enumerate_layouts(

@@ -390,8 +390,9 @@ def _tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class Tracker(MemTracker):
-        """MemTracker, with megatron's DDP seen through to its module: DDP's list attribute
-        `buffers` shadows Module.buffers(), which MemTracker calls on every module."""
+        """MemTracker for one step of several micro-batches, with megatron's DDP seen
+        through to its module: DDP's list attribute `buffers` shadows Module.buffers(),
+        which MemTracker calls on every module."""
 
         def _track_module_params_and_buffers(
             self, module: torch.nn.Module, install_grad_hooks: bool = True
@@ -399,6 +400,12 @@ def _tracker_class() -> type:
             if not callable(module.buffers):
                 module = module.module
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            """Modules run once per micro-batch (MemTracker refuses a second forward of a
+            root module): a later forward has nothing new to track."""
+            if module not in self.memory_tracking or self._mod_tracker.is_bw:
+                super()._pre_fw_hook(module, inputs)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             """The peak of the whole step only: MemTracker's per-module peaks, updated at

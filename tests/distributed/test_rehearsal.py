@@ -47,7 +47,7 @@ def real_step(rank: int, world_size: int, hf_dir: str) -> dict:
     return dataclasses.asdict(measure_step(config, learner))
 
 
-REHEARSE = """
+REHEARSE = f"""
 import dataclasses, json, sys
 from pathlib import Path
 from megatron_fr.parallel.cpu_shims import install_cpu_shims
@@ -57,9 +57,9 @@ from megatron_fr.launch.rehearsal import rehearse
 from megatron_fr.models.hf_config import load_hf_config
 config = load_run_config(sys.argv[1], sys.argv[3:])
 spec = load_hf_config(Path(sys.argv[2]) / "config.json")
-memory = rehearse(config, spec, world=%d, rank=0, cpu_kernels=True)
+memory = rehearse(config, spec, world={WORLD}, rank=0, cpu_kernels=True)
 print(json.dumps(dataclasses.asdict(memory)))
-""" % WORLD
+"""
 
 
 def rehearsed_rank0(hf_dir: str) -> dict:
