@@ -64,7 +64,7 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
   Working buffers, on top of the kept activations; the layers' (dispatch, recomputation)
   and the loss path's are alive at different moments of the step, so the larger of the
   two counts (tools/plan_layout.py's figures are checked against a rehearsal of the step,
-  launch/rehearsal.py: tests/unit/test_rehearsal.py):
+  launch/rehearsal.py: tests/unit/test_rehearse_cli.py):
     MoE dispatch  2hk (2 + 2 ETP)   [one layer at a time: the permuted token copies, the
                               all-to-all output, its ETP all-gather and the expert-sorted copy
                               are alive together]
