@@ -246,11 +246,14 @@ def rehearse(
     rank: int,
     skew: float = 0.0,
     cpu_kernels: bool = False,
+    hf_dir: str | None = None,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> Memory:
     """Rank `rank`'s learner of `config` for the model `spec` on `world` fake ranks: its
     memory over the measured step (module docstring), with the GPU's kernels' memory
-    (gpu_kernels) unless `cpu_kernels`. Needs the CPU shims installed."""
+    (gpu_kernels) unless `cpu_kernels`; `hf_dir`: an HF checkpoint whose tensor names and
+    shapes are first checked against this rank's shards (headers only: no weight is read).
+    Needs the CPU shims installed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_fr.learner.trainer import Learner
@@ -274,6 +277,10 @@ def rehearse(
                 spec_kind=config.model.spec or "torch",
             )
             progress(f"built rank {rank}'s learner ({time.monotonic() - start:.0f} s)")
+            if hf_dir is not None:
+                from megatron_fr.convert.parallel_load import check_hf_dir
+
+                check_hf_dir(learner.module, hf_dir, spec)
             memory = measure_step(config, learner, progress)
     chunked_attention.lower_right_tile.cache_clear()
     # a GPU's flash kernels align the causal mask inside the kernel: no tile there
@@ -329,10 +336,10 @@ def worst_case_step(config: RunConfig, learner: Learner) -> tuple[Any, dict[int,
     batch = [
         Trajectory(
             f"rehearsal-{index}",
-            [1] * length,
-            [False] + [True] * (length - 1),
-            [0.0] + [-1.0] * (length - 1),
-            [-1] + [0] * (length - 1),
+            np.ones(length, dtype=np.int32),
+            np.arange(length) > 0,  # the first token is the prompt
+            np.where(np.arange(length) > 0, -1.0, 0.0).astype(np.float32),
+            np.where(np.arange(length) > 0, 0, -1).astype(np.int32),
             float(index % 2),
             info={"group": index // group_size},
         )
@@ -397,7 +404,7 @@ def _tracker_class() -> type:
         def _track_module_params_and_buffers(
             self, module: torch.nn.Module, install_grad_hooks: bool = True
         ) -> tuple[int, int]:
-            if not callable(module.buffers):
+            if not callable(getattr(module, "buffers")):  # noqa: B009 (shadowed, typed)
                 module = module.module
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 

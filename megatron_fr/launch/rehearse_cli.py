@@ -3,11 +3,12 @@
 against the GPU's memory less the planner's reserve. Exit status 0 when every rehearsed rank
 fits, 3 when one does not (tools/plan_layout.py's status for a layout too big).
 
-The model: model.hf_dir's config.json when the directory is there, else the planner's known
-model of the directory's name (models/presets: `/models/Qwen3-30B-A3B` is qwen3-30b-a3b), so
-it runs with no model files. --layers N rehearses (and plans) the model cut to its first N
-layers: every decoder layer has the same shapes, so a short rehearsal measures the per-layer
-terms of the whole model.
+The model: model.hf_dir's config.json when the directory is there (its safetensors' tensor
+names and shapes checked against each rank's shards, from the headers alone, unless --layers
+cuts the model), else the planner's known model of the directory's name (models/presets:
+`/models/Qwen3-30B-A3B` is qwen3-30b-a3b), so it runs with no model files. --layers N
+rehearses (and plans) the model cut to its first N layers: every decoder layer has the same
+shapes, so a short rehearsal measures the per-layer terms of the whole model.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
     from megatron_fr.launch.rehearsal import rehearse
 
     spec, source = model_spec(config, args.layers)
+    weights = Path(config.model.hf_dir)
+    # its tensors are checked against each rank's shards unless the model is cut
+    hf_dir = str(weights) if any(weights.glob("*.safetensors")) and not args.layers else None
     plan = planned(config, spec, world, args.gpu_mem_gb or DEFAULT_GPU_MEM_GIB)
     pp = config.parallel.pipeline
     ranks = [args.rank] if args.rank is not None else [s * world // pp for s in range(pp)]
@@ -87,6 +91,7 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
             rank=rank,
             skew=args.skew,
             cpu_kernels=args.cpu_kernels,
+            hf_dir=hf_dir,
             progress=_bar,
         )
         print(file=sys.stderr)

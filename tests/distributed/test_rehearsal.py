@@ -57,7 +57,7 @@ from megatron_fr.launch.rehearsal import rehearse
 from megatron_fr.models.hf_config import load_hf_config
 config = load_run_config(sys.argv[1], sys.argv[3:])
 spec = load_hf_config(Path(sys.argv[2]) / "config.json")
-memory = rehearse(config, spec, world={WORLD}, rank=0, cpu_kernels=True)
+memory = rehearse(config, spec, world={WORLD}, rank=0, cpu_kernels=True, hf_dir=sys.argv[2])
 print(json.dumps(dataclasses.asdict(memory)))
 """
 
