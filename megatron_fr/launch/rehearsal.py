@@ -44,7 +44,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from unittest import mock
 
 import numpy as np
@@ -405,7 +405,9 @@ def _tracker_class() -> type:
             self, module: torch.nn.Module, install_grad_hooks: bool = True
         ) -> tuple[int, int]:
             if not callable(getattr(module, "buffers")):  # noqa: B009 (shadowed, typed)
-                module = module.module
+                return super()._track_module_params_and_buffers(
+                    cast(torch.nn.Module, module.module), install_grad_hooks
+                )
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
