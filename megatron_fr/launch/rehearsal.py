@@ -2,17 +2,21 @@
 shapes and layout, built and stepped under fake tensors in a fake world, its memory measured.
 
     megatron-fr train RECIPE --rehearse [--rank R | --stages] [--world-size N]
-        [--gpu-mem-gb G] [--skew S] [--layers N]
+        [--gpu-mem-gb G] [--skew S] [--layers N] [--cpu-kernels]
 
 The technique of torchtitan's memory estimation: torch's FakeTensorMode (tensors with shapes
 and dtypes, no storage), the "fake" process-group backend on a FakeStore (collectives return
 at once: every rank is assumed to do what this one does), and
 torch.distributed._tools.mem_tracker.MemTracker (storages by kind: parameters, gradients,
-optimizer state, activations, temporaries). The learner is the project's own (Learner, its
-step plan, micro-batching, loss path, megatron's DDP and distributed optimizer), built on
-fake CPU tensors with the CPU shims (parallel/cpu_shims.py: a CPU-only torch cannot hold
-fake CUDA tensors), so CPU kernels are the ones chosen (SDPA's CPU path, torch Adam's
-per-parameter loop).
+optimizer state, activations, temporaries; here only the step's peak is kept). The learner is
+the project's own (Learner, its step plan, micro-batching, loss path, megatron's DDP and
+distributed optimizer), built on fake CPU tensors with the CPU shims (parallel/cpu_shims.py:
+a CPU-only torch cannot hold fake CUDA tensors), so the CPU's kernels are the ones chosen.
+Where a GPU's keep other memory, gpu_kernels() stands in for them unless asked not to: the
+fused rms_norm (its input and a float32 inverse RMS per row kept, where the CPU's composite
+keeps float32 copies of the input) and torch Adam's foreach kernels (a float32 temporary of
+the optimizer shards, where the CPU loops per parameter); the CPU's attention tile
+(models/chunked_attention.py), which a GPU's flash kernels do not build, is left out.
 
 What runs: the recipe's worst-case batch (B rows at the longest row a micro-batch holds)
 through the real step plan and this rank's micro-batching; a first optimizer step on zero
@@ -21,20 +25,22 @@ this rank's first PP micro-batches through megatron's schedule (1F1B keeps at mo
 in flight, so memory does not grow after those), gradient finalisation and the distributed
 optimizer's step with the Adam state in place.
 
-The patches below are what a fake world cannot do as the real one does; each is a scoped
-replacement (RehearsalPatches, a context manager), undone on exit:
+The patches below are what a fake world cannot do as the real one does; all are scoped
+replacements (rehearsal_patches(), a context manager), undone on exit:
   object collectives     every rank's object is this rank's (symmetric ranks)
-  scalar reads           `.item()` of a fake value reads 0 (the grad norm, found-inf flags)
+  scalar reads           `.item()` of a fake float or bool reads 0 (the grad norm, found-inf
+                         flags); a fake integer (a size) is refused as the fake mode does
   small host metadata    integer tensors of up to CONSTANT_NUMEL elements made under the
-                         fake mode stay real constants (row boundaries, cu_seqlens)
+                         fake mode keep their values (cu_seqlens, the dispatcher's counts)
   MoE split sizes        the all-to-all dispatcher's counts are balanced (every expert gets
-                         tokens x top-k / E of every rank), this rank's experts `skew` times
-                         more where asked: real routing is data-dependent
+                         tokens x top-k / E of every rank), this rank's experts (1 + skew)
+                         times that where asked: real routing is data-dependent
   coalesced collectives  the DDP's reduce-scatters issued one by one (the fake backend has
                          no coalesced kernel)
   megatron's L2 norm     its no-apex fallback builds torch.tensor() from 0-d tensors: stacked
-The project itself has no data-dependent shapes where a size is known, skips the loss's
-input checks under parallel/loss.py's skip_input_checks(), and builds no gloo side groups.
+The project itself has no data-dependent shapes where a size is known (the grouped experts'
+repeat_interleave, the gate's sums and diagnostics), skips the loss's input checks under
+parallel/loss.py's skip_input_checks(), and builds no gloo side groups.
 """
 
 from __future__ import annotations
