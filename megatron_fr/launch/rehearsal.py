@@ -58,7 +58,9 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from megatron_fr.buffer.trajectory import Trajectory
     from megatron_fr.config.run import RunConfig
+    from megatron_fr.learner.step_plan import StepPlan
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import HFModelSpec
 
@@ -309,7 +311,7 @@ def measure_step(
     learner.optimizer.step()  # the Adam state, as Learner.load makes it
     step, rows = worst_case_step(config, learner)
     weights, grads, optimizer = _state_bytes(learner)
-    tracker = _Tracker()
+    tracker = _tracker()
     tracker.track_external(learner.module, *_external_state(learner))
     with tracker, _layer_progress(learner, progress):
         learner.accumulate_gradients(step, rows)
@@ -328,7 +330,9 @@ def measure_step(
     )
 
 
-def worst_case_step(config: RunConfig, learner: Learner) -> tuple[Any, dict[int, Any]]:
+def worst_case_step(
+    config: RunConfig, learner: Learner
+) -> tuple[StepPlan, dict[int, Trajectory]]:
     """The recipe's worst-case batch (B trajectories, each the longest row a micro-batch
     holds) planned by the learner (its step plan and micro-batching), kept to this rank's
     first PP micro-batches: (step plan, the trajectories they hold by batch index)."""
@@ -433,7 +437,7 @@ def _tracker_class() -> type:
     return Tracker
 
 
-def _Tracker() -> Any:
+def _tracker() -> Any:
     return _tracker_class()()
 
 
