@@ -330,9 +330,7 @@ def measure_step(
     )
 
 
-def worst_case_step(
-    config: RunConfig, learner: Learner
-) -> tuple[StepPlan, dict[int, Trajectory]]:
+def worst_case_step(config: RunConfig, learner: Learner) -> tuple[StepPlan, dict[int, Trajectory]]:
     """The recipe's worst-case batch (B trajectories, each the longest row a micro-batch
     holds) planned by the learner (its step plan and micro-batching), kept to this rank's
     first PP micro-batches: (step plan, the trajectories they hold by batch index)."""
