@@ -35,7 +35,8 @@ import torch
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.engine.routing import RoutedExperts
-from megatron_fr.parallel.spawn import free_port, run_on_ranks
+from megatron_fr.parallel.spawn import run_on_ranks
+from megatron_fr.utils.net import free_port
 
 PROMPT = 512
 LAYERS, TOP_K, EXPERTS = 48, 8, 128

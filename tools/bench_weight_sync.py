@@ -200,7 +200,7 @@ def bench_broadcast(config: dict, bucket_bytes: int, receivers: int) -> dict:
     import torch.multiprocessing as mp
 
     from megatron_fr.engine.group import create_weight_update_group
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
     from megatron_fr.weights.transports.distributed import dtype_name, flatten_bucket
 
     buckets = hf_buckets(config, bucket_bytes)

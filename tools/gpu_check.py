@@ -267,7 +267,7 @@ def bench(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     """demo prepare (warm start) -> the CPU engine on the host -> 3 steps on this GPU."""
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     run_dir, recipe = args.out / "train_run", str(REPO / "examples" / "cpu_demo.yaml")
     hf_dir = str(args.out / "demo_model")

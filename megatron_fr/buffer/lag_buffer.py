@@ -296,8 +296,9 @@ class LagAwareBuffer:
             self._advance(version)
 
     def next_batch(self, current_version: int) -> list[Trajectory] | None:
-        """B / G whole groups, the oldest-completed first, for the learner at current_version,
-        or None while fewer are queued. Advances the buffer's version to current_version."""
+        """B / G whole groups, the oldest-completed first (the oldest-admitted first with
+        fill_staleness_budget), for the learner at current_version, or None while fewer are
+        queued. Advances the buffer's version to current_version."""
         with self._cond:
             return self._next_batch(current_version)
 
@@ -322,6 +323,12 @@ class LagAwareBuffer:
         groups = self.config.batch_size // self.config.group_size
         if len(self._queue) < groups or not self._budget_filled():
             return None
+        if self.config.fill_staleness_budget:
+            # Nothing is in flight now (the whole budget is queued): take the groups in the
+            # order they were admitted, not the order they finished in, so which rollouts form
+            # a batch does not depend on timing (with seeded sampling a run at any lag is then
+            # reproducible, and the oldest version still goes first).
+            self._queue = deque(sorted(self._queue, key=_admission_number))
         # The queue holds only fresh groups (see _is_fresh), so FIFO order is kept.
         batch = [t for _ in range(groups) for t in self._queue.popleft()]
         for trajectory in batch:
@@ -506,6 +513,11 @@ class LagAwareBuffer:
             # A smaller max_lag than the saved run's may leave queued groups too old.
             self._drop_stale()
             self._changed()
+
+
+def _admission_number(members: list[Trajectory]) -> int:
+    """A queued group's place in admission order: n of its "<problem>@<n>#<k>" ids."""
+    return int(members[0].prompt_id.rsplit("@", 1)[1].split("#", 1)[0])
 
 
 def _problem_of(prompt_id: str) -> str:

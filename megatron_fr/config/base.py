@@ -7,20 +7,40 @@ trains NaN weights, an infinite temperature samples garbage, an infinite timeout
 float must be finite and at most MAX_MAGNITUDE in size, and every integer fit in 64 bits,
 unless its field says otherwise (`Field(allow_inf_nan=True)`, e.g. the gate threshold whose
 infinity switches the gate off).
+
+Types are strict: `steps: true` is not one step and `steps: '60'` is not sixty (pydantic's lax
+mode would take both), so a setting holds a value of its own type. An integer is still a
+float (`lr: 1` is 1.0), and a YAML list fills a tuple field (`StrictTuple`), whose items stay
+strict.
 """
 
 from __future__ import annotations
 
 import math
 import reprlib
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_MAGNITUDE = 1e9
 """Largest finite float a setting may hold (seconds, rates, sizes as floats)."""
 MAX_INTEGER = 2**63 - 1
 """Largest integer a setting may hold in size: what torch, numpy and C code take (int64)."""
+
+MIN_SECONDS = 0.01
+"""Shortest timeout, deadline or interval a setting may give: less is no time at all to an
+event loop or a socket, and a busy loop when it is a watch's interval (`5e-324` is a float)."""
+Seconds = Annotated[float, Field(ge=MIN_SECONDS)]
+"""A duration in seconds: at least MIN_SECONDS (and at most MAX_MAGNITUDE, as every float)."""
+MIN_TEMPERATURE = 1e-3
+"""Lowest sampling temperature: logits / temperature must stay finite in float32 and bfloat16
+(a denormal temperature makes them inf, the log-probs NaN)."""
+Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE)]
+
+Item = TypeVar("Item")
+StrictTuple = Annotated[tuple[Item, ...], Field(strict=False)]
+"""A tuple setting a YAML list fills (strict mode takes only a tuple); its items are checked
+strictly, as every other value."""
 
 _SHORT = reprlib.Repr()
 """Values quoted in errors: short, whatever their size (a recipe may hold anything YAML can)."""
@@ -35,7 +55,11 @@ class StrictModel(BaseModel):
     docs/config.md)."""
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+        strict=True,
+        use_attribute_docstrings=True,
     )
 
     @field_validator("*", mode="after")

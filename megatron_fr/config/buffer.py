@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from megatron_fr.config.base import StrictModel
+
+MAX_LAG = 1000
+"""Most policy versions a trajectory may lag: the staleness budget (max_lag + 1) * batch_size
+is held in memory, and more lag than this is no longer on-policy learning of any use."""
 
 
 class BufferConfig(StrictModel):
@@ -19,9 +23,9 @@ class BufferConfig(StrictModel):
     """G: rollouts per problem, kept together as one group: 1 for FlashREINFORCE; G for the
     group baselines (GRPO, RLOO...). A batch holds B / G whole groups; a group with a failed,
     rejected or too-old member is discarded whole and its problem handed out again."""
-    max_lag: NonNegativeInt = 0
+    max_lag: int = Field(default=0, ge=0, le=MAX_LAG)
     """Most versions between a trajectory's oldest policy token and the learner that trains on
-    it; 0 is synchronous on-policy training."""
+    it (at most 1000); 0 is synchronous on-policy training."""
     max_in_flight: PositiveInt | None = None
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
     fill_staleness_budget: bool = False

@@ -27,7 +27,7 @@ class ParallelConfig(StrictModel):
     """Megatron sequence parallelism (needs tensor > 1; required by megatron for MoE with TP>1)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend; auto picks nccl when CUDA is available and gloo otherwise."""
-    timeout_minutes: PositiveInt = Field(default=30)
+    timeout_minutes: int = Field(default=30, ge=1, le=10080)
     """Collective timeout for the process groups."""
     data_address: str | None = None
     """Address of the first learner rank's node, where the rollout process hosts the data

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from megatron_fr.config.base import StrictModel
+from megatron_fr.config.base import StrictModel, StrictTuple
 
 
 class WandbConfig(StrictModel):
@@ -18,7 +18,7 @@ class WandbConfig(StrictModel):
     """The team or user; None: the logged-in default."""
     name: str | None = None
     """The run's display name; None: the run directory's name."""
-    tags: tuple[str, ...] = ()
+    tags: StrictTuple[str] = ()
     """Tags of the run on Weights & Biases."""
     mode: Literal["online", "offline"] = "online"
     """offline: written under RUN_DIR/wandb only (no network), to `wandb sync` later."""

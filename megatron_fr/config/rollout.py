@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from megatron_fr.config.base import StrictModel
+from megatron_fr.config.base import Seconds, StrictModel, StrictTuple, Temperature
+from megatron_fr.utils.engine_urls import URL_FORM, root_url, url_problem
+
+MAX_ENGINES = 256
+"""Most engines a run starts itself: each is a process with its own port and memory."""
+MAX_THREADS = 1024
+"""Most torch threads of a CPU engine (torch takes a C int; more than a node has is a typo)."""
 
 
 class EngineSettings(StrictModel):
@@ -16,10 +22,10 @@ class EngineSettings(StrictModel):
     urls: list[str] = Field(default_factory=list)
     """Running inference servers, members of the pool besides the `count` started here (each
     says what it is on GET /server_info, and is refused before any step if it cannot serve
-    the run)."""
-    count: NonNegativeInt | None = None
-    """Engines of `kind` the run starts itself, on the first learner rank's node; None: one
-    when `urls` is empty, none otherwise."""
+    the run). Each a root URL, http(s)://HOST:PORT, each engine once."""
+    count: int | None = Field(default=None, ge=0, le=MAX_ENGINES)
+    """Engines of `kind` the run starts itself, on the first learner rank's node (at most
+    256); None: one when `urls` is empty, none otherwise."""
     kind: Literal["sglang", "cpu"] = "sglang"
     """The engines started here: SGLang (CUDA GPUs; refused on a machine without them) or the
     project's CPU engine (SGLang's protocol on transformers, for CPU machines). Never chosen
@@ -27,22 +33,23 @@ class EngineSettings(StrictModel):
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the first engine started here, the next one on port + 1, and so on (0: free
     ports)."""
-    threads: PositiveInt = 1
-    """torch threads of each CPU engine."""
-    tp_size: PositiveInt = 1
+    threads: int = Field(default=1, ge=1, le=MAX_THREADS)
+    """torch threads of each CPU engine (at most 1024)."""
+    tp_size: int = Field(default=1, ge=1, le=64)
     """Tensor-parallel size of each SGLang server started here."""
-    gpu_ids: tuple[int, ...] = ()
+    gpu_ids: StrictTuple[Annotated[int, Field(ge=0, le=65535)]] = ()
     """GPUs of the servers started here, `tp_size` per server in order (empty: the blocks
     after the learner's on this node)."""
-    start_timeout_s: PositiveFloat = 300.0
+    start_timeout_s: Seconds = 300.0
     """How long a started engine may take to answer /health."""
-    watch_interval_s: PositiveFloat = 1.0
-    """How often the engines are checked while the run goes on."""
-    unreachable_after_s: PositiveFloat = 30.0
+    watch_interval_s: Seconds = 1.0
+    """How often the engines are checked while the run goes on (every duration setting is at
+    least 0.01 s)."""
+    unreachable_after_s: Seconds = 30.0
     """An engine that has not answered GET /model_info (which runs no generation, so an
     engine paused by a long weight sync answers) for this long is taken out of the pool: hung,
     stopped or cut off (rollout/supervisor.py)."""
-    stalled_after_s: PositiveFloat = 300.0
+    stalled_after_s: Seconds = 300.0
     """An engine whose generate requests in flight have had no answer for this long (counted
     from its last answer, or from when it got work with nothing in flight) while it answers
     GET /model_info is taken out of the pool as wedged, as a dead one is: SGLang answers
@@ -55,12 +62,12 @@ class EngineSettings(StrictModel):
     5xx) is taken out of the pool as a dead one is. Timeouts do not count: an engine that
     answers /model_info and makes progress is slow, not dead; its timeouts lower its requests
     in flight (rollout.max_in_flight_per_engine) and are retried."""
-    restarts: NonNegativeInt = 3
+    restarts: int = Field(default=3, ge=0, le=100)
     """How many times each engine the run started is restarted after it died or hung; past
     that the run ends naming it and its log's tail (0: the first death ends the run)."""
-    restart_backoff_s: PositiveFloat = 5.0
+    restart_backoff_s: Seconds = 5.0
     """Wait before an engine's first restart, doubled for each restart after it."""
-    file_probes: PositiveInt = 8
+    file_probes: int = Field(default=8, ge=1, le=256)
     """How many URLs listed in RUN_DIR/engines.txt are probed at once, each for up to
     `unreachable_after_s`, beside the watch of the pool: a flood of URLs that never answer
     delays only their own admission, never the check of the engines already in the pool."""
@@ -71,6 +78,31 @@ class EngineSettings(StrictModel):
         if self.count is not None:
             return self.count
         return 0 if self.urls else 1
+
+    @field_validator("urls")
+    @classmethod
+    def _engine_urls(cls, urls: list[str]) -> list[str]:
+        """Each an engine's root URL (utils/engine_urls.py), each engine once."""
+        first: dict[str, int] = {}
+        for index, url in enumerate(urls):
+            problem = url_problem(url.rstrip("/"))
+            if problem is not None:
+                raise ValueError(f"{url[:120]!r} {problem} ({URL_FORM})")
+            root = root_url(url)
+            if root in first:
+                raise ValueError(f"{url!r} names the engine of {urls[first[root]]!r} again")
+            first[root] = index
+        return urls
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> EngineSettings:
+        last = self.port + self.started - 1
+        if self.port and last > 65535:
+            raise ValueError(
+                f"rollout.engine.port={self.port} with {self.started} engines started here "
+                f"needs ports up to {last}, past 65535: lower port or count"
+            )
+        return self
 
     @model_validator(mode="after")
     def _some_engine(self) -> EngineSettings:
@@ -89,9 +121,10 @@ class EngineSettings(StrictModel):
 
 
 class RolloutSettings(StrictModel):
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature of training rollouts. The learner's log-probs are those of the
-    same distribution (log softmax(logits / temperature)), as the engines report them."""
+    temperature: Temperature = 1.0
+    """Sampling temperature of training rollouts (at least 0.001). The learner's log-probs are
+    those of the same distribution (log softmax(logits / temperature)), as the engines report
+    them."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling of training rollouts: 1 only (see top_k)."""
     top_k: int = -1
@@ -99,7 +132,7 @@ class RolloutSettings(StrictModel):
     weight tokens by pi / mu, and engines report mu of the untruncated distribution (SGLang
     computes its log-probs before top-p / top-k), so the ratio would be wrong. The fields
     exist so that such a recipe fails with this reason instead of being silently ignored."""
-    request_timeout_s: PositiveFloat = 600.0
+    request_timeout_s: Seconds = 600.0
     """Deadline of one generate call (per attempt) at the engines. A timeout is back-pressure:
     it halves that engine's requests in flight (to a floor of 1) and the request is retried."""
     max_attempts: PositiveInt = 3
@@ -109,7 +142,7 @@ class RolloutSettings(StrictModel):
     max_timeouts: PositiveInt = 16
     """Timeouts of one generation before it counts as a failed rollout: each already lowered
     an engine's requests in flight, so this many means the pool cannot serve it in time."""
-    max_in_flight_per_engine: PositiveInt = 1024
+    max_in_flight_per_engine: int = Field(default=1024, ge=1, le=65536)
     """Most generate requests in flight at one engine; after timeouts the limit drops (half
     of those in flight) and climbs back by one per limit's worth of answers. Requests over it
     wait in the client."""
@@ -151,11 +184,11 @@ class EvalSettings(StrictModel):
     samples: PositiveInt = 3
     """k of avg@k: samples per problem; the accuracy is their mean and the spread (std over
     the k passes) is reported as eval_accuracy_std."""
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: Temperature = 1.0
     """Evaluation samples at its own temperature (the paper's math evals: 0.7; its ALFWorld
     eval: 1.0); no importance ratio is taken, so top_p < 1 is allowed here."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling of the evaluation (no ratio is taken there, so below 1 is allowed)."""
-    timeout_s: PositiveFloat = 1200.0
+    timeout_s: Seconds = 1200.0
     """Deadline of one evaluation (all sets); below the learner's collective timeout
     (parallel.timeout_minutes), which the run refuses it to reach."""

@@ -10,6 +10,7 @@ into the run directory (config.yaml); a restart with the same command resumes th
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -103,12 +104,22 @@ class RunConfig(StrictModel):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    one silently, so a recipe would not say what it runs)."""
+    one silently, so a recipe would not say what it runs) and a key that is not a string (a
+    list or a number as a setting's name), and reading `1e-5` as the float it is (YAML 1.2;
+    PyYAML's 1.1 rules read an exponent without a dot as a string, which the strict settings
+    then refuse)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {str(key)[:60]!r} is not a setting's name (a string)",
+                    key_node.start_mark,
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None,
@@ -120,9 +131,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: list(resolvers) for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def parse_yaml(text: str) -> object:
-    """`text` as YAML (safe, no duplicate keys); yaml.YAMLError, or RecursionError for
-    nesting deeper than the parser can follow."""
+    """`text` as YAML (safe, no duplicate or non-string keys, YAML 1.2 exponents);
+    yaml.YAMLError, or RecursionError for nesting deeper than the parser can follow."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 

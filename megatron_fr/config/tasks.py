@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt
 
-from megatron_fr.config.base import StrictModel
+from megatron_fr.config.base import Seconds, StrictModel
 from megatron_fr.config.data import DatasetConfig
 
 
@@ -34,9 +34,9 @@ class AgentConfig(StrictModel):
     """Tokens the policy may generate in one turn."""
     max_episode_tokens: PositiveInt = 8192
     """Length of the whole row: prompt, every turn, every observation."""
-    max_turn_time_s: PositiveFloat = 300.0
+    max_turn_time_s: Seconds = 300.0
     """Wall time of one generation (server queueing included)."""
-    max_episode_time_s: PositiveFloat = 1800.0
+    max_episode_time_s: Seconds = 1800.0
     """Wall time of the whole episode, environment steps included."""
     max_observation_chars: PositiveInt = 8192
     """Each observation message is cut to this many characters before it is tokenised."""

@@ -6,14 +6,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from megatron_fr.config.base import StrictModel
+from megatron_fr.config.base import Seconds, StrictModel
 
 
 class WeightSyncConfig(StrictModel):
     transport: Literal["distributed", "tensor", "disk"] = "distributed"
     """distributed: broadcast from each stage's sending rank (NCCL on GPUs, gloo on CPU);
     tensor: colocated engines on the learner's GPUs (CUDA IPC); disk: a shared directory."""
-    bucket_mib: int = Field(default=512, ge=1)
+    bucket_mib: int = Field(default=512, ge=1, le=65536)
     """Tensors are sent in buckets of at most this size (a bigger tensor goes alone)."""
     bucket_format: Literal["tensors", "flattened"] = "tensors"
     """distributed transport: "tensors" broadcasts tensor by tensor (SGLang's default
@@ -25,9 +25,9 @@ class WeightSyncConfig(StrictModel):
     """Build the next bucket (the shards' messages, the HF mapping) while the previous one is
     being sent, on a second thread: two buckets in memory instead of one. Off: one after the
     other."""
-    timeout_s: float = Field(default=120.0, gt=0)
+    timeout_s: Seconds = 120.0
     """Deadline of every engine call and of each broadcast."""
-    regroup_timeout_s: float = Field(default=30.0, gt=0)
+    regroup_timeout_s: Seconds = 30.0
     """Deadline for each engine to leave the old weight-update groups when the learner
     connects (ending an open update session, destroying the groups of a previous connect);
     timeout_s where that is shorter. An engine that does not answer in time is taken out of

@@ -17,7 +17,6 @@ config.json, verbatim) so that converting back needs nothing else.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from megatron_fr.convert.qwen import megatron_to_hf
 from megatron_fr.models.hf_config import HFModelSpec, spec_from_dict
 from megatron_fr.utils.atomic_dir import atomic_directory, refuse_existing
 from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
+from megatron_fr.utils.strict_json import loads_unique
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -76,7 +76,9 @@ def read_hf_config(file: Path, text: str | None = None) -> HFModelSpec:
     """The model of an HF config.json (its text, when already read); ValueError naming the
     file and the field for one no model can be built from."""
     try:
-        return spec_from_dict(json.loads(file.read_text() if text is None else text))
+        return spec_from_dict(loads_unique(file.read_text() if text is None else text))
+    except RecursionError:
+        raise ValueError(f"{file}: nested deeper than JSON can be read here") from None
     except ValueError as error:
         raise ValueError(f"{file}: {error}") from None
 

@@ -15,10 +15,12 @@ import re
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron_fr.convert.checkpoint import ConversionReport
+    from megatron_fr.models.hf_config import HFModelSpec
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -108,8 +110,6 @@ def _megatron_to_hf(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megatron_fr.convert.checkpoint import read_hf_config
     from megatron_fr.convert.dcp_files import megatron_checkpoint_problem
     from megatron_fr.convert.verify import verify_checkpoint, verify_layout
@@ -126,11 +126,36 @@ def _verify(args: argparse.Namespace) -> int:
         problem = megatron_checkpoint_problem(Path(args.megatron_dir))
         if problem is not None:
             raise ValueError(f"--megatron-dir: {problem}")
+        _check_same_model(Path(args.megatron_dir), spec, args.hf_dir)
     error = verify_checkpoint(args.hf_dir, args.megatron_dir, parallel, seq=args.seq)
     verdict = "OK" if error <= args.tolerance else "FAIL"
     layout = f"tp{args.tp} ep{args.ep} etp{parallel.effective_expert_tensor} pp{args.pp}"
     print(f"max |dlogit| = {error:.3e} at {layout} (tolerance {args.tolerance:g}): {verdict}")
     return 0 if verdict == "OK" else 1
+
+
+def _check_same_model(megatron_dir: Path, spec: HFModelSpec, hf_dir: str) -> None:
+    """The checkpoint is of the model --hf-dir describes (the HF config it was converted
+    from, kept beside it): a checkpoint of another model is refused before any rank loads
+    it, naming the settings that differ."""
+    import dataclasses
+
+    from megatron_fr.convert.checkpoint import HF_CONFIG_NAME, read_hf_config
+
+    stored = megatron_dir / HF_CONFIG_NAME
+    if not stored.is_file():
+        return
+    theirs = read_hf_config(stored)
+    differ = [
+        f"{field.name} {getattr(theirs, field.name)!r} vs {getattr(spec, field.name)!r}"
+        for field in dataclasses.fields(spec)
+        if getattr(theirs, field.name) != getattr(spec, field.name)
+    ]
+    if differ:
+        raise ValueError(
+            f"--megatron-dir {megatron_dir} is a checkpoint of another model than --hf-dir "
+            f"{hf_dir} ({stored.name} vs config.json: {'; '.join(differ[:4])})"
+        )
 
 
 def _check_verify_arguments(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,17 @@ from megatron_fr.convert.hf_files import (
 )
 from megatron_fr.convert.parallel_load import agree_on_errors
 from megatron_fr.convert.qwen import MegatronNames, megatron_tensor_to_hf
-from megatron_fr.convert.shard import global_parameter_names, shard_group, unshard_tensor
+from megatron_fr.convert.shard import (
+    global_parameter_names,
+    groups_or_megatron,
+    shard_group,
+    unshard_tensor,
+)
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.utils.atomic_dir import atomic_directory
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -61,27 +70,22 @@ def _exchange(value: object) -> list:
     return values
 
 
-def _writes_replica(name: str) -> bool:
+def _writes_replica(name: str, groups: ProcessGroupCollection) -> bool:
     """Whether this rank's data-parallel replica of `name` is the one written."""
-    from megatron.core import parallel_state as ps
-
     if ".experts." in name:
-        return ps.get_expert_data_parallel_rank() == 0
-    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        return groups.expt_dp.rank() == 0
+    return groups.dp_cp.rank() == 0
 
 
-def _assemble(index: int, name: str, param: torch.nn.Parameter) -> torch.Tensor | None:
+def _assemble(
+    index: int, name: str, param: torch.nn.Parameter, groups: ProcessGroupCollection
+) -> torch.Tensor | None:
     """The full tensor of `param` on the rank of its (expert-)TP group that writes it (the
     index-th parameter goes to group rank index % size); None on the others."""
-    from megatron.core import parallel_state as ps
-
-    expert = ".experts." in name
-    group = (
-        ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-    )
+    group = groups.expt_tp if ".experts." in name else groups.tp
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     owner = index % size
-    if shard_group(name, param) is None:
+    if shard_group(name, param, groups) is None:
         return param.detach() if rank == owner else None
     shards = [torch.empty_like(param) for _ in range(size)] if rank == owner else None
     dst = dist.get_global_rank(group, owner)
@@ -99,6 +103,7 @@ class _Target:
     max_shard_bytes: int
     dtype: torch.dtype | None
     progress: bool
+    groups: ProcessGroupCollection
 
 
 def _write_part(
@@ -108,7 +113,7 @@ def _write_part(
     even after a write failed (peers wait on them); returns (files, the first fault)."""
     names = dict(model.named_parameters())
     layout = MegatronNames.of(names)
-    global_names = global_parameter_names(model, spec.num_experts)
+    global_names = global_parameter_names(model, spec.num_experts, target.groups)
     fault = None
     bar = tqdm(
         total=len(names),
@@ -123,9 +128,9 @@ def _write_part(
             full_name = global_names[name]
             if full_name == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # the last stage's copy of tied embeddings: the first stage writes it
-            if not _writes_replica(name):
+            if not _writes_replica(name, target.groups):
                 continue
-            full = _assemble(index, name, param)
+            full = _assemble(index, name, param, target.groups)
             if full is None or fault is not None:
                 continue
             try:
@@ -164,12 +169,14 @@ def export_hf_from_model(
     max_shard_bytes: int = 5 * 10**9,
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    groups: ProcessGroupCollection | None = None,
 ) -> ExportReport:
     """Write this job's model as the HF checkpoint directory `out` (must not exist).
 
-    Every rank calls it. `config_text` becomes config.json; `files_from` (an HF directory)
-    gives the tokenizer and generation files; `dtype` casts the weights (default: as held).
-    Raises on every rank, leaving nothing at `out`, if any rank fails.
+    Every rank calls it (`groups`: the model's process groups, megatron's when not given).
+    `config_text` becomes config.json; `files_from` (an HF directory) gives the tokenizer and
+    generation files; `dtype` casts the weights (default: as held). Raises on every rank,
+    leaving nothing at `out`, if any rank fails.
     """
     started = time.monotonic()
     target = _Target(
@@ -179,6 +186,7 @@ def export_hf_from_model(
         max_shard_bytes,
         dtype,
         progress,
+        groups_or_megatron(groups),
     )
     directory = ExitStack()  # rank 0 holds the partial directory open in it
     try:

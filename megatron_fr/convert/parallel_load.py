@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from megatron_fr.convert.qwen import MegatronNames, hf_row_sources, hf_tensor_names
 from megatron_fr.convert.shard import (
     global_parameter_names,
+    groups_or_megatron,
     partition_dim,
     partition_stride,
     shard_group,
@@ -35,6 +37,9 @@ from megatron_fr.convert.shard import (
 )
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.utils.hf_checkpoint import HFCheckpointReader
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -77,8 +82,9 @@ def _plan(
     global_name: str,
     spec: HFModelSpec,
     names: MegatronNames,
+    groups: ProcessGroupCollection,
 ) -> _Plan:
-    group = shard_group(name, param)
+    group = shard_group(name, param, groups)
     dim = 0 if group is None else partition_dim(param)
     shape = list(param.shape)
     if group is None:
@@ -169,31 +175,45 @@ def _load(reader: HFCheckpointReader, plan: _Plan) -> None:
         param.copy_(dest)
 
 
-def check_hf_dir(model: torch.nn.Module, hf_dir: str | Path, spec: HFModelSpec) -> None:
+def check_hf_dir(
+    model: torch.nn.Module,
+    hf_dir: str | Path,
+    spec: HFModelSpec,
+    groups: ProcessGroupCollection | None = None,
+) -> None:
     """load_hf_into_model's check alone: the checkpoint's tensor names against the config and
     their shapes against this rank's shards, from the files' headers (no tensor data is read);
     ValueError on every rank naming the first fault."""
     with HFCheckpointReader(hf_dir) as reader:
-        _checked_plans(model, reader, spec)
+        _checked_plans(model, reader, spec, groups_or_megatron(groups))
 
 
 def _checked_plans(
-    model: torch.nn.Module, reader: HFCheckpointReader, spec: HFModelSpec
+    model: torch.nn.Module,
+    reader: HFCheckpointReader,
+    spec: HFModelSpec,
+    groups: ProcessGroupCollection,
 ) -> list[_Plan]:
     """What to read for every parameter of the model, once the checkpoint is checked."""
     names = dict(model.named_parameters())
     layout = MegatronNames.of(names)
-    global_names = global_parameter_names(model, spec.num_experts)
-    plans = [_plan(n, p, global_names[n], spec, layout) for n, p in names.items()]
+    global_names = global_parameter_names(model, spec.num_experts, groups)
+    plans = [_plan(n, p, global_names[n], spec, layout, groups) for n, p in names.items()]
     agree_on_errors(_check(reader, spec, plans))
     return plans
 
 
 def load_hf_into_model(
-    model: torch.nn.Module, hf_dir: str | Path, spec: HFModelSpec, *, progress: bool = True
+    model: torch.nn.Module,
+    hf_dir: str | Path,
+    spec: HFModelSpec,
+    *,
+    progress: bool = True,
+    groups: ProcessGroupCollection | None = None,
 ) -> LoadReport:
     """Fill every parameter of this rank's GPTModel stage (built by models.gpt.build_gpt_model
-    from `spec`, any TP/EP/ETP/PP layout, either layer spec) from the HF directory `hf_dir`.
+    from `spec`, any TP/EP/ETP/PP layout, either layer spec, over the process `groups`:
+    megatron's when not given) from the HF directory `hf_dir`.
 
     Every rank of the job must call it (the check verdict is agreed with one collective).
     Raises ValueError, on every rank and before reading tensor data, when the checkpoint's
@@ -201,7 +221,7 @@ def load_hf_into_model(
     """
     started = time.monotonic()
     with HFCheckpointReader(hf_dir) as reader:
-        plans = _checked_plans(model, reader, spec)
+        plans = _checked_plans(model, reader, spec, groups_or_megatron(groups))
         total = sum(p.param.numel() * p.param.element_size() for p in plans)
         show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
         with (

@@ -17,6 +17,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -31,28 +32,33 @@ def expert_global_name(name: str, ep_rank: int, num_local: int) -> str:
     return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{first + int(m.group(2))}", name)
 
 
-def global_name(name: str, num_experts: int) -> str:
-    """The TP1/EP1 name of a parameter (expert indices made global), either layer spec."""
-    from megatron.core import parallel_state as ps
+def groups_or_megatron(groups: ProcessGroupCollection | None) -> ProcessGroupCollection:
+    """`groups` (a learner's), else the groups parallel/state.initialize built. Imported here,
+    not at the top: the rollout process imports this module and must not import megatron."""
+    if groups is not None:
+        return groups
+    from megatron_fr.parallel.state import process_groups
 
+    return process_groups()
+
+
+def global_name(name: str, num_experts: int, groups: ProcessGroupCollection | None = None) -> str:
+    """The TP1/EP1 name of a parameter (expert indices made global), either layer spec;
+    `groups`: the model's process groups (megatron's when not given)."""
     if ".experts." not in name:
         return name
-    num_local = num_experts // ps.get_expert_model_parallel_world_size()
-    return expert_global_name(name, ps.get_expert_model_parallel_rank(), num_local)
+    ep = groups_or_megatron(groups).ep
+    return expert_global_name(name, ep.rank(), num_experts // ep.size())
 
 
-def shard_group(name: str, param: torch.nn.Parameter) -> tuple[int, int] | None:
+def shard_group(
+    name: str, param: torch.nn.Parameter, groups: ProcessGroupCollection | None = None
+) -> tuple[int, int] | None:
     """(rank, size) in the group `param` is split over (expert TP for experts, TP otherwise),
     or None when every rank of that group holds it whole."""
-    from megatron.core import parallel_state as ps
-
-    if ".experts." in name:
-        rank, size = (
-            ps.get_expert_tensor_parallel_rank(),
-            ps.get_expert_tensor_parallel_world_size(),
-        )
-    else:
-        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    resolved = groups_or_megatron(groups)
+    group = resolved.expt_tp if ".experts." in name else resolved.tp
+    rank, size = group.rank(), group.size()
     if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return None
     return rank, size
@@ -97,9 +103,14 @@ def shard_ranges(length: int, size: int, stride: int, rank: int) -> list[tuple[i
     return [(k * chunk, (k + 1) * chunk) for k in range(rank, size * stride, size)]
 
 
-def shard_tensor(full: Tensor, name: str, param: torch.nn.Parameter) -> Tensor:
+def shard_tensor(
+    full: Tensor,
+    name: str,
+    param: torch.nn.Parameter,
+    groups: ProcessGroupCollection | None = None,
+) -> Tensor:
     """This rank's slice of the full tensor for parameter `name`."""
-    group = shard_group(name, param)
+    group = shard_group(name, param, groups)
     if group is None:
         return full
     dim, (rank, size) = partition_dim(param), group
@@ -120,14 +131,17 @@ def unshard_tensor(
     return torch.cat([pieces[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def global_parameter_names(model: GPTModel, num_experts: int) -> dict[str, str]:
+def global_parameter_names(
+    model: GPTModel, num_experts: int, groups: ProcessGroupCollection | None = None
+) -> dict[str, str]:
     """This rank's parameter names -> their TP1/EP1/PP1 names: the global layer index on any
     pipeline stage (megatron numbers a stage's layers from 0 and records layer_number) and
     the global expert index."""
+    groups = groups_or_megatron(groups)
     offsets = {str(i): str(number) for i, number in enumerate(stage_layer_numbers(model))}
     names = {}
     for name, _ in model.named_parameters():
-        full = global_name(name, num_experts)
+        full = global_name(name, num_experts, groups)
         match = _LAYER.match(full)
         if match:
             full = f"decoder.layers.{offsets[match.group(1)]}.{full[match.end() :]}"
@@ -135,11 +149,18 @@ def global_parameter_names(model: GPTModel, num_experts: int) -> dict[str, str]:
     return names
 
 
-def load_full_state(model: torch.nn.Module, full: dict[str, Tensor], num_experts: int) -> None:
+def load_full_state(
+    model: torch.nn.Module,
+    full: dict[str, Tensor],
+    num_experts: int,
+    groups: ProcessGroupCollection | None = None,
+) -> None:
     """Copy each of this rank's parameters from the full (TP1/EP1) tensors, by global name."""
+    groups = groups_or_megatron(groups)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            source = full.get(global_name(name, num_experts))
+            source_name = global_name(name, num_experts, groups)
+            source = full.get(source_name)
             if source is None:
-                raise KeyError(f"no tensor {global_name(name, num_experts)!r} for {name!r}")
-            param.copy_(shard_tensor(source, name, param))
+                raise KeyError(f"no tensor {source_name!r} for {name!r}")
+            param.copy_(shard_tensor(source, name, param, groups))

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_fr.config.parallel import ParallelConfig
+from megatron_fr.convert.shard import groups_or_megatron
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -82,23 +84,28 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_logits(
-    model: GPTModel, tokens: torch.Tensor, parallel: ParallelConfig
+    model: GPTModel,
+    tokens: torch.Tensor,
+    parallel: ParallelConfig,
+    groups: ProcessGroupCollection | None = None,
 ) -> torch.Tensor | None:
-    """Logits on the last stage (full vocab, [b, s, V]); None on the other stages."""
+    """Logits on the last stage (full vocab, [b, s, V]); None on the other stages. `groups`:
+    the model's process groups (megatron's when not given)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
+    pp = groups_or_megatron(groups).pp
+    stage, stages = pp.rank(), pp.size()
     batch, seq = tokens.shape
     positions = torch.arange(seq).expand_as(tokens)
     local_seq = seq // parallel.tensor if parallel.sequence_parallel else seq
-    if not ps.is_pipeline_first_stage():
+    if stage > 0:
         hidden = torch.empty(local_seq, batch, model.config.hidden_size, dtype=torch.float32)
-        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        dist.recv(hidden, src=dist.get_global_rank(pp, stage - 1))
         model.set_input_tensor(hidden)
     with torch.no_grad():
         output = model(tokens, positions, attention_mask=None, runtime_gather_output=True)
-    if not ps.is_pipeline_last_stage():
-        dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if stage < stages - 1:
+        dist.send(output.contiguous(), dst=dist.get_global_rank(pp, stage + 1))
         return None
     return output
 
@@ -115,8 +122,6 @@ def _source_dtype(job: VerifyJob) -> torch.dtype:
 
 def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -> list:
     """Run every job on this rank; the last stage's logits (TP rank 0, DP rank 0) or None."""
-    from megatron.core import parallel_state as ps
-
     from megatron_fr.convert.checkpoint import load_megatron_checkpoint
     from megatron_fr.convert.parallel_load import load_hf_into_model
     from megatron_fr.models.gpt import build_gpt_model
@@ -125,21 +130,18 @@ def megatron_logits_on_rank(rank: int, world_size: int, jobs: list[VerifyJob]) -
     results = []
     for job in jobs:
         state.initialize(job.parallel, seed=0)
+        groups = state.process_groups()
         spec = load_hf_config(job.config)
         model = build_gpt_model(
             spec, job.parallel, params_dtype=_source_dtype(job), initialize=False
         )
         if job.megatron_dir is None:
-            load_hf_into_model(model, job.hf_source(), spec, progress=False)
+            load_hf_into_model(model, job.hf_source(), spec, progress=False, groups=groups)
         else:
             load_megatron_checkpoint(model, job.megatron_dir)
         model = model.float().eval()
-        logits = pipeline_logits(model, job.tokens, job.parallel)
-        keep = (
-            logits is not None
-            and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0
-        )
+        logits = pipeline_logits(model, job.tokens, job.parallel, groups)
+        keep = logits is not None and groups.tp.rank() == 0 and groups.dp.rank() == 0
         results.append(logits if keep else None)
     return results
 

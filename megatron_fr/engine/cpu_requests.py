@@ -7,8 +7,15 @@ One request must neither cost the server more than it can afford nor stop it ans
     a body that stops arriving             408 after the read timeout (a connection that
                                            stalls in its headers is closed after the same
                                            time: cpu_server gives it as the keep-alive timeout)
+    gzip / deflate inflating past the      413 once the limit is passed, inflated a chunk at
+      limit (a deflate bomb)                   a time on a worker thread
+    another Content-Encoding               415
     not JSON, not a JSON object            400
     nested deeper than MAX_JSON_DEPTH      400 (Python's parser would raise RecursionError)
+
+The server reads bodies as they were sent (cpu_server: AUTO_DECOMPRESS turns aiohttp's own
+inflating off, which runs on the event loop: a 260 KiB body inflating to 256 MiB held /health
+there for seconds), and a compressed body is inflated here.
 
 Bodies over PARSE_IN_THREAD_BYTES are parsed on a worker thread, so the event loop keeps
 answering other requests meanwhile. A /generate whose client disconnects stops waiting at once
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import zlib
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -38,6 +46,11 @@ MAX_JSON_DEPTH = 32
 """Nesting a body may have; SGLang's request bodies need 4."""
 PARSE_IN_THREAD_BYTES = 64 * 2**10
 """Bodies larger than this are parsed off the event loop."""
+INFLATE_CHUNK_BYTES = 2**20
+"""A compressed body is inflated this much at a time, so its size is checked as it grows."""
+INFLATED_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": 0}
+"""Content-Encodings a body may have, with zlib's window bits (deflate: zlib-wrapped or raw,
+as clients send either)."""
 DISCONNECT_POLL_S = 0.1
 """How often a waiting /generate checks whether its client is still connected."""
 
@@ -59,6 +72,9 @@ async def json_object(request: web.Request, empty_ok: bool = False) -> dict:
         raise web.HTTPRequestTimeout(
             text=f"the request body did not arrive within {timeout:g} s"
         ) from None
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raw = await asyncio.to_thread(inflate, raw, encoding, limit)
     if not raw.strip() and empty_ok:
         return {}
     if len(raw) > PARSE_IN_THREAD_BYTES:
@@ -68,6 +84,34 @@ async def json_object(request: web.Request, empty_ok: bool = False) -> dict:
     if not isinstance(body, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate body inflated, INFLATE_CHUNK_BYTES at a time: 413 as soon as it
+    passes `limit` bytes, 415 for another encoding, 400 for a stream that is broken."""
+    if encoding not in INFLATED_ENCODINGS:
+        raise web.HTTPUnsupportedMediaType(
+            text=f"Content-Encoding {encoding[:40]!r}: send identity, gzip or deflate"
+        )
+    wbits = INFLATED_ENCODINGS[encoding]
+    if wbits == 0:  # deflate: a zlib header (RFC 1950) or a bare stream
+        wbits = zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 else -zlib.MAX_WBITS
+    inflater, inflated, pending = zlib.decompressobj(wbits), bytearray(), raw
+    try:
+        while pending and not inflater.eof:
+            inflated += inflater.decompress(pending, INFLATE_CHUNK_BYTES)
+            if len(inflated) > limit:
+                raise web.HTTPRequestEntityTooLarge(
+                    max_size=limit,
+                    actual_size=len(inflated),
+                    text=f"the {encoding} body inflates past {limit} bytes",
+                )
+            pending = inflater.unconsumed_tail
+    except zlib.error as error:
+        raise BadRequest(f"the {encoding} body is not a valid stream: {error}") from None
+    if not inflater.eof:
+        raise BadRequest(f"the {encoding} body is cut short")
+    return bytes(inflated)
 
 
 def parse_json(raw: bytes) -> object:

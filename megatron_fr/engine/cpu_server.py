@@ -53,6 +53,7 @@ from megatron_fr.engine.cpu_wire import (
     bucket_metadata,
     field,
     generate_response,
+    join_args,
     parse_generate,
     version_field,
 )
@@ -73,6 +74,9 @@ DEFAULT_READ_TIMEOUT_S = 60.0
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 """How long joining a weight-update group may wait for its master (and its other ranks)."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
+AUTO_DECOMPRESS = False
+"""aiohttp's server option: off, so bodies are read as sent and inflated off the event loop,
+within the body limit (cpu_requests.inflate)."""
 
 
 class CpuServer:
@@ -247,15 +251,8 @@ class CpuServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
         body = await json_object(request)
-        name = field(body, "group_name", str, "weight_update_group")
-        args: JoinArgs = (
-            field(body, "master_address", str),
-            field(body, "master_port", int),
-            field(body, "rank_offset", int),
-            field(body, "world_size", int),
-            name,
-            field(body, "backend", str, "gloo"),
-        )
+        args: JoinArgs = join_args(body)
+        name = args[4]
         joined = self.receiver.start_join(args, timeout_s=self.join_timeout_s)
         try:
             rank = await asyncio.wait_for(asyncio.wrap_future(joined), self.join_timeout_s)
@@ -446,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         print=None,
         access_log=None,
         keepalive_timeout=args.read_timeout_s,
+        auto_decompress=AUTO_DECOMPRESS,
     )
 
 

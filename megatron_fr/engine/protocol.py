@@ -353,7 +353,7 @@ def _parse_version(meta: dict, prefix: str) -> str:
     raise MalformedResponse(path, f"expected a string, got {version!r}")
 
 
-def _parse_version_spans(meta: dict, count: int, version: str, prefix: str) -> list[str]:
+def parse_version_spans(meta: dict, count: int, version: str, prefix: str) -> list[str]:
     """One version per output token from SGLang's `meta_info.weight_versions`
     (srt/utils/weight_versions.py: add_weight_versions_to_meta_info): [{version, start, end}]
     spans, non-empty and in order, tiling [0, len(output_ids)); a response without a token has
@@ -417,7 +417,7 @@ def _parse_one(body: object, prefix: str, top_logprobs_num: int = 0) -> Generate
         output_logprobs=logprobs,
         finish_reason=finish_reason,
         weight_version=version,
-        token_versions=_parse_version_spans(meta, len(output_ids), version, meta_prefix),
+        token_versions=parse_version_spans(meta, len(output_ids), version, meta_prefix),
         routed_experts=meta.get("routed_experts"),
         prompt_tokens=prompt_tokens,
         top_logprobs=top,

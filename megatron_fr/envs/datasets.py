@@ -27,6 +27,7 @@ from typing import Any
 
 from megatron_fr.config.data import DatasetConfig
 from megatron_fr.envs.base import Sample
+from megatron_fr.utils.strict_json import DuplicateKeyError, loads_unique
 
 DATA_DIR = Path(__file__).with_name("data")
 BUNDLED: dict[str, tuple[str, ...]] = {
@@ -37,6 +38,10 @@ BUNDLED: dict[str, tuple[str, ...]] = {
 """Sample files shipped with the package, so recipes and tests run offline ("alfworld": the
 hand-written real ALFWorld problems, then the TextWorld game specs)."""
 ROLES = ("system", "user", "assistant", "tool")
+MAX_ROW_CHARS = 4 * 2**20
+"""Most characters one row may hold, as JSON (a line of a JSONL file): past that it is no
+prompt any model here takes, and a tokenizer given 100 MB of text panics instead of
+answering; the row is refused naming the file and the line first."""
 MISSING = object()
 
 
@@ -62,7 +67,7 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
     for where, row in rows[: config.limit]:
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {where} is not an object")
-        _refuse_surrogates(row, f"{path}: {where}")
+        _check_text(row, f"{path}: {where}")
         sample = _map_row(row, config, f"{path}: {where}")
         if sample["id"] is None:  # absent, or a null in a parquet column
             sample["id"] = f"{path.stem}-{len(samples)}"
@@ -78,11 +83,13 @@ def load_dataset(config: DatasetConfig) -> list[Sample]:
     return samples
 
 
-def _refuse_surrogates(row: dict, where: str) -> None:
-    """JSON may escape half of a UTF-16 pair (\\ud800) alone; that is no text, and the
-    tokenizer cannot take it."""
+def _check_text(row: dict, where: str) -> None:
+    """At most MAX_ROW_CHARS, and text: JSON may escape half of a UTF-16 pair (\\ud800)
+    alone; that is no text, and the tokenizer cannot take it."""
     try:
-        json.dumps(row, ensure_ascii=False).encode("utf-8")
+        text = json.dumps(row, ensure_ascii=False)
+        _check_length(len(text), where)
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(
             f"{where}: holds a lone surrogate (an unpaired \\ud800-\\udfff "
@@ -108,6 +115,8 @@ def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
     if path.suffix == ".json" or records_key is not None:
         try:
             whole = _parse(text, str(path))
+        except DuplicateKeyError:
+            raise
         except ValueError:
             whole = MISSING  # JSON lines under a .json name (as `datasets` writes them)
         if whole is not MISSING:
@@ -117,17 +126,28 @@ def _read_rows(path: Path, records_key: str | None) -> list[tuple[str, Any]]:
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
+            _check_length(len(line), f"{path}:{number}")
             rows.append((f"line {number}", _parse(line, f"{path}:{number}")))
     return rows
+
+
+def _check_length(characters: int, where: str) -> None:
+    if characters > MAX_ROW_CHARS:
+        raise ValueError(
+            f"{where}: a row of {characters:,} characters, past the {MAX_ROW_CHARS:,} one "
+            "prompt row may hold (is it one row, or a file without line breaks?)"
+        )
 
 
 def _parse(text: str, where: str) -> Any:
     """One JSON document; ValueError naming `where` when it is not one, or is nested deeper
     than the json module can follow (it recurses once per level)."""
     try:
-        return json.loads(text)
+        return loads_unique(text)
     except RecursionError:
         raise ValueError(f"{where}: nested deeper than JSON can be read here") from None
+    except DuplicateKeyError as error:
+        raise DuplicateKeyError(f"{where}: {error}; keep one") from None
     except ValueError as error:
         raise ValueError(f"{where}: not JSON ({error})") from None
 

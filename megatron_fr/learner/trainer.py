@@ -41,6 +41,7 @@ from megatron_fr.learner.micro_batches import (
 )
 from megatron_fr.learner.nonfinite import nonfinite_cause
 from megatron_fr.learner.routing_replay import RoutingReplay
+from megatron_fr.learner.step_metrics import Reduced, StepMetrics
 from megatron_fr.learner.step_plan import StepPlan, plan_step
 from megatron_fr.models.gpt import resolve_layer_spec
 from megatron_fr.models.hf_config import HFModelSpec
@@ -234,7 +235,7 @@ class Learner:
         if init_checkpoint is not None:
             load_megatron_checkpoint(module, init_checkpoint)
         elif init_hf_dir is not None:  # every rank reads only its own shards
-            load_hf_into_model(module, init_hf_dir, self.spec, progress=False)
+            load_hf_into_model(module, init_hf_dir, self.spec, progress=False, groups=self.groups)
         return module
 
     def _build_optimizer(self) -> MegatronOptimizer:
@@ -404,21 +405,19 @@ class Learner:
             if replay is not None:
                 replay.clear()
 
-    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> dict:
+    def train_step(self, batch: list[Trajectory], pad_id: int = 0) -> StepMetrics:
         """One optimizer step on the whole batch, every rank passing the same batch (each
         plans it and trains its own share): train_share's metrics."""
         return self.train_share(self.plan(batch), batch, pad_id)
 
     def train_share(
         self, step: StepPlan, rows: Mapping[int, TokenRow] | Sequence[TokenRow], pad_id: int = 0
-    ) -> dict:
+    ) -> StepMetrics:
         """One optimizer step of a planned batch, from the trajectories of this rank's DP
         share (`rows`, by batch index: what the run delivers to it, buffer/shards.py):
         scalar metrics, plus per trajectory (lists in batch order) advantages, admitted and
         the gate's sequence_kl. metrics["nonfinite"]: None, or "loss" / "gradient" when that
         was not finite and the step was skipped (no weight, optimizer or schedule change)."""
-        dp_group = self.groups.dp_cp
-        global_batch = step.global_batch
         per_micro = self.accumulate_gradients(step, rows, pad_id)
         # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
         nonfinite = nonfinite_cause(per_micro, self.module)
@@ -428,12 +427,7 @@ class Learner:
         else:
             updated, grad_norm = False, None
         self.steps_done += 1
-        metrics = self._metrics(per_micro, dp_group, updated, grad_norm, step)
-        metrics["nonfinite"] = nonfinite
-        metrics["advantages"] = global_batch.advantages.tolist()
-        metrics["padding_fraction"] = step.plan.padding_fraction
-        metrics["dp_imbalance"] = step.plan.dp_imbalance
-        return metrics
+        return self._metrics(per_micro, updated, grad_norm, step, nonfinite)
 
     def accumulate_gradients(
         self, step: StepPlan, rows: Mapping[int, TokenRow] | Sequence[TokenRow], pad_id: int = 0
@@ -562,50 +556,60 @@ class Learner:
     def _metrics(
         self,
         per_micro: list[Reported],
-        dp_group: dist.ProcessGroup,
         updated: bool,
         grad_norm: float | None,
         step: StepPlan,
-    ) -> dict:
-        # [loss, acceptance, clip fraction, mean KL, admitted per trajectory, KL per trajectory]
-        device = self.device
+        nonfinite: str | None,
+    ) -> StepMetrics:
+        """The step's figures on every rank: the loss and the gate's, reduced over the DP
+        ranks by the last pipeline stage and broadcast to the others (learner/step_metrics.py
+        lays them out), and the optimizer's."""
         size = step.size
-        values = torch.zeros(4 + 2 * size, dtype=torch.float64, device=device)
+        values = torch.zeros(Reduced.width(size), dtype=torch.float64, device=self.device)
         pp = self.groups.pp
         if pp.rank() == pp.size() - 1:
-            admitted, present = agreed_admission(per_micro, dp_group)
-            sums = torch.stack(
-                [
-                    torch.stack([m[key].double() for m in per_micro]).sum()
-                    for key in ("loss", "clipped")
-                ]
-            )
-            dist.all_reduce(sums, group=dp_group)
-            tokens = max(step.policy_tokens, 1)
-            acceptance = admitted.double().sum() / max(int(present.sum()), 1)
-            # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
-            # group has the whole value): the sum over DP ranks is the batch's
-            kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
-            dist.all_reduce(kl, group=self.groups.dp)
-            scalars = torch.stack([sums[0], acceptance, sums[1] / tokens, kl.mean()])
-            values = torch.cat([scalars, admitted.double(), kl])
+            values = self._reduce(per_micro, step)
         if pp.size() > 1:
             dist.broadcast(values, src=dist.get_global_rank(pp, pp.size() - 1), group=pp)
+        reduced = Reduced.unpack(values, size)
+        device = values.device
         steps = torch.tensor([min(adam_step_counts(self.optimizer), default=0.0)], device=device)
         top = torch.tensor([max(adam_step_counts(self.optimizer), default=0.0)], device=device)
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {
-            "adam_step_min": steps.item(),
-            "adam_step_max": top.item(),
-            "loss": values[0].item(),
-            "acceptance_rate": values[1].item(),
-            "clip_fraction": values[2].item(),
-            "sequence_kl_mean": values[3].item(),
-            "admitted": [bool(a) for a in values[4 : 4 + size]],
-            "sequence_kl": values[4 + size :].tolist(),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_successful": float(bool(updated)),
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "policy_tokens": float(step.policy_tokens),
-        }
+        return StepMetrics(
+            adam_step_min=steps.item(),
+            adam_step_max=top.item(),
+            loss=reduced.loss,
+            acceptance_rate=reduced.acceptance_rate,
+            clip_fraction=reduced.clip_fraction,
+            sequence_kl_mean=reduced.sequence_kl_mean,
+            admitted=reduced.admitted,
+            sequence_kl=reduced.sequence_kl,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            update_successful=float(bool(updated)),
+            lr=self.optimizer.param_groups[0]["lr"],
+            policy_tokens=float(step.policy_tokens),
+            nonfinite=nonfinite,
+            advantages=step.global_batch.advantages.tolist(),
+            padding_fraction=step.plan.padding_fraction,
+            dp_imbalance=step.plan.dp_imbalance,
+        )
+
+    def _reduce(self, per_micro: list[Reported], step: StepPlan) -> torch.Tensor:
+        """The last stage: the batch's loss, acceptance, clip fraction and KLs over every
+        micro-batch and DP rank, as Reduced's tensor."""
+        dp_cp = self.groups.dp_cp
+        admitted, present = agreed_admission(per_micro, dp_cp)
+        sums = torch.stack(
+            [torch.stack([m[key].double() for m in per_micro]).sum() for key in ("loss", "clipped")]
+        )
+        dist.all_reduce(sums, group=dp_cp)
+        acceptance = admitted.double().sum() / max(int(present.sum()), 1)
+        # each trajectory lives in one micro-batch of one DP rank (every rank of its CP
+        # group has the whole value): the sum over DP ranks is the batch's
+        kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
+        dist.all_reduce(kl, group=self.groups.dp)
+        figures = {"loss": sums[0], "acceptance_rate": acceptance, "admitted": admitted}
+        figures |= {"clip_fraction": sums[1] / max(step.policy_tokens, 1)}
+        return Reduced.pack(figures | {"sequence_kl_mean": kl.mean(), "sequence_kl": kl})

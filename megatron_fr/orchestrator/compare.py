@@ -1,6 +1,8 @@
 """Sample efficiency and lag stability, measured: the paper's two claims at the demo's scale.
 
-    megatron-fr compare methods RECIPE --out DIR [--seeds 3] [--steps N] [--estimators E,..]
+    megatron-fr compare methods RECIPE --out DIR [--seeds 8] [--steps N] [--estimators E,..]
+                                       [--lrs 1e-4,3e-4,1e-3 --selection-seeds 2]
+                                       [--x trained|generated|tokens]
     megatron-fr compare lag RECIPE --out DIR [--estimators flash_reinforce,grpo] [--lags 0,8]
                                              [--gates bernoulli,topk]
     (then dotted.key=value overrides for every run)
@@ -16,20 +18,26 @@ without the gate (delta = inf) at the largest lag; with --gates, FlashREINFORCE 
 once per trust-region gate (learner.flash_reinforce.gate_kl: the paper's bernoulli keeps its
 name, the optional topk adds "_topk").
 
+With --lrs each configuration first runs every learning rate on --selection-seeds seeds of
+its own (1000 and up, DIR/<configuration>-lr<lr>-select<s>) and is then compared at the one
+with the highest mean accuracy over the budget: a method is compared at its best, and the
+choice is not fitted to the seeds it is judged on (choose_learning_rates).
+
 A run that already finished is read, not trained again, so an interrupted comparison is
-continued by the same command. Results: DIR/results.md (final held-out accuracy, mean +- std
-over seeds and its 95% bootstrap interval; mean acceptance, KL and lag; for `methods`, the
-rollouts each configuration needs to reach the first group estimator's final accuracy, as a
-share of that estimator's budget with its 95% bootstrap interval: compare_stats.py),
-DIR/accuracy.png (accuracy against trained rollouts, mean over seeds with the spread as a
-band) and DIR/results.json.
+continued by the same command. Results (compare_report.py, compare_stats.py): DIR/results.md
+(per configuration its learning rate, final held-out accuracy as mean +- sample std with the
+t interval of the mean, the mean accuracy over the budget with a bootstrap interval, mean
+acceptance, KL and lag; for `methods`, the budget each configuration needs to reach the first
+group estimator's final accuracy on isotonic fits of the mean curves, as a share of that
+estimator's budget with a paired bootstrap interval, and a table of the accuracy gap at each
+budget; the sweep's table), DIR/accuracy.png (accuracy against the --x budget, mean over seeds
+with the sample std as a band and the isotonic fit dashed) and DIR/results.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -38,12 +46,15 @@ from typing import get_args
 
 from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
+from megatron_fr.orchestrator import compare_report as report
 from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
+from megatron_fr.orchestrator.run_log import read_metrics
 from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
 """learner.flash_reinforce.gate_kl's values: what `compare lag --gates` takes."""
+SELECTION_SEED = 1000
+"""The first seed of the learning-rate sweep's selection runs (choose_learning_rates)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,19 @@ def gate_list(text: str) -> tuple[str, ...]:
             f"takes a comma-separated subset of {','.join(GATES)}, got {text!r}"
         )
     return gates
+
+
+def learning_rates(text: str) -> tuple[float, ...]:
+    """--lrs: comma-separated positive learning rates, in the order given."""
+    try:
+        values = tuple(dict.fromkeys(float(item) for item in text.split(",") if item))
+    except ValueError:
+        values = ()
+    if not values or any(not 0 < value < 1 for value in values):
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated learning rates in (0, 1), e.g. 1e-4,3e-4,1e-3; got {text!r}"
+        )
+    return values
 
 
 def gated(variant: Variant, gate: str) -> Variant:
@@ -134,113 +158,6 @@ def finished(run_dir: Path, steps: int) -> bool:
     return any(r.get("step") == steps and "eval_accuracy" in r for r in read_metrics(run_dir))
 
 
-@dataclass(frozen=True)
-class RunSummary:
-    variant: str
-    seed: int
-    curve: list[tuple[int, float]]
-    """(trained rollouts, held-out accuracy) at each evaluation."""
-    acceptance: float
-    kl: float | None
-    lag: float | None
-    """Mean over steps of the batch's mean lag (versions between its oldest token and the
-    learner)."""
-
-
-def summarise(variant: str, seed: int, run_dir: Path, batch_size: int) -> RunSummary:
-    records = read_metrics(run_dir)
-    evals = {r["step"]: r["eval_accuracy"] for r in records if has_accuracy(r)}
-    steps = [r for r in records if "reward_mean" in r]
-    kls = [r["sequence_kl_mean"] for r in steps if r.get("sequence_kl_mean") is not None]
-    lags = [r["lag_mean"] for r in steps if r.get("lag_mean") is not None]
-    return RunSummary(
-        variant,
-        seed,
-        curve=[(step * batch_size, accuracy) for step, accuracy in sorted(evals.items())],
-        acceptance=statistics.fmean(r["acceptance_rate"] for r in steps) if steps else 0.0,
-        kl=statistics.fmean(kls) if kls else None,
-        lag=statistics.fmean(lags) if lags else None,
-    )
-
-
-def results_table(by_variant: dict[str, list[RunSummary]], reference: str | None) -> str:
-    """One row per configuration: final accuracy (mean +- std over seeds, and its 95%
-    bootstrap interval), mean acceptance, KL and lag; with a reference, the rollouts each
-    needs to reach the reference's final accuracy, as a share of the reference's budget with
-    its 95% bootstrap interval (compare_stats)."""
-    curves = {name: [run.curve for run in runs] for name, runs in by_variant.items()}
-    header = (
-        "| run | seeds | final accuracy (mean +- std) | 95% interval | mean acceptance "
-        "| mean KL | mean lag |"
-    )
-    if reference:
-        header += f" rollouts to reach {reference}'s final (x its budget, 95% interval) |"
-    lines = [header, "|" + "---|" * (7 + bool(reference))]
-    for name, runs in by_variant.items():
-        _, mean, std = stats.mean_curve(curves[name])[-1]
-        interval = _interval(stats.bootstrap_interval([curves[name]], stats.final_accuracy))
-        kl = _mean_or_na([r.kl for r in runs], "{:.2e}")
-        lag = _mean_or_na([r.lag for r in runs], "{:.2f}")
-        acceptance = statistics.fmean(r.acceptance for r in runs)
-        row = (
-            f"| {name} | {len(runs)} | {mean:.3f} +- {std:.3f} | {interval} | "
-            f"{acceptance:.3f} | {kl} | {lag} |"
-        )
-        if reference:
-            row += f" {_reach(curves[name], curves[reference])} |"
-        lines.append(row)
-    return "\n".join(lines) + "\n"
-
-
-def _reach(curves: list, reference: list) -> str:
-    ratio = stats.budget_ratio(curves, reference)
-    if ratio is None:
-        return "not reached"
-    budget = stats.mean_curve(reference)[-1][0]
-    interval = _interval(stats.bootstrap_interval([curves, reference], stats.budget_ratio), "x")
-    return f"{ratio * budget:,.0f} ({ratio:.2f}x, {interval})"
-
-
-def _interval(bounds: tuple[float, float] | None, unit: str = "") -> str:
-    if bounds is None:
-        return "n/a (1 seed)"
-    low, high = (f"{b:.3f}{unit}" if b != float("inf") else "not reached" for b in bounds)
-    return f"[{low}, {high}]"
-
-
-def _mean_or_na(values: list[float | None], form: str) -> str:
-    present = [v for v in values if v is not None]
-    return form.format(statistics.fmean(present)) if present else "n/a"
-
-
-def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    for name, runs in by_variant.items():
-        curve = stats.mean_curve([run.curve for run in runs])
-        xs = [x for x, _, _ in curve]
-        means = [m for _, m, _ in curve]
-        stds = [s for _, _, s in curve]
-        axes.plot(xs, means, marker="o", label=f"{name} ({len(runs)} seeds)")
-        axes.fill_between(
-            xs,
-            [m - s for m, s in zip(means, stds, strict=True)],
-            [m + s for m, s in zip(means, stds, strict=True)],
-            alpha=0.2,
-        )
-    axes.set_xlabel("trained rollouts")
-    axes.set_ylabel("held-out accuracy")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-
-
 def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
     default = ["flash_reinforce", "grpo", "rloo"] if args.mode == "methods" else ["flash_reinforce"]
     estimators = [e for e in args.estimators.split(",") if e] if args.estimators else default
@@ -264,29 +181,78 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         overrides.append(f"steps={args.steps}")
     config = load_run_config(args.recipe, overrides)
+    runs = Runs(args.recipe, out, overrides, config.steps, config.buffer.batch_size)
     variants = variants_for(args, config.buffer.batch_size)
-    by_variant: dict[str, list[RunSummary]] = {variant.name: [] for variant in variants}
+    scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
+    by_variant: dict[str, list[report.RunSummary]] = {variant.name: [] for variant in variants}
     # Seed-major, so that an interrupted comparison already covers every configuration.
     for seed in range(args.seeds):
         for variant in variants:
-            run_dir = out / f"{variant.name}-seed{seed}"
-            settings = [*overrides, *variant.overrides, f"seed={seed}"]
-            if not finished(run_dir, config.steps):
-                command = train_command(args.recipe, run_dir, settings)
-                print("$ " + " ".join(command), flush=True)
-                subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-            summary = summarise(variant.name, seed, run_dir, config.buffer.batch_size)
-            by_variant[variant.name].append(summary)
+            lr = chosen.get(variant.name)
+            name = f"{variant.name}-seed{seed}"
+            by_variant[variant.name].append(runs.summary(variant, name, seed, lr))
     reference = _reference(variants) if args.mode == "methods" else None
     provenance = run_provenance(config.model.hf_dir)
     started_from = "; ".join(f"{key}: {value}" for key, value in provenance.items())
-    table = f"Started from {started_from}.\n\n" + results_table(by_variant, reference)
+    table = f"Started from {started_from}.\n\n" + report.results_table(
+        by_variant, reference, args.x
+    )
+    if reference:
+        table += f"\nAccuracy minus {reference}'s at each budget:\n\n"
+        table += report.gap_table(by_variant, reference, args.x)
+    if scores:
+        table += f"\nLearning rates (mean accuracy over the budget, seeds {args.selection_seeds}):"
+        table += "\n\n" + report.sweep_table(scores, chosen)
     (out / "results.md").write_text(table)
     results = {name: [run.__dict__ for run in runs] for name, runs in by_variant.items()}
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(by_variant, out / "accuracy.png", f"{args.mode}: {args.recipe.name}")
+    (out / "results.json").write_text(json.dumps({"runs": results, "sweep": scores}, indent=1))
+    report.plot(by_variant, out / "accuracy.png", f"{args.mode}: {args.recipe.name}", args.x)
     print(table)
     return 0
+
+
+class Runs:
+    """Trains (or reads back) the comparison's runs, each in its own directory of `out`."""
+
+    def __init__(
+        self, recipe: Path, out: Path, overrides: list[str], steps: int, batch_size: int
+    ) -> None:
+        self.recipe, self.out, self.overrides = recipe, out, overrides
+        self.steps, self.batch_size = steps, batch_size
+
+    def summary(
+        self, variant: Variant, name: str, seed: int, lr: float | None
+    ) -> report.RunSummary:
+        """The run `name` of `variant` at `seed` (and `lr`, None: the recipe's), trained unless
+        it already finished."""
+        run_dir = self.out / name
+        settings = [*self.overrides, *variant.overrides, f"seed={seed}"]
+        settings += [f"learner.lr={lr}"] if lr is not None else []
+        if not finished(run_dir, self.steps):
+            command = train_command(self.recipe, run_dir, settings)
+            print("$ " + " ".join(command), flush=True)
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return report.summarise(variant.name, seed, run_dir, self.batch_size, lr)
+
+
+def choose_learning_rates(
+    runs: Runs, variants: list[Variant], lrs: tuple[float, ...], seeds: int
+) -> tuple[dict[str, dict[float, float]], dict[str, float]]:
+    """Each configuration's best learning rate of `lrs`: the highest mean accuracy over the
+    budget (trained rollouts) on `seeds` selection seeds, SELECTION_SEED and up, which the
+    comparison's own seeds (0 and up) never use, so the choice is not fitted to the seeds it
+    is judged on. ({name: {lr: score}}, {name: chosen lr}); both empty without `lrs`."""
+    scores: dict[str, dict[float, float]] = {}
+    for variant in variants:
+        for lr in lrs:
+            summaries = [
+                runs.summary(variant, f"{variant.name}-lr{lr:g}-select{seed}", seed, lr)
+                for seed in range(SELECTION_SEED, SELECTION_SEED + seeds)
+            ]
+            area = stats.area_under_curve([summary.curve for summary in summaries])
+            scores.setdefault(variant.name, {})[lr] = area
+    chosen = {name: max(by_lr, key=lambda lr: by_lr[lr]) for name, by_lr in scores.items()}
+    return scores, chosen
 
 
 def _reference(variants: list[Variant]) -> str | None:
@@ -303,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("recipe", type=Path, help="the recipe every run starts from")
     parser.add_argument("--out", type=Path, required=True, help="directory of runs and results")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
+    parser.add_argument("--seeds", type=int, default=8, help="seeds per configuration")
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the recipe's)")
     parser.add_argument(
         "--estimators",
@@ -322,4 +288,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "optional top-K gate; its runs end in _topk)",
     )
     parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
+    parser.add_argument(
+        "--lrs",
+        type=learning_rates,
+        default=(),
+        help="comma-separated learning rates: each configuration runs at its best of them, "
+        "chosen on separate seeds (--selection-seeds); default: the recipe's learning rate",
+    )
+    parser.add_argument(
+        "--selection-seeds",
+        type=int,
+        default=2,
+        help=f"seeds per learning rate of the sweep ({SELECTION_SEED} and up)",
+    )
+    parser.add_argument(
+        "--x",
+        choices=tuple(report.X_AXES),
+        default="trained",
+        help="the budget the results are read against: trained rollouts, generated rollouts "
+        "(discarded groups and stale drops charged) or trained response tokens",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value for every run")

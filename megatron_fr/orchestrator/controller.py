@@ -1,15 +1,16 @@
 """The training loop of a run, on every learner rank (one process each, under torchrun).
 
-    first rank only:  RolloutProcess (a process of its own running the RolloutService:
-                      engines, buffer + prompt cursor, episodes, eval) and RunReport
-                      (metrics.jsonl, TensorBoard, batches.jsonl); None elsewhere
+    first rank:       the Leader (orchestrator/ranks.py): the rollout process (running the
+                      RolloutService: engines, buffer + prompt cursor, episodes, eval) and
+                      the RunReport (metrics.jsonl, TensorBoard, batches.jsonl); every other
+                      rank a Follower, with the same interface and none of them
     every rank:       the step's plan and its DP share's trajectories (the rollout process
                       sends each (DP, PP) stage leader its share; the leader broadcasts it
                       within its TP x CP ranks: learner/delivery.py)
                       ─► Learner.train_share ─► version += 1
                       ─► PoolSync: WeightSync (pause, buckets, version, continue;
                          collectives) to the engines in the pool, reconnected when it changed
-                      ─► first rank: buffer version, report, eval ─► checkpoint
+                      ─► leader: buffer version, report, eval ─► checkpoint
 
 What waits on what: the learner waits only for a fresh batch (buffer.get_batch); rollouts wait
 only on the buffer's admission budget ((max_lag + 1) * B, buffer/lag_buffer.py), which the
@@ -38,17 +39,17 @@ from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.manifest import write_manifest
 from megatron_fr.orchestrator.pool_sync import PoolSync
-from megatron_fr.orchestrator.report import RunReport
+from megatron_fr.orchestrator.ranks import Follower, Leader, Rank
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
-from megatron_fr.orchestrator.rollout_process import RolloutProcess
 from megatron_fr.orchestrator.setup import connect_weight_sync
-from megatron_fr.parallel.spawn import free_port
-from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
+from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:
+    from megatron_fr.learner.step_metrics import StepMetrics
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import HFModelSpec
 
@@ -80,50 +81,39 @@ def train(config: RunConfig, run_dir: Path) -> None:
     if resume_from is not None:
         learner.load(str(resume_from / "learner"))
         ckpt.load_rng(resume_from, dist.get_rank())
-    rollout = report = weight_sync = None
+    rank: Rank = Follower()
+    weight_sync = None
     try:
         if first:
             address = data_path_address(config, learner)
-            rollout = RolloutProcess(config, hf_dir, run_dir, address)
-            if resume_from is not None:
-                rollout.load_state_dict(ckpt.load_controller_state(resume_from)["rollout"])
-                print(f"resumed from {resume_from} (step {learner.steps_done})", flush=True)
-            report = RunReport(config, run_dir, learner.steps_done, set_aside)
-        urls, pad_id, address = broadcast_from_rank0(
-            (rollout.hello.urls, rollout.hello.pad_id, address) if rollout else None
-        )
+            resume_point = (learner.steps_done, set_aside)
+            rank = Leader.start(config, (hf_dir, run_dir), address, resume_from, resume_point)
+        hello = rank.share(lambda lead: lead.hello)
         replay = learner.routing_replay
         receiver = ShareReceiver(
-            learner.groups, address, None if replay is None else replay.stage_layers
+            learner.groups, hello.address, None if replay is None else replay.stage_layers
         )
-        weight_sync = connect_weight_sync(config, urls, spec, run_dir)
-        pool = PoolSync(config, weight_sync, rollout, sync_check(config, learner, spec, pad_id))
+        weight_sync = connect_weight_sync(config, hello.urls, spec, run_dir, learner.groups)
+        check = sync_check(config, learner, spec, hello.pad_id)
+        pool = PoolSync(config, weight_sync, rank, check)
         pool.sync(learner.module, learner.steps_done)  # the engines serve the learner's weights
-        if rollout is not None:
-            rollout.start()
-        _loop(config, run_dir, learner, pool, receiver, pad_id, rollout, report)
+        rank.act(lambda lead: lead.rollout.start())
+        _loop(config, run_dir, learner, pool, receiver, hello.pad_id, rank)
     except Exception as error:
-        if rollout is not None:
-            rollout.explain(error)  # a dead engine is named, not the socket it broke
+        # A dead engine is named, not the socket it broke.
+        rank.act(functools.partial(Leader.explain, error=error))
         raise
     finally:  # the senders leave the weight-update groups; a failure to close hides nothing
         close_in_order(
-            [
-                ("weight sync", weight_sync.close if weight_sync else None),
-                ("rollout process", rollout.close if rollout else None),
-                ("run report", report.close if report else None),
-            ]
+            [("weight sync", weight_sync.close if weight_sync else None), *rank.closers()]
         )
 
 
-def sync_check(
-    config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int
-) -> SyncCheck | None:
+def sync_check(config: RunConfig, learner: Learner, spec: HFModelSpec, pad_id: int) -> SyncCheck:
     """The check after each weight sync (weights/verify.py), scored by the learner with its
-    own routing at the rollouts' temperature. None under the top-K gate: the learner's plan
-    wants every trajectory's top-K records, which the probe does not ask for yet."""
-    if config.learner.flash_reinforce.gate_kl == "topk":
-        return None
+    own routing at the rollouts' temperature. Under the top-K gate the probe asks the engines
+    for the gate's top-K too: the learner's step plan wants them on every trajectory."""
+    gate = config.learner.flash_reinforce
     settings = config.weights
     return SyncCheck(
         functools.partial(learner.policy_log_probs, pad_id=pad_id, routing_replay=False),
@@ -132,6 +122,7 @@ def sync_check(
         settings.verify_every,
         settings.verify_tolerance,
         settings.timeout_s,
+        top_logprobs_num=gate.gate_top_k if gate.gate_kl == "topk" else 0,
     )
 
 
@@ -169,43 +160,49 @@ def _loop(
     pool: PoolSync,
     receiver: ShareReceiver,
     pad_id: int,
-    rollout: RolloutProcess | None,
-    report: RunReport | None,
+    rank: Rank,
 ) -> None:
     step = learner.steps_done
     stop_file = run_dir / STOP_FILE
     telemetry = GpuTelemetry()
-    if rollout is not None:
-        stop_file.unlink(missing_ok=True)  # a request is for the run that saw it, not a rerun
+    rank.act(lambda _: stop_file.unlink(missing_ok=True))  # a request is for the run that saw it
     if step == 0:
-        evaluate(config, rollout, report, step)
-    skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rollout is not None)
+        evaluate(config, rank, step)
+    skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rank.leads)
     while step < config.steps:
         started = time.monotonic()
-        summaries = pool.wait_for_batch(step, learner.module) or []
+        summaries = pool.wait_for_batch(step, learner.module)
         plan, shard = receiver.receive()
         metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
         step += 1
         # A skipped step changed no weight: the engines keep theirs.
         sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
-        gpus = gather_telemetry(telemetry)
         last = step == config.steps
-        if rollout is not None:
-            assert report is not None
-            rollout.set_version(step)
-            seconds = time.monotonic() - started
-            checked = pool.check_metrics()
-            report.step(step, summaries, metrics | gpus | checked, sync_s, rollout.stats(), seconds)
+        figures = gather_telemetry(telemetry) | pool.check_metrics()
+        rank.act(
+            functools.partial(
+                Leader.report_step,
+                step=step,
+                summaries=summaries,
+                metrics=(metrics, figures),
+                sync_s=sync_s,
+                started=started,
+            )
+        )
         if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
-            evaluate(config, rollout, report, step)
-        stop = broadcast_from_rank0(stop_file.exists() if rollout else None)
+            evaluate(config, rank, step)
+        stop = rank.share(lambda _: stop_file.exists())
         if last or stop or step % config.checkpoint.every_steps == 0:
-            save_checkpoint(config, run_dir, learner, rollout, step)
+            save_checkpoint(config, run_dir, learner, rank, step)
         if stop and not last:
-            if rollout is not None:
-                stop_file.unlink(missing_ok=True)
-                print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
+            rank.act(functools.partial(stopped, stop_file=stop_file, step=step))
             return
+
+
+def stopped(_: Leader, stop_file: Path, step: int) -> None:
+    """The leader's part of a stop on request: the request is consumed, the stop said."""
+    stop_file.unlink(missing_ok=True)
+    print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
 
 
 class NonFiniteSteps(RuntimeError):
@@ -221,12 +218,12 @@ class SkippedSteps:
         self.limit, self.say = limit, say
         self.in_a_row = self.total = 0
 
-    def count(self, step: int, metrics: dict) -> bool:
+    def count(self, step: int, metrics: StepMetrics) -> bool:
         """Whether the step was skipped (sets its metrics); NonFiniteSteps at the limit."""
         cause = metrics["nonfinite"]
         self.in_a_row = self.in_a_row + 1 if cause else 0
         self.total += bool(cause)
-        metrics.update(step_skipped=float(bool(cause)), skipped_steps_total=self.total)
+        metrics["step_skipped"], metrics["skipped_steps_total"] = float(bool(cause)), self.total
         if cause and self.in_a_row >= self.limit:
             raise NonFiniteSteps(
                 f"the last {self.in_a_row} steps (to step {step}) had a non-finite {cause}: "
@@ -269,18 +266,15 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
     }
 
 
-def evaluate(
-    config: RunConfig, rollout: RolloutProcess | None, report: RunReport | None, step: int
-) -> None:
-    """avg@k on every held-out set, at the eval's own sampling temperature: the first rank
-    evaluates while every rank waits in slices (run_on_rank0)."""
+def evaluate(config: RunConfig, rank: Rank, step: int) -> None:
+    """avg@k on every held-out set, at the eval's own sampling temperature: the leader
+    evaluates while every rank waits in slices (Rank.run)."""
 
-    def work() -> None:
-        assert rollout is not None and report is not None  # the first rank makes both
-        evaluation, rollouts_total = rollout.evaluate()
-        report.evaluation(step, evaluation, rollouts_total)
+    def work(lead: Leader) -> None:
+        evaluation, rollouts_total = lead.rollout.evaluate_held_out()
+        lead.report.evaluation(step, evaluation, rollouts_total)
 
-    run_on_rank0(work if rollout is not None else None, wait_slice_s(config))
+    rank.run(work, wait_slice_s(config))
 
 
 def wait_slice_s(config: RunConfig) -> float:
@@ -290,24 +284,19 @@ def wait_slice_s(config: RunConfig) -> float:
 
 
 def save_checkpoint(
-    config: RunConfig,
-    run_dir: Path,
-    learner: Learner,
-    rollout: RolloutProcess | None,
-    step: int,
+    config: RunConfig, run_dir: Path, learner: Learner, rank: Rank, step: int
 ) -> None:
     directory = ckpt.step_dir(run_dir, step)
     learner.save(str(directory / "learner"))
     ckpt.save_rng(directory, dist.get_rank())
 
-    def controller_state() -> None:
-        assert rollout is not None
-        ckpt.save_controller_state(directory, {"step": step, "rollout": rollout.state_dict()})
+    def controller_state(lead: Leader) -> None:
+        ckpt.save_controller_state(directory, {"step": step, "rollout": lead.rollout.state_dict()})
 
-    def seal() -> None:  # every rank's files are written: the manifest last makes it whole
+    def seal(_: Leader) -> None:  # every rank's files are written: the manifest last makes it whole
         write_manifest(directory)
         ckpt.mark_latest(run_dir, directory, config.checkpoint.keep)
 
     slice_s = wait_slice_s(config)
-    run_on_rank0(controller_state if rollout is not None else None, slice_s)
-    run_on_rank0(seal if rollout is not None else None, slice_s)  # hashing may take minutes
+    rank.run(controller_state, slice_s)
+    rank.run(seal, slice_s)  # hashing may take minutes

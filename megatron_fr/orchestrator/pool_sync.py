@@ -1,16 +1,16 @@
 """The weight sync to a pool of engines that changes while the run goes on.
 
-Before every sync rank 0 asks the rollout process who is in the pool (an epoch and the engines
-serving or joining: rollout/supervisor.py) and every rank gets the answer; when the epoch
-moved, the weight sync reconnects to the new members under fresh group names (weights/sync.py).
-A sync that fails (an engine died or hung during it) is tried again, reconnected, once the
-pool has changed or the engine watch had time to notice, up to SYNC_TRIES times. An engine
-that did not leave its old groups within weights.regroup_timeout_s at the reconnect is taken
-out of the pool at once (its scheduler is stuck in the failed collective), so the engines
-still alive are regrouped under fresh names within that bound. After a sync,
-the engines that were joining serve.
+Before every sync the leader (the first rank: orchestrator/ranks.py) asks the rollout process
+who is in the pool (an epoch and the engines serving or joining: rollout/supervisor.py) and
+every rank gets the answer; when the epoch moved, the weight sync reconnects to the new members
+under fresh group names (weights/sync.py). A sync that fails (an engine died or hung during it)
+is tried again, reconnected, once the pool has changed or the engine watch had time to notice,
+up to SYNC_TRIES times. An engine that did not leave its old groups within
+weights.regroup_timeout_s at the reconnect is taken out of the pool at once (its scheduler is
+stuck in the failed collective), so the engines still alive are regrouped under fresh names
+within that bound. After a sync, the engines that were joining serve.
 
-While the learner waits for a batch, rank 0 looks at the pool every WAIT_S: an engine that
+While the learner waits for a batch, the leader looks at the pool every WAIT_S: an engine that
 joined meanwhile gets the current weights then, so a pool whose every engine was out recovers
 (no engine could have generated the batch the learner waits for).
 """
@@ -24,9 +24,8 @@ import torch
 
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
-from megatron_fr.orchestrator.rollout_process import RolloutProcess
+from megatron_fr.orchestrator.ranks import Follower, Leader, Rank
 from megatron_fr.orchestrator.setup import weight_sync_port
-from megatron_fr.parallel.state import broadcast_from_rank0
 from megatron_fr.weights.sync import WeightSyncError
 from megatron_fr.weights.transports import Engine
 
@@ -46,26 +45,26 @@ class PoolSync:
         self,
         config: RunConfig,
         weight_sync: WeightSync,
-        rollout: RolloutProcess | None,
+        rank: Rank,
         check: SyncCheck | None = None,
     ) -> None:
-        self.config, self.weight_sync, self.rollout = config, weight_sync, rollout
+        self.config, self.weight_sync, self.rank = config, weight_sync, rank
         self.check = check
         """Checks after a sync that every engine computes the learner's log-probs (None: no
         check); a failed engine leaves the pool."""
         self.checked: list[EngineCheck] = []
-        """Rank 0: the engines' checks of the latest sync that ran one (check_metrics)."""
+        """The leader: the engines' checks of the latest sync that ran one (check_metrics)."""
         self.epoch = 0
         """The pool's epoch the weight sync is connected to (the run starts at 0)."""
         self.seen = 0
-        """The latest epoch rank 0 acted on while waiting for a batch."""
+        """The latest epoch the leader acted on while waiting for a batch."""
 
     def sync(self, model: torch.nn.Module, version: int) -> float:
         """Send the weights of `version` to the pool's members, on every rank; the seconds it
         took. WeightSyncError after SYNC_TRIES failed tries."""
         reconnect, self.checked = False, []
         for attempt in range(1, SYNC_TRIES + 1):
-            epoch, urls = self._membership()
+            epoch, urls = self.rank.membership()
             self.seen = epoch
             if not urls:  # nobody to send to: the engines get the weights when they join
                 return 0.0
@@ -80,44 +79,42 @@ class PoolSync:
                 self._await_pool_change(epoch, error)
                 reconnect = True
                 continue
-            if self.rollout is not None:
-                self.rollout.synced(urls, version)
+            self.rank.synced(urls, version)
             if self.check is not None and self.check.due(version):
                 self._verify(urls, version)
             return seconds
         raise AssertionError("unreachable: the last try returns or raises")
 
-    def wait_for_batch(self, step: int, model: torch.nn.Module) -> list[TrajectorySummary] | None:
-        """Rank 0: the summaries of step's batch (its shares on their way to the learners);
-        None elsewhere. Meanwhile engines that joined the pool get the weights of `step`."""
+    def wait_for_batch(self, step: int, model: torch.nn.Module) -> list[TrajectorySummary]:
+        """The leader: the summaries of step's batch (its shares on their way to the
+        learners); empty elsewhere. Meanwhile engines that joined the pool get the weights of
+        `step`."""
+        batch: list[TrajectorySummary] = []
+
+        def look(lead: Leader) -> str:
+            """ "batch" when it came, else "sync" when the pool changed since it was last
+            looked at, else "wait"."""
+            summaries = lead.rollout.deliver_batch(step, WAIT_S)
+            if summaries is not None:
+                batch.extend(summaries)
+                return "batch"
+            epoch, _ = lead.rollout.membership()
+            return "sync" if epoch != self.seen else "wait"
+
         while True:
-            summaries = self.rollout.next_batch(step, WAIT_S) if self.rollout else None
-            decision = None
-            if self.rollout is not None:
-                decision = "batch" if summaries is not None else self._joined()
-            decision = broadcast_from_rank0(decision)
+            decision = self.rank.share(look)
             if decision == "batch":
-                return summaries
+                return batch
             if decision == "sync":
                 self.sync(model, step)
 
-    def _joined(self) -> str:
-        """Rank 0: "sync" when the pool changed since it was last looked at, else "wait"."""
-        assert self.rollout is not None
-        epoch, _ = self.rollout.membership()
-        return "sync" if epoch != self.seen else "wait"
-
-    def _membership(self) -> tuple[int, list[str]]:
-        return broadcast_from_rank0(self.rollout.membership() if self.rollout else None)
-
     def _reconnect(self, epoch: int, urls: list[str]) -> None:
-        if self.rollout is not None:
-            print(f"weight sync: the pool is now {urls} (epoch {epoch})", flush=True)
+        self.rank.say(f"weight sync: the pool is now {urls} (epoch {epoch})")
         self.weight_sync.reconnect([Engine(url) for url in urls], weight_sync_port(self.config))
         self.epoch = epoch
 
     def check_metrics(self) -> dict[str, float]:
-        """Rank 0: the latest check's figures for the step's metrics (empty without one): the
+        """The leader: the latest check's figures for the step's metrics (empty without one): the
         largest and mean per-token gap over the engines that answered, and how many failed."""
         answered = [c for c in self.checked if c.tokens]
         if not self.checked:
@@ -132,30 +129,36 @@ class PoolSync:
         """Every rank: the check after the sync to `urls`; engines that fail it leave the pool,
         each named with its gap."""
         assert self.check is not None
-        self.checked = self.check.run(urls if self.rollout is not None else None, version)
-        for failed in [c for c in self.checked if c.problem is not None]:
-            assert self.rollout is not None  # only rank 0 has checks
+        # The leader probes the engines; a follower takes part in the scoring (SyncCheck.run).
+        probed = None if isinstance(self.rank, Follower) else urls
+        self.checked = self.check.run(probed, version)
+        for failed in [c for c in self.checked if c.problem is not None]:  # the leader's
             print(f"weight sync check: {failed.url} {failed.problem}: taken out", flush=True)
-            self.rollout.take_out([failed.url], f"sync check: {failed.problem}")
+            self.rank.take_out([failed.url], f"sync check: {failed.problem}")
 
     def _take_out_unresponsive(self) -> None:
-        """Rank 0: engines the failed connect found not answering leave the pool, so the next
-        try regroups the others at once instead of waiting on them again."""
-        if self.rollout is None:
-            return
-        mute = self.weight_sync.take_unresponsive()
-        if mute:
-            bound = self.config.weights.regroup_timeout_s
-            cause = f"did not leave its old weight groups within {bound:g} s (wedged)"
-            self.rollout.take_out(mute, cause)
+        """The leader: engines the failed connect found not answering leave the pool, so the
+        next try regroups the others at once instead of waiting on them again."""
+
+        def take_out(lead: Leader) -> None:
+            mute = self.weight_sync.take_unresponsive()
+            if mute:
+                bound = self.config.weights.regroup_timeout_s
+                cause = f"did not leave its old weight groups within {bound:g} s (wedged)"
+                lead.rollout.take_out(mute, cause)
+
+        self.rank.act(take_out)
 
     def _await_pool_change(self, epoch: int, error: WeightSyncError) -> None:
-        """Rank 0: wait until the pool changed or the watch had time to take a hung engine
-        out; the other ranks wait at the next membership broadcast."""
-        if self.rollout is None:
-            return
+        """The leader: wait until the pool changed or the watch had time to take a hung
+        engine out; the followers wait at the next membership broadcast."""
         settings = self.config.rollout.engine
-        print(f"{error}; trying again once the pool changed", flush=True)
-        deadline = time.monotonic() + settings.unreachable_after_s + 2 * settings.watch_interval_s
-        while time.monotonic() < deadline and self.rollout.membership()[0] == epoch:
-            time.sleep(settings.watch_interval_s)
+
+        def wait(lead: Leader) -> None:
+            print(f"{error}; trying again once the pool changed", flush=True)
+            bound = settings.unreachable_after_s + 2 * settings.watch_interval_s
+            deadline = time.monotonic() + bound
+            while time.monotonic() < deadline and lead.rollout.membership()[0] == epoch:
+                time.sleep(settings.watch_interval_s)
+
+        self.rank.act(wait)

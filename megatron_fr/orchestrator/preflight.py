@@ -7,12 +7,15 @@ to do (the recipe itself: orchestrator/check.py).
 from __future__ import annotations
 
 import errno
+import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from megatron_fr.config.run import RunConfig
+from megatron_fr.orchestrator.run_dir_parts import check_run_dir_parts
 
 VIRTUAL_FILE_SYSTEMS = ("/proc", "/sys", "/dev")
 TORCHRUN_MARKER = "TORCHELASTIC_RUN_ID"
@@ -60,6 +63,8 @@ def check_run_dir(run_dir: Path) -> None:
         resolved = run_dir.resolve()
         exists = run_dir.exists()
         ancestor = next(p for p in [run_dir, *run_dir.parents] if p.exists())
+    except RuntimeError:  # Path.resolve on a loop
+        raise ValueError(f"--run-dir {run_dir}: a symlink loop; remove it") from None
     except OSError as error:
         raise ValueError(f"--run-dir {run_dir}: {error.strerror}") from None
     virtual = next((root for root in VIRTUAL_FILE_SYSTEMS if resolved.is_relative_to(root)), None)
@@ -80,6 +85,7 @@ def check_run_dir(run_dir: Path) -> None:
         raise ValueError(
             f"--run-dir {run_dir}: cannot write in {ancestor} ({error.strerror})"
         ) from None
+    check_run_dir_parts(run_dir)
     stop = run_dir / "STOP"
     if stop.exists() and not stop.is_file():
         raise ValueError(
@@ -98,32 +104,39 @@ def check_resume(run_dir: Path, world_size: int) -> None:
         raise ValueError(f"--run-dir: {none_usable(run_dir, bad)}")
 
 
-def check_engines(config: RunConfig, poll_s: float = 1.0) -> None:
+def check_engines(config: RunConfig, poll_s: float = 1.0, report_every_s: float = 10.0) -> None:
     """Every engine the recipe names answers GET /health within
-    rollout.engine.start_timeout_s (one still starting is waited for, as the run would); a
-    URL that cannot be an engine's (rollout/engines_file.py: url_problem) is refused at once."""
+    rollout.engine.start_timeout_s (one still starting is waited for, as the run would), with
+    a line on stderr at its first failure and every `report_every_s` after it, so a wait for
+    an engine that never answers is seen at once (the URLs' form is the config's check)."""
     from megatron_fr.engine.http import EngineRequestError, get_json
     from megatron_fr.engine.protocol import HEALTH_PATH
-    from megatron_fr.rollout.engines_file import URL_FORM, url_problem
 
     settings = config.rollout.engine
-    deadline = time.monotonic() + settings.start_timeout_s
+    started = time.monotonic()
+    deadline = started + settings.start_timeout_s
     for url in settings.urls:
-        problem = url_problem(url.rstrip("/"))
-        if problem is not None:  # the rule every engine URL follows, RUN_DIR/engines.txt's too
-            raise ValueError(f"rollout.engine.urls: {url!r} {problem} ({URL_FORM})")
+        reported = -math.inf
         while True:
             try:
                 get_json(url, HEALTH_PATH, min(10.0, settings.start_timeout_s))
                 break
-            except ValueError as error:  # urllib: not a URL
-                raise ValueError(f"rollout.engine.urls: {url!r} is not a URL ({error})") from None
             except EngineRequestError as error:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise ValueError(
                         f"rollout.engine.urls: {url} has not answered GET {HEALTH_PATH} within "
                         f"rollout.engine.start_timeout_s={settings.start_timeout_s:g} s ({error})"
                     ) from None
+                if now - reported >= report_every_s:
+                    reported = now
+                    print(
+                        f"waiting for the engine {url} to answer GET {HEALTH_PATH}: "
+                        f"{now - started:.0f} s of rollout.engine.start_timeout_s="
+                        f"{settings.start_timeout_s:g} s ({error})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             time.sleep(poll_s)
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
@@ -29,6 +30,9 @@ from megatron_fr.orchestrator.sinks import build_sinks
 from megatron_fr.rollout.episodes import episode_metrics
 from megatron_fr.rollout.service import Evaluation
 from megatron_fr.utils.provenance import run_provenance
+
+if TYPE_CHECKING:
+    from megatron_fr.learner.step_metrics import StepMetrics
 
 BATCHES_FILE = "batches.jsonl"
 
@@ -52,11 +56,14 @@ class RunReport:
         self,
         step: int,
         batch: list[TrajectorySummary],
-        learner: dict,
+        learner: StepMetrics,
+        figures: Mapping[str, float],
         sync_s: float,
         rollout: dict[str, Any],
         seconds: float,
     ) -> None:
+        """The step's line of metrics.jsonl (and the sinks) and of batches.jsonl; `figures`:
+        the step's other figures by name (every rank's GPUs, the sync check's)."""
         lags = [step - 1 - t.oldest_version for t in batch]
         self.logger.log_step(
             dict(
@@ -90,7 +97,7 @@ class RunReport:
                 step_skipped=learner["step_skipped"],
                 skipped_steps_total=learner["skipped_steps_total"],
                 **rollout["engines"],
-                **{key: value for key, value in learner.items() if key.startswith("gpu")},
+                **figures,
                 **episode_metrics(batch),
             )
         )

@@ -18,21 +18,29 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
-from megatron_fr.engine.protocol import RoutedExpertsLayout
+from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.orchestrator.workload import build_producer
-from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.episodes import EpisodeProducer
-from megatron_fr.rollout.service import EvalSet, RolloutService
+from megatron_fr.rollout.service import EvalSet
 from megatron_fr.rollout.supervisor import EngineSupervisor
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.sync import GROUPS_FILE, WeightSync
 from megatron_fr.weights.transports import Engine
 
 if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     from megatron_fr.models.hf_config import HFModelSpec
 
 
-def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> RolloutService:
-    """The rollout service with its engines started and healthy (not generating yet)."""
+ServiceParts = tuple[
+    EngineSupervisor, LagAwareBuffer, EpisodeProducer, RolloutClientConfig, SamplingParams
+]
+"""What a RolloutService is built of, in its constructor's order."""
+
+
+def rollout_service_parts(config: RunConfig, hf_dir: Path, run_dir: Path) -> ServiceParts:
+    """The rollout service's parts, its engines started and healthy (not generating yet)."""
     producer = build_producer(config, hf_dir)
     settings = config.rollout.engine
     routed = routed_experts_layout(hf_dir) if config.learner.routing_replay else None
@@ -52,7 +60,7 @@ def build_rollout_service(config: RunConfig, hf_dir: Path, run_dir: Path) -> Rol
     sampling = producer.sampling(config.rollout.temperature)
     if config.rollout.seeded:
         sampling = sampling.model_copy(update={"sampling_seed": config.seed})
-    return RolloutService(engines, buffer, producer, client, sampling)
+    return engines, buffer, producer, client, sampling
 
 
 def routed_experts_layout(hf_dir: Path) -> RoutedExpertsLayout:
@@ -94,14 +102,19 @@ def weight_sync_port(config: RunConfig) -> int:
 
 
 def connect_weight_sync(
-    config: RunConfig, urls: list[str], spec: HFModelSpec, run_dir: Path
+    config: RunConfig,
+    urls: list[str],
+    spec: HFModelSpec,
+    run_dir: Path,
+    groups: ProcessGroupCollection,
 ) -> WeightSync:
-    """Every learner rank: the weight sync to the run's engines, its groups formed (the groups
-    a previous start of this run left on long-lived engines destroyed first: their names are
-    kept in RUN_DIR/weight_groups.json). Port 0 in the recipe means a free port picked by the
-    first rank (single-node runs)."""
+    """Every learner rank: the weight sync to the run's engines from the learner's process
+    `groups`, its groups formed (the groups a previous start of this run left on long-lived
+    engines destroyed first: their names are kept in RUN_DIR/weight_groups.json). Port 0 in
+    the recipe means a free port picked by the first rank (single-node runs)."""
     settings = config.weights.model_copy(update={"master_port": weight_sync_port(config)})
     engines = [Engine(url) for url in urls]
-    weight_sync = WeightSync.from_config(settings, engines, spec, run_dir / GROUPS_FILE)
+    groups_file = run_dir / GROUPS_FILE
+    weight_sync = WeightSync.from_config(settings, engines, spec, groups_file, groups)
     weight_sync.connect()
     return weight_sync

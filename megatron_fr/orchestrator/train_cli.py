@@ -124,7 +124,7 @@ def _run_rank(config: RunConfig, run_dir: Path) -> int:
 
 
 def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     command = [
         sys.executable,

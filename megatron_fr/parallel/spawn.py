@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_fr.parallel.cpu_shims import install_cpu_shims
+from megatron_fr.utils.net import free_port
 
 
 class RankFailure(RuntimeError):
@@ -35,39 +35,6 @@ class RankFailure(RuntimeError):
         self.failures = failures
         text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
-
-
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def standalone_env() -> dict[str, str]:
-    """This process's environment without torchrun's rank variables, for programs it starts
-    that are not ranks of its job (a converter, an inference engine): with them, such a
-    program's own torch.distributed would join the job's store and wait there forever."""
-    return {
-        key: value
-        for key, value in os.environ.items()
-        if key not in LAUNCHER_VARIABLES and not key.startswith("TORCHELASTIC_")
-    }
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(

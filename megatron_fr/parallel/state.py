@@ -81,7 +81,7 @@ def initialize_single_process(
 ) -> None:
     """For tools that run alone (checkpoint conversion): a one-rank gloo group on a free
     loopback port, unless torch.distributed is already running, then ``initialize``."""
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     if not dist.is_initialized():
         dist.init_process_group(

@@ -6,11 +6,11 @@ URL cut short (``http://[::1``), bytes that are not text, a name written twice. 
 only when it changed (its inode, size or modification time), only if it is a regular file
 (a directory or a FIFO is refused without being opened: reading a FIFO waits for a writer),
 and at most MAX_BYTES of it. Each line must be an engine's root URL, ``http(s)://HOST:PORT``,
-by the rule the recipe's rollout.engine.urls follow (url_problem, which the preflight applies
-to them); a line that is not, or that names the same scheme, host and port as
-an earlier line, is one problem naming the file, the line and the remedy. Whether a good line
-names an engine already in the pool under another spelling (``localhost`` for ``127.0.0.1``)
-is decided by the supervisor, which knows the pool (rollout/supervisor.py).
+by the rule the recipe's rollout.engine.urls follow (utils/engine_urls.py); a line that is
+not, or that names the same scheme, host and port as an earlier line, is one problem naming
+the file, the line and the remedy. Whether a good line names an engine already in the pool
+under another spelling (``localhost`` for ``127.0.0.1``) is decided by the supervisor, which
+knows the pool (rollout/supervisor.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from megatron_fr.utils.engine_urls import URL_FORM, root_url, url_problem
 
 MAX_BYTES = 65536
 """How much of the file is read (a thousand URLs fit)."""
-URL_FORM = "write each engine as http(s)://HOST:PORT"
-"""The remedy for a URL that url_problem refuses."""
 
 
 @dataclass
@@ -35,34 +34,6 @@ class Listing:
     """Well-formed engine URLs, each once, in the file's order (``scheme://host:port``)."""
     problems: list[str] = field(default_factory=list)
     """One line per thing left out, naming the file (and line) and the remedy."""
-
-
-def url_problem(url: str) -> str | None:
-    """Why `url` cannot be an inference engine's address, None when it can."""
-    if not url.isprintable() or any(character.isspace() for character in url):
-        return "holds spaces or control characters"
-    try:
-        parts = urlsplit(url)
-        port = parts.port  # raises on a port that is not a number in 0..65535
-    except ValueError as error:
-        return f"is not a URL ({error})"
-    if parts.scheme not in ("http", "https"):
-        return "is not an http(s) URL"
-    if not parts.hostname:
-        return "names no host"
-    if not port:
-        return "names no port"
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        return "is not a server's root URL (it has a path, a query or a user)"
-    return None
-
-
-def root_url(url: str) -> str:
-    """`url` (checked by url_problem) as ``scheme://host:port``, the host lower-case."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return f"{parts.scheme}://{host}:{parts.port}"
 
 
 class EnginesFile:

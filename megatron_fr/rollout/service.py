@@ -1,7 +1,8 @@
 """The rollout service: the one owner of everything a run does to produce trajectories.
 
-    RolloutService (in the rollout process, which the first learner rank starts and talks to
-    through orchestrator/rollout_process.py; the learner ranks never hold it)
+    RolloutService (in the rollout process, which the first learner rank starts and calls
+    through a proxy typed as rollout/control.py's RolloutControl, which it implements:
+    orchestrator/rollout_process.py; the learner ranks never hold it)
       ├─ EngineSupervisor   the pool of inference engines (started or adopted): an engine
       │                     that dies or hangs is taken out, restarted or re-admitted
       ├─ LagAwareBuffer     prompt cursor + re-queue + rollout slots + queue, under one lock

@@ -88,8 +88,8 @@ from megatron_fr.engine.launcher import (
     launch_server,
 )
 from megatron_fr.engine.server_info import ServerInfo, identify, parse_server_info
-from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.engines_file import EnginesFile
+from megatron_fr.utils.net import free_port
 
 if TYPE_CHECKING:
     from megatron_fr.engine.client import RolloutClient

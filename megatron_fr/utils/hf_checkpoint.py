@@ -11,12 +11,12 @@ a FIFO or a device named like a shard is refused, never waited on). Shared by th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from megatron_fr.utils.safetensors_io import TensorEntry, TensorFile, read_header, read_regular
+from megatron_fr.utils.strict_json import loads_unique
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -49,7 +49,9 @@ def _weight_map(index: Path) -> dict[str, str]:
     """The index's tensor name -> file name map; ValueError naming the index when it is not
     one, or names a file outside its directory."""
     try:
-        weight_map = json.loads(read_regular(index))["weight_map"]
+        weight_map = loads_unique(read_regular(index))["weight_map"]
+    except RecursionError:
+        raise ValueError(f"{index}: nested deeper than JSON can be read here") from None
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{index}: not a safetensors index ({error!r})") from None
     if not isinstance(weight_map, dict) or not all(

@@ -97,6 +97,8 @@ def _parse_json_header(path: Path) -> tuple[dict, int, int]:
         text = handle.read(length)
     try:
         header = json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except RecursionError:
+        raise _fault(path, "header nested deeper than JSON can be read here") from None
     except (UnicodeDecodeError, ValueError) as error:
         raise _fault(path, f"header is not valid JSON: {error}") from None
     if not isinstance(header, dict):
@@ -105,22 +107,30 @@ def _parse_json_header(path: Path) -> tuple[dict, int, int]:
     return header, 8 + length, size - 8 - length
 
 
+def _is_count(value: Any) -> bool:
+    """A JSON integer >= 0 (not a bool, a float or a string of digits)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _entry(path: Path, name: str, info: Any, data_start: int) -> TensorEntry:
     """One header entry (JSON of any shape: a malformed one is refused, naming it)."""
     try:
         dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        shape = tuple(int(d) for d in shape)
     except (TypeError, KeyError, ValueError):
-        raise _fault(path, f"tensor {name}: malformed header entry {info!r}") from None
-    dtype = DTYPES.get(dtype_name)
+        raise _fault(path, f"tensor {name}: malformed header entry {str(info)[:200]}") from None
+    if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+        raise _fault(path, f"tensor {name}: shape {str(shape)[:100]} is not a list of sizes")
+    if not (_is_count(begin) and _is_count(end)):
+        raise _fault(path, f"tensor {name}: data_offsets {str(info['data_offsets'])[:100]}")
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
-        raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype_name}")
+        raise ValueError(f"{path}: tensor {name} has unsupported dtype {str(dtype_name)[:40]}")
     expected = math.prod(shape) * dtype.itemsize
-    if end - begin != expected or begin < 0:
+    if end - begin != expected:
         raise _fault(
             path, f"tensor {name}: byte range [{begin}, {end}) does not hold {dtype_name} {shape}"
         )
-    return TensorEntry(path, dtype, shape, data_start + begin, expected)
+    return TensorEntry(path, dtype, tuple(shape), data_start + begin, expected)
 
 
 def read_header(path: str | Path) -> dict[str, TensorEntry]:

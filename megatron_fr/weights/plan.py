@@ -26,11 +26,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_fr.convert.qwen import MegatronNames, megatron_tensor_to_hf, outer_pairs
-from megatron_fr.convert.shard import expert_global_name, partition_dim, stage_layer_numbers
+from megatron_fr.convert.shard import (
+    expert_global_name,
+    groups_or_megatron,
+    partition_dim,
+    stage_layer_numbers,
+)
 from megatron_fr.models.hf_config import HFModelSpec
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -98,19 +104,17 @@ class _Groups:
     ep: int
 
 
-def _groups(has_experts: bool) -> _Groups:
-    from megatron.core import parallel_state as ps
-
-    dense_group = ps.get_tensor_model_parallel_group()
-    tp = ps.get_tensor_model_parallel_world_size()
+def _groups(has_experts: bool, groups: ProcessGroupCollection) -> _Groups:
+    dense_group = groups.tp
+    tp = dense_group.size()
     dense_ranks = [dist.get_global_rank(dense_group, t) for t in range(tp)]
-    etp = ps.get_expert_tensor_parallel_world_size() if has_experts else 1
-    ep = ps.get_expert_model_parallel_world_size() if has_experts else 1
+    etp = groups.expt_tp.size() if has_experts else 1
+    ep = groups.ep.size() if has_experts else 1
     expert_group: dist.ProcessGroup | None = None
     expert_ranks: dict[tuple[int, int], int] = {}
     if has_experts:
-        expert_group = ps.get_expert_tensor_and_model_parallel_group()
-        mine = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank())
+        expert_group = groups.tp_ep
+        mine = (groups.expt_tp.rank(), groups.ep.rank())
         coordinates = [mine] * dist.get_world_size(expert_group)  # all_gather fills each
         dist.all_gather_object(coordinates, mine, group=expert_group)
         expert_ranks = {c: dist.get_global_rank(expert_group, i) for i, c in enumerate(coordinates)}
@@ -119,8 +123,8 @@ def _groups(has_experts: bool) -> _Groups:
         expert_ranks,
         dense_group,
         expert_group,
-        dense_active=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-        expert_active=has_experts and ps.get_expert_data_parallel_rank() == 0,
+        dense_active=groups.dp_cp.rank() == 0,
+        expert_active=has_experts and groups.expt_dp.rank() == 0,
         etp=etp,
         ep=ep,
     )
@@ -157,19 +161,26 @@ def _full_tensors(
             yield FullTensor(global_name, local_name, holders, True), shape
 
 
-def build_plan(model: torch.nn.Module, spec: HFModelSpec, bucket_bytes: int) -> ReshardPlan:
-    """This stage's plan; a collective over every rank's expert-TP x EP group."""
+def build_plan(
+    model: torch.nn.Module,
+    spec: HFModelSpec,
+    bucket_bytes: int,
+    groups: ProcessGroupCollection | None = None,
+) -> ReshardPlan:
+    """This stage's plan over the learner's process `groups` (megatron's when not given); a
+    collective over every rank's expert-TP x EP group."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     params = dict(model.named_parameters())
     has_experts = any(".experts." in name for name in params)
-    groups, names = _groups(has_experts), MegatronNames.of(params)
-    sender = _sender(groups, has_experts)
+    plan_groups = _groups(has_experts, groups_or_megatron(groups))
+    names = MegatronNames.of(params)
+    sender = _sender(plan_groups, has_experts)
     buckets: list[BucketPlan] = []
     window: list[FullTensor] = []  # the open bucket's
     hf_names: list[str] = []
     size, largest = 0, 0
-    for full, shape in _full_tensors(model, spec, groups):
+    for full, shape in _full_tensors(model, spec, plan_groups):
         meta = torch.empty(shape, dtype=params[full.param].dtype, device="meta")
         for index, (hf_name, tensor) in enumerate(
             megatron_tensor_to_hf(spec, full.name, meta, names).items()
@@ -190,8 +201,8 @@ def build_plan(model: torch.nn.Module, spec: HFModelSpec, bucket_bytes: int) -> 
         names,
         dist.get_rank(),
         sender,
-        dense_group=groups.dense_group if groups.dense_active else None,
-        expert_group=groups.expert_group if groups.expert_active else None,
+        dense_group=plan_groups.dense_group if plan_groups.dense_active else None,
+        expert_group=plan_groups.expert_group if plan_groups.expert_active else None,
         bucket_bytes=bucket_bytes,
         largest_tensor_bytes=largest,
     )

@@ -42,12 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
 import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.convert.shard import groups_or_megatron
 from megatron_fr.engine import protocol
 from megatron_fr.engine.http import EngineRequestError, flush_cache, post_all, post_json
 from megatron_fr.models.hf_config import HFModelSpec
@@ -56,6 +57,9 @@ from megatron_fr.weights.plan import ReshardPlan, build_plan
 from megatron_fr.weights.reshard import Bucket, reshard_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 from megatron_fr.weights.transports.base import resolve_engine
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 SGLANG_WEIGHT_READBACK = ("llama", "opt", "granite", "exaone4")
 """Model families whose SGLang 0.5.23 model class defines get_weights_by_name (the others
@@ -84,21 +88,11 @@ class SyncReport:
     spot_checked: int
 
 
-def is_stage_sender() -> bool:
-    """The one rank per pipeline stage that hands the stage's tensors to the transport."""
-    from megatron.core import parallel_state as ps
-
-    return (
-        ps.get_tensor_model_parallel_rank() == 0
-        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    )
-
-
-def _stages() -> tuple[int, int]:
-    """(this rank's pipeline stage, number of stages)."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+def is_stage_sender(groups: ProcessGroupCollection | None = None) -> bool:
+    """The one rank per pipeline stage that hands the stage's tensors to the transport
+    (`groups`: the learner's; megatron's when not given)."""
+    groups = groups_or_megatron(groups)
+    return groups.tp.rank() == 0 and groups.dp_cp.rank() == 0
 
 
 class WeightSync:
@@ -108,12 +102,14 @@ class WeightSync:
         engines: list[Engine],
         spec: HFModelSpec,
         groups_file: Path | None = None,
+        groups: ProcessGroupCollection | None = None,
     ):
         if not engines:
             raise ValueError("the weight sync needs at least one engine")
         self.config, self.engines, self.spec = config, engines, spec
         self.groups_file = groups_file
         """Where the group names are recorded for the next connect (None: nowhere)."""
+        self._groups = groups
         self.bucket_bytes = config.bucket_mib * 2**20
         self.timeout_s = config.timeout_s
         self.transport: WeightTransport | None = None
@@ -129,8 +125,16 @@ class WeightSync:
         engines: list[Engine],
         spec: HFModelSpec,
         groups_file: Path | None = None,
+        groups: ProcessGroupCollection | None = None,
     ) -> Self:
-        return cls(config, engines, spec, groups_file)
+        return cls(config, engines, spec, groups_file, groups)
+
+    @property
+    def groups(self) -> ProcessGroupCollection:
+        """The learner's process groups it syncs from: those given, else megatron's (looked up
+        at the first connect: the sync is made before anything needs them)."""
+        self._groups = groups_or_megatron(self._groups)
+        return self._groups
 
     def connect(self) -> None:
         """Once per run, on every learner rank (only rank 0 and the stage senders talk to the
@@ -149,10 +153,10 @@ class WeightSync:
             transport.check_engines()
         except ValueError as error:  # the same engines on every rank: all raise alike
             raise WeightSyncError(f"weight sync refused: {error}") from None
-        stage, stages = _stages()
+        stage, stages = self.groups.pp.rank(), self.groups.pp.size()
         names = transport.group_names(stages)
         _raise_if_any(self._attempt(rank0, "record groups", lambda: self._record(names)))
-        sender = is_stage_sender()
+        sender = is_stage_sender(self.groups)
         for turn in range(stages):
             mine = sender and stage == turn
             failure = self._attempt(mine, f"connect {turn}", lambda: transport.connect(stage))
@@ -232,9 +236,9 @@ class WeightSync:
             self.connect()
         version, started = str(version), time.monotonic()
         plan = self._plan_for(model)  # before the pause: the engines serve meanwhile
-        rank0, sender = dist.get_rank() == 0, is_stage_sender()
+        rank0, sender = dist.get_rank() == 0, is_stage_sender(self.groups)
         _raise_if_any(self._attempt(rank0, "pause", self._pause))
-        stage, stages = _stages()
+        stage, stages = self.groups.pp.rank(), self.groups.pp.size()
         counts = [0, 0, 0]
         kept: list[tuple[str, torch.Tensor]] = []
         for turn in range(stages):
@@ -256,7 +260,7 @@ class WeightSync:
         its stage), by every rank; a layout it refuses makes every rank raise."""
         if self._plan is None or self._plan[0] is not model:
             try:
-                plan = build_plan(model, self.spec, self.bucket_bytes)
+                plan = build_plan(model, self.spec, self.bucket_bytes, self.groups)
             except ValueError as error:
                 _raise_if_any(f"rank {dist.get_rank()} at plan: {error}")  # raises everywhere
                 raise
@@ -350,7 +354,7 @@ class WeightSync:
         their groups without calling the engines, then all connect to `engines` under fresh
         group names, hosted on `master_port` (connect destroys the old groups, recorded in
         GROUPS_FILE, on the engines that stay)."""
-        if self.transport is not None and is_stage_sender():
+        if self.transport is not None and is_stage_sender(self.groups):
             self.transport.leave()
         self.transport = None
         self.engines = engines
@@ -359,7 +363,7 @@ class WeightSync:
 
     def close(self) -> None:
         """At the end of the run, on every rank: the stage senders leave their groups."""
-        if self.transport is not None and is_stage_sender():
+        if self.transport is not None and is_stage_sender(self.groups):
             self.transport.close()
         self.transport = None
 

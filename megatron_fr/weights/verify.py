@@ -69,8 +69,10 @@ class SyncCheck:
         every: int,
         tolerance: float,
         timeout_s: float,
+        top_logprobs_num: int = 0,
     ) -> None:
         self.score, self.temperature = score, temperature
+        self.top_logprobs_num = top_logprobs_num
         self.every, self.tolerance, self.timeout_s = every, tolerance, timeout_s
         self.prompt = probe_prompt(vocab_size)
 
@@ -100,7 +102,12 @@ class SyncCheck:
             max_new_tokens=PROBE_NEW_TOKENS,
             sampling_seed=PROBE_SEED,
         )
-        body = protocol.generate_request(self.prompt, sampling, rid=f"sync-probe-{version}")
+        body = protocol.generate_request(
+            self.prompt,
+            sampling,
+            rid=f"sync-probe-{version}",
+            top_logprobs_num=self.top_logprobs_num,
+        )
         with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
             calls = [
                 pool.submit(post_json, url, protocol.GENERATE_PATH, body, self.timeout_s)
@@ -113,13 +120,15 @@ class SyncCheck:
 
     def _as_probe(self, url: str, answer: Callable[[], object], version: int) -> Trajectory | str:
         try:
-            output = protocol.parse_generate_response(answer())
+            output = protocol.parse_generate_response(answer(), self.top_logprobs_num)
         except (EngineRequestError, protocol.MalformedResponse) as error:
             return f"probe failed: {error}"
         if output.weight_version != str(version):
             return f"serves weight version {output.weight_version}, not {version}"
         if not output.output_ids:
             return "the probe generated no token"
+        if output.top_logprobs_from:
+            return f"no top-K log-probs for the first {output.top_logprobs_from} probe tokens"
         prompt, out = len(self.prompt), len(output.output_ids)
         return Trajectory(
             prompt_id=f"sync-probe:{url}",
@@ -128,6 +137,7 @@ class SyncCheck:
             behavior_log_probs=np.array([0.0] * prompt + list(output.output_logprobs)),
             token_versions=np.array([NON_POLICY_VERSION] * prompt + [version] * out),
             reward=0.0,
+            top_logprobs=output.top_logprobs,
         )
 
     def _judge(

@@ -18,7 +18,8 @@ import torch
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.engine.top_logprobs import TopLogProbs
-from megatron_fr.parallel.spawn import free_port, run_on_ranks
+from megatron_fr.parallel.spawn import run_on_ranks
+from megatron_fr.utils.net import free_port
 
 LENGTHS = [160, 36, 92, 124, 48, 200, 68, 112]
 LAYERS, STAGE = 4, slice(1, 3)

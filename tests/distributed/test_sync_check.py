@@ -3,6 +3,7 @@ learner: an engine holding the learner's weights passes the probe with a gap of 
 rounding; the same engine after a push of other weights behind the learner's back (a
 checkpoint of another seed loaded from disk, with the version set as a correct sync would)
 fails it with a gap thousands of times larger, and the pool takes it out naming the gap.
+The top-K gate's probe asks for the engine's top-K too and carries them to the learner.
 An engine that serves another version fails too, whatever its weights."""
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: 
     version = protocol.update_weight_version_request
     _post(url, protocol.UPDATE_WEIGHT_VERSION_PATH, version("0"))
     results = {"same": check.run([url], 0)}
+    with_top_k = SyncCheck(
+        learner.policy_log_probs, spec.vocab_size, 1.0, 1, TOLERANCE, 120.0, top_logprobs_num=4
+    )
+    probe = with_top_k._probe([url], 0)[0]
+    results["top-K probe rows"] = None if isinstance(probe, str) else probe.top_logprobs
+    results["same, top-K"] = with_top_k.run([url], 0)
     _post(
         url,
         protocol.UPDATE_WEIGHTS_FROM_DISK_PATH,
@@ -88,6 +95,10 @@ def test_a_push_of_other_weights_is_caught_by_the_probe(tmp_path, cpu_engine, ca
     (results,) = run_on_ranks(check_on_rank, 1, str(served), str(other), cpu_engine)
     (same,) = results["same"]
     assert same.problem is None and same.tokens > 0 and same.gap < 1e-4, same
+    (same_top_k,) = results["same, top-K"]  # the top-K gate's probe: the same check passes
+    assert same_top_k.problem is None and same_top_k.gap < 1e-4, same_top_k
+    rows = results["top-K probe rows"]  # and carries K entries per generated token
+    assert rows is not None and rows.ids.shape == (same_top_k.tokens, 4), rows
     (corrupted,) = results["corrupted"]
     assert corrupted.gap > 1000 * same.gap and corrupted.gap > TOLERANCE, corrupted
     assert f"exceeds weights.verify_tolerance={TOLERANCE:g}" in corrupted.problem

@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny_qwen import TINY, to_megatron_on_rank
 
-from megatron_fr.parallel.spawn import free_port, run_on_ranks
+from megatron_fr.parallel.spawn import run_on_ranks
+from megatron_fr.utils.net import free_port
 
 TEMPERATURE = 0.6
 CONFIG = dict(TINY["qwen3_moe"], router_aux_loss_coef=0.0)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_fr.engine.group import create_weight_update_group
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.transports.base import Engine
 from megatron_fr.weights.transports.distributed import flatten_bucket, group_layout
 

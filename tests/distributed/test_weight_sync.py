@@ -21,7 +21,8 @@ from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
 from megatron_fr.engine import protocol
-from megatron_fr.parallel.spawn import free_port, run_on_ranks
+from megatron_fr.parallel.spawn import run_on_ranks
+from megatron_fr.utils.net import free_port
 
 RESHARD_LAYOUTS = {
     "qwen3_moe": [

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_fr.orchestrator import compare
+from megatron_fr.orchestrator import compare_report as report
 from megatron_fr.orchestrator import compare_stats as stats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,21 +52,31 @@ def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
     for name, seeds in curves.items():
         for seed, evals in enumerate(seeds):
             write_run(tmp_path / f"{name}{seed}", evals, acceptance=0.9, kl=1e-3)
-            summary = compare.summarise(name, seed, tmp_path / f"{name}{seed}", batch_size=10)
+            summary = report.summarise(name, seed, tmp_path / f"{name}{seed}", batch_size=10)
             runs.setdefault(name, []).append(summary)
     curve = stats.mean_curve([run.curve for run in runs["fr"]])
     assert [x for x, _, _ in curve] == [0, 20, 40]
-    assert [v for _, m, s in curve for v in (m, s)] == pytest.approx([0.2, 0, 0.45, 0.05, 0.6, 0])
+    sample_std = (2 * 0.05**2 / (2 - 1)) ** 0.5  # n - 1 in the denominator
+    assert [v for _, m, s in curve for v in (m, s)] == pytest.approx(
+        [0.2, 0, 0.45, sample_std, 0.6, 0]
+    )
     # GRPO ends at 0.45; FlashREINFORCE's mean is exactly 0.45 at 20 rollouts: 0.5 x GRPO's 40.
-    # Resampling FR's two seeds gives means 0.5, 0.45 or 0.4 at 20 rollouts (chances 1/4, 1/2,
-    # 1/4): 0.5 crosses 0.45 at 0 + (0.25 / 0.3) x 20 = 16.7 (0.417 x); 0.4 crosses it between
-    # 20 (0.4) and 40 (0.6), at 20 + (0.05 / 0.2) x 20 = 25 (0.625 x).
-    table = compare.results_table(runs, reference="grpo")
+    # Resampling the seeds, paired (both have seeds 0 and 1), gives FR means 0.5, 0.45 or 0.4
+    # at 20 rollouts (chances 1/4, 1/2, 1/4) and GRPO 0.45 always: 0.5 crosses 0.45 at
+    # 0 + (0.25 / 0.3) x 20 = 16.7 (0.417 x); 0.4 crosses it between 20 (0.4) and 40 (0.6), at
+    # 20 + (0.05 / 0.2) x 20 = 25 (0.625 x). FR's mean accuracy over the budget: trapezoids
+    # (20 x (0.2 + m) / 2 + 20 x (m + 0.6) / 2) / 40 = 0.2 + m / 2 for m its mean at 20: 0.425,
+    # resampled 0.4 to 0.45; GRPO's (20 x 0.25 + 20 x 0.375) / 40 = 0.3125.
+    table = report.results_table(runs, reference="grpo")
     fr_row = next(line for line in table.splitlines() if line.startswith("| fr |"))
-    assert "| 0.600 +- 0.000 | [0.600, 0.600] | 0.900 | 1.00e-03 | 0.50 |" in fr_row
-    assert "20 (0.50x, [0.417x, 0.625x]) |" in fr_row
+    assert "| fr | recipe | 2 | 0.600 +- 0.000 | [0.600, 0.600] | 0.425 [0.400, 0.450] " in fr_row
+    assert "| 0.900 | 1.00e-03 | 0.50 | 20 (0.50x, [0.417x, 0.625x]) |" in fr_row
     grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo |"))
+    assert "| 0.450 +- 0.000 | [0.450, 0.450] | 0.312 [0.312, 0.312] " in grpo_row
     assert "40 (1.00x, [1.000x, 1.000x]) |" in grpo_row
+    # The gap at 20 rollouts: FR's mean minus GRPO's, 0.15, resampled 0.1 to 0.2.
+    gaps = report.gap_table(runs, "grpo", "trained")
+    assert "| 20 | +0.150 [0.100, 0.200] |" in gaps and "| 40 | +0.150 [0.150, 0.150] |" in gaps
 
 
 @pytest.mark.distributed
@@ -102,10 +113,14 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
         )
         assert result.returncode == 0, result.stderr[-12000:]
         table = (out / "results.md").read_text()
+        made = json.loads((Path(demo_model) / "warm_start.json").read_text())
+        model_hash = made["report"]["model_sha256"]
+        assert table.startswith(f"Started from model_sha256: {model_hash}; commit: "), table
         for name in names:
             assert f"| {name} | 1 |" in table
             config = (out / f"{name}-seed0" / "config.yaml").read_text()
             assert f"hf_dir: {demo_model}" in config  # every run from the one model
+            assert config.startswith(f"# model_sha256: {model_hash}\n# commit: "), config
         assert (out / "accuracy.png").stat().st_size > 10_000
     ungated = (out / "flash_reinforce_lag2_no_gate-seed0" / "config.yaml").read_text()
     assert "delta: .inf" in ungated

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"

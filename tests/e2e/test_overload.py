@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_grpo_loop import FlakyProxy
 
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"

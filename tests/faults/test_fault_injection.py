@@ -226,7 +226,7 @@ def url_engine(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A CPU engine started outside the run, as a long-lived server given by URL is (on `port`,
     else a free one)."""
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     port = port or free_port()
     command = [
@@ -298,7 +298,8 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
 ):
     """SIGKILL of the engine while the step-0 evaluation runs (its 600 episodes take far
     longer than the test waits), no restart allowed: the run ends non-zero within 60 s, its
-    last error names the engine (not the weight-update group it could no longer leave), and
+    last error names the engine (not the weight-update group it could no longer leave), no
+    task's exception is left unretrieved (asyncio's "Task exception was never retrieved"), and
     nothing is left."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
@@ -330,6 +331,7 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     assert named in output, output[-3000:]
     last_error = [line for line in output.splitlines() if "Error" in line][-1]
     assert "destroy_weights_update_group" not in last_error, output[-3000:]
+    assert "Task exception was never retrieved" not in output, output[-3000:]
     wait_until(lambda: not run_processes(marker), 30, "no process left")
 
 

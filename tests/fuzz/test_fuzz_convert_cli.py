@@ -67,7 +67,10 @@ def config_cases(ws: Path) -> list[Case]:
         hf = copy_model(ws, name)
         (hf / "config.json").write_text(json.dumps(value))
         cases.append(to_megatron(ws, hf, names[name]))
-    for name, text in [("config_not_json", "{"), ("config_empty", "")]:
+    twice = json.dumps(config)[:-1] + ', "num_hidden_layers": 7}'
+    deep = json.dumps(config)[:-1] + ', "x": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    texts = [("config_not_json", "{"), ("config_empty", ""), ("config_key_twice", twice)]
+    for name, text in [*texts, ("config_deep", deep)]:
         hf = copy_model(ws, name)
         (hf / "config.json").write_text(text)
         cases.append(to_megatron(ws, hf, "config.json"))
@@ -102,6 +105,21 @@ def safetensors_cases(ws: Path, rng: random.Random) -> list[Case]:
         "bad_shape": lambda p: safetensors(p, with_entry(shape=["a", 2]), data),
         "negative_offsets": lambda p: safetensors(p, with_entry(data_offsets=[-8, 0]), data),
         "offsets_as_text": lambda p: safetensors(p, with_entry(data_offsets="0-8"), data),
+        "offsets_as_strings": lambda p: safetensors(
+            p, with_entry(data_offsets=[str(o) for o in entry["data_offsets"]]), data
+        ),
+        "offsets_as_floats": lambda p: safetensors(
+            p, with_entry(data_offsets=[float(o) for o in entry["data_offsets"]]), data
+        ),
+        "dtype_a_list": lambda p: safetensors(p, with_entry(dtype=["F32"]), data),
+        "dtype_an_object": lambda p: safetensors(p, with_entry(dtype={"F32": 1}), data),
+        "shape_of_bools": lambda p: safetensors(p, with_entry(shape=[True] * 2), data),
+        "shape_a_number": lambda p: safetensors(p, with_entry(shape=64), data),
+        "deep_nesting": lambda p: safetensors(
+            p,
+            json.dumps(header)[:-1].encode() + b', "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+            data,
+        ),
         "short_data": lambda p: safetensors(p, header, data[: len(data) // 2]),
         "long_data": lambda p: safetensors(p, header, data + b"\0" * 64),
         "truncated": lambda p: p.write_bytes(original[: rng.randrange(9, len(original) // 2)]),
@@ -166,9 +184,16 @@ def index_cases(ws: Path) -> list[Case]:
         (hf / "subdir").mkdir()
         (hf / "model.safetensors.index.json").write_text(json.dumps(index))
         cases.append(to_megatron(ws, hf, names_what))
-    hf = copy_model(ws, "index_not_json")
-    (hf / "model.safetensors.index.json").write_text("{")
-    cases.append(to_megatron(ws, hf, "index.json"))
+    mapped = json.dumps({"weight_map": weight_map})
+    texts = {
+        "index_not_json": "{",
+        "index_tensor_twice": mapped[:-2] + f', "{names[0]}": "other.safetensors"}}}}',
+        "index_deep": '{"weight_map": {}, "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+    }
+    for kind, text in texts.items():
+        hf = copy_model(ws, kind)
+        (hf / "model.safetensors.index.json").write_text(text)
+        cases.append(to_megatron(ws, hf, "index.json"))
     return cases
 
 
@@ -267,6 +292,17 @@ def verify_cases(ws: Path) -> list[Case]:
         (["--seq", "100000"], "--seq"),
     ]
     cases = [convert("verify", "--hf-dir", hf, *argv, names=names) for argv, names in bad]
+    other = copy_model(ws, "verify_other_model")  # the checkpoint is of ws/model
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = config["num_hidden_layers"] + 1
+    (other / "config.json").write_text(json.dumps(config))
+    megatron = str(ws / "out" / "good")
+    cases.append(
+        convert(
+            "verify", "--hf-dir", str(other), "--megatron-dir", megatron, names="--megatron-dir"
+        )
+    )
+    cases.append(convert("verify", "--hf-dir", hf, "--megatron-dir", hf, names="--megatron-dir"))
     cases.append(convert("verify", "--hf-dir", str(ws / "nowhere"), names="nowhere"))
     cases.append(convert("verify", names="--hf-dir"))
     cases.append(convert("nonsense", names="nonsense"))

@@ -112,6 +112,22 @@ def file_cases(ws: Path) -> list[Case]:
             "truncated.json",
         ),
         "bom_bad.jsonl": (b"\xef\xbb\xbf" + b"{oops\n", "bom_bad.jsonl"),
+        "dup_key.jsonl": (
+            good.encode() + b'{"id": "d", "problem": "p", "answer": "1", "answer": "2"}\n',
+            "dup_key.jsonl:6",
+        ),
+        "dup_nested_key.jsonl": (
+            good.encode() + b'{"id": "d", "problem": "p", "answer": "1", "m": {"a": 1, "a": 2}}\n',
+            "dup_nested_key.jsonl:6",
+        ),
+        "dup_key.json": (
+            b'[{"id": "d", "id": "e", "problem": "p", "answer": "1"}]',
+            "dup_key.json",
+        ),
+        "long_row.json": (
+            json.dumps([row(0) | {"problem": "1 + " * 2**21}]).encode(),
+            "long_row.json",
+        ),
     }
     cases = []
     for name, (data, names) in texts.items():
@@ -125,6 +141,9 @@ def file_cases(ws: Path) -> list[Case]:
     (ws / "loop.jsonl").symlink_to(ws / "loop.jsonl")
     for name in ("a_dir.jsonl", "a_fifo.jsonl", "loop.jsonl", "absent.jsonl"):
         cases.append(checked(ws, ws / name, name))
+    huge = ws / "huge_line.jsonl"  # 100 MB on one line: refused before any tokenizer sees it
+    huge.write_bytes(b'{"id": "h", "answer": "1", "problem": "' + b"7" * 100 * 10**6 + b'"}\n')
+    cases.append(checked(ws, huge, "huge_line.jsonl:1"))
     long_prompts = write_rows(
         ws / "long.jsonl", [row(i) | {"problem": "1 + " * 400} for i in range(ROWS)]
     )

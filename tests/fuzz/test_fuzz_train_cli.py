@@ -183,6 +183,52 @@ def semantic_cases(ws: Path) -> list[Case]:
     return [check(ws, *(o if isinstance(o, tuple) else (o,)), names=names) for o, names in pairs]
 
 
+def limit_cases(ws: Path) -> list[Case]:
+    """Values of the right type past what the OS or a library takes (the run died of each),
+    values of another type that lax parsing would take, and engine URLs that name no
+    engine."""
+    pairs = [
+        ("rollout.engine.threads=2147483648", "rollout.engine.threads"),
+        ("rollout.temperature=1e-320", "rollout.temperature"),
+        ("eval.temperature=5e-324", "eval.temperature"),
+        ("eval.timeout_s=1e-300", "eval.timeout_s"),
+        ("rollout.engine.unreachable_after_s=1e-300", "rollout.engine.unreachable_after_s"),
+        ("rollout.engine.watch_interval_s=5e-324", "rollout.engine.watch_interval_s"),
+        ("rollout.engine.count=1000000", "rollout.engine.count"),
+        (("rollout.engine.port=65535", "rollout.engine.count=2"), "rollout.engine.port"),
+        ("rollout.engine.file_probes=100000", "rollout.engine.file_probes"),
+        ("buffer.max_lag=1000000000000", "buffer.max_lag"),
+        ("parallel.timeout_minutes=9223372036854775807", "parallel.timeout_minutes"),
+        ("weights.bucket_mib=9007199254740993", "weights.bucket_mib"),
+        ("weights.timeout_s=1e-9", "weights.timeout_s"),
+        ("task.agent.max_turn_time_s=1e-12", "task.agent.max_turn_time_s"),
+        ("steps=true", "steps"),
+        ("steps='60'", "steps"),
+        ("buffer.batch_size=false", "buffer.batch_size"),
+        ("learner.lr='1e-5'", "learner.lr"),
+        ("rollout.temperature=true", "rollout.temperature"),
+        ("rollout.engine.gpu_ids=[true]", "rollout.engine.gpu_ids"),
+        ("report.tensorboard=1", "report.tensorboard"),
+        ("model.hf_dir=5", "model.hf_dir"),
+    ]
+    urls = [
+        "file:///etc/passwd",
+        "127.0.0.1:30000",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:0",
+        "''",
+        '"http://127.0.0.1:30000\\n"',
+        "http://127.0.0.1:30000/generate",
+        "http://user@127.0.0.1:30000",
+        "ftp://127.0.0.1:21",
+        "http://:30000",
+        "'http://[::1'",
+        "[http://127.0.0.1:30000, 'http://127.0.0.1:30000/']",
+    ]
+    pairs += [(f"rollout.engine.urls=[{url.strip('[]')}]", "rollout.engine.urls") for url in urls]
+    return [check(ws, *(o if isinstance(o, tuple) else (o,)), names=names) for o, names in pairs]
+
+
 def recipe_file_cases(ws: Path) -> list[Case]:
     base = (ws / "recipe.yaml").read_text()
     texts = {
@@ -201,6 +247,9 @@ def recipe_file_cases(ws: Path) -> list[Case]:
             "eval_sets",
         ),
         "deeply nested": ("steps: " + "[" * 20_000 + "]" * 20_000 + "\n", "recipe"),
+        "a list as a key": ("steps: 3\n[1, 2]: 4\n", "key"),
+        "a number as a key": (base.replace("learner:\n", "learner:\n  7: 1\n"), "key"),
+        "a mapping as a key": ("? {a: 1}\n: 2\n", "key"),
         "alias bomb": (
             "a: &a [x, x, x, x, x, x, x, x]\n"
             + "".join(
@@ -341,6 +390,7 @@ def run_dir_cases(ws: Path) -> list[Case]:
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there now
     return [
+        *run_dir_shape_cases(ws),
         start(ws, "/proc/megatron-fr-run", names="--run-dir"),
         start(ws, blocked, names="--run-dir"),
         start(ws, blocked / "sub", names="--run-dir"),
@@ -368,6 +418,27 @@ def run_dir_cases(ws: Path) -> list[Case]:
             names="micro_batch_tokens",
         ),
     ]
+
+
+def run_dir_shape_cases(ws: Path) -> list[Case]:
+    """Run directories whose parts the run would die of at their first write."""
+    shapes = ws / "runs" / "shapes"
+    shapes.mkdir(parents=True)
+    (shapes / "loop").symlink_to(shapes / "loop")
+    parts = {
+        "metrics_dir": ("metrics.jsonl", lambda part: part.mkdir()),
+        "checkpoints_file": ("checkpoints", lambda part: part.write_text("x")),
+        "checkpoints_loop": ("checkpoints", lambda part: part.symlink_to(part)),
+        "logs_dangling": ("logs", lambda part: part.symlink_to(shapes / "gone")),
+        "faults_fifo": ("faults.jsonl", os.mkfifo),
+        "tensorboard_file": ("tensorboard", lambda part: part.write_text("x")),
+    }
+    cases = [start(ws, shapes / "loop", names="symlink loop")]
+    for name, (part, make) in parts.items():
+        (shapes / name).mkdir()
+        make(shapes / name / part)
+        cases.append(start(ws, shapes / name, names=part))
+    return cases
 
 
 def launcher_cases(ws: Path) -> list[Case]:
@@ -402,6 +473,9 @@ def good_cases(ws: Path, rng: random.Random) -> list[Case]:
         [f"seed={rng.randint(0, 2**40)}"],
         ["task.eval_sets={}"],
         ["weights.transport=disk", "weights.directory=/tmp/w"],
+        ["learner.lr=1e-5", "rollout.temperature=1", "eval.timeout_s=60"],
+        ["rollout.engine.urls=[http://localhost:30000/, 'https://[::1]:8443']"],
+        ["rollout.engine.threads=2", "rollout.engine.count=2", "buffer.max_lag=3"],
     ]
     cases = [check(ws, *o, names=None) for o in overrides]
     cases.append(start(ws, ws / "runs" / "fresh_ok", names=None))
@@ -413,6 +487,7 @@ def corpus(ws: Path, seed: int) -> list[Case]:
     return [
         *setting_cases(ws, rng),
         *semantic_cases(ws),
+        *limit_cases(ws),
         *recipe_file_cases(ws),
         *argument_cases(ws),
         *model_cases(ws),

@@ -29,7 +29,7 @@ import torch
 from aiohttp import web
 
 from megatron_fr.engine.cpu_engine import CpuEngine
-from megatron_fr.engine.cpu_server import CpuServer
+from megatron_fr.engine.cpu_server import AUTO_DECOMPRESS, CpuServer
 
 PROMPT = [3, 17, 42, 5]
 HOLD_TIMEOUT_S = 120.0
@@ -39,7 +39,7 @@ HOLD_TIMEOUT_S = 120.0
 @contextlib.asynccontextmanager
 async def serving(engine: CpuEngine, **server_kwargs) -> AsyncIterator[tuple[str, CpuServer]]:
     server = CpuServer(engine, **server_kwargs)
-    runner = web.AppRunner(server.app())
+    runner = web.AppRunner(server.app(), auto_decompress=AUTO_DECOMPRESS)
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -412,3 +412,47 @@ def test_the_cpu_engine_serves_sglangs_routes_and_model_info(routes) -> None:
     assert "weight_version" in sglang_fields
     assert set(answer) <= sglang_fields, set(answer) - sglang_fields
     assert answer["weight_version"] == "7"  # a string, as SGLang's server_args field
+
+
+CPU_ONLY_SERVER_INFO = {
+    "engine": "names the CPU engine (engine/server_info.py tells it from SGLang by this field)",
+    "instance_id": "tells one CPU engine process reached under two URLs from two engines; "
+    "SGLang has none, so SGLang engines are told apart by resolved address alone "
+    "(rollout/supervisor.py), and nothing reads the field unless an engine sends it",
+}
+"""/server_info fields the CPU engine answers that SGLang's does not, each with the reason."""
+
+
+def _server_args_fields() -> set[str]:
+    """Every field of SGLang's ServerArgs records (srt/arg_groups/fields/*.py: annotated class
+    attributes), which ServerArgs.resolved_dict puts in /server_info."""
+    names: set[str] = set()
+    for path in sorted((_sglang_root() / "srt/arg_groups/fields").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names.update(
+                    stmt.target.id
+                    for stmt in node.body
+                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                )
+    return names
+
+
+def test_the_cpu_engines_server_info_has_sglangs_fields_and_only_listed_extras() -> None:
+    engine = ScriptedEngine(build_tokenizer(), lambda conversation: "ok", weight_version="7")
+
+    async def server_info() -> dict:
+        import aiohttp
+
+        async with (
+            serving(engine) as url,
+            aiohttp.ClientSession() as session,
+            session.get(url + engine_http.SERVER_INFO_PATH) as response,
+        ):
+            return await response.json()
+
+    answer = asyncio.run(server_info())
+    sglang_fields = _server_args_fields()
+    for read in ("tp_size", "pp_size", "dp_size", "attn_dp_size", "enable_return_routed_experts"):
+        assert read in sglang_fields, read  # what engine/server_info.py reads of SGLang
+    assert set(answer) - sglang_fields == set(CPU_ONLY_SERVER_INFO), set(answer) - sglang_fields

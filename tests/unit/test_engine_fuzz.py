@@ -45,7 +45,7 @@ from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.cpu_engine import CpuEngine
 from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, cpu_engine_command
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 DEADLINE_S = 30.0
 """Per request; a request still unanswered after it counts as a hang."""
@@ -585,6 +585,72 @@ def corpus(model_dir: Path, tmp_path: Path) -> list[tuple[str, bytes, str | None
             post("/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": -1}),
             "truncate",
         ),
+        (
+            "a lone surrogate in text",
+            post("/generate", b'{"text": "w1 \\ud800 w2"}'),
+            "lone surrogate",
+        ),
+        (
+            "a lone surrogate in a batch",
+            post("/generate", b'{"text": ["w1", "\\udfff"]}'),
+            "text[1] holds a lone surrogate",
+        ),
+        (
+            "join world_size 2**31",
+            post("/init_weights_update_group", join(world_size=2**31)),
+            "world_size",
+        ),
+        (
+            "join master 999.1.1.1",
+            post("/init_weights_update_group", join(master_address="999.1.1.1")),
+            "999.1.1.1",
+        ),
+        (
+            "join master a URL",
+            post("/init_weights_update_group", join(master_address="http://h:1")),
+            "master_address",
+        ),
+        ("join port 0", post("/init_weights_update_group", join(master_port=0)), "master_port"),
+        (
+            "join rank_offset = world_size",
+            post("/init_weights_update_group", join(rank_offset=2)),
+            "rank_offset",
+        ),
+        (
+            "join rank_offset 0",
+            post("/init_weights_update_group", join(rank_offset=0)),
+            "rank_offset",
+        ),
+        ("join backend mpi", post("/init_weights_update_group", join(backend="mpi")), "'mpi'"),
+        (
+            "join group_name empty",
+            post("/init_weights_update_group", join(group_name="")),
+            "group_name",
+        ),
+        (
+            "a 600 KiB weight version, scaled to the body limit",
+            post("/update_weight_version", {"new_version": "v" * 600_000}),
+            "'new_version' has 600000 characters",
+        ),
+        (
+            "a lone surrogate as the version",
+            post("/update_weight_version", b'{"new_version": "\\ud800"}'),
+            "lone surrogate",
+        ),
+        (
+            "150k stop_token_ids, scaled to the body limit",
+            post("/generate", mutated(GOOD, ("sampling_params", "stop_token_ids"), [1] * 150_000)),
+            "stop_token_ids has 150000 ids",
+        ),
+        ("a deflate bomb", compressed("deflate", 256 * 2**20), "inflates past 1048576 bytes"),
+        ("a gzip bomb", compressed("gzip", 64 * 2**20), "inflates past 1048576 bytes"),
+        ("brotli", compressed("br", 16), "Content-Encoding 'br'"),
+        ("deflate cut short", compressed("deflate", 4096, cut=4), "cut short"),
+        (
+            "deflate of garbage",
+            post("/generate", b"\x78\x9c" + bytes(range(200)), Content_Encoding="deflate"),
+            "not a valid stream",
+        ),
         ("unknown path", post("/nope", {}), "Not Found"),
         ("OpenAI path", post("/v1/completions", {}), "Not Found"),
         ("GET /generate", http_request("GET", "/generate"), "Method Not Allowed"),
@@ -603,6 +669,48 @@ def corpus(model_dir: Path, tmp_path: Path) -> list[tuple[str, bytes, str | None
             spoilt = mutated(spoilt, path, value)
         cases.append((f"spoilt {draw}", post("/generate", spoilt), None))
     return cases
+
+
+def join(**change: object) -> dict:
+    """A well-formed /init_weights_update_group body with `change` made (port 1: nothing the
+    test runs listens there)."""
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "g",
+        "backend": "gloo",
+    }
+    return body | change
+
+
+def compressed(encoding: str, inflated_bytes: int, cut: int = 0) -> bytes:
+    """A /generate request whose body inflates to `inflated_bytes` of JSON spaces, in
+    `encoding`, with its last `cut` bytes left out."""
+    import zlib
+
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "br": zlib.MAX_WBITS}
+    packer = zlib.compressobj(9, wbits=wbits[encoding])
+    body = packer.compress(json.dumps(GOOD).encode() + b" " * inflated_bytes) + packer.flush()
+    body = body[: len(body) - cut]
+    return http_request("POST", "/generate", body, Content_Encoding=encoding)
+
+
+def health_during(address, request: bytes, probing_s: float = 1.5) -> list[float]:
+    """Seconds each GET /health took while `request` was sent and answered (probed for
+    `probing_s` from its sending)."""
+    took = []
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(exchange, address, request)
+        end = time.monotonic() + probing_s
+        while time.monotonic() < end:
+            start = time.monotonic()
+            assert outcome(exchange(address, http_request("GET", "/health"), 5.0))[0] == "accepted"
+            took.append(time.monotonic() - start)
+            time.sleep(0.02)
+        assert "inflates past" in outcome(sent.result())[1]
+    return took
 
 
 def word_tokenizer(directory: Path) -> None:
@@ -690,7 +798,9 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
             expected, fragment = EXPECTED.get(name, ("clear 4xx", "no answer within 2 s"))
             if kind != expected or fragment not in message:
                 wrong.append(f"{name}: {kind} {message!r:.300}")
+        bomb_health = health_during(address, compressed("deflate", 256 * 2**20))
         good = outcome(exchange(address, http_request("POST", "/generate", GOOD)))
+        gzipped = outcome(exchange(address, compressed("gzip", 1000)))
         by_text = {"text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2}}
         text = outcome(exchange(address, http_request("POST", "/generate", by_text)))
         answer = json.loads(
@@ -706,5 +816,8 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
     assert not wrong, "\n".join(wrong)
     assert sum(outcomes.values()) >= 60 and set(outcomes) <= {"clear 4xx", "closed"}
     assert alive == [("accepted", ""), ("accepted", '{"success": true, "message": "v2"}')]
-    assert good[0] == text[0] == "accepted" and still_running
+    assert good[0] == text[0] == gzipped[0] == "accepted" and still_running
+    slowest = max(bomb_health)
+    print(f"  /health during a deflate bomb: {len(bomb_health)} probes, slowest {slowest:.3f} s")
+    assert slowest < 0.5, "the bomb was inflated on the event loop"
     assert answer["meta_info"]["weight_version"] == "v2" and answer["meta_info"]["routed_experts"]

@@ -19,8 +19,9 @@ import pytest
 from stub_server import StubServer, mute_listeners
 
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.rollout.engines_file import MAX_BYTES, EnginesFile, url_problem
+from megatron_fr.rollout.engines_file import MAX_BYTES, EnginesFile
 from megatron_fr.rollout.supervisor import ENGINES_FILE, FAULTS_FILE, EngineSupervisor
+from megatron_fr.utils.engine_urls import url_problem
 
 
 @pytest.mark.parametrize(

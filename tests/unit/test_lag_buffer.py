@@ -295,6 +295,10 @@ class BufferMachine(RuleBasedStateMachine):
         if len(self.queue) < groups or unfilled:
             assert batch is None
             return
+        if c.fill_staleness_budget:  # the whole budget queued: in admission order
+            self.queue.sort(
+                key=lambda members: int(members[0].prompt_id.rsplit("@", 1)[1].split("#")[0])
+            )
         expected, self.queue = self.queue[:groups], self.queue[groups:]
         assert batch == [t for members in expected for t in members]  # FIFO, whole groups
         for members in expected:
@@ -414,6 +418,18 @@ def test_filled_budget_trains_every_trajectory_exactly_max_lag_versions_old():
             lags[fill].append({version - t.oldest_version for t in batch})
     assert lags[True] == [{0}, {1}, {2}] + [{max_lag}] * 7
     assert lags[False] == [{0}] * 10
+
+
+def test_a_filled_budget_is_batched_in_admission_order_whatever_the_finishing_order():
+    """With fill_staleness_budget the batch is the oldest-admitted groups, so which rollouts
+    train together does not depend on which finished first (a seeded run is reproducible)."""
+    buffer = new_buffer(config(batch_size=2, max_lag=1, capacity=4, fill_staleness_budget=True))
+    admissions = admit_all(buffer)
+    assert len(admissions) == 4
+    for admission in reversed(admissions):  # the last admitted finishes first
+        buffer.put(make_trajectory(admission.prompt_ids[0], 0))
+    batch = buffer.next_batch(0)
+    assert [t.prompt_id for t in batch] == [a.prompt_ids[0] for a in admissions[:2]]
 
 
 def test_admission_budget_worked_example():

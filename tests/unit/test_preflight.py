@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -105,14 +106,15 @@ def engine_config(*overrides: str):
     return load_run_config(recipe, list(overrides))
 
 
-def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatch):
+def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatch, capsys):
     """One still starting is waited for (the run would wait too); one that never answers is
-    refused at the deadline, naming the URL and the setting; a URL that is none, at once."""
+    said to be waited for at its first failure, then refused at the deadline, naming the URL
+    and the setting; a URL that is none is refused by the recipe's check, at once."""
     import http.server
     import threading
     import time
 
-    from megatron_fr.parallel.spawn import free_port
+    from megatron_fr.utils.net import free_port
 
     port = free_port()
 
@@ -136,12 +138,48 @@ def test_an_engine_given_by_url_is_waited_for_until_its_start_timeout(monkeypatc
     finally:
         if server:
             server[0].shutdown()
-    silent = f"rollout.engine.urls=[http://127.0.0.1:{free_port()}]"
+    silent = f"http://127.0.0.1:{free_port()}"
+    capsys.readouterr()
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"has not answered GET /health within .*=1 s"):
-        preflight.check_engines(engine_config(silent, "rollout.engine.start_timeout_s=1"), 0.2)
+        preflight.check_engines(
+            engine_config(f"rollout.engine.urls=[{silent}]", "rollout.engine.start_timeout_s=1"),
+            0.2,
+        )
     assert time.monotonic() - started < 10
+    waiting = capsys.readouterr().err.splitlines()
+    assert len(waiting) == 1, waiting  # the first failure, then one each report_every_s (10 s)
+    assert waiting[0].startswith(f"waiting for the engine {silent} to answer GET /health: 0 s")
     with pytest.raises(ValueError, match="'nonsense' is not an http\\(s\\) URL"):
-        preflight.check_engines(engine_config("rollout.engine.urls=[nonsense]"), 0.2)
+        engine_config("rollout.engine.urls=[nonsense]")
     with pytest.raises(ValueError, match=r"'http://\[::1' is not a URL \(Invalid IPv6 URL\)"):
-        preflight.check_engines(engine_config("rollout.engine.urls=['http://[::1']"), 0.2)
+        engine_config("rollout.engine.urls=['http://[::1']")
+
+
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda run: (run / "metrics.jsonl").mkdir(), "metrics.jsonl is a directory"),
+        (lambda run: (run / "checkpoints").write_text("x"), "checkpoints is a file"),
+        (lambda run: (run / "faults.jsonl").symlink_to("faults.jsonl"), "a symlink loop"),
+        (lambda run: (run / "logs").symlink_to(run / "gone"), "logs is a symlink to nothing"),
+        (lambda run: os.mkfifo(run / "config.yaml"), "config.yaml is special"),
+    ],
+)
+def test_a_run_directory_with_a_part_of_the_wrong_kind_is_refused_in_one_line(
+    tmp_path: Path, make, problem
+):
+    """A part the run writes, of a kind it cannot write, is named before anything starts (the
+    run would die of it at its first write: checkpoints after the first steps)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    make(run)
+    with pytest.raises(ValueError, match=problem) as refused:
+        preflight.check_run_dir(run)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_run_directory_that_is_a_symlink_loop_is_refused(tmp_path: Path):
+    (tmp_path / "run").symlink_to(tmp_path / "run")
+    with pytest.raises(ValueError, match="a symlink loop"):
+        preflight.check_run_dir(tmp_path / "run")

@@ -230,7 +230,7 @@ def test_nccl_cumem_is_what_sglang_sets_for_itself(monkeypatch) -> None:
         ({"nnodes": 2}, "dist_init_addr"),
         ({"mem_fraction_static": 1.0}, "mem_fraction_static"),
         ({"port": 0}, "port"),
-        ({"engine": "vllm"}, "engine"),
+        ({"engine": "tgi"}, "engine"),
         ({"engine": "auto"}, "engine"),
         ({"gpus": 8}, "gpus"),
     ],

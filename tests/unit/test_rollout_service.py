@@ -35,9 +35,9 @@ from megatron_fr.engine.protocol import (
     SamplingParams,
     update_weight_version_request,
 )
-from megatron_fr.parallel.spawn import free_port
 from megatron_fr.rollout.service import Backoff, EvalSet, RolloutFailed, RolloutService
 from megatron_fr.rollout.supervisor import EngineDied, EngineRefused, EngineSupervisor
+from megatron_fr.utils.net import free_port
 
 PROBLEMS = [f"p{i}" for i in range(20)]
 

@@ -53,7 +53,7 @@ def test_an_incomplete_evaluation_is_logged_without_accuracy_drawn_as_a_marker_a
     from matplotlib.figure import Figure
 
     from megatron_fr.orchestrator import plot
-    from megatron_fr.orchestrator.compare import summarise
+    from megatron_fr.orchestrator.compare_report import summarise
     from megatron_fr.rollout.service import Evaluation
 
     config = load_run_config(RECIPE)

@@ -17,7 +17,7 @@ from megatron_fr.buffer.shards import pack_shard, recv_shard, send_shard
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.engine.top_logprobs import TopLogProbs
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 
 
 def trajectory(k: int, length: int, top_k: int, layers: int = 4) -> Trajectory:

