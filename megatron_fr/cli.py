@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 def runs_megatron(args: argparse.Namespace) -> bool:
     """Whether this process runs megatron: a learner rank of `train` (started by torchrun or
     srun; the command started by hand only checks the recipe and re-executes itself under
-    torchrun) and checkpoint conversion. Those install the CPU shims megatron
-    needs without CUDA first (a no-op with CUDA), here at the program's entry point."""
+    torchrun), a rehearsal of one (`train --rehearse`) and checkpoint conversion. Those
+    install the CPU shims megatron needs without CUDA first (a no-op with CUDA), here at the
+    program's entry point."""
     if args.command == "train":
-        return "WORLD_SIZE" in os.environ and not args.check
+        return args.rehearse or ("WORLD_SIZE" in os.environ and not args.check)
     return args.command == "convert"
 
 

@@ -107,10 +107,12 @@ def sequence_gate(
     policy tokens), admitted iff D_i <= delta; reduce_segments as for trust_region_gate."""
     tokens = action_mask & (segment_ids >= 0)
     kl = token_kl.detach()
-    segment = segment_ids[tokens]
+    # every position, the others adding exact zeros: no data-dependent shape (a rehearsal
+    # under fake tensors needs none, nor does a GPU want the sync of a boolean index)
+    segment = torch.where(tokens, segment_ids, 0).flatten()
     partial = torch.zeros(2, num_trajectories, dtype=kl.dtype, device=kl.device)
-    partial[0].index_add_(0, segment, kl[tokens])
-    partial[1].index_add_(0, segment, torch.ones_like(kl[tokens]))
+    partial[0].index_add_(0, segment, torch.where(tokens, kl, 0).flatten())
+    partial[1].index_add_(0, segment, tokens.flatten().to(kl.dtype))
     if reduce_segments is not None:
         partial = reduce_segments(partial)
     kl_sum, token_count = partial[0], partial[1]
@@ -196,22 +198,29 @@ def segment_policy_loss(
 
 def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict[str, Tensor]:
     """Diagnostics (docs/algorithm.md) for the trajectories in ``gate`` (NaN where none are)."""
-    present_kl = gate.sequence_kl[gate.present]
-    admitted_ratios = ratios[contributing]
-
-    def stat(values: Tensor, reduce: Callable[[Tensor], Tensor]) -> Tensor:
-        return reduce(values) if values.numel() else values.new_tensor(math.nan)
-
+    present, kl = gate.present, gate.sequence_kl
     return {
-        "acceptance_rate": stat(gate.admitted[gate.present].double(), torch.mean),
-        "sequence_kl": gate.sequence_kl,
-        "sequence_kl_mean": stat(present_kl, torch.mean),
-        "sequence_kl_max": stat(present_kl, torch.max),
+        "acceptance_rate": _masked_mean(gate.admitted.double(), present),
+        "sequence_kl": kl,
+        "sequence_kl_mean": _masked_mean(kl, present),
+        "sequence_kl_max": _masked_max(kl, present),
         "admitted": gate.admitted,
         "retained_tokens": contributing.sum(),
-        "ratio_mean": stat(admitted_ratios, torch.mean),
-        "ratio_max": stat(admitted_ratios, torch.max),
+        "ratio_mean": _masked_mean(ratios, contributing),
+        "ratio_max": _masked_max(ratios, contributing),
     }
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of values[mask], NaN where the mask is empty; fixed shapes (no boolean index,
+    whose output size depends on the data)."""
+    return torch.where(mask, values, 0).sum() / mask.sum()
+
+
+def _masked_max(values: Tensor, mask: Tensor) -> Tensor:
+    """Max of values[mask], NaN where the mask is empty; fixed shapes."""
+    top = torch.where(mask, values, -math.inf).amax()
+    return torch.where(mask.any(), top, math.nan)
 
 
 def check_filter_inputs(

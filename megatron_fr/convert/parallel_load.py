@@ -175,6 +175,34 @@ def _load(reader: HFCheckpointReader, plan: _Plan) -> None:
         param.copy_(dest)
 
 
+def check_hf_dir(
+    model: torch.nn.Module,
+    hf_dir: str | Path,
+    spec: HFModelSpec,
+    groups: ProcessGroupCollection | None = None,
+) -> None:
+    """load_hf_into_model's check alone: the checkpoint's tensor names against the config and
+    their shapes against this rank's shards, from the files' headers (no tensor data is read);
+    ValueError on every rank naming the first fault."""
+    with HFCheckpointReader(hf_dir) as reader:
+        _checked_plans(model, reader, spec, groups_or_megatron(groups))
+
+
+def _checked_plans(
+    model: torch.nn.Module,
+    reader: HFCheckpointReader,
+    spec: HFModelSpec,
+    groups: ProcessGroupCollection,
+) -> list[_Plan]:
+    """What to read for every parameter of the model, once the checkpoint is checked."""
+    names = dict(model.named_parameters())
+    layout = MegatronNames.of(names)
+    global_names = global_parameter_names(model, spec.num_experts, groups)
+    plans = [_plan(n, p, global_names[n], spec, layout, groups) for n, p in names.items()]
+    agree_on_errors(_check(reader, spec, plans))
+    return plans
+
+
 def load_hf_into_model(
     model: torch.nn.Module,
     hf_dir: str | Path,
@@ -192,13 +220,8 @@ def load_hf_into_model(
     names or shapes do not match `spec` and the model.
     """
     started = time.monotonic()
-    names = dict(model.named_parameters())
-    layout = MegatronNames.of(names)
-    groups = groups_or_megatron(groups)
-    global_names = global_parameter_names(model, spec.num_experts, groups)
     with HFCheckpointReader(hf_dir) as reader:
-        plans = [_plan(n, p, global_names[n], spec, layout, groups) for n, p in names.items()]
-        agree_on_errors(_check(reader, spec, plans))
+        plans = _checked_plans(model, reader, spec, groups_or_megatron(groups))
         total = sum(p.param.numel() * p.param.element_size() for p in plans)
         show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
         with (

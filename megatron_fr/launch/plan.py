@@ -61,7 +61,10 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                input 2h, which megatron's checkpoint keeps to re-run the block
     full       the layer's input 2h
   and with recompute, one layer's full working set while it is recomputed.
-  Working buffers, once per GPU on top of the kept activations:
+  Working buffers, on top of the kept activations; the layers' (dispatch, recomputation)
+  and the loss path's are alive at different moments of the step, so the larger of the
+  two counts (tools/plan_layout.py's figures are checked against a rehearsal of the step,
+  launch/rehearsal.py: tests/unit/test_rehearse_cli.py):
     MoE dispatch  2hk (2 + 2 ETP)   [one layer at a time: the permuted token copies, the
                               all-to-all output, its ETP all-gather and the expert-sorted copy
                               are alive together]
@@ -76,8 +79,12 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
                               + 2 for a bf16 weight (one chunk's bf16 part).
                               The logits of the micro-batch are never held whole
                               (models/token_scores.py).
-  Not counted: the optimizer step's temporaries, the CUDA context, NCCL buffers, allocator
-  fragmentation (the `reserve` allowance stands in for the last three).
+  The optimizer step, after the activations are freed: torch Adam's foreach kernels (a GPU's,
+  without TE or apex) hold one fp32 temporary of the rank's optimizer shards, 4 bytes per
+  parameter over the shard group; a stage's peak on top of its model state is the larger of
+  that and its activations (activation_bytes).
+  Not counted: the CUDA context, NCCL buffers, allocator fragmentation (the `reserve`
+  allowance stands in for them).
 
 Rows: a micro-batch holds trajectories of at most config/learner.py's longest_row tokens
 (micro_batch_tokens x CP, less the CP and SP padding), the learner's own rule; plan_layout
@@ -128,7 +135,12 @@ class StagePlan:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: dict[str, int]
-    """By LearnerConfig.recompute setting."""
+    """What the stage holds on top of its model state at its peak, by LearnerConfig.recompute
+    setting: its activations and working buffers, or the optimizer step's temporaries when
+    larger (module docstring)."""
+    kept_bytes: dict[str, int]
+    """The part of activation_bytes kept for the backward (the rest: the working buffers and
+    the layer being recomputed), by recompute setting."""
 
     @property
     def state_bytes(self) -> int:
@@ -387,14 +399,23 @@ def _stage_plan(
     layers, in_flight = spec.num_layers // pp, pp - stage
     cp = parallel.context
     layer = tokens * activation_bytes_per_token_layer(spec, etp, cp)  # one layer's working set
-    buffers = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    dispatch = tokens * moe_dispatch_bytes_per_token(spec, etp)
+    loss = 0
     if stage == pp - 1:
-        buffers += loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
+        loss = loss_path_bytes(spec, micro_batch_tokens, tp, params_dtype, entropies)
     activations: dict[str, int] = {}
+    kept: dict[str, int] = {}
     for mode in RECOMPUTE:
-        kept = in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
+        kept[mode] = int(
+            in_flight * layers * tokens * kept_bytes_per_token_layer(spec, etp, mode, cp)
+        )
         recomputing = 0 if mode == "none" else layer  # the layer being re-run
-        activations[mode] = int(kept + recomputing + buffers)
+        # the loss path's working set (the output layer's backward) and a layer's (its
+        # dispatch, its recomputation) are alive at different moments of the step
+        activations[mode] = max(
+            int(kept[mode] + max(loss, recomputing + dispatch)),
+            optimizer_step_bytes(params, parallel.context * dp, edp),
+        )
     return StagePlan(
         stage=stage,
         params=params,
@@ -403,7 +424,14 @@ def _stage_plan(
         optimizer_bytes=params.dense * optim_b // (dp * parallel.context)
         + params.expert * optim_b // edp,
         activation_bytes=activations,
+        kept_bytes=kept,
     )
+
+
+def optimizer_step_bytes(params: ParamCounts, dense_group: int, expert_group: int) -> int:
+    """The optimizer step's working memory (module docstring): torch Adam's foreach kernels
+    (a GPU's) hold one float32 temporary of this rank's optimizer shards."""
+    return 4 * (params.dense // dense_group + params.expert // expert_group)
 
 
 def enumerate_layouts(

@@ -418,13 +418,7 @@ class Learner:
         scalar metrics, plus per trajectory (lists in batch order) advantages, admitted and
         the gate's sequence_kl. metrics["nonfinite"]: None, or "loss" / "gradient" when that
         was not finite and the step was skipped (no weight, optimizer or schedule change)."""
-        micros = self._micro_batches(step, rows, pad_id, self.routing_replay)
-        global_batch = step.global_batch
-        # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
-        score = partial(self._loss, len(micros) * self.groups.dp.size(), global_batch)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        per_micro = self._schedule(micros, score, False, self.routing_replay, self.temperature)
+        per_micro = self.accumulate_gradients(step, rows, pad_id)
         # Non-finite loss or gradient: the step is skipped whole (learner/nonfinite.py).
         nonfinite = nonfinite_cause(per_micro, self.module)
         if nonfinite is None:
@@ -434,6 +428,19 @@ class Learner:
             updated, grad_norm = False, None
         self.steps_done += 1
         return self._metrics(per_micro, updated, grad_norm, step, nonfinite)
+
+    def accumulate_gradients(
+        self, step: StepPlan, rows: Mapping[int, TokenRow] | Sequence[TokenRow], pad_id: int = 0
+    ) -> list[Reported]:
+        """The forward and backward passes of this rank's micro-batches of a planned batch,
+        their gradients in the zeroed gradient buffers (no optimizer step): each
+        micro-batch's reported values."""
+        micros = self._micro_batches(step, rows, pad_id, self.routing_replay)
+        # megatron multiplies by CP itself (schedules.forward_step_calc_loss): scale by DP only
+        score = partial(self._loss, len(micros) * self.groups.dp.size(), step.global_batch)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return self._schedule(micros, score, False, self.routing_replay, self.temperature)
 
     def policy_log_probs(
         self,

@@ -253,7 +253,20 @@ def build_gpt_model(
         # torch (the local spec's norms) on the default device: move the rest, as megatron's
         # own training does after building a model.
         model.cuda(torch.cuda.current_device())
+    _norms_in(model, params_dtype)
     return model
+
+
+def _norms_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The norms megatron takes from torch (the local and torch specs' WrappedTorchNorm)
+    in the model's parameter dtype, as TE builds its own: torch builds them in float32,
+    and torch.rms_norm with a bf16 input and a float32 weight takes its unfused path, which
+    keeps float32 copies of every norm's input for the backward (4x a bf16 input: the
+    rehearsal of launch/rehearsal.py measured it)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)  # in place: the Parameter stays the same
 
 
 def parameter_counts(model: torch.nn.Module, num_experts: int, top_k: int) -> tuple[int, int]:

@@ -199,8 +199,9 @@ def _padded_rows(counts: list[int], padded: list[int], device: torch.device) -> 
     padded_starts = itertools.accumulate([0, *padded[:-1]])
     starts = itertools.accumulate([0, *counts[:-1]])
     shifts = [a - b for a, b in zip(padded_starts, starts, strict=True)]
-    shift = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(counts))
-    return (torch.arange(sum(counts)) + shift).to(device)
+    total = sum(counts)  # output_size: no data-dependent shape (nor a device sync)
+    shift = torch.repeat_interleave(torch.tensor(shifts), torch.tensor(counts), output_size=total)
+    return (torch.arange(total) + shift).to(device)
 
 
 class TorchGroupedLinear(MegatronModule):

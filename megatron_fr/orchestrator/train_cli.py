@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--check: judge the per-GPU memory against this size",
     )
+    from megatron_fr.launch import rehearse_cli
+
+    rehearse_cli.add_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="dotted.key=value (value read as YAML)")
 
 
@@ -60,6 +63,10 @@ def main(args: argparse.Namespace) -> int:
         _check_arguments(args)
         config = resolve_task(load_run_config(args.recipe, args.overrides))
         world = args.world_size or (launched[1] if launched else config.learner_ranks)
+        if args.rehearse:
+            from megatron_fr.launch import rehearse_cli
+
+            return rehearse_cli.run(config, world, args)
         if args.check:
             print(check_recipe(config, world, args.gpu_mem_gb))
             print("recipe OK (nothing was started)")

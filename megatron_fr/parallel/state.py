@@ -56,6 +56,9 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         expert_model_parallel_size=config.expert,
         expert_tensor_parallel_size=config.effective_expert_tensor,
         distributed_timeout_minutes=config.timeout_minutes,
+        # nothing here reads megatron's gloo copies of the groups (the learner's optimizer
+        # is built without them), and a fake store (a rehearsal) cannot build them
+        create_gloo_process_groups=False,
     )
     if seed is not None:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

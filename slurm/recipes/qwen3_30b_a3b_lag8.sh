@@ -4,7 +4,7 @@
 # GPU, selective recompute (set in the recipe): its 18,432-token rows fit the micro-batches
 # (tools/plan_layout.py --model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem-gb 80
 # --tp 4 --cp 2 --ep 8 --etp 1 --micro-batch-tokens 9216 --row-tokens 18432 --recompute
-# selective: peak 50.92 GiB + 4 GiB reserve).
+# selective: peak 50.93 GiB + 4 GiB reserve).
 #   slurm/recipes/qwen3_30b_a3b_lag8.sh --run-dir DIR [--dry-run] [options] [key=value ...]
 # Options given here can be overridden by repeating them (e.g. --gpu-mem-gb 141 on H200s);
 # slurm/launch.sh --help lists them all. Settings: examples/qwen3_30b_a3b_lag8.yaml.

@@ -129,8 +129,9 @@ def test_the_check_refuses_rows_a_micro_batch_cannot_hold():
 
 
 def test_the_check_judges_memory_with_the_recipes_recompute(tmp_path, tokenizer_files):
-    """The flagship without CP holds its rows in micro-batches of 18,432 tokens, which fit 80
-    GB only with recompute: the check names the setting and the one that would fit."""
+    """The flagship without CP holds its rows in micro-batches of 18,432 tokens, which fit 78
+    GiB only with recompute (the planner: 75.66 GiB without, 54.54 with selective, and the 4
+    GiB reserve): the check names the setting and the one that would fit."""
     preset, world, sample = RECIPES["qwen3_30b_a3b_lag8"]
     overrides = [
         f"model.hf_dir={model_dir(tmp_path, preset, tokenizer_files)}",
@@ -139,16 +140,16 @@ def test_the_check_judges_memory_with_the_recipes_recompute(tmp_path, tokenizer_
         "learner.micro_batch_tokens=18432",
     ]
     config = load_run_config(EXAMPLES / "qwen3_30b_a3b_lag8.yaml", overrides)
-    assert "fits" in check_recipe(config, world, gpu_mem_gb=80, render=False)
+    assert "fits" in check_recipe(config, world, gpu_mem_gb=78, render=False)
     refused = load_run_config(
         EXAMPLES / "qwen3_30b_a3b_lag8.yaml", [*overrides, "learner.recompute=none"]
     )
     with pytest.raises(
         CheckFailed,
         match=r"learner.recompute: with none the layout needs .* "
-        r"more than 80 GiB; set learner.recompute=selective",
+        r"more than 78 GiB; set learner.recompute=selective",
     ):
-        check_recipe(refused, world, gpu_mem_gb=80, render=False)
+        check_recipe(refused, world, gpu_mem_gb=78, render=False)
 
 
 def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
