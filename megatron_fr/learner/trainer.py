@@ -40,6 +40,7 @@ from megatron_fr.learner.micro_batches import (
     micro_batches_for_rank,
 )
 from megatron_fr.learner.nonfinite import nonfinite_cause
+from megatron_fr.learner.policy_loss import policy_loss
 from megatron_fr.learner.routing_replay import RoutingReplay
 from megatron_fr.learner.step_metrics import Reduced, StepMetrics
 from megatron_fr.learner.step_plan import StepPlan, plan_step
@@ -47,12 +48,7 @@ from megatron_fr.models.gpt import resolve_layer_spec
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.models.token_scores import TargetScores
 from megatron_fr.parallel.dist_checkpoint import keep_writes_in_process
-from megatron_fr.parallel.loss import (
-    GlobalBatch,
-    agreed_admission,
-    flash_reinforce_scored_loss,
-    ppo_clip_scored_loss,
-)
+from megatron_fr.parallel.loss import GlobalBatch, agreed_admission
 from megatron_fr.parallel.state import process_groups
 
 if TYPE_CHECKING:
@@ -194,6 +190,7 @@ class Learner:
         self.pack_sequences = config.pack_sequences
         """Several trajectories per micro-batch row (learner/micro_batches.py), or one each."""
         self.temperature = temperature
+        self.policy_loss = policy_loss(config)
         """The rollouts' sampling temperature: the loss's log-probs are those of
         log softmax(logits / temperature), the distribution the engines sampled from and
         report log-probs of (SGLang's sampler and the CPU engine alike)."""
@@ -293,27 +290,13 @@ class Learner:
         tokens ([log-probs; entropies; the top-K gate's log-probs of the engine's top-K ids],
         on the distribution the engines sampled from: log softmax(logits / T) at the rollout
         temperature T)."""
-        log_probs, entropies = scores[0], scores[1] if self._needs_entropy else None
+        loss_of = self.policy_loss
+        log_probs, entropies = scores[0], scores[1] if loss_of.needs_entropy else None
         topk = scores[2:].permute(1, 2, 0) if scores.shape[0] > 2 else None
         global_batch = global_batch.to(log_probs.device)
-        if self.config.policy_loss == "ppo_clip":
-            loss, metrics = ppo_clip_scored_loss(
-                log_probs,
-                micro.loss_batch,
-                global_batch,
-                self.config.ppo_clip,
-                cp_group=self.groups.cp,
-            )
-        else:
-            loss, metrics = flash_reinforce_scored_loss(
-                log_probs,
-                entropies,
-                micro.loss_batch,
-                global_batch,
-                self.config.flash_reinforce,
-                cp_group=self.groups.cp,
-                topk_log_probs=topk,
-            )
+        loss, metrics = loss_of(
+            log_probs, entropies, micro.loss_batch, global_batch, self.groups.cp, topk
+        )
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
         reported["clipped"] = metrics.get("clipped_tokens", torch.zeros((), device=loss.device))
@@ -353,14 +336,6 @@ class Learner:
             top_logprobs=self.config.top_logprobs,
         )
 
-    @property
-    def _needs_entropy(self) -> bool:
-        """The negative-token filter ranks a failed trajectory's tokens by their entropy."""
-        return (
-            self.config.policy_loss == "flash_reinforce"
-            and self.config.flash_reinforce.negative_token_fraction < 1
-        )
-
     def _schedule(
         self,
         micros: list[MicroBatch],
@@ -376,7 +351,7 @@ class Learner:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        scores = TargetScores(torch.empty(0), temperature, self._needs_entropy)
+        scores = TargetScores(torch.empty(0), temperature, self.policy_loss.needs_entropy)
         forward_step = forward_step_on(self.device, score, scores, replay, not forward_only)
         rows, width = micros[0].input_ids.shape
         stages = self.groups.pp.size()

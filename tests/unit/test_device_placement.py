@@ -12,7 +12,7 @@ import torch
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.config.learner import LearnerConfig
-from megatron_fr.learner import trainer
+from megatron_fr.learner import policy_loss, trainer
 from megatron_fr.learner.micro_batches import micro_batches_for_rank, plan_micro_batches
 from megatron_fr.parallel.loss import GlobalBatch
 
@@ -95,7 +95,7 @@ def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
         present = torch.zeros(3, dtype=torch.bool, device=log_probs.device)
         return log_probs.sum(), {"admitted": present, "present": present}
 
-    monkeypatch.setattr(trainer, "flash_reinforce_scored_loss", recording_loss)
+    monkeypatch.setattr(policy_loss, "flash_reinforce_scored_loss", recording_loss)
     cpu_batch = GlobalBatch(
         advantages=torch.zeros(3),
         failures=torch.zeros(3, dtype=torch.bool),
@@ -104,9 +104,22 @@ def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
     learner = SimpleNamespace(
         temperature=1.0,
         config=LearnerConfig(),
-        _needs_entropy=False,
+        policy_loss=policy_loss.policy_loss(LearnerConfig()),
         groups=SimpleNamespace(cp=None),
     )
     micro = SimpleNamespace(loss_batch=None)
     trainer.Learner._loss(learner, 1.0, cpu_batch, micro, torch.zeros(2, 4, 8, device=META))
     assert seen == {"advantages": META, "failures": META, "token_counts": META}
+
+
+def test_the_policy_loss_is_chosen_once_from_the_config():
+    """learner.policy_loss names the loss object; FlashREINFORCE reads entropies only for the
+    negative-token filter (negative_token_fraction < 1), PPO-clip never."""
+    from megatron_fr.config import FlashReinforceConfig
+
+    chosen = policy_loss.policy_loss(LearnerConfig())
+    assert isinstance(chosen, policy_loss.FlashReinforceLoss) and not chosen.needs_entropy
+    filtered = LearnerConfig(flash_reinforce=FlashReinforceConfig(negative_token_fraction=0.5))
+    assert policy_loss.policy_loss(filtered).needs_entropy
+    grpo = policy_loss.policy_loss(LearnerConfig(estimator="grpo"))
+    assert isinstance(grpo, policy_loss.PPOClipLoss) and not grpo.needs_entropy
