@@ -8,11 +8,12 @@ line do not import each other (pyproject.toml [tool.importlinter], checked by th
     demo                                  the CPU demos' models (beside the production path)
     sim                                   the run simulator
     orchestrator                          the training loop, checks, checkpoints, metrics
-    rollout | learner | weights | launch  rollout service; megatron learner; weight sync;
-                                          layout planner and Slurm renderer
+    launch                                layout planner, memory rehearsal, Slurm renderer
+    rollout | learner | weights           rollout service; megatron learner; weight sync
     envs | buffer | convert               environments; trajectories and the lag-aware buffer;
                                           HF <-> megatron conversion
-    engine | models                       the SGLang boundary (and the CPU engine); models
+    engine | models                       the inference engines' boundary (SGLang, vLLM, the
+                                          CPU engine); models
     parallel                              parallel state, parallel losses, CPU shims
     algo                                  advantages and losses, pure torch
     config                                typed configuration (no torch)
