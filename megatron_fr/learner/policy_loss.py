@@ -22,8 +22,10 @@ from megatron_fr.parallel.loss import (
 
 
 class PolicyLoss(Protocol):
-    needs_entropy: bool
-    """Whether the loss reads each target token's entropy (the scores carry them then)."""
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss reads each target token's entropy (the scores carry them then)."""
+        ...
 
     def __call__(
         self,

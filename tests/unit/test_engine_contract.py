@@ -31,7 +31,17 @@ from megatron_fr.engine.cpu_server import CpuServer
 from megatron_fr.engine.sglang_source import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = [*sorted((REPO / "megatron_fr").rglob("*.py")), *sorted((REPO / "tools").rglob("*.py"))]
+VLLM_SIDE = (REPO / "megatron_fr/engine/vllm", REPO / "tools/vllm_push_check.py")
+"""Code that speaks vLLM's wire, not SGLang's: its routes are checked against vLLM's source
+(tests/unit/test_vllm_contract.py)."""
+SCANNED = [
+    path
+    for path in [
+        *sorted((REPO / "megatron_fr").rglob("*.py")),
+        *sorted((REPO / "tools").rglob("*.py")),
+    ]
+    if not any(path == side or side in path.parents for side in VLLM_SIDE)
+]
 HTTP_SERVER = "srt/entrypoints/http_server.py"
 
 HELPERS = {"get_json": ("GET", 1, "path"), "post_json": ("POST", 1, "path")}
