@@ -397,6 +397,22 @@ def _model_info_fields(source: str) -> set[str]:
     return {key.value for key in result.keys if isinstance(key, ast.Constant)}
 
 
+def cpu_engine_answer(engine: ScriptedEngine, path: str) -> dict:
+    """The CPU engine's JSON answer to GET `path`, served over real HTTP."""
+
+    async def get() -> dict:
+        import aiohttp
+
+        async with (
+            serving(engine) as url,
+            aiohttp.ClientSession() as session,
+            session.get(url + path) as response,
+        ):
+            return await response.json()
+
+    return asyncio.run(get())
+
+
 def test_the_cpu_engine_serves_sglangs_routes_and_model_info(routes) -> None:
     engine = ScriptedEngine(build_tokenizer(), lambda conversation: "ok", weight_version="7")
     served = {
@@ -407,17 +423,7 @@ def test_the_cpu_engine_serves_sglangs_routes_and_model_info(routes) -> None:
     sglang = {(method, path) for path, route in routes.items() for method in route.methods}
     assert served - sglang == set(CPU_ONLY_ROUTES), sorted(served - sglang)
 
-    async def model_info() -> dict:
-        import aiohttp
-
-        async with (
-            serving(engine) as url,
-            aiohttp.ClientSession() as session,
-            session.get(url + engine_http.MODEL_INFO_PATH) as response,
-        ):
-            return await response.json()
-
-    answer = asyncio.run(model_info())
+    answer = cpu_engine_answer(engine, engine_http.MODEL_INFO_PATH)
     sglang_fields = _model_info_fields((_sglang_root() / HTTP_SERVER).read_text())
     assert "weight_version" in sglang_fields
     assert set(answer) <= sglang_fields, set(answer) - sglang_fields
@@ -450,18 +456,7 @@ def _server_args_fields() -> set[str]:
 
 def test_the_cpu_engines_server_info_has_sglangs_fields_and_only_listed_extras() -> None:
     engine = ScriptedEngine(build_tokenizer(), lambda conversation: "ok", weight_version="7")
-
-    async def server_info() -> dict:
-        import aiohttp
-
-        async with (
-            serving(engine) as url,
-            aiohttp.ClientSession() as session,
-            session.get(url + engine_http.SERVER_INFO_PATH) as response,
-        ):
-            return await response.json()
-
-    answer = asyncio.run(server_info())
+    answer = cpu_engine_answer(engine, engine_http.SERVER_INFO_PATH)
     sglang_fields = _server_args_fields()
     for read in ("tp_size", "pp_size", "dp_size", "attn_dp_size", "enable_return_routed_experts"):
         assert read in sglang_fields, read  # what engine/server_info.py reads of SGLang
