@@ -25,9 +25,9 @@ from aiohttp import web
 
 from megatron_fr.demo.chat_tokenizer import build_chat_tokenizer
 from megatron_fr.demo.tiny_models import build_tiny_chat_model
-from megatron_fr.engine.cpu_engine import Output, Sampling
-from megatron_fr.engine.cpu_server import CpuServer
-from megatron_fr.engine.cpu_weights import RequestError
+from megatron_fr.engine.cpu.engine import Output, Sampling
+from megatron_fr.engine.cpu.server import CpuServer
+from megatron_fr.engine.cpu.weights import RequestError
 from megatron_fr.envs.datasets import DATA_DIR
 
 VOCAB_SIZE = 600

@@ -58,7 +58,7 @@ def prepared_model(work_dir: Path, seed: int = 0):
 
 def rollouts(engine, task, problems, seed: int) -> list[Trajectory]:
     """One trajectory per problem from the CPU engine, with its routed experts."""
-    from megatron_fr.engine.cpu_engine import Sampling
+    from megatron_fr.engine.cpu.engine import Sampling
 
     batch, experts = [], engine.model.config.num_experts
     for index, problem in enumerate(problems):
@@ -154,7 +154,7 @@ def measure(learner, record: RouterRecord, batch, pad_id: int, lag: int) -> list
 
 def run(args: argparse.Namespace) -> list[dict]:
     from megatron_fr.config import FlashReinforceConfig, LearnerConfig, ParallelConfig
-    from megatron_fr.engine.cpu_engine import CpuEngine
+    from megatron_fr.engine.cpu.engine import CpuEngine
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.parallel import state

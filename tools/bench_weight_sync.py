@@ -20,7 +20,7 @@ CPU), one bucket after the other and overlapped; overlapped, peak memory is comp
 
 --receivers K: instead, the model's HF tensors, bucketed, broadcast over gloo from the
 project's sender (engine/group.py) to K processes receiving with SGLang's
-init_custom_process_group and WeightUpdater code (engine/sglang_source.py), as flattened
+init_custom_process_group and WeightUpdater code (engine/sglang/source.py), as flattened
 buckets and tensor by tensor.
 
 --project: Qwen3-30B-A3B's sync time in its recipe's layout from the figures of the last
@@ -186,7 +186,7 @@ def hf_buckets(config: dict, bucket_bytes: int) -> list[list[tuple[str, torch.Te
 
 def receive_all(tp_rank: int, world: int, port: int, plan: list, results) -> None:
     """One receiver: SGLang's join and receive code, every bucket in both formats."""
-    from megatron_fr.engine.sglang_source import DistributedReceiver
+    from megatron_fr.engine.sglang.source import DistributedReceiver
 
     receiver = DistributedReceiver(tp_rank=tp_rank)
     receiver.join("127.0.0.1", port, 1, world, "bench", "gloo")

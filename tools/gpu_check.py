@@ -33,7 +33,7 @@ PARTS = (
     "megatron_fr.parallel.vocab_parallel",
     "megatron_fr.weights.sync",
     "megatron_fr.engine.launcher",
-    "megatron_fr.engine.protocol",
+    "megatron_fr.engine.sglang.protocol",
     "megatron_fr.utils.gpu_telemetry",
     "megatron_fr.demo.tiny_models",
 )
@@ -287,7 +287,7 @@ def train(args: argparse.Namespace) -> int:
     subprocess.run([*prepare, *warm_start], capture_output=True, text=True, check=True)
     port = free_port()
     with open(args.out / "cpu_engine.log", "w") as log:
-        serve = [sys.executable, "-m", "megatron_fr.engine.cpu_server", "--model-path", hf_dir]
+        serve = [sys.executable, "-m", "megatron_fr.engine.cpu.server", "--model-path", hf_dir]
         serve += ["--port", str(port), "--threads", "4"]
         engine = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:

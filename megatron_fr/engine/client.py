@@ -73,8 +73,9 @@ from pydantic import (
 )
 
 from megatron_fr.config.algo import MAX_GATE_TOP_K
-from megatron_fr.engine.protocol import (
-    GENERATE_PATH,
+from megatron_fr.engine.routing import RoutedExperts
+from megatron_fr.engine.server_info import EngineKind
+from megatron_fr.engine.sglang.protocol import (
     HEALTH_PATH,
     FinishReason,
     GenerateOutput,
@@ -82,11 +83,9 @@ from megatron_fr.engine.protocol import (
     RoutedExpertsLayout,
     SamplingParams,
     decode_routed_experts,
-    generate_request,
-    parse_generate_response,
 )
-from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.engine.top_logprobs import TopLogProbs
+from megatron_fr.engine.wire import wire_for
 
 
 class RolloutClientConfig(BaseModel):
@@ -95,7 +94,9 @@ class RolloutClientConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     urls: tuple[str, ...] = Field(min_length=1)
-    """Base URLs of the SGLang (or CPU engine) servers, e.g. "http://node3:30000"."""
+    """Base URLs of the servers, e.g. "http://node3:30000"."""
+    engine_kind: EngineKind = "sglang"
+    """What serves them: the wire the client speaks (engine/wire.py; "cpu" speaks SGLang's)."""
     request_timeout_s: PositiveFloat = 600.0
     """Whole-request limit. A request sent to a paused server waits for the weight update, so
     this must cover one update plus the longest generation."""
@@ -286,11 +287,12 @@ class _Server:
 
 
 class RolloutClient:
-    """Least-outstanding-requests client over `config.urls` (one per SGLang server)."""
+    """Least-outstanding-requests client over `config.urls` (one per server)."""
 
     def __init__(self, config: RolloutClientConfig) -> None:
         self.config = config
         self.metrics = ClientMetrics()
+        self._wire = wire_for(config.engine_kind)
         self._servers = {url: self._new_server(url) for url in config.urls}
         self._sessions: dict[str, str] = {}
         self._http: aiohttp.ClientSession | None = None
@@ -506,7 +508,7 @@ class RolloutClient:
             attempt += 1
             if attempt > 1:
                 self.metrics.retries += 1
-            body = generate_request(
+            body = self._wire.generate_request(
                 prompt,
                 sampling,
                 rid=f"{rid}.{attempt}",
@@ -569,7 +571,7 @@ class RolloutClient:
             answer = await self._unless_taken_out(server, self._post_json(server.url, body))
             server.progress_at = time.monotonic()
             server.served(self.config.max_in_flight)
-            return parse_generate_response(answer, self.config.top_logprobs)
+            return self._wire.parse_generate(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
             self.metrics.failures[server.url] += 1
             raise exc.from_server(server.url) from exc
@@ -603,7 +605,7 @@ class RolloutClient:
     async def _post_json(self, url: str, body: dict) -> object:
         try:
             async with self._session().post(
-                url + GENERATE_PATH, json=body, timeout=self._timeout
+                url + self._wire.generate_path, json=body, timeout=self._timeout
             ) as resp:
                 raw = await resp.read()
         except aiohttp.ConnectionTimeoutError as exc:  # no connection: not a busy server
@@ -618,7 +620,8 @@ class RolloutClient:
             text = raw[:500].decode(errors="replace")
             if resp.status >= 500:
                 raise _Retryable(f"HTTP {resp.status}: {text}")
-            raise RequestRejected(f"{url} rejected /generate with HTTP {resp.status}: {text}")
+            path = self._wire.generate_path
+            raise RequestRejected(f"{url} rejected {path} with HTTP {resp.status}: {text}")
         try:
             return json.loads(raw)
         except ValueError as exc:  # not JSON, or not UTF-8

@@ -49,7 +49,7 @@ from pydantic import (
     model_validator,
 )
 
-from megatron_fr.engine.protocol import HEALTH_PATH
+from megatron_fr.engine.sglang.protocol import HEALTH_PATH
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.utils.launcher_env import standalone_env
 
@@ -179,7 +179,7 @@ def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> li
     if unsupported:
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
-    command = [sys.executable, "-m", "megatron_fr.engine.cpu_server"]
+    command = [sys.executable, "-m", "megatron_fr.engine.cpu.server"]
     command += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
     command += ["--threads", str(cfg.cpu_threads)]
     if cfg.return_routed_experts:

@@ -1,5 +1,5 @@
 """What an inference server is, from its own GET /server_info: one code path identifies, sizes
-and checks every server, SGLang or the project's CPU engine.
+and checks every server, SGLang, vLLM or the project's CPU engine.
 
 SGLang 0.5.23 answers /server_info with one flat object (srt/entrypoints/http_server.py:
 server_info -> srt/utils/common.py: build_server_info): its resolved server arguments
@@ -8,6 +8,12 @@ enable_return_routed_experts, ...), then "version" (SGLang's) and "frontend". Th
 answers the same fields for itself and names itself in ENGINE_FIELD. Anything else (a 404: a
 router or another kind of server; an object without those fields) is refused with the reason:
 a server sized by guesswork would join the weight-update group at the wrong ranks.
+
+vLLM 0.32 answers /server_info only with VLLM_SERVER_DEV_MODE=1 (which the project's RL routes
+need anyway; engine/vllm/launch.py): {"vllm_config", "vllm_env", "system_env"}, the config as
+JSON when asked with ?config_format=json (entrypoints/serve/dev/server_info/api_router.py);
+its parallel_config holds tensor_parallel_size, pipeline_parallel_size and data_parallel_size.
+SGLang and the CPU engine ignore the query.
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from typing import Literal
 
 from megatron_fr.engine.http import SERVER_INFO_PATH, EngineRequestError, get_json
 
-EngineKind = Literal["sglang", "cpu"]
+EngineKind = Literal["sglang", "cpu", "vllm"]
+VLLM_CONFIG_FIELD = "vllm_config"
+"""The /server_info field only vLLM answers (module docstring)."""
+INFO_QUERY = "?config_format=json"
 ENGINE_FIELD = "engine"
 """The /server_info field by which the CPU engine names itself (SGLang has none of that name)."""
 CPU_ENGINE = "megatron-fr-cpu"
@@ -58,15 +67,15 @@ def identify(url: str, timeout_s: float, patience_s: float = 0.0) -> ServerInfo:
     deadline = time.monotonic() + patience_s
     while True:
         try:
-            return parse_server_info(url, get_json(url, SERVER_INFO_PATH, timeout_s))
+            return parse_server_info(url, get_json(url, SERVER_INFO_PATH + INFO_QUERY, timeout_s))
         except UnknownServer:
             raise
         except EngineRequestError as error:
             if error.status == 404:
                 raise UnknownServer(
-                    f"{url} answers 404 on GET {SERVER_INFO_PATH}, so it is neither SGLang nor "
-                    "the project's CPU engine (a router, or another kind of server?): give the "
-                    "URLs of the SGLang servers themselves",
+                    f"{url} answers 404 on GET {SERVER_INFO_PATH}, so it is neither SGLang, "
+                    "vLLM started with VLLM_SERVER_DEV_MODE=1, nor the project's CPU engine (a "
+                    "router, or another kind of server?): give the URLs of the servers themselves",
                     404,
                 ) from error
             if error.status is not None or time.monotonic() + RETRY_S > deadline:
@@ -79,14 +88,17 @@ def parse_server_info(url: str, info: object) -> ServerInfo:
     where = f"{url}{SERVER_INFO_PATH}"
     if not isinstance(info, dict):
         raise UnknownServer(f"{where}: expected a JSON object, got {str(info)[:200]!r}")
+    if isinstance(info.get(VLLM_CONFIG_FIELD), dict):
+        return _vllm_info(url, info[VLLM_CONFIG_FIELD], where)
     if info.get(ENGINE_FIELD) == CPU_ENGINE:
         kind: EngineKind = "cpu"
     elif "version" in info and ENGINE_FIELD not in info:
         kind = "sglang"
     else:
         raise UnknownServer(
-            f"{where}: neither SGLang's answer (no 'version') nor the CPU engine's "
-            f"({ENGINE_FIELD}={CPU_ENGINE!r}); got keys {sorted(info)[:20]}"
+            f"{where}: neither SGLang's answer (no 'version'), vLLM's (no {VLLM_CONFIG_FIELD!r} "
+            f"object) nor the CPU engine's ({ENGINE_FIELD}={CPU_ENGINE!r}); got keys "
+            f"{sorted(info)[:20]}"
         )
     # 0.5.23 resolves the old "--dp-size N --enable-dp-attention" to attn_dp_size N, dp_size 1
     # (arg_groups/parallel_hook.py): dp_size then counts whole replicas; an older server that
@@ -100,6 +112,23 @@ def parse_server_info(url: str, info: object) -> ServerInfo:
         dp_replicas=1 if old_spelling else _size(info, "dp_size", where),
         routed_experts=info.get("enable_return_routed_experts") is True,
         instance=str(info[INSTANCE_FIELD])[:200] if INSTANCE_FIELD in info else None,
+    )
+
+
+def _vllm_info(url: str, config: dict, where: str) -> ServerInfo:
+    """vLLM's answer: its sizes from vllm_config.parallel_config (module docstring). Routed
+    experts are not read from vLLM (engine/vllm/wire.py)."""
+    parallel = config.get("parallel_config")
+    if not isinstance(parallel, dict):
+        raise UnknownServer(f"{where}: {VLLM_CONFIG_FIELD}.parallel_config is not an object")
+    inner = f"{where} {VLLM_CONFIG_FIELD}.parallel_config"
+    return ServerInfo(
+        url=url,
+        kind="vllm",
+        tp_size=_size(parallel, "tensor_parallel_size", inner, required=True),
+        pp_size=_size(parallel, "pipeline_parallel_size", inner),
+        dp_replicas=_size(parallel, "data_parallel_size", inner),
+        routed_experts=False,
     )
 
 

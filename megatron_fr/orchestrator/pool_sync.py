@@ -131,7 +131,7 @@ class PoolSync:
         assert self.check is not None
         # The leader probes the engines; a follower takes part in the scoring (SyncCheck.run).
         probed = None if isinstance(self.rank, Follower) else urls
-        self.checked = self.check.run(probed, version)
+        self.checked = self.check.run(probed, version, self.weight_sync.wire)
         for failed in [c for c in self.checked if c.problem is not None]:  # the leader's
             print(f"weight sync check: {failed.url} {failed.problem}: taken out", flush=True)
             self.rank.take_out([failed.url], f"sync check: {failed.problem}")

@@ -18,7 +18,7 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
-from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.sglang.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet
@@ -50,6 +50,7 @@ def rollout_service_parts(config: RunConfig, hf_dir: Path, run_dir: Path) -> Ser
     buffer = LagAwareBuffer(config.buffer, PromptSource(producer.train_problems, config.seed))
     client = RolloutClientConfig(
         urls=tuple(engines.urls),
+        engine_kind=engines.kind,
         request_timeout_s=config.rollout.request_timeout_s,
         max_attempts=config.rollout.max_attempts,
         max_timeouts=config.rollout.max_timeouts,

@@ -8,7 +8,8 @@ restart; rollout/engines_file.py says what a line must be, and a line that is no
 out with a "skipped" line in faults.jsonl, never fatal). Before it serves, every engine says
 what it is on GET /server_info (engine/server_info.py); one that does not, or that cannot give
 the routed experts a routing-replay run needs, is refused with the reason (EngineRefused):
-before any step for the recipe's engines, by staying out for the others.
+before any step for the recipe's engines, by staying out for the others. The pool's engines
+are of one wire: SGLang and the CPU engine, or vLLM (engine/wire.py).
 
     serving ──(exited; no answer on GET /model_info for unreachable_after_s;
       ▲        failures_in_a_row generate requests failed, timeouts not counted; wedged:
@@ -29,7 +30,8 @@ weights, and the group never waits on a dead member.
 A started engine is restarted at most rollout.engine.restarts times; past that the run ends
 with EngineDied naming the engine, the cause and its log's tail (restarts 0: the first death
 ends the run). A pool with no engine serving, joining or restarting for start_timeout_s ends
-the run too. Engines given by URL are probed on GET /model_info, never /health: SGLang 0.5.23
+the run too. Engines are probed on the wire's version route (engine/wire.py: SGLang's GET
+/model_info, vLLM's GET /weight_info; "/model_info" below), never /health: SGLang 0.5.23
 runs a generation there unless started with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0, which
 waits while a weight sync pauses the server and answers 503 after 20 s, so a long sync would
 be taken for a death; /model_info is answered without generating. Which is also why it cannot
@@ -75,19 +77,21 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
-from megatron_fr.engine.http import (
-    MODEL_INFO_PATH,
-    SERVER_INFO_PATH,
-    EngineRequestError,
-    get_json,
-)
+from megatron_fr.engine.http import SERVER_INFO_PATH, EngineRequestError, get_json
 from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
     ServerProcess,
     launch_server,
 )
-from megatron_fr.engine.server_info import ServerInfo, identify, parse_server_info
+from megatron_fr.engine.server_info import (
+    INFO_QUERY,
+    EngineKind,
+    ServerInfo,
+    identify,
+    parse_server_info,
+)
+from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.rollout.engines_file import EnginesFile
 from megatron_fr.utils.net import free_port
 
@@ -162,6 +166,14 @@ class EngineSupervisor:
         self._resolved: dict[str, frozenset[tuple[str, int]]] = {}
         self._instances: dict[str, str] = {}
         self._empty_since: float | None = None
+        self.kind: EngineKind = settings.kind
+        """What the pool's engines are (the first one identified says, for engines by URL):
+        one run speaks to engines of one wire (engine/wire.py)."""
+        self._kind_known = bool(processes)
+
+    @property
+    def wire(self) -> EngineWire:
+        return wire_for(self.kind)
 
     @property
     def urls(self) -> list[str]:
@@ -218,6 +230,13 @@ class EngineSupervisor:
     def _fit(self, info: ServerInfo, routed_experts: bool) -> ServerInfo:
         """`info`, its instance id remembered; EngineRefused if it cannot serve this run."""
         url = info.url
+        if not self._kind_known:
+            self.kind, self._kind_known = info.kind, True
+        elif wire_for(info.kind) is not self.wire:
+            raise EngineRefused(
+                f"inference engine {url} refused: it is a {info.kind} server and the pool's "
+                f"engines are {self.kind}; one run speaks to engines of one kind"
+            )
         if routed_experts and not info.routed_experts:
             flag = "--enable-return-routed-experts"
             raise EngineRefused(
@@ -238,14 +257,14 @@ class EngineSupervisor:
 
     async def synced(self, urls: list[str], version: str) -> None:
         """A weight sync to `urls` finished at `version`: each joining engine among them whose
-        GET /model_info says so (SGLang's server-wide `weight_version`, which
-        /update_weight_version set) serves from now on."""
+        version read (the wire's version_path: SGLang's GET /model_info, vLLM's /weight_info)
+        says so serves from now on."""
         for url in urls:
             member = self.members.get(url)
             if member is None or member.state != "joining":
                 continue
             try:
-                info = await asyncio.to_thread(get_json, url, MODEL_INFO_PATH, 10.0)
+                info = await asyncio.to_thread(get_json, url, self.wire.version_path, 10.0)
             except EngineRequestError as error:
                 log.warning("engine %s did not confirm its weights (%s): it stays out", url, error)
                 continue
@@ -298,17 +317,17 @@ class EngineSupervisor:
                 await self._take_out(member, failure)
                 if member.launch is None:  # answering /model_info, it would be back at once
                     member.retry_at = now + self.settings.unreachable_after_s
-            elif await _healthy(session, member.url):
+            elif await _healthy(session, member.url, self.wire.version_path):
                 member.last_answer = now
             elif now - member.last_answer > self.settings.unreachable_after_s:
                 window = self.settings.unreachable_after_s
                 await self._take_out(
-                    member, f"has not answered GET {MODEL_INFO_PATH} for {window:g} s"
+                    member, f"has not answered GET {self.wire.version_path} for {window:g} s"
                 )
         elif member.state == "out" and now >= member.retry_at:
             if member.launch is not None:
                 self._restart(member)
-            elif await _healthy(session, member.url):
+            elif await _healthy(session, member.url, self.wire.version_path):
                 await self._admit_url(member, "answers again")
             else:
                 member.retry_at = now + self.settings.watch_interval_s
@@ -478,7 +497,7 @@ class EngineSupervisor:
         window = self.settings.unreachable_after_s
         try:
             async with session.get(
-                url + SERVER_INFO_PATH, timeout=aiohttp.ClientTimeout(total=window)
+                url + (SERVER_INFO_PATH + INFO_QUERY), timeout=aiohttp.ClientTimeout(total=window)
             ) as response:
                 if response.status >= 300:
                     raise EngineRequestError(f"HTTP {response.status}", response.status)
@@ -558,6 +577,7 @@ def launch_configs(
                 port=port,
                 log_dir=log_dir,
                 engine=settings.kind,
+                python=settings.python,
                 cpu_threads=settings.threads,
                 tp_size=size,
                 gpu_ids=gpus,
@@ -574,9 +594,10 @@ def _this_host(address: str) -> str:
     return "this host" if parsed.is_loopback or parsed.is_unspecified else str(parsed)
 
 
-async def _healthy(session: aiohttp.ClientSession, url: str) -> bool:
+async def _healthy(session: aiohttp.ClientSession, url: str, path: str) -> bool:
+    """Whether `url` answers GET `path` (the wire's version_path: it runs no generation)."""
     try:
-        async with session.get(url + MODEL_INFO_PATH) as response:
+        async with session.get(url + path) as response:
             return response.status < 300
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False

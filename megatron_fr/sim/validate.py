@@ -17,7 +17,7 @@ the bottleneck the step time does not depend on the servers' speed and the facto
 found; the report says so.
 
 The servers' batching curve is not fitted, only scaled: give its shape. The CPU engine
-(engine/cpu_server.py) decodes its requests one token each in turn under one lock and serves 32
+(engine/cpu/server.py) decodes its requests one token each in turn under one lock and serves 32
 at once, i.e. server.single_stream_tokens_per_s = server.peak_tokens_per_s and
 server.max_running_requests=32; the CPU demo's prompts, rendered by its chat template, are 30 or
 31 tokens (lengths.prompt_tokens).

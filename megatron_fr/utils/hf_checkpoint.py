@@ -6,7 +6,7 @@ Which file holds a tensor is what ``model.safetensors.index.json`` says (its wei
 when a stray copy sits in another shard; without an index every ``*.safetensors`` file is read
 and a name found in two of them is refused. Only regular files are opened (utils/safetensors_io:
 a FIFO or a device named like a shard is refused, never waited on). Shared by the converters
-(convert/) and the CPU engine's disk loads (engine/cpu_weights.py), which sits below convert.
+(convert/) and the CPU engine's disk loads (engine/cpu/weights.py), which sits below convert.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ Protocol, run by every learner rank together (resharding exchanges shards betwee
      engines' prefix caches (/flush_cache, so no KV of the old weights is reused), sets the
      new weight version, optionally reads a few tensors back (CPU engine only) and resumes
      generation (/continue_generation).
-Every engine call has a deadline. If any step fails the error names the engine and step and
+The pause, the version, the cache flush and the resume are the engines' wire's
+(engine/wire.py; vLLM: /pause, /update_weight_version, /reset_prefix_cache, /resume), the
+session and the push the transport's (vLLM's: weights/transports/vllm.py). Every engine call
+has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
 mixed-version tokens into training data.
 
@@ -49,14 +52,16 @@ import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.convert.shard import groups_or_megatron
-from megatron_fr.engine import protocol
-from megatron_fr.engine.http import EngineRequestError, flush_cache, post_all, post_json
+from megatron_fr.engine.http import EngineRequestError, post_json
+from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.pipeline import BucketSender
 from megatron_fr.weights.plan import ReshardPlan, build_plan
 from megatron_fr.weights.reshard import Bucket, reshard_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 from megatron_fr.weights.transports.base import resolve_engine
+from megatron_fr.weights.transports.vllm import leave_leftover_group
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -200,6 +205,9 @@ class WeightSync:
     def _adopt_one(self, engine: Engine, leftovers: list[str]) -> Engine:
         bound = self._regroup_bound()
         resolved = resolve_engine(engine, bound)
+        if resolved.kind == "vllm":
+            leave_leftover_group(engine.url, bound)
+            return resolved
         end = protocol.end_weight_update_request()
         _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
         for name in leftovers:
@@ -221,6 +229,13 @@ class WeightSync:
 
     def _check_spot_check(self, engines: list[Engine]) -> None:
         model_type = self.spec.model_type
+        vllm = [engine.url for engine in engines if engine.kind == "vllm"]
+        if self.config.spot_check and vllm:
+            raise ValueError(
+                f"spot_check {self.config.spot_check}: vLLM has no route to read weights back "
+                f"and {vllm} are vLLM servers: set weights.spot_check=0 (the sync check, "
+                "weights.verify_every, checks them by their log-probs)"
+            )
         if self.config.spot_check and model_type not in SGLANG_WEIGHT_READBACK:
             sglang = [engine.url for engine in engines if engine.kind == "sglang"]
             if sglang:
@@ -296,27 +311,26 @@ class WeightSync:
     def _send_bucket(self, bucket: Bucket) -> str | None:
         return self._attempt(True, "send", lambda: self._connected().send(bucket))
 
+    @property
+    def wire(self) -> EngineWire:
+        """How the engines are paused, labelled and resumed (one kind per run)."""
+        return wire_for(self.engines[0].kind or "sglang")
+
     def _pause(self) -> None:
-        pause = protocol.pause_generation_request(self.config.pause_mode)
-        self._post_all(protocol.PAUSE_GENERATION_PATH, pause)
-        if self._connected().needs_session:
-            self._post_all(
-                protocol.BEGIN_WEIGHT_UPDATE_PATH, protocol.begin_weight_update_request()
-            )
+        mode = self.config.pause_mode
+        self._each_engine(lambda url: self.wire.pause(url, mode, self.timeout_s))
+        self._connected().begin()
 
     def _commit(self, version: str, kept: list[tuple[str, torch.Tensor]]) -> None:
         transport = self._connected()
         transport.commit(version)
-        if transport.needs_session:
-            self._post_all(protocol.END_WEIGHT_UPDATE_PATH, protocol.end_weight_update_request())
+        transport.end()
         if self.config.flush_cache:
             for url in transport.urls:
-                flush_cache(url, self.timeout_s)
-        self._post_all(
-            protocol.UPDATE_WEIGHT_VERSION_PATH, protocol.update_weight_version_request(version)
-        )
+                self.wire.flush_cache(url, self.timeout_s)
+        self._each_engine(lambda url: self.wire.set_version(url, version, self.timeout_s))
         self._check(kept)
-        self._post_all(protocol.CONTINUE_GENERATION_PATH, protocol.continue_generation_request())
+        self._each_engine(lambda url: self.wire.resume(url, self.timeout_s))
 
     def _connected(self) -> WeightTransport:
         """The transport connect() made; every step after connect() goes through it."""
@@ -324,8 +338,12 @@ class WeightSync:
             raise WeightSyncError("the weight sync is not connected (connect() first)")
         return self.transport
 
-    def _post_all(self, path: str, body: dict[str, object]) -> None:
-        post_all([engine.url for engine in self.engines], path, body, self.timeout_s)
+    def _each_engine(self, call: Callable[[str], None]) -> None:
+        """`call` for every engine at once; raises the first failure after all finished."""
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            futures = [pool.submit(call, engine.url) for engine in self.engines]
+        for future in futures:
+            future.result()
 
     @staticmethod
     def _attempt(this_rank: bool, what: str, call: Callable[[], object]) -> str | None:

@@ -26,8 +26,10 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
-from megatron_fr.engine import protocol
 from megatron_fr.engine.http import EngineRequestError, post_json
+from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.sglang.wire import SGLANG_WIRE
+from megatron_fr.engine.wire import EngineWire
 from megatron_fr.parallel.state import broadcast_from_rank0
 
 PROBE_PROMPT_TOKENS = 16
@@ -79,10 +81,14 @@ class SyncCheck:
     def due(self, version: int) -> bool:
         return self.every > 0 and version % self.every == 0
 
-    def run(self, urls: list[str] | None, version: int) -> list[EngineCheck]:
-        """Every rank: rank 0 passes the pool's engines (the others None) and gets each one's
-        check; the others get []. Every rank takes part in the learner's forward."""
-        probes = broadcast_from_rank0(self._probe(urls, version) if urls is not None else None)
+    def run(
+        self, urls: list[str] | None, version: int, wire: EngineWire = SGLANG_WIRE
+    ) -> list[EngineCheck]:
+        """Every rank: rank 0 passes the pool's engines (the others None), which speak `wire`,
+        and gets each one's check; the others get []. Every rank takes part in the learner's
+        forward."""
+        probed = self._probe(urls, version, wire) if urls is not None else None
+        probes = broadcast_from_rank0(probed)
         trajectories = [p for p in probes if isinstance(p, Trajectory)]
         scored = []
         if trajectories:  # the same on every rank: all of them score, or none
@@ -95,14 +101,14 @@ class SyncCheck:
             for url, probe in zip(urls, probes, strict=True)
         ]
 
-    def _probe(self, urls: list[str], version: int) -> list[Trajectory | str]:
+    def _probe(self, urls: list[str], version: int, wire: EngineWire) -> list[Trajectory | str]:
         """Rank 0: each engine's probe as a trajectory, or why there is none."""
         sampling = protocol.SamplingParams(
             temperature=self.temperature,
             max_new_tokens=PROBE_NEW_TOKENS,
             sampling_seed=PROBE_SEED,
         )
-        body = protocol.generate_request(
+        body = wire.generate_request(
             self.prompt,
             sampling,
             rid=f"sync-probe-{version}",
@@ -110,17 +116,19 @@ class SyncCheck:
         )
         with ThreadPoolExecutor(max_workers=max(1, len(urls))) as pool:
             calls = [
-                pool.submit(post_json, url, protocol.GENERATE_PATH, body, self.timeout_s)
+                pool.submit(post_json, url, wire.generate_path, body, self.timeout_s)
                 for url in urls
             ]
             return [
-                self._as_probe(url, call.result, version)
+                self._as_probe(url, call.result, version, wire)
                 for url, call in zip(urls, calls, strict=True)
             ]
 
-    def _as_probe(self, url: str, answer: Callable[[], object], version: int) -> Trajectory | str:
+    def _as_probe(
+        self, url: str, answer: Callable[[], object], version: int, wire: EngineWire
+    ) -> Trajectory | str:
         try:
-            output = protocol.parse_generate_response(answer(), self.top_logprobs_num)
+            output = wire.parse_generate(answer(), self.top_logprobs_num)
         except (EngineRequestError, protocol.MalformedResponse) as error:
             return f"probe failed: {error}"
         if output.weight_version != str(version):

@@ -52,9 +52,9 @@ async def sample(hf_dir) -> list[Trajectory]:
     from trajectory_fixtures import single_turn_trajectory
 
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-    from megatron_fr.engine.cpu_engine import CpuEngine
-    from megatron_fr.engine.cpu_server import CpuServer
-    from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
+    from megatron_fr.engine.cpu.engine import CpuEngine
+    from megatron_fr.engine.cpu.server import CpuServer
+    from megatron_fr.engine.sglang.protocol import RoutedExpertsLayout, SamplingParams
 
     engine = CpuEngine(hf_dir, torch.bfloat16, return_routed_experts=True)
     engine.weight_version = "0"  # the learner's version of these weights

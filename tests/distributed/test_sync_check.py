@@ -16,7 +16,7 @@ import pytest
 from test_weight_sync import cpu_engine  # noqa: F401  (the fixture)
 from tiny_qwen import tiny_checkpoint
 
-from megatron_fr.engine import protocol
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.parallel.spawn import run_on_ranks
 
 TOLERANCE = 0.05

@@ -24,7 +24,7 @@ async def _sample(url: str, count: int):
     from trajectory_fixtures import single_turn_trajectory
 
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-    from megatron_fr.engine.protocol import SamplingParams
+    from megatron_fr.engine.sglang.protocol import SamplingParams
 
     sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=10)
     async with RolloutClient(RolloutClientConfig(urls=[url], request_timeout_s=60)) as client:

@@ -1,6 +1,6 @@
 """The learner's weight-update sender against SGLang's own receiving code, in separate
 processes: SGLang's init_custom_process_group and WeightUpdater receive methods, read from
-the installed sglang package (engine/sglang_source.py), on gloo.
+the installed sglang package (engine/sglang/source.py), on gloo.
 
 Two servers at TP2 make a group of 1 + 2 + 2 = 5 ranks; SGLang's TP rank t of a server joins
 at that server's rank_offset + t, so the offsets are 1 and 3. A hand-built sender
@@ -72,7 +72,7 @@ def assert_is_the_bucket(got: list) -> None:
 def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
     """One TP rank of an SGLang server: joins with SGLang's function, receives one bucket
     tensor by tensor and one flattened, with SGLang's receive code."""
-    from megatron_fr.engine.sglang_source import DistributedReceiver
+    from megatron_fr.engine.sglang.source import DistributedReceiver
 
     receiver = DistributedReceiver(tp_rank=tp_rank)
     try:
@@ -89,7 +89,7 @@ def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) ->
 
 
 def sglang_rank_alone(port: int, results) -> None:
-    from megatron_fr.engine.sglang_source import init_custom_process_group
+    from megatron_fr.engine.sglang.source import init_custom_process_group
 
     try:
         init_custom_process_group()(
@@ -148,7 +148,7 @@ def sglang_regroup_rank(role: str, ports: tuple[int, int], regroup, results) -> 
     code: both join group A and receive a bucket; "dies" then exits without leaving A; "stays"
     waits for the regroup, leaves A (whose other member is dead), joins group B under a fresh
     name with the sender alone, and receives there."""
-    from megatron_fr.engine.sglang_source import DistributedReceiver
+    from megatron_fr.engine.sglang.source import DistributedReceiver
 
     receiver = DistributedReceiver()
     names = [name for name, _ in bucket()]
@@ -239,7 +239,7 @@ def sglang_receiver_of_a_big_tensor(role: str, ports: tuple[int, int], started, 
     and start receiving a big tensor; the test stops and kills "dies" while the sender is
     still in that broadcast. "stays" reports how its receive ended, destroys group A (the
     pool's reconnect asks it to), joins group B under a fresh name and receives the bucket."""
-    from megatron_fr.engine.sglang_source import DistributedReceiver
+    from megatron_fr.engine.sglang.source import DistributedReceiver
 
     receiver = DistributedReceiver()
     try:

@@ -20,7 +20,7 @@ from stub_server import StubServer
 from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
-from megatron_fr.engine import protocol
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.parallel.spawn import run_on_ranks
 from megatron_fr.utils.net import free_port
 
@@ -287,7 +287,7 @@ def _start_long_rollout(url: str):
     import threading
 
     from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-    from megatron_fr.engine.protocol import SamplingParams
+    from megatron_fr.engine.sglang.protocol import SamplingParams
 
     result: dict = {}
 
@@ -312,7 +312,7 @@ def cpu_engine(tmp_path):
         [
             sys.executable,
             "-m",
-            "megatron_fr.engine.cpu_server",
+            "megatron_fr.engine.cpu.server",
             "--model-path",
             str(tmp_path / "served"),
             "--port",

@@ -26,7 +26,7 @@ from agent_fixtures import ScriptedEngine, build_tokenizer, chat_model_dir, serv
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-from megatron_fr.engine.protocol import SamplingParams
+from megatron_fr.engine.sglang.protocol import SamplingParams
 from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.envs.datasets import bundled_samples
 from megatron_fr.envs.registry import build_environment
@@ -174,7 +174,7 @@ def random_model(tmp_path_factory):
 def test_random_model_on_the_cpu_engine_survives_every_environment(
     random_model, env_name: str
 ) -> None:
-    from megatron_fr.engine.cpu_engine import CpuEngine
+    from megatron_fr.engine.cpu.engine import CpuEngine
 
     engine = CpuEngine(random_model)
     engine.weight_version = "0"

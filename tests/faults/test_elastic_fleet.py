@@ -70,7 +70,7 @@ class Fleet:
         engines = {}
         for process in run_processes(self.marker):
             command = process.cmdline()
-            if "megatron_fr.engine.cpu_server" in command:
+            if "megatron_fr.engine.cpu.server" in command:
                 engines[f"http://127.0.0.1:{command[command.index('--port') + 1]}"] = process.pid
         return engines
 

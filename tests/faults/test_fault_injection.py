@@ -131,7 +131,9 @@ def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
     elif fault == "kill_rank":
         victim = next(p.pid for p in run_processes(marker) if p.environ().get("RANK") == "1")
     else:
-        engine = next(p for p in run_processes(marker) if "cpu_server" in " ".join(p.cmdline()))
+        engine = next(
+            p for p in run_processes(marker) if "engine.cpu.server" in " ".join(p.cmdline())
+        )
         victim, command = engine.pid, engine.cmdline()
         port = command[command.index("--port") + 1]
     killed_at = time.monotonic()
@@ -232,7 +234,7 @@ def url_engine(
     command = [
         sys.executable,
         "-m",
-        "megatron_fr.engine.cpu_server",
+        "megatron_fr.engine.cpu.server",
         "--model-path",
         str(model),
         "--port",
@@ -307,13 +309,15 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     try:
         wait_until(
             lambda: (
-                any("cpu_server" in " ".join(p.cmdline()) for p in run_processes(marker))
+                any("engine.cpu.server" in " ".join(p.cmdline()) for p in run_processes(marker))
                 or run.process.poll() is not None
             ),
             300,
             "the engine",
         )
-        engine = next(p for p in run_processes(marker) if "cpu_server" in " ".join(p.cmdline()))
+        engine = next(
+            p for p in run_processes(marker) if "engine.cpu.server" in " ".join(p.cmdline())
+        )
         url = f"http://127.0.0.1:{engine.cmdline()[engine.cmdline().index('--port') + 1]}"
         wait_until(lambda: served_version(url) == "0", 300, "the learner's weights served")
         time.sleep(3.0)  # the step-0 evaluation is under way

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from aiohttp import web
 
-from megatron_fr.engine.cpu_engine import CpuEngine
-from megatron_fr.engine.cpu_server import AUTO_DECOMPRESS, CpuServer
+from megatron_fr.engine.cpu.engine import CpuEngine
+from megatron_fr.engine.cpu.server import AUTO_DECOMPRESS, CpuServer
 
 PROMPT = [3, 17, 42, 5]
 HOLD_TIMEOUT_S = 120.0

@@ -23,7 +23,7 @@ from agent_fixtures import (
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.sglang.protocol import RoutedExpertsLayout, SamplingParams
 from megatron_fr.envs.base import Episode, StepResult
 from megatron_fr.rollout.agent import EpisodeResult, run_episode
 from megatron_fr.rollout.chat import ChatFormat

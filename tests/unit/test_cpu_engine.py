@@ -10,8 +10,8 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 from tiny_qwen import tiny_checkpoint
 
-from megatron_fr.engine.cpu_engine import CpuEngine, Sampling, sampling_log_probs
-from megatron_fr.engine.cpu_server import CpuServer
+from megatron_fr.engine.cpu.engine import CpuEngine, Sampling, sampling_log_probs
+from megatron_fr.engine.cpu.server import CpuServer
 
 PROMPT = [3, 17, 42, 5]
 

@@ -26,11 +26,11 @@ from engine_harness import StepGate, hf_model, router_top_k, serving, until
 from tiny_qwen import tiny_checkpoint
 
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-from megatron_fr.engine.cpu_engine import CpuEngine
-from megatron_fr.engine.cpu_server import CpuServer
-from megatron_fr.engine.protocol import RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.cpu.engine import CpuEngine
+from megatron_fr.engine.cpu.server import CpuServer
 from megatron_fr.engine.server_info import ENGINE_FIELD, INSTANCE_FIELD, identify
-from megatron_fr.engine.sglang_source import exec_function, function_source, sglang_root
+from megatron_fr.engine.sglang.protocol import RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.sglang.source import exec_function, function_source, sglang_root
 
 PROMPTS = [[3, 17, 42, 5], [9, 8, 100]]
 NEW = 7

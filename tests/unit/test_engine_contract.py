@@ -26,12 +26,16 @@ from agent_fixtures import ScriptedEngine, build_tokenizer, serving
 from test_rollout_protocol import SAMPLING, _sglang_root, class_fields
 
 from megatron_fr.engine import http as engine_http
-from megatron_fr.engine import protocol as p
-from megatron_fr.engine.cpu_server import CpuServer
-from megatron_fr.engine.sglang_source import SGLANG_VERSION
+from megatron_fr.engine.cpu.server import CpuServer
+from megatron_fr.engine.sglang import protocol as p
+from megatron_fr.engine.sglang.source import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_SIDE = (REPO / "megatron_fr/engine/vllm", REPO / "tools/vllm_push_check.py")
+VLLM_SIDE = (
+    REPO / "megatron_fr/engine/vllm",
+    REPO / "megatron_fr/weights/transports/vllm.py",
+    REPO / "tools/vllm_push_check.py",
+)
 """Code that speaks vLLM's wire, not SGLang's: its routes are checked against vLLM's source
 (tests/unit/test_vllm_contract.py)."""
 SCANNED = [
@@ -225,6 +229,40 @@ def _http_calls(
             yield SESSION_METHODS[callee], joined.right
 
 
+WIRE_PATHS = ("generate_path", "version_path")
+"""The engine interface's path attributes (engine/wire.py): `x.generate_path` is resolved to
+the SGLang implementation's (engine/sglang/wire.py), what the scanned code speaks to SGLang."""
+SGLANG_WIRE = REPO / "megatron_fr/engine/sglang/wire.py"
+
+
+def _wire_path(attribute: str) -> set[str] | None:
+    module = _module(SGLANG_WIRE)
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == attribute for t in node.targets
+        ):
+            found = _resolve(node.value, module, None)
+            return found if isinstance(found, set) else None
+    return None
+
+
+def _returned_path(module: _Module, call: ast.expr, index: int) -> set[str] | str | None:
+    """Element `index` of what `self.method(..)` returns, for a method of the same module that
+    returns a tuple (a transport's `path, body = self.update_request(..)`)."""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+        return None
+    method = next((f for f in _functions(module.tree) if f.name == call.func.attr), None)
+    returns = [n.value for n in ast.walk(method) if isinstance(n, ast.Return)] if method else []
+    values = [
+        _resolve(value.elts[index], module, method)
+        for value in returns
+        if isinstance(value, ast.Tuple) and len(value.elts) > index
+    ]
+    if values and all(isinstance(v, set) for v in values):
+        return set().union(*values)  # type: ignore[arg-type]
+    return None
+
+
 def _resolve(
     expr: ast.expr, module: _Module, function: ast.FunctionDef | ast.AsyncFunctionDef | None
 ) -> set[str] | str | None:
@@ -232,6 +270,15 @@ def _resolve(
     None when it cannot be told."""
     if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
         return {expr.value}
+    if isinstance(expr, ast.Attribute) and expr.attr in WIRE_PATHS:
+        return _wire_path(expr.attr)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):  # path + "?query"
+        query = _resolve(expr.right, module, function)
+        if isinstance(query, set) and all(q.startswith("?") for q in query):
+            return _resolve(expr.left, module, function)
+        return None
+    if isinstance(expr, ast.Starred):  # post(*self.join_requests(..)): the path comes first
+        return _returned_path(module, expr.value, 0)
     if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name):
         value = module.module_constant(expr.value.id, expr.attr)
         return {value} if value is not None else None
@@ -240,6 +287,11 @@ def _resolve(
     if function is not None:
         if expr.id in _parameters(function):
             return expr.id
+        for stmt in ast.walk(function):  # path, body = self.update_request(..)
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Tuple):
+                names = [getattr(t, "id", None) for t in stmt.targets[0].elts]
+                if expr.id in names:
+                    return _returned_path(module, stmt.value, names.index(expr.id))
         assigned = [
             stmt.value
             for stmt in ast.walk(function)
@@ -315,7 +367,7 @@ def test_every_endpoint_the_project_calls_is_an_sglang_route_with_its_method(rou
         ("GET", "/model_info"),  # aiohttp session, supervisor
         ("GET", "/health"),  # urlopen, launcher; aiohttp, client
         ("POST", "/generate"),  # aiohttp, client; post_json, tools/gpu_check.py
-        ("POST", "/pause_generation"),  # WeightSync._post_all -> post_all -> post_json
+        ("POST", "/pause_generation"),  # WeightSync._pause -> SGLangWire.pause -> post_json
         ("POST", "/destroy_weights_update_group"),  # a local path -> _unless_absent
     } <= called
     wrong = sorted(
@@ -356,7 +408,7 @@ BUILDERS = [
     partial(p.end_weight_update_request),
     partial(p.get_weights_by_name_request, "w", 4),
 ]
-"""A body of each builder in engine/protocol.py (each builder at least once)."""
+"""A body of each builder in engine/sglang/protocol.py (each builder at least once)."""
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=[build.func.__name__ for build in BUILDERS])

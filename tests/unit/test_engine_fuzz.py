@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from tiny_qwen import tiny_checkpoint
 
-from megatron_fr.engine.cpu_engine import CpuEngine
+from megatron_fr.engine.cpu.engine import CpuEngine
 from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, cpu_engine_command
 from megatron_fr.utils.net import free_port
 

@@ -1,4 +1,4 @@
-"""The CPU engine against hostile or broken clients, served as `cpu_server.main` serves it
+"""The CPU engine against hostile or broken clients, served as `engine.cpu.server.main` serves it
 (real TCP, handlers not cancelled on disconnect): context-length limits, bounded bodies,
 generation that stops when its client disconnects, and a 400 naming the field for every
 malformed request shape."""
@@ -13,7 +13,7 @@ import pytest
 from engine_harness import PROMPT, serving, until
 from tiny_qwen import tiny_checkpoint
 
-from megatron_fr.engine.cpu_engine import CpuEngine
+from megatron_fr.engine.cpu.engine import CpuEngine
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ from engine_harness import (
 )
 from tiny_qwen import saved_tensors, tiny_checkpoint
 
-from megatron_fr.engine import cpu_weights
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
-from megatron_fr.engine.cpu_engine import CpuEngine
-from megatron_fr.engine.protocol import (
+from megatron_fr.engine.cpu import weights as cpu_weights
+from megatron_fr.engine.cpu.engine import CpuEngine
+from megatron_fr.engine.sglang.protocol import (
     RoutedExpertsLayout,
     SamplingParams,
     parse_generate_response,

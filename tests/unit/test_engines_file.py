@@ -79,7 +79,7 @@ def test_the_file_is_read_when_it_changed_only_and_never_opened_unless_regular(t
 
 
 def cpu_engine_info(instance: str) -> dict:
-    """/server_info as the CPU engine answers it (engine/cpu_server.py), trimmed to what the
+    """/server_info as the CPU engine answers it (engine/cpu/server.py), trimmed to what the
     reader needs."""
     return {"engine": "megatron-fr-cpu", "tp_size": 1, "pp_size": 1, "instance_id": instance}
 

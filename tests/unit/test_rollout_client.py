@@ -43,8 +43,12 @@ from megatron_fr.engine.client import (
     ServersUnavailable,
     TopLogProbsUnavailable,
 )
-from megatron_fr.engine.protocol import MalformedResponse, RoutedExpertsLayout, SamplingParams
-from megatron_fr.engine.sglang_source import exec_function, function_source
+from megatron_fr.engine.sglang.protocol import (
+    MalformedResponse,
+    RoutedExpertsLayout,
+    SamplingParams,
+)
+from megatron_fr.engine.sglang.source import exec_function, function_source
 
 LAYOUT = RoutedExpertsLayout(num_layers=2, top_k=2, num_experts=4)
 

@@ -20,7 +20,6 @@ import torch
 from pydantic import ValidationError
 
 from megatron_fr.cli import build_parser
-from megatron_fr.engine import sglang_source as src
 from megatron_fr.engine.group import NCCL_CUMEM, match_sglang_nccl_env
 from megatron_fr.engine.launcher import (
     SGLANG_ENV,
@@ -34,6 +33,7 @@ from megatron_fr.engine.launcher import (
     server_gpus,
     sglang_command,
 )
+from megatron_fr.engine.sglang import source as src
 
 MOE_MULTI_NODE = ServerLaunchConfig(
     model_path="/models/Qwen3-30B-A3B",
@@ -141,7 +141,7 @@ def test_cpu_engine_command() -> None:
     assert cpu_engine_command(cfg) == [
         sys.executable,
         "-m",
-        "megatron_fr.engine.cpu_server",
+        "megatron_fr.engine.cpu.server",
         "--model-path",
         "/tmp/tiny-qwen3-moe",
         "--host",

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from megatron_fr.engine import protocol as p
-from megatron_fr.engine.protocol import MalformedResponse, SamplingParams
+from megatron_fr.engine.sglang import protocol as p
+from megatron_fr.engine.sglang.protocol import MalformedResponse, SamplingParams
 
 
 def _sglang_root() -> Path:
@@ -115,8 +115,8 @@ def test_the_cpu_engine_accepts_only_sglang_names_and_defaults(io_struct) -> Non
     """Every /generate and sampling field the CPU server accepts is one of SGLang's, and those
     it accepts only at their default hold SGLang's default (so no request means one thing on
     SGLang and another on the CPU engine)."""
-    from megatron_fr.engine import cpu_wire as w
-    from megatron_fr.engine.cpu_engine import Sampling
+    from megatron_fr.engine.cpu import wire as w
+    from megatron_fr.engine.cpu.engine import Sampling
 
     generate = {*w.GENERATE_FIELDS, *w.GENERATE_IGNORED, *w.GENERATE_DEFAULT_ONLY}
     assert generate <= set(io_struct["GenerateReqInput"]), generate - set(
@@ -509,8 +509,8 @@ def test_spans_as_sglang_writes_them_parse_to_the_version_of_every_token(sglang_
 
 
 def test_the_cpu_engine_writes_spans_exactly_as_sglang(sglang_spans) -> None:
-    from megatron_fr.engine.cpu_engine import Output
-    from megatron_fr.engine.cpu_wire import generate_response
+    from megatron_fr.engine.cpu.engine import Output
+    from megatron_fr.engine.cpu.wire import generate_response
 
     rng = random.Random(1)
     for _ in range(300):
@@ -541,7 +541,7 @@ def sglang_logprob_meta() -> Callable:
     import logging
     from types import SimpleNamespace
 
-    from megatron_fr.engine.sglang_source import exec_function, function_source
+    from megatron_fr.engine.sglang.source import exec_function, function_source
 
     names = (
         "add_logprob_to_meta_info",
@@ -614,8 +614,8 @@ def test_top_logprobs_as_sglang_writes_them_parse_to_each_tokens_ids_and_log_pro
 def test_the_cpu_engine_writes_top_logprobs_exactly_as_sglang(sglang_logprob_meta) -> None:
     """Its answer and its waiting-queue abort answer carry SGLang's input_top_logprobs and
     output_top_logprobs for the same tokens."""
-    from megatron_fr.engine.cpu_engine import Output
-    from megatron_fr.engine.cpu_wire import generate_response
+    from megatron_fr.engine.cpu.engine import Output
+    from megatron_fr.engine.cpu.wire import generate_response
 
     rng = random.Random(3)
     for count, k in [(4, 3), (0, 2)]:
@@ -633,7 +633,7 @@ def test_the_cpu_engine_writes_top_logprobs_exactly_as_sglang(sglang_logprob_met
 def sglang_flat_layout() -> Callable:
     """flat_top_logprobs_layout as written in the installed io_struct.py: SGLang's rule for
     which rows of top log-probs may be null (it raises on any other)."""
-    from megatron_fr.engine.sglang_source import exec_function, function_source
+    from megatron_fr.engine.sglang.source import exec_function, function_source
 
     name = "flat_top_logprobs_layout"
     return exec_function(function_source("srt/managers/io_struct.py", name), name, {})

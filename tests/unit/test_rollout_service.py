@@ -27,10 +27,10 @@ from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.rollout import EngineSettings
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, ServersUnavailable
-from megatron_fr.engine.cpu_engine import CpuEngine
+from megatron_fr.engine.cpu.engine import CpuEngine
 from megatron_fr.engine.http import MODEL_INFO_PATH, get_json, post_json
 from megatron_fr.engine.launcher import ServerProcess
-from megatron_fr.engine.protocol import (
+from megatron_fr.engine.sglang.protocol import (
     UPDATE_WEIGHT_VERSION_PATH,
     SamplingParams,
     update_weight_version_request,

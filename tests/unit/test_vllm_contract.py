@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.engine import protocol
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.vllm import launch, wire
 
 

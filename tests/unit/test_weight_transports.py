@@ -28,10 +28,10 @@ from stub_server import StubServer
 from test_rollout_protocol import class_fields
 
 from megatron_fr.config.weights import WeightSyncConfig
-from megatron_fr.engine import protocol
-from megatron_fr.engine import sglang_source as src
 from megatron_fr.engine.http import EngineRequestError, flush_cache
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, UnknownServer
+from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.sglang import source as src
 from megatron_fr.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from megatron_fr.utils.net import address_towards
 from megatron_fr.weights import sync as sync_module
@@ -258,7 +258,7 @@ def test_tensor_transport_refuses_engines_off_this_node_and_machines_without_cud
 
 RECEIVE_IN_ANOTHER_PROCESS = """
 import base64, pickle, sys
-from megatron_fr.engine import sglang_source
+from megatron_fr.engine.sglang import source as sglang_source
 sglang_source.monkey_patch_torch_reductions()()  # as SGLang's receiver does
 [(name, tensor)] = pickle.loads(base64.b64decode(sys.stdin.read()))
 print(name, tensor.device, tensor.tolist())

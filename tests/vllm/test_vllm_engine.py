@@ -19,13 +19,13 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_fr.engine import protocol
 from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
     launch_server,
     server_command,
 )
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.engine.vllm import wire
 from megatron_fr.engine.vllm.push import push_tensors

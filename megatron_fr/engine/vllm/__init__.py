@@ -1,2 +1,3 @@
-"""vLLM as an inference engine: its token-in/token-out wire (wire.py), its RL weight-update
-routes, and how a server is started for the project (launch.py)."""
+"""vLLM as an inference engine: its token-in/token-out wire and side of the engine interface
+(wire.py), how a server is started for the project (launch.py), the gloo weight-transfer
+backend loaded into its workers (gloo_transfer.py) and a one-off push (push.py)."""

@@ -11,9 +11,10 @@ The flags the project needs of every vLLM server: --enable-scale-out (the token-
 distribution sampled from, after temperature: what the importance ratio needs; vLLM's default
 is before temperature), and VLLM_SERVER_DEV_MODE=1 in its environment (the RL routes: /pause,
 /resume, the weight-update protocol; vLLM logs a warning that they are unauthenticated, as
-SGLang's are). On a machine without CUDA it also runs eagerly (no graph capture) with a KV
-cache of VLLM_CPU_KVCACHE_GIB, threads unbound (the machine is shared with the learner), and
-receives weight pushes through the project's gloo backend (gloo_transfer.py).
+SGLang's are). Every server receives weight pushes through the project's gloo backend
+(gloo_transfer.py, imported from this repository through PYTHONPATH). On a machine without
+CUDA it also runs eagerly (no graph capture) with a KV cache of VLLM_CPU_KVCACHE_GIB, threads
+unbound (the machine is shared with the learner).
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ def vllm_command(
     command += ["--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
     if skip_tokenizer_init:
         command.append("--skip-tokenizer-init")
-    if not cuda:  # vLLM's own weight-transfer backends need CUDA: the project's gloo one
-        command += ["--enforce-eager", "--worker-extension-cls", GLOO_EXTENSION]
-        command += ["--weight-transfer-config", json.dumps({"backend": GLOO_BACKEND})]
+    if not cuda:  # no graph capture on CPU
+        command.append("--enforce-eager")
+    # vLLM's own weight-transfer backends need its trainer-side code in the learner's
+    # environment: the project pushes through its gloo backend (weights/transports/vllm.py).
+    command += ["--worker-extension-cls", GLOO_EXTENSION]
+    command += ["--weight-transfer-config", json.dumps({"backend": GLOO_BACKEND})]
     return command + list(extra_args)
 
 
@@ -78,6 +82,6 @@ def vllm_env(base: dict[str, str], cuda: bool) -> dict[str, str]:
     """`base` with VLLM_ENV, and CPU_ENV where there is no CUDA; a setting `base` already has
     wins (a user's own VLLM_CPU_KVCACHE_SPACE, say)."""
     env = VLLM_ENV | ({} if cuda else CPU_ENV) | base
-    if not cuda:  # the gloo extension is imported from this repository in vLLM's workers
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
+    # the gloo extension is imported from this repository in vLLM's workers
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), base.get("PYTHONPATH")]))
     return env

@@ -5,7 +5,7 @@ started with --enable-scale-out (entrypoints/scale_out/token_in_token_out: Gener
 GenerateResponse, its choices in output_mode "tokens"), and its RL routes
 (entrypoints/rl/online/api_router.py: /pause, /resume, /weight_info, /start_weight_update,
 /update_weights, /finish_weight_update, ...) when VLLM_SERVER_DEV_MODE=1. The request and
-answer are read into the same GenerateOutput as SGLang's (engine/protocol.py), so everything
+answer are read into the same GenerateOutput as SGLang's (engine/sglang/protocol.py), so everything
 past the wire is shared:
 
 - the sampled tokens' log-probs are those of the distribution sampled from only when the server
@@ -20,9 +20,17 @@ past the wire is shared:
 from __future__ import annotations
 
 import math
+import time
 
-from megatron_fr.engine import protocol
-from megatron_fr.engine.protocol import FINISH_REASONS, GenerateOutput, MalformedResponse
+from megatron_fr.engine import http
+from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.sglang.protocol import (
+    FINISH_REASONS,
+    GenerateOutput,
+    MalformedResponse,
+    PauseMode,
+    SamplingParams,
+)
 
 GENERATE_PATH = "/inference/v1/generate"
 WEIGHT_INFO_PATH = "/weight_info"
@@ -38,6 +46,12 @@ START_UPDATE_PATH = "/start_weight_update"
 UPDATE_WEIGHTS_PATH = "/update_weights"
 FINISH_UPDATE_PATH = "/finish_weight_update"
 SHUTDOWN_TRANSFER_PATH = "/shutdown_weight_transfer_engine"
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+SERVER_INFO_PATH = "/server_info"
+PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "keep"}
+"""The project's pause modes in vLLM's (/pause?mode=): "abort" ends requests in flight with
+finish_reason "abort" and the tokens so far, "keep" freezes them in the queue. SGLang's
+"retract" (back to the waiting queue, KV dropped) has no vLLM counterpart."""
 ROUTES = {
     GENERATE_PATH: "POST",
     WEIGHT_INFO_PATH: "GET",
@@ -51,6 +65,8 @@ ROUTES = {
     UPDATE_WEIGHTS_PATH: "POST",
     FINISH_UPDATE_PATH: "POST",
     SHUTDOWN_TRANSFER_PATH: "POST",
+    RESET_PREFIX_CACHE_PATH: "POST",
+    SERVER_INFO_PATH: "GET",
 }
 """Every vLLM route the project calls, with its method (checked against the installed vLLM's
 source by tests/unit/test_vllm_contract.py)."""
@@ -65,6 +81,7 @@ def generate_request(
     sampling: protocol.SamplingParams,
     rid: str | None = None,
     top_logprobs_num: int = 0,
+    routed_experts_start_len: int | None = None,
 ) -> dict[str, object]:
     """Body of POST /inference/v1/generate for one prompt: the sampled token's log-prob of
     every output token (logprobs 0), no detokenizing, the project's sampling settings in
@@ -73,6 +90,11 @@ def generate_request(
         raise UnsupportedByVllm(
             "the top-K gate needs each token's top-K log-probs, which the project does not "
             "read from vLLM yet: use learner.flash_reinforce.gate_kl=bernoulli with vLLM"
+        )
+    if routed_experts_start_len is not None:
+        raise UnsupportedByVllm(
+            "routing replay needs each position's routed experts, which the project does not "
+            "read from vLLM yet: set learner.routing_replay off with vLLM engines"
         )
     if not input_ids:
         raise ValueError("a generate request needs at least one prompt token")
@@ -154,3 +176,57 @@ def _sampled_logprobs(choice: dict, output_ids: list[int]) -> list[float]:
             raise MalformedResponse(f"{path}[{i}].logprob", f"expected finite <= 0, got {value}")
         out.append(float(value))
     return out
+
+
+class VllmWire:
+    """vLLM's side of the engine interface (engine/wire.py)."""
+
+    kind = "vllm"
+    generate_path = GENERATE_PATH
+    version_path = WEIGHT_INFO_PATH
+
+    def generate_request(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        routed_experts_start_len: int | None = None,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, object]:
+        return generate_request(
+            input_ids, sampling, rid, top_logprobs_num, routed_experts_start_len
+        )
+
+    def parse_generate(self, body: object, top_logprobs_num: int = 0) -> GenerateOutput:
+        return parse_generate_response(body)
+
+    def pause(self, url: str, mode: PauseMode, timeout_s: float) -> None:
+        if mode not in PAUSE_MODES:
+            raise UnsupportedByVllm(
+                f"weights.pause_mode {mode!r} has no vLLM counterpart: use one of "
+                f"{sorted(PAUSE_MODES)}"
+            )
+        http.post_json(url, f"{PAUSE_PATH}?mode={PAUSE_MODES[mode]}", None, timeout_s)
+
+    def resume(self, url: str, timeout_s: float) -> None:
+        http.post_json(url, RESUME_PATH, None, timeout_s)
+
+    def set_version(self, url: str, version: str, timeout_s: float) -> None:
+        http.post_json(url, UPDATE_WEIGHT_VERSION_PATH, {"new_version": version}, timeout_s)
+
+    def flush_cache(self, url: str, timeout_s: float, retry_s: float = 0.5) -> None:
+        """vLLM answers {"success": false} while blocks are still held (a request finishing
+        its abort): asked again until `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                http.post_json(url, RESET_PREFIX_CACHE_PATH, None, timeout_s)
+                return
+            except http.EngineRequestError as error:
+                if error.status is not None or time.monotonic() + retry_s > deadline:
+                    raise
+            time.sleep(retry_s)
+
+
+VLLM_WIRE = VllmWire()

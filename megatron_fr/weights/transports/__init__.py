@@ -9,6 +9,7 @@ from megatron_fr.weights.transports.base import Engine, WeightTransport, resolve
 from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport
 from megatron_fr.weights.transports.tensor import TensorTransport
+from megatron_fr.weights.transports.vllm import VllmTransport
 
 __all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 
@@ -16,8 +17,18 @@ __all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 def build_transport(
     config: WeightSyncConfig, engines: list[Engine], group_name: str = "weight_update_group"
 ) -> WeightTransport:
-    """The transport `config` names, for resolved engines (tp_size known); a broadcast one
-    forms its groups under `group_name` (one per stage: group_name_pp<stage>)."""
+    """The transport `config` names, for resolved engines (tp_size and kind known); a broadcast
+    one forms its groups under `group_name` (one per stage: group_name_pp<stage>). vLLM
+    engines take the broadcast through their own protocol (VllmTransport) and nothing else."""
+    if any(engine.kind == "vllm" for engine in engines):
+        if config.transport != "distributed":
+            raise ValueError(
+                f"weights.transport {config.transport!r}: vLLM engines receive weights by "
+                "broadcast only (weights.transport=distributed)"
+            )
+        return VllmTransport(
+            engines, config.master_address, config.master_port, config.timeout_s, group_name
+        )
     if config.transport == "distributed":
         backend = config.backend
         if backend == "auto":

@@ -1,9 +1,10 @@
 """The interface every weight transport implements, and the engines it talks to.
 
 The sync (``weights/sync.py``) resolves the engines (``resolve_engine``), calls ``connect``
-once, then per sync ``send`` for each of the stage's buckets and ``finish_stage`` on the
-stage's sending rank, and ``commit`` on global rank 0 after every stage has sent. Every
-engine call has a deadline (``timeout_s``).
+once, then per sync ``begin`` on global rank 0 once the engines are paused, ``send`` for each
+of the stage's buckets and ``finish_stage`` on the stage's sending rank, and ``commit`` then
+``end`` on global rank 0 after every stage has sent. Every engine call has a deadline
+(``timeout_s``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
-from megatron_fr.engine.http import EngineRequestError
+from megatron_fr.engine.http import EngineRequestError, post_all
 from megatron_fr.engine.server_info import EngineKind, identify
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.weights.reshard import Bucket
 
 
@@ -62,10 +64,6 @@ def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
 
 
 class WeightTransport(ABC):
-    needs_session = False
-    """SGLang accepts /update_weights_from_distributed and _from_tensor only between
-    /begin_weight_update and /end_weight_update; the sync opens and closes that session."""
-
     def __init__(self, engines: list[Engine], timeout_s: float):
         if not engines:
             raise ValueError("a weight transport needs at least one engine")
@@ -93,8 +91,15 @@ class WeightTransport(ABC):
     def finish_stage(self) -> None:  # noqa: B027  (optional hook)
         """After the stage's last bucket, on its sending rank."""
 
+    def begin(self) -> None:  # noqa: B027  (optional hook)
+        """On global rank 0, once the engines are paused, before any stage sends: open the
+        engines' update session where they have one."""
+
     def commit(self, version: str) -> None:  # noqa: B027  (optional hook)
         """On global rank 0, after every stage has sent everything."""
+
+    def end(self) -> None:  # noqa: B027  (optional hook)
+        """On global rank 0, after commit: close what begin opened."""
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """On the stage's sending rank, when the run ends: release groups and threads."""
@@ -103,3 +108,15 @@ class WeightTransport(ABC):
         """On the stage's sending rank, when the pool changed: release this side of the groups
         without calling any engine (one may be dead or hung; the next connect destroys the
         old groups on the engines that stay)."""
+
+
+def begin_sglang_session(urls: list[str], timeout_s: float) -> None:
+    """SGLang accepts /update_weights_from_distributed and _from_tensor only between
+    /begin_weight_update and /end_weight_update (the CPU engine likewise)."""
+    body = protocol.begin_weight_update_request()
+    post_all(urls, protocol.BEGIN_WEIGHT_UPDATE_PATH, body, timeout_s)
+
+
+def end_sglang_session(urls: list[str], timeout_s: float) -> None:
+    body = protocol.end_weight_update_request()
+    post_all(urls, protocol.END_WEIGHT_UPDATE_PATH, body, timeout_s)

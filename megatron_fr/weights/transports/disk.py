@@ -8,8 +8,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_fr.engine import protocol
 from megatron_fr.engine.http import post_all
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.utils.hf_checkpoint import INDEX_NAME
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport

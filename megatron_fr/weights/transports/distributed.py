@@ -8,12 +8,17 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_fr.engine import protocol
 from megatron_fr.engine.group import CollectiveFailed, WeightUpdateGroup, create_weight_update_group
 from megatron_fr.engine.http import EngineRequestError, post_json
+from megatron_fr.engine.sglang import protocol
 from megatron_fr.utils.net import address_towards
 from megatron_fr.weights.reshard import Bucket
-from megatron_fr.weights.transports.base import Engine, WeightTransport
+from megatron_fr.weights.transports.base import (
+    Engine,
+    WeightTransport,
+    begin_sglang_session,
+    end_sglang_session,
+)
 
 FLATTENED = "flattened_bucket"
 CLOSE_TIMEOUT_S = 10.0
@@ -56,8 +61,6 @@ class DistributedTransport(WeightTransport):
     (/update_weights_from_distributed) and receive it while that request is in flight: tensor
     by tensor, or with ``flatten`` as one buffer (load_format "flattened_bucket")."""
 
-    needs_session = True
-
     def __init__(
         self,
         engines: list[Engine],
@@ -96,19 +99,46 @@ class DistributedTransport(WeightTransport):
     def group_names(self, stages: int) -> list[str]:
         return [f"{self.base_group_name}_pp{stage}" for stage in range(stages)]
 
+    def begin(self) -> None:
+        begin_sglang_session(self.urls, self.timeout_s)
+
+    def end(self) -> None:
+        end_sglang_session(self.urls, self.timeout_s)
+
+    def join_requests(
+        self, address: str, port: int, world_size: int, offsets: list[int]
+    ) -> tuple[str, list[dict]]:
+        """The call that makes each engine join the group at its rank offset: path, bodies."""
+        bodies = [
+            protocol.init_weights_update_group_request(
+                address, port, offset, world_size, self.group_name, self.backend
+            )
+            for offset in offsets
+        ]
+        return protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH, bodies
+
+    def update_request(self, bucket: Bucket, flat: torch.Tensor | None) -> tuple[str, dict]:
+        """The call that tells every engine what the next broadcasts hold: path, body."""
+        body = protocol.update_weights_from_distributed_request(
+            [name for name, _ in bucket],
+            [dtype_name(tensor) for _, tensor in bucket],
+            [list(tensor.shape) for _, tensor in bucket],
+            group_name=self.group_name,
+            flush_cache=False,  # the sync flushes once, after the last stage (sync.py)
+            load_format=FLATTENED if flat is not None else None,
+        )
+        return protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, body
+
+    def leave_request(self) -> tuple[str, dict]:
+        """The call that makes every engine leave the group: path, body."""
+        body = protocol.destroy_weights_update_group_request(self.group_name)
+        return protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH, body
+
     def connect(self, stage: int) -> None:
         self.group_name = self.group_names(stage + 1)[stage]
         address, port = self.sender_address(stage), self.master_port + stage
         world_size, offsets = group_layout(self.engines)
-        joins = self._submit(
-            protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH,
-            [
-                protocol.init_weights_update_group_request(
-                    address, port, offset, world_size, self.group_name, self.backend
-                )
-                for offset in offsets
-            ],
-        )
+        joins = self._submit(*self.join_requests(address, port, world_size, offsets))
         try:
             self.group = create_weight_update_group(
                 address, port, world_size, self.group_name, self.backend, self.timeout_s
@@ -125,15 +155,8 @@ class DistributedTransport(WeightTransport):
         if self.group is None:
             raise RuntimeError("DistributedTransport.send before connect")
         flat = flatten_bucket(bucket) if self.flatten else None
-        body = protocol.update_weights_from_distributed_request(
-            [name for name, _ in bucket],
-            [dtype_name(tensor) for _, tensor in bucket],
-            [list(tensor.shape) for _, tensor in bucket],
-            group_name=self.group_name,
-            flush_cache=False,  # the sync flushes once, after the last stage (sync.py)
-            load_format=FLATTENED if flat is not None else None,
-        )
-        calls = self._submit(protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, [body] * len(self.urls))
+        path, body = self.update_request(bucket, flat)
+        calls = self._submit(path, [body] * len(self.urls))
         try:
             for tensor in [flat] if flat is not None else [t.contiguous() for _, t in bucket]:
                 self.group.broadcast(tensor)
@@ -162,8 +185,7 @@ class DistributedTransport(WeightTransport):
         does not answer (it died or hung since the last sync) is logged, not raised over,
         since the next connect destroys the group on it anyway (sync.py's GROUPS_FILE)."""
         if self.group is not None:
-            body = protocol.destroy_weights_update_group_request(self.group_name)
-            path = protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH
+            path, body = self.leave_request()
             calls = self._submit(path, [body] * len(self.urls), CLOSE_TIMEOUT_S)
             self.group.destroy()
             self.group = None

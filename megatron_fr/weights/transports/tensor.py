@@ -16,12 +16,17 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_fr.engine import protocol
-from megatron_fr.engine import sglang_source as src
 from megatron_fr.engine.http import post_json
+from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.sglang import source as src
 from megatron_fr.utils.net import is_this_host
 from megatron_fr.weights.reshard import Bucket
-from megatron_fr.weights.transports.base import Engine, WeightTransport
+from megatron_fr.weights.transports.base import (
+    Engine,
+    WeightTransport,
+    begin_sglang_session,
+    end_sglang_session,
+)
 
 Serializer = Callable[[Bucket], str]
 
@@ -57,7 +62,11 @@ class TensorTransport(WeightTransport):
     two ranks (the producer's IPC reference counts), so each TP rank gets a serialization of
     its own: ``tp_size`` payloads per engine."""
 
-    needs_session = True
+    def begin(self) -> None:
+        begin_sglang_session(self.urls, self.timeout_s)
+
+    def end(self) -> None:
+        end_sglang_session(self.urls, self.timeout_s)
 
     def __init__(
         self, engines: list[Engine], timeout_s: float, serialize: Serializer | None = None

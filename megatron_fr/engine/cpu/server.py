@@ -1,6 +1,6 @@
 """An SGLang-protocol HTTP server on the CPU, backed by transformers.
 
-    python -m megatron_fr.engine.cpu_server --model-path HF_DIR --host 127.0.0.1 --port 30000
+    python -m megatron_fr.engine.cpu.server --model-path HF_DIR --host 127.0.0.1 --port 30000
 
 Speaks the subset of SGLang's HTTP API that RL training uses (field names as in SGLang's
 io_struct), and no route SGLang lacks (tests/unit/test_engine_contract.py): /health,
@@ -36,15 +36,15 @@ from typing import TypeVar
 import torch
 from aiohttp import web
 
-from megatron_fr.engine.cpu_engine import CpuEngine, Output
-from megatron_fr.engine.cpu_requests import (
+from megatron_fr.engine.cpu.engine import CpuEngine, Output
+from megatron_fr.engine.cpu.requests import (
     READ_TIMEOUT_S,
     ClientGone,
     errors_as_json,
     json_object,
     unless_disconnected,
 )
-from megatron_fr.engine.cpu_wire import (
+from megatron_fr.engine.cpu.wire import (
     DTYPES,
     BadRequest,
     GenerateJob,
@@ -58,7 +58,7 @@ from megatron_fr.engine.cpu_wire import (
     version_field,
 )
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, INSTANCE_FIELD
-from megatron_fr.engine.sglang_source import DistributedReceiver, JoinArgs, SglangSourceMissing
+from megatron_fr.engine.sglang.source import DistributedReceiver, JoinArgs, SglangSourceMissing
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
@@ -249,7 +249,7 @@ class CpuServer:
     # --- weights ------------------------------------------------------------------------
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Join the learner's group with SGLang's own code (engine/sglang_source.py)."""
+        """Join the learner's group with SGLang's own code (engine/sglang/source.py)."""
         body = await json_object(request)
         args: JoinArgs = join_args(body)
         name = args[4]

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_fr.engine.cpu_engine import Output, Sampling, prompt_too_long
+from megatron_fr.engine.cpu.engine import Output, Sampling, prompt_too_long
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from megatron_fr.engine.cpu_weights import WeightsFault
-from megatron_fr.engine.cpu_wire import BadRequest
+from megatron_fr.engine.cpu.weights import WeightsFault
+from megatron_fr.engine.cpu.wire import BadRequest
 
 log = logging.getLogger("megatron_fr.cpu_server")
 T = TypeVar("T")

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_fr.engine.cpu_weights import RequestError, ServedWeights
-from megatron_fr.engine.protocol import GREEDY_TEMPERATURE
+from megatron_fr.engine.cpu.weights import RequestError, ServedWeights
+from megatron_fr.engine.sglang.protocol import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
