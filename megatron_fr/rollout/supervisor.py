@@ -578,6 +578,7 @@ def launch_configs(
                 log_dir=log_dir,
                 engine=settings.kind,
                 python=settings.python,
+                extra_args=settings.extra_args,
                 cpu_threads=settings.threads,
                 tp_size=size,
                 gpu_ids=gpus,
