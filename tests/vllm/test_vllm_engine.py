@@ -11,6 +11,7 @@ is not installed. The server is started once (about 1-3 minutes on a 2-core mach
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -19,6 +20,7 @@ import urllib.request
 import pytest
 import torch
 
+from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.launcher import (
     ServerExited,
     ServerLaunchConfig,
@@ -29,6 +31,7 @@ from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.engine.vllm import wire
 from megatron_fr.engine.vllm.push import push_tensors
+from megatron_fr.engine.vllm.wire import VLLM_WIRE
 from megatron_fr.utils.net import free_port
 
 pytestmark = pytest.mark.vllm
@@ -190,3 +193,30 @@ def test_a_push_through_the_gloo_backend_serves_the_new_weights(vllm_server) -> 
     reference = _reference_log_probs(other, out.output_ids, 1.0)
     gaps = [abs(a - b) for a, b in zip(out.output_logprobs, reference, strict=True)]
     assert max(gaps) < 1e-4, gaps
+
+
+def test_the_rollout_client_continues_a_request_a_pause_aborted(vllm_server) -> None:
+    """The weight sync's pause ("abort", through VllmWire) ends a request in flight with the
+    tokens so far; the rollout client re-submits prompt + tokens after the resume and the
+    Rollout is whole, each token tagged with the version that sampled it."""
+    url, _ = vllm_server
+    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=480, sampling_seed=2)
+    client_config = RolloutClientConfig(urls=(url,), engine_kind="vllm")
+
+    async def generate_across_a_sync():
+        async with RolloutClient(client_config) as client:
+            rollout = asyncio.ensure_future(client.generate(PROMPT, sampling))
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(VLLM_WIRE.pause, url, "abort", 60.0)
+            await asyncio.to_thread(VLLM_WIRE.set_version, url, "8", 60.0)
+            await asyncio.to_thread(VLLM_WIRE.flush_cache, url, 60.0)
+            await asyncio.to_thread(VLLM_WIRE.resume, url, 60.0)
+            return await rollout
+
+    out = asyncio.run(generate_across_a_sync())
+    assert out.continuations >= 1, "the request finished before the pause: nothing tested"
+    assert len(out.output_ids) == 480 and out.finish_reason == "length"
+    first_new = out.token_versions.index("8")
+    assert set(out.token_versions[:first_new]) - {"8"} and set(out.token_versions[first_new:]) == {
+        "8"
+    }
