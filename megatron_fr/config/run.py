@@ -79,6 +79,40 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _vllm_engines_can_serve_it(self) -> RunConfig:
+        """What the project does not read from vLLM yet (engine/vllm/wire.py), refused before
+        anything starts rather than at the first request."""
+        if self.rollout.engine.kind != "vllm":
+            return self
+        refused = {
+            "learner.routing_replay": (
+                self.learner.routing_replay,
+                "the routed experts are not read from vLLM",
+            ),
+            "learner.flash_reinforce.gate_kl=topk": (
+                self.learner.flash_reinforce.gate_kl == "topk",
+                "top-K log-probs are not read from vLLM; use gate_kl bernoulli",
+            ),
+            "weights.pause_mode=retract": (
+                self.weights.pause_mode == "retract",
+                "vLLM has no such pause; use abort or in_place",
+            ),
+            "weights.spot_check": (
+                self.weights.spot_check > 0,
+                "vLLM has no route to read weights back; the sync check (verify_every) "
+                "checks its log-probs",
+            ),
+            f"weights.transport={self.weights.transport}": (
+                self.weights.transport != "distributed",
+                "vLLM engines receive weights by broadcast only (distributed)",
+            ),
+        }
+        for name, (given, why) in refused.items():
+            if given:
+                raise ValueError(f"rollout.engine.kind vllm with {name}: {why}")
+        return self
+
+    @model_validator(mode="after")
     def _deadlines_below_the_collective_timeout(self) -> RunConfig:
         """While the first rank waits out one of these deadlines the other ranks wait for it
         in collectives (in slices, but a single call to an engine is not sliced), and a

@@ -19,12 +19,11 @@ import urllib.request
 
 import pytest
 import torch
+from vllm_servers import PROMPT, TINY_QWEN3, start_vllm
 
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.launcher import (
-    ServerExited,
     ServerLaunchConfig,
-    launch_server,
     server_command,
 )
 from megatron_fr.engine.sglang import protocol
@@ -35,22 +34,6 @@ from megatron_fr.engine.vllm.wire import VLLM_WIRE
 from megatron_fr.utils.net import free_port
 
 pytestmark = pytest.mark.vllm
-
-TINY_QWEN3 = dict(  # vLLM's CPU attention takes head_dim 32, 64, 80, ... (not 16)
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=1e6,
-    tie_word_embeddings=False,
-)
-PROMPT = [5, 17, 42, 9]
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16")
 
 
 def test_the_vllm_command_has_the_projects_flags_and_refuses_what_it_cannot_pass() -> None:
@@ -75,34 +58,11 @@ def vllm_server(vllm_python, tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**TINY_QWEN3))
     model.save_pretrained(root / "hf")
-    server = _started(root)
+    server = start_vllm(root / "hf", root)
     try:
         yield server.url, model.eval()
     finally:
         server.stop()
-
-
-def _started(root, attempts: int = 3):
-    """The server, healthy; started again on another port when the one picked was taken in
-    the seconds vLLM spends importing before it binds (other tests pick ports too)."""
-    for attempt in range(attempts):
-        config = ServerLaunchConfig(
-            model_path=str(root / "hf"),
-            port=free_port(),
-            log_dir=root,
-            engine="vllm",
-            skip_tokenizer_init=True,
-            extra_args=SERVER_ARGS,
-        )
-        server = launch_server(config)
-        try:
-            server.wait_healthy(deadline_s=900)
-            return server
-        except ServerExited as error:
-            server.stop()
-            if "Address already in use" not in str(error) or attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
 
 
 def _post(url: str, path: str, body: dict) -> dict:

@@ -1,0 +1,104 @@
+"""vLLM as an engine kind, the parts that need no vLLM: a recipe asking of vLLM what the
+project does not read from it is refused naming the setting; a vLLM /server_info answer
+(its dev-mode shape: {"vllm_config": {...}}) is read into the same ServerInfo as SGLang's; the
+wire, the transport and the rollout client are chosen by kind; a pool mixing wires is refused.
+The same pieces against a real vLLM server: tests/vllm/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_fr.config.rollout import EngineSettings
+from megatron_fr.config.run import load_run_config
+from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine.server_info import ServerInfo, UnknownServer, parse_server_info
+from megatron_fr.engine.sglang.wire import SGLANG_WIRE
+from megatron_fr.engine.vllm.wire import VLLM_WIRE, UnsupportedByVllm
+from megatron_fr.engine.wire import wire_for
+from megatron_fr.rollout.supervisor import EngineRefused, EngineSupervisor
+from megatron_fr.weights.transports import Engine, build_transport
+from megatron_fr.weights.transports.distributed import DistributedTransport
+from megatron_fr.weights.transports.vllm import VllmTransport
+
+RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_dense_vllm.yaml"
+
+
+def vllm_answer(tp: int = 2, pp: int = 1, dp: int = 1) -> dict:
+    parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp}
+    return {"vllm_config": {"parallel_config": parallel}, "vllm_env": {}, "system_env": {}}
+
+
+def test_the_vllm_recipe_loads_and_what_vllm_cannot_serve_is_refused_by_name():
+    assert load_run_config(RECIPE, []).rollout.engine.kind == "vllm"
+    for override, named in [
+        ("learner.routing_replay=true", "learner.routing_replay"),
+        ("learner.flash_reinforce.gate_kl=topk", "learner.flash_reinforce.gate_kl=topk"),
+        ("weights.pause_mode=retract", "weights.pause_mode=retract"),
+        ("weights.spot_check=2", "weights.spot_check"),
+        ("weights.transport=disk", "weights.transport=disk"),
+    ]:
+        extra = ["weights.directory=/tmp/w"] if "disk" in override else []
+        with pytest.raises(ValueError, match=f"kind vllm with {named}"):
+            load_run_config(RECIPE, [override, *extra])
+
+
+def test_a_vllm_server_info_is_read_into_its_sizes():
+    info = parse_server_info("http://h:1", vllm_answer(tp=2, pp=1, dp=3))
+    assert info == ServerInfo("http://h:1", "vllm", 2, 1, 3, False)
+    with pytest.raises(UnknownServer, match="parallel_config is not an object"):
+        parse_server_info("http://h:1", {"vllm_config": {}})
+    with pytest.raises(UnknownServer, match="tensor_parallel_size must be a positive int"):
+        parse_server_info("http://h:1", vllm_answer(tp=0))
+
+
+def test_the_wire_is_chosen_by_kind_and_refuses_what_vllm_lacks():
+    assert wire_for("vllm") is VLLM_WIRE
+    assert wire_for("sglang") is SGLANG_WIRE and wire_for("cpu") is SGLANG_WIRE
+    assert VLLM_WIRE.version_path == "/weight_info" and SGLANG_WIRE.version_path == "/model_info"
+    with pytest.raises(UnsupportedByVllm, match="retract"):
+        VLLM_WIRE.pause("http://127.0.0.1:9", "retract", 1.0)
+    from megatron_fr.engine.sglang.protocol import SamplingParams
+
+    with pytest.raises(UnsupportedByVllm, match="routing replay"):
+        VLLM_WIRE.generate_request(
+            [1], SamplingParams(max_new_tokens=2), routed_experts_start_len=0
+        )
+
+
+def test_vllm_engines_get_the_vllm_transport_and_nothing_else():
+    engines = [Engine("http://h:1", tp_size=2, kind="vllm")]
+    transport = build_transport(WeightSyncConfig(), engines)
+    assert isinstance(transport, VllmTransport) and transport.backend == "gloo"
+    path, bodies = transport.join_requests("10.0.0.1", 29500, 3, [1])
+    assert path == "/init_weight_transfer_engine"
+    assert bodies[0]["init_info"] == {
+        "master_address": "10.0.0.1",
+        "master_port": 29500,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "weight_update_group",
+        "timeout_s": transport.timeout_s,
+    }
+    sglang = build_transport(WeightSyncConfig(), [Engine("http://h:1", tp_size=2, kind="sglang")])
+    assert type(sglang) is DistributedTransport
+    with pytest.raises(ValueError, match="broadcast only"):
+        build_transport(WeightSyncConfig(transport="disk", directory="/tmp/w"), engines)
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
+        build_transport(
+            WeightSyncConfig(), [Engine("http://h:1", tp_size=1, kind="vllm", pp_size=2)]
+        ).check_engines()
+
+
+def test_a_pool_speaks_one_wire():
+    settings = EngineSettings(urls=["http://a:1", "http://b:2"])
+    pool = EngineSupervisor(settings, [])
+    assert pool._fit(ServerInfo("http://a:1", "vllm", 1, 1, 1, False), False).kind == "vllm"
+    assert pool.kind == "vllm" and pool.wire is VLLM_WIRE
+    with pytest.raises(EngineRefused, match="is a cpu server and the pool's engines are vllm"):
+        pool._fit(ServerInfo("http://b:2", "cpu", 1, 1, 1, False), False)
+    mixed_ok = EngineSupervisor(settings, [])
+    mixed_ok._fit(ServerInfo("http://a:1", "sglang", 1, 1, 1, False), False)
+    mixed_ok._fit(ServerInfo("http://b:2", "cpu", 1, 1, 1, False), False)  # one wire
+    assert mixed_ok.wire is SGLANG_WIRE
