@@ -102,9 +102,9 @@ class RunConfig(StrictModel):
                 "vLLM has no route to read weights back; the sync check (verify_every) "
                 "checks its log-probs",
             ),
-            f"weights.transport={self.weights.transport}": (
-                self.weights.transport != "distributed",
-                "vLLM engines receive weights by broadcast only (distributed)",
+            "weights.transport=tensor": (
+                self.weights.transport == "tensor",
+                "vLLM engines receive weights by broadcast (distributed) or from disk",
             ),
         }
         for name, (given, why) in refused.items():

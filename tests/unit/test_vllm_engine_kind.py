@@ -20,7 +20,7 @@ from megatron_fr.engine.wire import wire_for
 from megatron_fr.rollout.supervisor import EngineRefused, EngineSupervisor
 from megatron_fr.weights.transports import Engine, build_transport
 from megatron_fr.weights.transports.distributed import DistributedTransport
-from megatron_fr.weights.transports.vllm import VllmTransport
+from megatron_fr.weights.transports.vllm import VllmDiskTransport, VllmTransport
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_dense_vllm.yaml"
 
@@ -37,11 +37,10 @@ def test_the_vllm_recipe_loads_and_what_vllm_cannot_serve_is_refused_by_name():
         ("learner.flash_reinforce.gate_kl=topk", "learner.flash_reinforce.gate_kl=topk"),
         ("weights.pause_mode=retract", "weights.pause_mode=retract"),
         ("weights.spot_check=2", "weights.spot_check"),
-        ("weights.transport=disk", "weights.transport=disk"),
+        ("weights.transport=tensor", "weights.transport=tensor"),
     ]:
-        extra = ["weights.directory=/tmp/w"] if "disk" in override else []
         with pytest.raises(ValueError, match=f"kind vllm with {named}"):
-            load_run_config(RECIPE, [override, *extra])
+            load_run_config(RECIPE, [override])
 
 
 def test_a_vllm_server_info_is_read_into_its_sizes():
@@ -83,8 +82,10 @@ def test_vllm_engines_get_the_vllm_transport_and_nothing_else():
     }
     sglang = build_transport(WeightSyncConfig(), [Engine("http://h:1", tp_size=2, kind="sglang")])
     assert type(sglang) is DistributedTransport
-    with pytest.raises(ValueError, match="broadcast only"):
-        build_transport(WeightSyncConfig(transport="disk", directory="/tmp/w"), engines)
+    disk = build_transport(WeightSyncConfig(transport="disk", directory="/tmp/w"), engines)
+    assert isinstance(disk, VllmDiskTransport)
+    with pytest.raises(ValueError, match="by broadcast \\(distributed\\) or from disk"):
+        build_transport(WeightSyncConfig(transport="tensor"), engines)
     with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
         build_transport(
             WeightSyncConfig(), [Engine("http://h:1", tp_size=1, kind="vllm", pp_size=2)]

@@ -6,7 +6,8 @@ greedy, a request in flight across a pause, a weight-version change and a resume
 whole, its tokens tagged with the version that produced each, and a push of other weights from
 this process through vLLM's weight-update protocol and the project's gloo backend
 (engine/vllm/gloo_transfer.py, loaded into vLLM's worker) makes the server compute the new
-model's log-probs. Skipped, saying why, where vLLM
+model's log-probs, as does the disk transport's reload; the rollout client continues a request
+a pause aborted. Skipped, saying why, where vLLM
 is not installed. The server is started once (about 1-3 minutes on a 2-core machine)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 from vllm_servers import PROMPT, TINY_QWEN3, start_vllm
 
+from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig
 from megatron_fr.engine.launcher import (
     ServerLaunchConfig,
@@ -32,6 +34,8 @@ from megatron_fr.engine.vllm import wire
 from megatron_fr.engine.vllm.push import push_tensors
 from megatron_fr.engine.vllm.wire import VLLM_WIRE
 from megatron_fr.utils.net import free_port
+from megatron_fr.weights.transports import Engine, build_transport
+from megatron_fr.weights.transports.vllm import VllmDiskTransport
 
 pytestmark = pytest.mark.vllm
 
@@ -178,3 +182,32 @@ def test_the_rollout_client_continues_a_request_a_pause_aborted(vllm_server) -> 
     assert set(out.token_versions[:first_new]) - {"8"} and set(out.token_versions[first_new:]) == {
         "8"
     }
+
+
+def test_a_disk_sync_reloads_the_files_in_place(vllm_server, tmp_path) -> None:
+    """weights.transport disk with vLLM engines: the stage's buckets written as safetensors,
+    reloaded in place by every worker (/collective_rpc reload_weights), then labelled with the
+    version as the sync does; the server then computes the new model's log-probs."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    url, _ = vllm_server
+    torch.manual_seed(2)
+    other = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**TINY_QWEN3)).eval()
+    engines = [Engine(url, tp_size=1, kind="vllm")]
+    transport = build_transport(
+        WeightSyncConfig(transport="disk", directory=str(tmp_path)), engines
+    )
+    assert isinstance(transport, VllmDiskTransport)
+    transport.connect(0)
+    transport.send(list(other.state_dict().items()))
+    transport.finish_stage()
+    transport.commit("9")
+    VLLM_WIRE.set_version(url, "9", 60.0)
+    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=16, sampling_seed=5)
+    out = wire.parse_generate_response(
+        _post(url, wire.GENERATE_PATH, wire.generate_request(PROMPT, sampling))
+    )
+    assert set(out.token_versions) == {"9"}
+    reference = _reference_log_probs(other, out.output_ids, 1.0)
+    gaps = [abs(a - b) for a, b in zip(out.output_logprobs, reference, strict=True)]
+    assert max(gaps) < 1e-4, gaps

@@ -48,6 +48,9 @@ FINISH_UPDATE_PATH = "/finish_weight_update"
 SHUTDOWN_TRANSFER_PATH = "/shutdown_weight_transfer_engine"
 RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 SERVER_INFO_PATH = "/server_info"
+COLLECTIVE_RPC_PATH = "/collective_rpc"
+"""POST {"method", "args", "kwargs"}: a method of every worker (dev mode); the disk sync's
+reload (weights/transports/vllm.py)."""
 PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "keep"}
 """The project's pause modes in vLLM's (/pause?mode=): "abort" ends requests in flight with
 finish_reason "abort" and the tokens so far, "keep" freezes them in the queue. SGLang's
@@ -67,6 +70,7 @@ ROUTES = {
     SHUTDOWN_TRANSFER_PATH: "POST",
     RESET_PREFIX_CACHE_PATH: "POST",
     SERVER_INFO_PATH: "GET",
+    COLLECTIVE_RPC_PATH: "POST",
 }
 """Every vLLM route the project calls, with its method (checked against the installed vLLM's
 source by tests/unit/test_vllm_contract.py)."""

@@ -9,7 +9,7 @@ from megatron_fr.weights.transports.base import Engine, WeightTransport, resolve
 from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport
 from megatron_fr.weights.transports.tensor import TensorTransport
-from megatron_fr.weights.transports.vllm import VllmTransport
+from megatron_fr.weights.transports.vllm import VllmDiskTransport, VllmTransport
 
 __all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 
@@ -19,13 +19,16 @@ def build_transport(
 ) -> WeightTransport:
     """The transport `config` names, for resolved engines (tp_size and kind known); a broadcast
     one forms its groups under `group_name` (one per stage: group_name_pp<stage>). vLLM
-    engines take the broadcast through their own protocol (VllmTransport) and nothing else."""
+    engines take the broadcast and the disk reload through their own routes
+    (weights/transports/vllm.py)."""
     if any(engine.kind == "vllm" for engine in engines):
-        if config.transport != "distributed":
+        if config.transport == "tensor":
             raise ValueError(
-                f"weights.transport {config.transport!r}: vLLM engines receive weights by "
-                "broadcast only (weights.transport=distributed)"
+                "weights.transport 'tensor': vLLM engines receive weights by broadcast "
+                "(distributed) or from disk"
             )
+        if config.transport == "disk":
+            return VllmDiskTransport(engines, _directory(config), config.timeout_s)
         return VllmTransport(
             engines, config.master_address, config.master_port, config.timeout_s, group_name
         )
@@ -44,6 +47,10 @@ def build_transport(
         )
     if config.transport == "tensor":
         return TensorTransport(engines, config.timeout_s)
+    return DiskTransport(engines, _directory(config), config.timeout_s)
+
+
+def _directory(config: WeightSyncConfig) -> str:
     if config.directory is None:  # the validator refused it already, unless model_construct()
         raise ValueError("transport 'disk' needs directory (shared with the engines)")
-    return DiskTransport(engines, config.directory, config.timeout_s)
+    return config.directory

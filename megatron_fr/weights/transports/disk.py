@@ -71,6 +71,11 @@ class DiskTransport(WeightTransport):
             total += file.stat().st_size
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        self.reload(version)
+
+    def reload(self, version: str) -> None:
+        """Every engine loads the directory's files in place (SGLang's route; vLLM's:
+        weights/transports/vllm.py)."""
         body = protocol.update_weights_from_disk_request(
             str(self.directory), weight_version=version, flush_cache=False
         )

@@ -1,4 +1,5 @@
-"""Broadcast transport into vLLM servers, through vLLM's RL weight-update protocol.
+"""Weight transports into vLLM servers: a broadcast through vLLM's RL weight-update protocol
+(VllmTransport), and the disk transport's files reloaded in place (VllmDiskTransport).
 
 The same group as for SGLang (DistributedTransport: hosted by the stage's sending rank, one per
 pipeline stage, each engine's TP rank t at its offset + t); only the calls differ
@@ -12,6 +13,10 @@ vLLM's own backends (nccl, ipc) need its trainer-side code in the learner's envi
 engines receive instead through the project's gloo backend, loaded into vLLM's workers
 (engine/vllm/gloo_transfer.py; engine/vllm/launch.py starts every vLLM server with it). So the
 group is always gloo, also between GPUs: a bucket crosses host memory.
+
+From disk, every vLLM worker reloads the directory's safetensors in place through vLLM's
+/collective_rpc (dev mode) calling its worker's `reload_weights(weights_path=...)`; the version
+is then set with /update_weight_version by the sync (weights/sync.py), as for any transport.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from megatron_fr.engine.http import post_all, post_json
 from megatron_fr.engine.vllm import wire
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine
+from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport, dtype_name
+
+RELOAD_METHOD = "reload_weights"
+"""vLLM's worker method that loads weights in place from a directory (gpu_model_runner.py)."""
 
 
 class VllmTransport(DistributedTransport):
@@ -83,6 +92,12 @@ class VllmTransport(DistributedTransport):
 
     def end(self) -> None:
         """finish_weight_update (commit) closed vLLM's reload: nothing left to close."""
+
+
+class VllmDiskTransport(DiskTransport):
+    def reload(self, version: str) -> None:
+        body = {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(self.directory)}}
+        post_all(self.urls, wire.COLLECTIVE_RPC_PATH, body, self.timeout_s)
 
 
 def leave_leftover_group(url: str, timeout_s: float) -> None:
