@@ -348,7 +348,9 @@ def test_engines_given_by_url_are_checked_before_any_step(tmp_path: Path):
     )
     silent = f"http://127.0.0.1:{free_port()}"
     began = time.monotonic()
-    with pytest.raises(EngineRefused, match=f"{silent}/server_info: no answer"):
+    with pytest.raises(
+        EngineRefused, match=rf"{silent}/server_info\?config_format=json: no answer"
+    ):
         start([silent], routed=False, timeout_s=1.0)
     assert 0.5 <= time.monotonic() - began < 1.0 + 5.0
 
