@@ -284,6 +284,16 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 
 
+def serve_env(engine: str, environ: dict[str, str]) -> dict[str, str]:
+    """The environment `megatron-fr serve` runs a server in: the launcher step's own (its GPUs
+    placed by Slurm), with SGLANG_ENV for SGLang and vLLM's settings for vLLM."""
+    if engine == "sglang":
+        return SGLANG_ENV | environ
+    if engine == "vllm":
+        return vllm_launch.vllm_env(environ, _has_cuda())
+    return environ
+
+
 def live_group_members(pgid: int) -> list[int]:
     """PIDs in process group `pgid` that are not zombies, read from /proc (empty without it)."""
     members = []

