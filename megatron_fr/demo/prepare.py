@@ -24,7 +24,7 @@ from megatron_fr.envs.datasets import load_dataset
 from megatron_fr.envs.registry import environment_config
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
     from megatron_fr.demo.warm_start import WarmStartReport
 
@@ -45,7 +45,7 @@ def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
     return _random_model(config, hf_dir, tokenizer)
 
 
-def demo_model_config(config: RunConfig, tokenizer: PreTrainedTokenizerFast) -> dict:
+def demo_model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
     """The demo model's config.json for `tokenizer`: the tiny Qwen3-MoE, or its dense variant
     with wider heads when the recipe's engines are vLLM (demo/tiny_models.py: dense_variant)."""
     from megatron_fr.demo.tiny_models import dense_variant, tiny_chat_model_config
