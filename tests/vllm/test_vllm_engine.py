@@ -28,6 +28,7 @@ from megatron_fr.engine.launcher import (
     ServerLaunchConfig,
     server_command,
 )
+from megatron_fr.engine.server_info import identify
 from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.engine.vllm import wire
@@ -211,3 +212,11 @@ def test_a_disk_sync_reloads_the_files_in_place(vllm_server, tmp_path) -> None:
     reference = _reference_log_probs(other, out.output_ids, 1.0)
     gaps = [abs(a - b) for a, b in zip(out.output_logprobs, reference, strict=True)]
     assert max(gaps) < 1e-4, gaps
+
+
+def test_the_server_says_it_is_vllm_and_its_sizes(vllm_server) -> None:
+    """An engine given by URL is identified by its own /server_info (dev mode)."""
+    url, _ = vllm_server
+    info = identify(url, 60.0)
+    assert (info.kind, info.tp_size, info.pp_size, info.dp_replicas) == ("vllm", 1, 1, 1)
+    assert json.load(urllib.request.urlopen(url + VLLM_WIRE.version_path, timeout=30))
