@@ -62,9 +62,7 @@ class RunLengths:
         return self.masked_tokens / total if total else math.nan
 
     def of(self, kind: str) -> list[int]:
-        return {"generated": self.generated, "dropped": self.dropped, "trained": self.trained}[
-            kind
-        ]
+        return {"generated": self.generated, "dropped": self.dropped, "trained": self.trained}[kind]
 
 
 def run_lengths(

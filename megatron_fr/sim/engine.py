@@ -60,6 +60,7 @@ def flash_reinforce(settings: SchemeSettings) -> Scheme:
         max_lag=lag,
         capacity=settings.capacity or (lag + 1) * b,
         max_in_flight=settings.max_in_flight,
+        stale_policy=settings.stale_policy,
     )
     return Scheme("flash_reinforce", buffer)
 
@@ -217,7 +218,7 @@ class Simulation:
         self.dispatcher.update(server)
         self._reschedule(server)
         self.totals.completed += 1
-        outcome = self.buffer.put(_trajectory(request))
+        outcome = self.buffer.put(_trajectory(request, self.version))
         if outcome == "queued":
             self._queued.update(self._members[request.rollout_id])
         elif outcome == "dropped":
@@ -312,16 +313,18 @@ class Simulation:
         )
 
 
-def _trajectory(request: Request) -> Trajectory:
-    """The smallest trajectory the buffer accepts that carries the rollout's oldest version
-    (the buffer reads nothing else); token counts live in Simulation.requests."""
+def _trajectory(request: Request, last_version: int) -> Trajectory:
+    """The smallest trajectory the buffer accepts that carries the rollout's first and last
+    versions (the buffer's rules read nothing else: the oldest, or with mask_stale_tokens the
+    newest); token counts live in Simulation.requests."""
     if request.first_version is None:  # DecodeServer.add sets it; only an abort clears it
         raise RuntimeError(f"rollout {request.rollout_id} finished without a first version")
+    versions = [NON_POLICY_VERSION, request.first_version, last_version]
     return Trajectory(
         prompt_id=request.rollout_id,
-        token_ids=np.zeros(2, dtype=np.int32),
-        action_mask=np.array([False, True]),
-        behavior_log_probs=np.array([0.0, -1.0], dtype=np.float32),
-        token_versions=np.array([NON_POLICY_VERSION, request.first_version], dtype=np.int32),
+        token_ids=np.zeros(3, dtype=np.int32),
+        action_mask=np.array([False, True, True]),
+        behavior_log_probs=np.array([0.0, -1.0, -1.0], dtype=np.float32),
+        token_versions=np.array(versions, dtype=np.int32),
         reward=0.0,
     )

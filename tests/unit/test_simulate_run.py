@@ -136,6 +136,25 @@ def test_overtaken_rollout_is_dropped_as_stale():
     assert result.lag_histogram == {0: 4}
 
 
+def test_overtaken_rollout_is_kept_on_its_recent_tokens_with_mask_stale_tokens():
+    """The case above with buffer.stale_policy = mask_stale_tokens: r0 finishes at 14.25 at
+    v=3 with its last tokens of version 3 (>= 3 - 1), so it is queued, and the waiting learner
+    takes it at once (its version-0 tokens made context: lag 0 on what is trained). Nothing
+    is dropped; step 4 trains 14.25 to 16.25 and syncs to 17.25."""
+    scheme = flash(1, 1, stale_policy="mask_stale_tokens")
+    result = simulate(one_server(2.0, 1.0, steps=4), scheme, Cycle([95] + [10] * 10))
+    assert_steps(
+        result.steps,
+        [
+            (0, 1.5, 3.5, 4.5, (0,)),
+            (4.5, 6.0, 8.0, 9.0, (0,)),
+            (9.0, 10.5, 12.5, 13.5, (0,)),
+            (13.5, 14.25, 16.25, 17.25, (0,)),
+        ],
+    )
+    assert result.drop_share == 0
+
+
 def test_grpo_sync_waits_for_the_whole_batch():
     """G = 2, B = 4: groups (10, 30) and (20, 20) start together at 4 tokens/s each; the 10
     ends at 2.5 s; three run at 5/s, the two 20s end at 4.5 s; the 30 runs alone at 10/s and

@@ -140,7 +140,9 @@ def test_masking_removes_the_top_k_rows_of_the_masked_tokens():
         token_versions=[-1, 4, 5, 6],
         reward=1.0,
         info={STALE_TOKENS_MASKED: 1},  # masked once before: counts add up
-        top_logprobs=TopLogProbs.of([[1, 2], [3, 4], [5, 6]], [[-0.1, -3], [-0.2, -3], [-1, -2]], 2),
+        top_logprobs=TopLogProbs.of(
+            [[1, 2], [3, 4], [5, 6]], [[-0.1, -3], [-0.2, -3], [-1, -2]], 2
+        ),
     )
     masked = mask_stale_tokens(trajectory, 6)
     assert masked.action_mask.tolist() == [False, False, False, True]
