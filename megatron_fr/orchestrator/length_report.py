@@ -12,8 +12,10 @@ trained and those made context as too old (mask_stale_tokens); this report reads
     trained     those trained, at their generated length (trained + masked tokens)
 
 and prints one row per run (drop rate, mean and median length of each, the share of trained
-trajectories' tokens masked, the mean reward trained and the last eval accuracy), then draws
-a PNG: per run, the three length distributions as histograms and as CDFs.
+trajectories' tokens masked, the share of generated tokens never trained (dropped or masked),
+the mean reward trained and the last eval accuracy), then draws a PNG: per run, the three
+length distributions as histograms and as CDFs. Trajectories still queued when the run ended
+count as generated, neither dropped nor trained.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics, read_ru
 
 PLOT_FILE = "lengths.png"
 KINDS = ("generated", "dropped", "trained")
+COLORS = {"generated": "tab:blue", "dropped": "tab:red", "trained": "tab:green"}
+"""One colour per kind in every panel, whichever kinds a run has."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,13 @@ class RunLengths:
         """Masked tokens / policy tokens of the trained trajectories as generated."""
         total = sum(self.trained)
         return self.masked_tokens / total if total else math.nan
+
+    @property
+    def untrained_share(self) -> float:
+        """Policy tokens generated for nothing, dropped or masked, / policy tokens generated:
+        what either rule costs in generation."""
+        total = sum(self.generated)
+        return (sum(self.dropped) + self.masked_tokens) / total if total else math.nan
 
     def of(self, kind: str) -> list[int]:
         return {"generated": self.generated, "dropped": self.dropped, "trained": self.trained}[kind]
@@ -112,15 +123,17 @@ def table(rows: Sequence[tuple[str, RunLengths]]) -> str:
     """Markdown: one row per run."""
     lines = [
         "| run | generated | dropped as stale | drop rate | length generated (mean / median) "
-        "| length dropped | length trained | tokens masked | reward trained | accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| length dropped | length trained | tokens masked | tokens not trained "
+        "| reward trained | accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows:
         accuracy = "-" if r.accuracy is None else f"{r.accuracy:.3f}"
         lines.append(
             f"| {name} | {len(r.generated)} | {len(r.dropped)} | {r.drop_rate:.1%} "
             f"| {_mean_median(r.generated)} | {_mean_median(r.dropped)} "
-            f"| {_mean_median(r.trained)} | {r.masked_share:.1%} | {r.reward_mean:.3f} "
+            f"| {_mean_median(r.trained)} | {r.masked_share:.1%} | {r.untrained_share:.1%} "
+            f"| {r.reward_mean:.3f} "
             f"| {accuracy} |"
         )
     return "\n".join(lines)
@@ -140,8 +153,10 @@ def plot(rows: Sequence[tuple[str, RunLengths]], out: Path) -> Path:
             if not values.size:
                 continue
             label = f"{kind} ({values.size})"
-            hist.hist(values, bins=bins, density=True, histtype="step", label=label)
-            cdf.step(values, np.arange(1, values.size + 1) / values.size, where="post", label=label)
+            color = COLORS[kind]
+            hist.hist(values, bins=bins, density=True, histtype="step", color=color, label=label)
+            fractions = np.arange(1, values.size + 1) / values.size
+            cdf.step(values, fractions, where="post", color=color, label=label)
         hist.set_title(f"{name}: drop rate {r.drop_rate:.1%}", fontsize="small")
         hist.set_xlabel("response length (policy tokens)")
         hist.set_ylabel("density")

@@ -102,14 +102,16 @@ def test_the_report_counts_generated_dropped_and_trained_at_their_generated_leng
     assert lengths.trained == [4, 8, 2]  # 6 trained + 2 masked
     assert lengths.drop_rate == pytest.approx(2 / 5)
     assert lengths.masked_share == pytest.approx(2 / 14)
+    assert lengths.untrained_share == pytest.approx((10 + 20 + 2) / 42)
     assert lengths.reward_mean == pytest.approx(2 / 3)
     assert lengths.accuracy == 0.25
     assert length_report.main(args) == 0
     assert (tmp_path / "l.png").stat().st_size > 0
     row = length_report.table([("masked", lengths)]).splitlines()[-1]
-    # generated mean 42 / 5 = 8.4, median 6; dropped 15 / 15; trained 14 / 3 = 4.7, median 4
+    # generated mean 42 / 5 = 8.4, median 6; dropped 15 / 15; trained 14 / 3 = 4.7, median 4;
+    # not trained 32 / 42 = 76.2 %
     assert row == (
-        "| masked | 5 | 2 | 40.0% | 8.4 / 6 | 15.0 / 15 | 4.7 / 4 | 14.3% | 0.667 | 0.250 |"
+        "| masked | 5 | 2 | 40.0% | 8.4 / 6 | 15.0 / 15 | 4.7 / 4 | 14.3% | 76.2% | 0.667 | 0.250 |"
     )
     from_two = length_report.run_lengths(length_report.read_run_log(tmp_path, BATCHES_FILE), (), 2)
     assert (from_two.generated, from_two.trained, from_two.accuracy) == ([2, 20], [2], None)
