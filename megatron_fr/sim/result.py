@@ -9,8 +9,11 @@
     learner_wait     share spent waiting for a batch
     trajectories_per_hour   trained trajectories (B per step) per hour of the window
     lag_*            lag = learner version at consumption - oldest version of a trajectory
+                     (with scheme.stale_policy mask_stale_tokens, of its tokens trained)
     drop_share       trajectories dropped as too old / trajectories generated
-    wasted_tokens    response tokens of dropped trajectories / tokens decoded
+    wasted_tokens    response tokens of dropped trajectories / tokens decoded (the tokens
+                     mask_stale_tokens makes context are not modelled: a simulated rollout
+                     carries its first and last versions only)
 
 Utilisations are shares of time or capacity, 0..1; the window excludes warm-up steps.
 """
