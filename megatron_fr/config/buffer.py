@@ -36,7 +36,8 @@ class BufferConfig(StrictModel):
     context when its batch is taken (out of the loss, no gradient); a group is dropped only
     once a member has no policy token left within max_lag. Either way no token trained lags
     more than max_lag; the second keeps the long (multi-turn) episodes, which the first drops
-    most often."""
+    most often. The default is the measured choice: docs/results.md, "The stale drop and
+    response length at lag 8"."""
     max_in_flight: PositiveInt | None = None
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
     fill_staleness_budget: bool = False

@@ -171,7 +171,8 @@ def plot(rows: Sequence[tuple[str, RunLengths]], out: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.split("\n\n")[0]
+    parser.description = __doc__  # what the columns mean
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (with batches.jsonl)"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fr import cli
 from megatron_fr.buffer.lag_buffer import LengthRecord
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import load_run_config
@@ -90,9 +91,6 @@ def test_batches_jsonl_records_the_lengths_and_the_masked_tokens(tmp_path):
 
 def test_the_report_counts_generated_dropped_and_trained_at_their_generated_length(tmp_path):
     write_run(tmp_path)
-    args = argparse.Namespace(
-        run_dirs=[str(tmp_path)], from_step=1, names="masked", out=str(tmp_path / "l.png")
-    )
     lengths = length_report.run_lengths(
         length_report.read_run_log(tmp_path, BATCHES_FILE),
         length_report.read_metrics(tmp_path),
@@ -105,7 +103,8 @@ def test_the_report_counts_generated_dropped_and_trained_at_their_generated_leng
     assert lengths.untrained_share == pytest.approx((10 + 20 + 2) / 42)
     assert lengths.reward_mean == pytest.approx(2 / 3)
     assert lengths.accuracy == 0.25
-    assert length_report.main(args) == 0
+    command = ["lengths", str(tmp_path), "--names", "masked", "--out", str(tmp_path / "l.png")]
+    assert cli.main(command) == 0
     assert (tmp_path / "l.png").stat().st_size > 0
     row = length_report.table([("masked", lengths)]).splitlines()[-1]
     # generated mean 42 / 5 = 8.4, median 6; dropped 15 / 15; trained 14 / 3 = 4.7, median 4;
