@@ -11,14 +11,18 @@ Every expectation is written out by hand from make_trajectory's layout:
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pydantic
 import pytest
+import torch
 
+from megatron_fr.algo.flash_reinforce import flash_reinforce_loss
 from megatron_fr.buffer.lag_buffer import BufferConfig, LagAwareBuffer, LengthRecord
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.buffer.stale_tokens import STALE_TOKENS_MASKED, mask_stale_tokens
-from megatron_fr.buffer.trajectory import Trajectory, validate_trajectory
+from megatron_fr.buffer.trajectory import Trajectory, to_tensors, validate_trajectory
 from megatron_fr.engine.top_logprobs import TopLogProbs
 
 DROP, MASK = "drop_trajectory", "mask_stale_tokens"
@@ -152,6 +156,31 @@ def test_masking_removes_the_top_k_rows_of_the_masked_tokens():
     assert masked.info[STALE_TOKENS_MASKED] == 3
     validate_trajectory(masked)
     assert mask_stale_tokens(trajectory, 4) is trajectory  # nothing that old
+
+
+def test_the_loss_counts_only_the_tokens_left_in_a_masked_trajectory():
+    """B = 2: row 0 masked down to its token 5 (versions 1, 1, 3 at version 3, max_lag 1),
+    reward 1; row 1 fresh (3 policy tokens), reward 0. Advantages 0.5, -0.5. With the current
+    log-probs equal to the engine's as generated, every ratio is 1, so
+    d loss / d log pi(token t of row b) = -(A_b / T_b) / B: row 0 -0.5 / 1 / 2 = -0.25 at
+    token 5 alone (T_0 = 1, not 3), row 1 +0.5 / 3 / 2 = 1/12 at tokens 2, 3, 5. The masked
+    tokens' log-probs (-0.5, -0.25, against 0 recorded now) enter no KL: D_0 = 0."""
+    masked = mask_stale_tokens(make_trajectory("q@0#0", 1, span=2), 2)
+    fresh = dataclasses.replace(make_trajectory("q@1#0", 3, span=0), reward=0.0)
+    batch = to_tensors([dataclasses.replace(masked, reward=1.0), fresh])
+    generated = torch.tensor([[0.0, 0.0, -0.5, -0.25, 0.0, -1.0]] * 2)
+    log_probs = generated.clone().requires_grad_(True)
+    loss, metrics = flash_reinforce_loss(
+        log_probs, batch["behavior_log_probs"], batch["rewards"], batch["action_mask"]
+    )
+    loss.backward()
+    assert log_probs.grad is not None
+    expected = torch.tensor(
+        [[0, 0, 0, 0, 0, -0.25], [0, 0, 1 / 12, 1 / 12, 0, 1 / 12]], dtype=torch.float32
+    )
+    assert torch.allclose(log_probs.grad, expected)
+    assert metrics["sequence_kl"].tolist() == [0.0, 0.0]
+    assert metrics["admitted"].tolist() == [True, True]
 
 
 def test_take_lengths_reports_generated_and_dropped_since_the_previous_call():
