@@ -4,13 +4,16 @@
     admit a group of G rollouts (buffer.try_admit)     waiting: buffer.next_batch(v) -> B fresh
       -> each to the least-loaded server (servers.py)  training: step_seconds(batch lengths)
       -> decode at r(c) until its length is reached    syncing: every server paused; requests
-      -> buffer.put(trajectory of oldest version)          aborted, continued after it
+      -> buffer.put(trajectory: first, last version)       aborted, continued after it
                                                        v += 1, buffer.set_version(v)
 
 The buffer IS buffer/lag_buffer.py's LagAwareBuffer, fed trajectories that carry only what its
-rules read (the prompt id and the oldest policy version), so admission, staleness drops and
-the lag histogram follow the production rules exactly; simulated time only decides when each
-call happens. Events at equal times run in the order they were scheduled.
+rules read (the prompt id, the first and the last policy versions), so admission, staleness
+drops and the lag histogram follow the production rules exactly, under either stale_policy;
+simulated time only decides when each call happens. How many of a trained rollout's tokens
+mask_stale_tokens makes context is counted here, from the tokens it had decoded by the end
+of each version (Request.decoded_by_version). Events at equal times run in the order they
+were scheduled.
 
 A scheme is a buffer config (its group size included): FlashREINFORCE is G = 1, max_lag > 0;
 synchronous GRPO is G rollouts per prompt with max_lag = 0 and capacity B, under which the
@@ -108,7 +111,10 @@ class Totals:
     running_s: float = 0.0
     completed: int = 0
     dropped: int = 0
-    wasted_tokens: int = 0
+    wasted_tokens: float = 0.0
+    """Response tokens of dropped rollouts, and of trained ones made context as too old."""
+    masked_tokens: float = 0.0
+    """The second part alone (buffer.stale_policy mask_stale_tokens)."""
     lag_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -250,8 +256,14 @@ class Simulation:
         if batch is None:
             return
         lengths = []
+        oldest_allowed = self.version - self.scheme.buffer.max_lag
         for trajectory in batch:
             request = self.requests.pop(trajectory.prompt_id)
+            masked = max(
+                (n for v, n in request.decoded_by_version if v < oldest_allowed), default=0
+            )
+            self.totals.masked_tokens += masked
+            self.totals.wasted_tokens += masked
             self._members.pop(trajectory.prompt_id)
             self._admitted_at.pop(trajectory.prompt_id)
             self._queued.discard(trajectory.prompt_id)
@@ -266,7 +278,11 @@ class Simulation:
         self._learner = "syncing"
         self._trained_s = self.now
         for server in self.servers:
-            self._aborted.extend(server.abort_all(self.now))
+            aborted = server.abort_all(self.now)
+            for request in aborted:
+                if request.first_version is not None:  # it has tokens of this version
+                    request.decoded_by_version.append((self.version, request.decoded))
+            self._aborted.extend(aborted)
             server.epoch += 1
             self.dispatcher.update(server)
         self._schedule(self.sync_s, "synced", batch)
@@ -309,6 +325,7 @@ class Simulation:
             completed=self.totals.completed,
             dropped=self.totals.dropped,
             wasted_tokens=self.totals.wasted_tokens,
+            masked_tokens=self.totals.masked_tokens,
             lag_histogram=dict(stats["lag_histogram"]),
         )
 
