@@ -4,6 +4,7 @@ megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an exist
 megatron-fr serve --engine cpu|sglang --model-path D --port P   one inference server
 megatron-fr demo prepare RECIPE [key=value ...]          make a CPU demo recipe's tiny model
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
+megatron-fr lengths RUN_DIR [...]        response lengths generated / dropped as stale / trained
 megatron-fr compare methods|lag RECIPE --out DIR   sample efficiency / lag stability benchmark
 megatron-fr convert ACTION ...          HF <-> megatron checkpoints (hf-to-megatron,
                                         megatron-to-hf, verify)
@@ -22,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_fr.convert import cli as convert
     from megatron_fr.demo import cli as demo
     from megatron_fr.engine import serve_cli
-    from megatron_fr.orchestrator import compare, plot, train_cli
+    from megatron_fr.orchestrator import compare, length_report, plot, train_cli
 
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
          "run one inference server in the foreground (SGLang, or the CPU engine)"),
         ("plot", plot, plot.main,
          "PNG of reward, acceptance, lag and eval accuracy of a run directory"),
+        ("lengths", length_report, length_report.main,
+         "response lengths generated, dropped as stale and trained: table and PNG"),
         ("convert", convert, convert.run,
          "HF <-> megatron checkpoint conversion and logit verification"),
         ("compare", compare, compare.run,

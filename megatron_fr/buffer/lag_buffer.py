@@ -11,6 +11,8 @@
                                               ▼                                     │
                                          queue of whole groups ─► next_batch(v): B / G groups,
     set_version(v) ────────────────────► queued groups too old dropped whole ──────┘ lag <= max_lag
+                                                                  (mask_stale_tokens: tokens
+                                                                  older made context first)
     close(error) ──────────────────────► every waiter wakes: admit -> None, get_batch raises
 
 The prompt cursor (PromptSource) lives here, under the same lock as the slots, so a
@@ -21,9 +23,14 @@ Two limits act on a rollout. Before it starts, admission keeps the rollouts in f
 trajectories held small enough that all of them can be trained within max_lag versions (the
 staleness budget, `_admission_open`) and within `capacity` (backpressure). When a group
 completes, and whenever the version grows, every group older than max_lag is dropped
-(`_is_fresh`): the budget bounds lag on average, the drop bounds it for each trajectory. With
-`fill_staleness_budget` the learner also waits until the whole budget is queued, which makes
-every trajectory exactly max_lag versions old (a fleet faster than the learner, reproduced).
+(`_is_fresh`): the budget bounds lag on average, the drop bounds it for each trajectory. How
+old a group is depends on `stale_policy`. drop_trajectory (the default): as old as its oldest
+policy token, over all members. mask_stale_tokens: a trajectory is as old as its NEWEST policy
+token, a group as its oldest member by that measure; when a batch is taken its policy tokens
+older than max_lag are made context (buffer/stale_tokens.py), so no token trained lags more
+than max_lag either way. With `fill_staleness_budget` the learner also waits until the whole
+budget is queued, which makes every trajectory exactly max_lag versions old (a fleet faster
+than the learner, reproduced).
 
 Groups are atomic (what group baselines need: GRPO's mean and std over a group of part of its
 rollouts is a different estimator): a batch holds B / G whole groups, never part of one. With
@@ -33,11 +40,17 @@ Worked example, B = 4, G = 1, max_lag = 1, learner at version 5: the batches of 
 and 6 will be trained before version 7, so 8 rollouts may be pending (in flight or held).
 Once the learner has taken its batch at version 5, 4 may be pending (they are for version 6's
 batch); when it reports version 6, 8 again. A trajectory whose oldest token is from version 3
-is dropped at version 5 (lag 2 > 1).
+is dropped at version 5 (lag 2 > 1); with mask_stale_tokens, one whose tokens are of
+versions 3 and 4 is kept and trained on its version-4 tokens alone, one of version 3 only is
+dropped.
 
 Accounting (checked by the tests after every call): every admitted rollout is exactly one of
 in flight, held (its group forming or queued), consumed, dropped (stale), rejected (invalid),
 abandoned (failed), or discarded (a member of its group failed or was rejected).
+
+Length record (`take_lengths`): the response lengths (policy tokens) of the trajectories handed
+in valid and of those dropped as stale since the previous call, for the run's report: whether
+the stale drop falls on the long episodes is read from them.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
 from megatron_fr.buffer.prompts import PromptSource
+from megatron_fr.buffer.stale_tokens import mask_stale_tokens, newest_version
 from megatron_fr.buffer.trajectory import InvalidTrajectory, Trajectory, validate_trajectory
 from megatron_fr.config.buffer import BufferConfig
 
@@ -100,6 +114,19 @@ class _Counters:
     requeued: int = 0
     groups_dropped: int = 0
     groups_failed: int = 0
+    stale_tokens_masked: int = 0
+    """Policy tokens made context in batches (stale_policy mask_stale_tokens); tokens, not
+    rollouts."""
+
+
+@dataclass
+class LengthRecord:
+    """Response lengths (policy tokens as generated) since the previous take_lengths."""
+
+    generated: list[int] = field(default_factory=list)
+    """Of every trajectory handed in valid (put), whatever became of it then."""
+    dropped_stale: list[int] = field(default_factory=list)
+    """Of every trajectory dropped as too old."""
 
 
 @dataclass
@@ -134,6 +161,7 @@ class LagAwareBuffer:
         self._counts = _Counters()
         self._rejected_reasons: Counter[str] = Counter()
         self._lag_histogram: Counter[int] = Counter()
+        self._lengths = LengthRecord()
         self._async_waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._closed = False
         self._close_error: BaseException | None = None
@@ -228,6 +256,7 @@ class LagAwareBuffer:
                 self._fail(group)
                 outcome = "rejected"
             else:
+                self._lengths.generated.append(trajectory.num_policy_tokens)
                 group.done[trajectory.prompt_id] = trajectory
                 self._held += 1
                 outcome = self._complete(group) if not group.in_flight else "held"
@@ -280,6 +309,7 @@ class LagAwareBuffer:
             del self._groups[group.admission.group]
 
     def _drop(self, members: list[Trajectory]) -> None:
+        self._lengths.dropped_stale.extend(t.num_policy_tokens for t in members)
         self._counts.dropped += len(members)
         self._counts.groups_dropped += 1
         self._requeue(_problem_of(members[0].prompt_id))
@@ -298,7 +328,8 @@ class LagAwareBuffer:
     def next_batch(self, current_version: int) -> list[Trajectory] | None:
         """B / G whole groups, the oldest-completed first (the oldest-admitted first with
         fill_staleness_budget), for the learner at current_version, or None while fewer are
-        queued. Advances the buffer's version to current_version."""
+        queued (with mask_stale_tokens, their policy tokens older than max_lag made context).
+        Advances the buffer's version to current_version."""
         with self._cond:
             return self._next_batch(current_version)
 
@@ -331,12 +362,23 @@ class LagAwareBuffer:
             self._queue = deque(sorted(self._queue, key=_admission_number))
         # The queue holds only fresh groups (see _is_fresh), so FIFO order is kept.
         batch = [t for _ in range(groups) for t in self._queue.popleft()]
+        if self.config.stale_policy == "mask_stale_tokens":
+            batch = self._mask_stale(batch, current_version)
         for trajectory in batch:
             self._lag_histogram[current_version - trajectory.oldest_version] += 1
         self._counts.consumed += len(batch)
         self._consumed_at_version += len(batch)
         self._changed()
         return batch
+
+    def _mask_stale(self, batch: list[Trajectory], current_version: int) -> list[Trajectory]:
+        """The batch with every policy token older than max_lag made context; the queue is
+        fresh at current_version (`_is_fresh`), so each member keeps at least one token."""
+        masked = [mask_stale_tokens(t, current_version - self.config.max_lag) for t in batch]
+        self._counts.stale_tokens_masked += sum(t.num_policy_tokens for t in batch) - sum(
+            m.num_policy_tokens for m in masked
+        )
+        return masked
 
     def _budget_filled(self) -> bool:
         """With fill_staleness_budget, whether all that admission allows at this version is
@@ -362,12 +404,17 @@ class LagAwareBuffer:
 
     def _is_fresh(self, members: list[Trajectory]) -> bool:
         """INVARIANT (the lag bound): every queued trajectory has
-        oldest_version >= version - max_lag. It is checked when a group completes and
+        oldest_version >= version - max_lag (drop_trajectory), or
+        newest_version >= version - max_lag (mask_stale_tokens, whose batches then lose the
+        tokens older than that: `_mask_stale`). It is checked when a group completes and
         re-established for the whole queue whenever the version grows; batches are taken from
-        the queue at the current version, so no batch holds a trajectory with lag > max_lag.
+        the queue at the current version, so no batch holds a policy token with lag > max_lag.
         A group is as old as its oldest member."""
-        oldest = min(t.oldest_version for t in members)
-        return oldest >= self._version - self.config.max_lag
+        if self.config.stale_policy == "mask_stale_tokens":
+            age = min(newest_version(t) for t in members)
+        else:
+            age = min(t.oldest_version for t in members)
+        return age >= self._version - self.config.max_lag
 
     def _drop_stale(self) -> None:
         fresh: deque[list[Trajectory]] = deque()
@@ -424,6 +471,13 @@ class LagAwareBuffer:
                     self._async_waiters.discard(waiter)
 
     # ---- observability and checkpoints ------------------------------------------------------
+
+    def take_lengths(self) -> LengthRecord:
+        """The response lengths generated and dropped as stale since the previous call (the
+        run's report takes them once a step); the record starts afresh."""
+        with self._cond:
+            taken, self._lengths = self._lengths, LengthRecord()
+            return taken
 
     def stats(self) -> dict[str, Any]:
         """Occupancy and totals; lag = version at consumption - oldest_version (None before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, PositiveInt, model_validator
 
 from megatron_fr.config.base import StrictModel
@@ -26,6 +28,16 @@ class BufferConfig(StrictModel):
     max_lag: int = Field(default=0, ge=0, le=MAX_LAG)
     """Most versions between a trajectory's oldest policy token and the learner that trains on
     it (at most 1000); 0 is synchronous on-policy training."""
+    stale_policy: Literal["drop_trajectory", "mask_stale_tokens"] = "drop_trajectory"
+    """What becomes of a trajectory whose tokens span policy versions once its OLDEST policy
+    token is more than max_lag versions behind the learner. drop_trajectory: the whole group is
+    dropped (a trajectory is as old as its oldest token). mask_stale_tokens: it is kept while
+    its NEWEST policy token is within max_lag, and the policy tokens older than that are made
+    context when its batch is taken (out of the loss, no gradient); a group is dropped only
+    once a member has no policy token left within max_lag. Either way no token trained lags
+    more than max_lag; the second keeps the long (multi-turn) episodes, which the first drops
+    most often. The default is the measured choice: docs/results.md, "The stale drop and
+    response length at lag 8"."""
     max_in_flight: PositiveInt | None = None
     """Most rollouts generating at once (e.g. what the servers can hold); None: no extra bound."""
     fill_staleness_budget: bool = False

@@ -141,7 +141,8 @@ class Leader(Rank):
         seconds = time.monotonic() - started
         learner, figures = metrics
         stats = self.rollout.stats()
-        self.report.step(step, summaries, learner, figures, sync_s, stats, seconds)
+        lengths = self.rollout.take_lengths()
+        self.report.step(step, summaries, learner, figures, sync_s, stats, lengths, seconds)
 
 
 class Follower(Rank):

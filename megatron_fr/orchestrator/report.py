@@ -5,7 +5,11 @@
     run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards, the
                             advantages the learner used, and per trajectory the gate's KL
                             D_i and whether it was admitted (which trajectories a gate holds
-                            out, and of which sign, is what explains a gated run's course)
+                            out, and of which sign, is what explains a gated run's course);
+                            the policy tokens made context as too old (stale_policy
+                            mask_stale_tokens), and the response lengths generated and
+                            dropped as stale since the previous step (whether the stale
+                            drop falls on the long episodes: `megatron-fr lengths`)
     run_dir/config.yaml     the resolved config
 
 On resume both logs are cut back to the checkpoint's step first: the steps after it are
@@ -22,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_fr.buffer.lag_buffer import LengthRecord
+from megatron_fr.buffer.stale_tokens import STALE_TOKENS_MASKED
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
@@ -60,10 +66,12 @@ class RunReport:
         figures: Mapping[str, float],
         sync_s: float,
         rollout: dict[str, Any],
+        lengths: LengthRecord,
         seconds: float,
     ) -> None:
         """The step's line of metrics.jsonl (and the sinks) and of batches.jsonl; `figures`:
-        the step's other figures by name (every rank's GPUs, the sync check's)."""
+        the step's other figures by name (every rank's GPUs, the sync check's); `lengths`:
+        the buffer's record since the previous step."""
         lags = [step - 1 - t.oldest_version for t in batch]
         self.logger.log_step(
             dict(
@@ -89,6 +97,7 @@ class RunReport:
                 step_s=seconds,
                 buffer_occupancy=rollout["occupancy"],
                 dropped_total=rollout["dropped_total"],
+                stale_tokens_masked_total=rollout["stale_tokens_masked_total"],
                 discarded_total=rollout["discarded_total"],
                 abandoned_total=rollout["abandoned_total"],
                 groups_failed_total=rollout["groups_failed_total"],
@@ -107,11 +116,14 @@ class RunReport:
                 "step": step,
                 "prompt_ids": [t.prompt_id for t in batch],
                 "response_lengths": [t.num_policy_tokens for t in batch],
+                "stale_tokens_masked": [t.info.get(STALE_TOKENS_MASKED, 0) for t in batch],
                 "oldest_versions": [t.oldest_version for t in batch],
                 "rewards": [t.reward for t in batch],
                 "advantages": learner["advantages"],
                 "admitted": learner["admitted"],
                 "sequence_kl": learner["sequence_kl"],
+                "generated_lengths": lengths.generated,
+                "dropped_stale_lengths": lengths.dropped_stale,
             },
         )
 

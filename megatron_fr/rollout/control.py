@@ -8,7 +8,10 @@ class (EngineDied on the first rank is EngineDied).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from megatron_fr.buffer.lag_buffer import LengthRecord
 
 
 class RolloutControl(Protocol):
@@ -41,6 +44,11 @@ class RolloutControl(Protocol):
 
     def stats(self) -> dict:
         """The buffer's, the rollouts' and the engines' figures for the step's metrics."""
+        ...
+
+    def take_lengths(self) -> LengthRecord:
+        """The response lengths generated and dropped as stale since the previous call (once
+        a step, for batches.jsonl)."""
         ...
 
     def explain(self, error: BaseException) -> None:

@@ -37,7 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer
+from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer, LengthRecord
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, RolloutError
 from megatron_fr.engine.sglang.protocol import MalformedResponse, SamplingParams
@@ -325,6 +325,9 @@ class RolloutService:
             "rollout_failures": failures,
             "engines": self._engine_stats(),
         }
+
+    def take_lengths(self) -> LengthRecord:
+        return self.buffer.take_lengths()
 
     def _engine_stats(self) -> dict[str, float]:
         client = self._client

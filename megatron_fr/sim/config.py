@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import (
@@ -136,6 +137,9 @@ class SchemeSettings(_Section):
     """FlashREINFORCE's buffer capacity; None: (max_lag + 1) * batch_size."""
     max_in_flight: PositiveInt | None = None
     """FlashREINFORCE's buffer.max_in_flight; None: no extra bound."""
+    stale_policy: Literal["drop_trajectory", "mask_stale_tokens"] = "drop_trajectory"
+    """FlashREINFORCE's buffer.stale_policy: a rollout as old as its first token
+    (drop_trajectory) or as its last (mask_stale_tokens) when the buffer decides to drop it."""
     grpo_group_size: PositiveInt = 8
     """G: GRPO rollouts per prompt; a batch is batch_size / G whole groups."""
 

@@ -4,13 +4,16 @@
     admit a group of G rollouts (buffer.try_admit)     waiting: buffer.next_batch(v) -> B fresh
       -> each to the least-loaded server (servers.py)  training: step_seconds(batch lengths)
       -> decode at r(c) until its length is reached    syncing: every server paused; requests
-      -> buffer.put(trajectory of oldest version)          aborted, continued after it
+      -> buffer.put(trajectory: first, last version)       aborted, continued after it
                                                        v += 1, buffer.set_version(v)
 
 The buffer IS buffer/lag_buffer.py's LagAwareBuffer, fed trajectories that carry only what its
-rules read (the prompt id and the oldest policy version), so admission, staleness drops and
-the lag histogram follow the production rules exactly; simulated time only decides when each
-call happens. Events at equal times run in the order they were scheduled.
+rules read (the prompt id, the first and the last policy versions), so admission, staleness
+drops and the lag histogram follow the production rules exactly, under either stale_policy;
+simulated time only decides when each call happens. How many of a trained rollout's tokens
+mask_stale_tokens makes context is counted here, from the tokens it had decoded by the end
+of each version (Request.decoded_by_version). Events at equal times run in the order they
+were scheduled.
 
 A scheme is a buffer config (its group size included): FlashREINFORCE is G = 1, max_lag > 0;
 synchronous GRPO is G rollouts per prompt with max_lag = 0 and capacity B, under which the
@@ -60,6 +63,7 @@ def flash_reinforce(settings: SchemeSettings) -> Scheme:
         max_lag=lag,
         capacity=settings.capacity or (lag + 1) * b,
         max_in_flight=settings.max_in_flight,
+        stale_policy=settings.stale_policy,
     )
     return Scheme("flash_reinforce", buffer)
 
@@ -107,7 +111,10 @@ class Totals:
     running_s: float = 0.0
     completed: int = 0
     dropped: int = 0
-    wasted_tokens: int = 0
+    wasted_tokens: float = 0.0
+    """Response tokens of dropped rollouts, and of trained ones made context as too old."""
+    masked_tokens: float = 0.0
+    """The second part alone (buffer.stale_policy mask_stale_tokens)."""
     lag_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -217,7 +224,7 @@ class Simulation:
         self.dispatcher.update(server)
         self._reschedule(server)
         self.totals.completed += 1
-        outcome = self.buffer.put(_trajectory(request))
+        outcome = self.buffer.put(_trajectory(request, self.version))
         if outcome == "queued":
             self._queued.update(self._members[request.rollout_id])
         elif outcome == "dropped":
@@ -249,8 +256,14 @@ class Simulation:
         if batch is None:
             return
         lengths = []
+        oldest_allowed = self.version - self.scheme.buffer.max_lag
         for trajectory in batch:
             request = self.requests.pop(trajectory.prompt_id)
+            masked = max(
+                (n for v, n in request.decoded_by_version if v < oldest_allowed), default=0
+            )
+            self.totals.masked_tokens += masked
+            self.totals.wasted_tokens += masked
             self._members.pop(trajectory.prompt_id)
             self._admitted_at.pop(trajectory.prompt_id)
             self._queued.discard(trajectory.prompt_id)
@@ -265,7 +278,11 @@ class Simulation:
         self._learner = "syncing"
         self._trained_s = self.now
         for server in self.servers:
-            self._aborted.extend(server.abort_all(self.now))
+            aborted = server.abort_all(self.now)
+            for request in aborted:
+                if request.first_version is not None:  # it has tokens of this version
+                    request.decoded_by_version.append((self.version, request.decoded))
+            self._aborted.extend(aborted)
             server.epoch += 1
             self.dispatcher.update(server)
         self._schedule(self.sync_s, "synced", batch)
@@ -308,20 +325,23 @@ class Simulation:
             completed=self.totals.completed,
             dropped=self.totals.dropped,
             wasted_tokens=self.totals.wasted_tokens,
+            masked_tokens=self.totals.masked_tokens,
             lag_histogram=dict(stats["lag_histogram"]),
         )
 
 
-def _trajectory(request: Request) -> Trajectory:
-    """The smallest trajectory the buffer accepts that carries the rollout's oldest version
-    (the buffer reads nothing else); token counts live in Simulation.requests."""
+def _trajectory(request: Request, last_version: int) -> Trajectory:
+    """The smallest trajectory the buffer accepts that carries the rollout's first and last
+    versions (the buffer's rules read nothing else: the oldest, or with mask_stale_tokens the
+    newest); token counts live in Simulation.requests."""
     if request.first_version is None:  # DecodeServer.add sets it; only an abort clears it
         raise RuntimeError(f"rollout {request.rollout_id} finished without a first version")
+    versions = [NON_POLICY_VERSION, request.first_version, last_version]
     return Trajectory(
         prompt_id=request.rollout_id,
-        token_ids=np.zeros(2, dtype=np.int32),
-        action_mask=np.array([False, True]),
-        behavior_log_probs=np.array([0.0, -1.0], dtype=np.float32),
-        token_versions=np.array([NON_POLICY_VERSION, request.first_version], dtype=np.int32),
+        token_ids=np.zeros(3, dtype=np.int32),
+        action_mask=np.array([False, True, True]),
+        behavior_log_probs=np.array([0.0, -1.0, -1.0], dtype=np.float32),
+        token_versions=np.array(versions, dtype=np.int32),
         reward=0.0,
     )

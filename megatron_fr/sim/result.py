@@ -9,8 +9,12 @@
     learner_wait     share spent waiting for a batch
     trajectories_per_hour   trained trajectories (B per step) per hour of the window
     lag_*            lag = learner version at consumption - oldest version of a trajectory
+                     (with scheme.stale_policy mask_stale_tokens, of its tokens trained)
     drop_share       trajectories dropped as too old / trajectories generated
-    wasted_tokens    response tokens of dropped trajectories / tokens decoded
+    wasted_tokens    response tokens of dropped trajectories, and of trained ones made
+                     context as too old (scheme.stale_policy mask_stale_tokens), / tokens
+                     decoded
+    masked_tokens    the second part alone / tokens decoded
 
 Utilisations are shares of time or capacity, 0..1; the window excludes warm-up steps.
 """
@@ -46,6 +50,7 @@ class SimResult:
     lag_max: int
     drop_share: float
     wasted_tokens: float
+    masked_tokens: float
     steps: list[StepRecord] = field(repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -88,6 +93,7 @@ def summarize(simulation: Simulation) -> SimResult:
         lag_max=max(histogram),
         drop_share=(end.dropped - start.dropped) / completed if completed else 0.0,
         wasted_tokens=(end.wasted_tokens - start.wasted_tokens) / decoded if decoded else 0.0,
+        masked_tokens=(end.masked_tokens - start.masked_tokens) / decoded if decoded else 0.0,
         steps=list(simulation.steps),
     )
 
@@ -117,6 +123,7 @@ TABLE_COLUMNS = (
     ("lag mean", 8, lambda r: f"{r.lag_mean:.2f}"),
     ("max", 3, lambda r: f"{r.lag_max}"),
     ("dropped", 7, lambda r: f"{r.drop_share:.1%}"),
+    ("tokens wasted", 13, lambda r: f"{r.wasted_tokens:.1%}"),
 )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_fr.sim.costs import DecodeModel
 
@@ -35,6 +35,9 @@ class Request:
     first_version: int | None = None
     """Version of the oldest generated token; set when the request first decodes."""
     started_at_progress: float = 0.0
+    decoded_by_version: list[tuple[int, float]] = field(default_factory=list)
+    """(version, tokens decoded by its end) at each weight sync the request was decoding
+    across: which of its tokens mask_stale_tokens makes context when it is trained."""
 
     @property
     def remaining(self) -> float:

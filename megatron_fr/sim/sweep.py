@@ -141,8 +141,9 @@ def _choose(
             f"\nNo split keeps drops under {max_drop_share:.0%}, so they were not used to "
             f"choose; the least is {least.drop_share:.1%} ({least.rollout_nodes} rollout "
             f"nodes, {least.trajectories_per_hour:,.0f} trajectories/h). The dropped are the "
-            "long responses, which outlive their staleness budget: a larger target lag or a "
-            "smaller max_new_tokens keeps them."
+            "long responses, which outlive their staleness budget: a larger target lag, a "
+            "smaller max_new_tokens or scheme.stale_policy=mask_stale_tokens (which trains "
+            "their tokens within the lag) keeps them."
         )
     best = max(r.trajectories_per_hour for r in feasible)
     near = [r for r in feasible if r.trajectories_per_hour >= (1 - tolerance) * best]

@@ -109,7 +109,20 @@ def buffer_configs(draw) -> BufferConfig:
         max_lag=max_lag,
         max_in_flight=max_in_flight,
         fill_staleness_budget=fill,
+        stale_policy=draw(st.sampled_from(["drop_trajectory", "mask_stale_tokens"])),
     )
+
+
+def policy_versions(t: Trajectory) -> list[int]:
+    return [int(v) for v, m in zip(t.token_versions, t.action_mask, strict=True) if m]
+
+
+def age(config: BufferConfig, members: list[Trajectory]) -> int:
+    """The documented rule: a trajectory is as old as its oldest policy token, or with
+    mask_stale_tokens its newest; a group as its oldest member."""
+    if config.stale_policy == "mask_stale_tokens":
+        return min(max(policy_versions(t)) for t in members)
+    return min(min(policy_versions(t)) for t in members)
 
 
 class BufferMachine(RuleBasedStateMachine):
@@ -130,6 +143,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.epoch_seen: set[str] = set()
         self.reasons: Counter[str] = Counter()
         self.lags: Counter[int] = Counter()
+        self.masked = 0  # policy tokens made context (mask_stale_tokens)
         self.counts = Counter()
         # problem accounting: admissions per problem vs where each group ended
         self.admissions: Counter[str] = Counter()
@@ -165,7 +179,7 @@ class BufferMachine(RuleBasedStateMachine):
             self.buffer_version, self.consumed_at_version = version, 0
             keep = []
             for members in self.queue:
-                if min(t.oldest_version for t in members) < version - self.config.max_lag:
+                if age(self.config, members) < version - self.config.max_lag:
                     self.counts["dropped"] += len(members)
                     self.model_end_group(problem_of(members[0].prompt_id))
                 else:
@@ -237,7 +251,7 @@ class BufferMachine(RuleBasedStateMachine):
             return
         members = sorted(group["done"], key=lambda t: t.prompt_id)
         group["done"] = []
-        if min(t.oldest_version for t in members) < self.buffer_version - self.config.max_lag:
+        if age(self.config, members) < self.buffer_version - self.config.max_lag:
             assert outcome == "dropped"
             self.counts["dropped"] += len(members)
             self.model_end_group(group["problem"])
@@ -300,11 +314,21 @@ class BufferMachine(RuleBasedStateMachine):
                 key=lambda members: int(members[0].prompt_id.rsplit("@", 1)[1].split("#")[0])
             )
         expected, self.queue = self.queue[:groups], self.queue[groups:]
-        assert batch == [t for members in expected for t in members]  # FIFO, whole groups
+        taken = [t for members in expected for t in members]
+        bound = version - self.config.max_lag
+        if c.stale_policy == "drop_trajectory":
+            assert batch == taken  # FIFO, whole groups
+        else:  # the same rollouts, each policy token older than the bound made context
+            assert [t.prompt_id for t in batch] == [t.prompt_id for t in taken]
+            for trained, generated in zip(batch, taken, strict=True):
+                kept = [v for v in policy_versions(generated) if v >= bound]
+                assert policy_versions(trained) == kept
+                assert np.array_equal(trained.token_ids, generated.token_ids)
+                self.masked += len(policy_versions(generated)) - len(kept)
         for members in expected:
             self.ended[problem_of(members[0].prompt_id)] += 1
         for t in batch:
-            assert t.oldest_version >= version - self.config.max_lag, "lag bound broken"
+            assert min(policy_versions(t)) >= bound, "lag bound broken"
             self.lags[version - t.oldest_version] += 1
         self.counts["consumed"] += len(batch)
         self.consumed_at_version += len(batch)
@@ -329,6 +353,7 @@ class BufferMachine(RuleBasedStateMachine):
         for name in ("admitted", "consumed", "dropped", "rejected", "abandoned", "discarded"):
             assert s[f"{name}_total"] == self.counts[name], name
         assert s["rejected_reasons"] == dict(self.reasons)
+        assert s["stale_tokens_masked_total"] == self.masked
         assert s["lag_histogram"] == dict(self.lags)
         assert all(0 <= lag <= c.max_lag for lag in s["lag_histogram"])
         # every admitted rollout is in exactly one place

@@ -133,7 +133,33 @@ def test_overtaken_rollout_is_dropped_as_stale():
     completed = 6  # r1, r2, r3, r0 (dropped), r4, r5
     assert result.drop_share == pytest.approx(1 / completed)
     assert result.wasted_tokens == pytest.approx(95 / (95 + 5 * 10))
+    assert result.masked_tokens == 0
     assert result.lag_histogram == {0: 4}
+
+
+def test_overtaken_rollout_is_kept_on_its_recent_tokens_with_mask_stale_tokens():
+    """The case above with buffer.stale_policy = mask_stale_tokens: r0 finishes at 14.25 at
+    v=3 with its last tokens of version 3 (>= 3 - 1), so it is queued, and the waiting learner
+    takes it at once (its version-0 tokens made context: lag 0 on what is trained). Nothing
+    is dropped; step 4 trains 14.25 to 16.25 and syncs to 17.25. r0 had decoded 30 tokens by
+    the end of version 0 and 60 by the end of version 1: the 60 older than 3 - 1 are made
+    context. r4 (from 13.5: 5 tokens beside r0, 5 alone) is done at 14.75; r5 waits for
+    version 4 (budget 2: r4 pending, r0 consumed at version 3). Decoded by 17.25: r0's 95,
+    r1-r3's 30, r4's 10: 135."""
+    scheme = flash(1, 1, stale_policy="mask_stale_tokens")
+    result = simulate(one_server(2.0, 1.0, steps=4), scheme, Cycle([95] + [10] * 10))
+    assert_steps(
+        result.steps,
+        [
+            (0, 1.5, 3.5, 4.5, (0,)),
+            (4.5, 6.0, 8.0, 9.0, (0,)),
+            (9.0, 10.5, 12.5, 13.5, (0,)),
+            (13.5, 14.25, 16.25, 17.25, (0,)),
+        ],
+    )
+    assert result.drop_share == 0
+    assert result.masked_tokens == pytest.approx(60 / 135)
+    assert result.wasted_tokens == pytest.approx(60 / 135)
 
 
 def test_grpo_sync_waits_for_the_whole_batch():
