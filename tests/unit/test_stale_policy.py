@@ -1,7 +1,7 @@
 """buffer.stale_policy: a rollout that spans weight updates dropped whole once its oldest policy
 token is past max_lag (drop_trajectory), or kept while its newest is within it and trained on
 its tokens within it only (mask_stale_tokens); and the length record the run's report reads.
-Every expectation is written out by hand from make_trajectory's layout:
+Every expectation is written out by hand from make_trajectory's layout (test_lag_buffer.py):
 
     index      0   1   2   3   4   5
     mask       .   .   P   P   .   P        (prompt, turn 1, observation, turn 2)
@@ -17,6 +17,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
+from test_lag_buffer import make_trajectory  # the layout above
 
 from megatron_fr.algo.flash_reinforce import flash_reinforce_loss
 from megatron_fr.buffer.lag_buffer import BufferConfig, LagAwareBuffer, LengthRecord
@@ -26,18 +27,6 @@ from megatron_fr.buffer.trajectory import Trajectory, to_tensors, validate_traje
 from megatron_fr.engine.top_logprobs import TopLogProbs
 
 DROP, MASK = "drop_trajectory", "mask_stale_tokens"
-
-
-def make_trajectory(prompt_id: str, oldest: int, span: int) -> Trajectory:
-    """The layout of the module doc."""
-    return Trajectory(
-        prompt_id=prompt_id,
-        token_ids=[1, 2, 3, 4, 5, 6],
-        action_mask=[False, False, True, True, False, True],
-        behavior_log_probs=[0.0, 0.0, -0.5, -0.25, 0.0, -1.0],
-        token_versions=[-1, -1, oldest, oldest, -1, oldest + span],
-        reward=1.0,
-    )
 
 
 def one_slot_buffer(policy: str, version: int, max_lag: int = 1) -> LagAwareBuffer:
