@@ -201,7 +201,7 @@ def vllm_server_command(cfg: ServerLaunchConfig, cuda: bool) -> list[str]:
     if unsupported:
         detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
         raise ValueError(f"vLLM servers are started with tensor parallelism only; got {detail}")
-    python = cfg.python or vllm_launch.default_python() or sys.executable
+    python = vllm_launch.interpreter(cfg.python)
     return vllm_launch.vllm_command(
         python,
         cfg.model_path,

