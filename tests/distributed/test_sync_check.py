@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_weight_sync import cpu_engine  # noqa: F401  (the fixture)
@@ -50,6 +51,7 @@ def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: 
     import json as json_module
 
     from megatron_fr.config import LearnerConfig, ParallelConfig
+    from megatron_fr.engine.sglang.wire import SGLANG_WIRE
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import load_hf_config
     from megatron_fr.orchestrator.pool_sync import PoolSync
@@ -68,7 +70,7 @@ def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: 
     with_top_k = SyncCheck(
         learner.policy_log_probs, spec.vocab_size, 1.0, 1, TOLERANCE, 120.0, top_logprobs_num=4
     )
-    probe = with_top_k._probe([url], 0)[0]
+    probe = with_top_k._probe([url], 0, SGLANG_WIRE)[0]  # the CPU engine speaks SGLang's
     results["top-K probe rows"] = None if isinstance(probe, str) else probe.top_logprobs
     results["same, top-K"] = with_top_k.run([url], 0)
     _post(
@@ -81,7 +83,8 @@ def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: 
     results["stale version"] = check.run([url], 2)
 
     pool = RecordingPool()
-    sync = PoolSync(None, None, pool, check)  # type: ignore[arg-type]  # its check alone
+    speaks_sglang = SimpleNamespace(wire=SGLANG_WIRE)  # the weight sync: only its engines' wire
+    sync = PoolSync(None, speaks_sglang, pool, check)  # type: ignore[arg-type]  # its check alone
     sync._verify([url], 1)
     results["taken out"] = pool.taken_out
     results["metrics"] = sync.check_metrics()
