@@ -8,7 +8,7 @@ route's handler takes, io_struct.py); the CPU engine serves only SGLang's routes
 The calls are collected with `ast` from megatron_fr/ and tools/: every call of the project's
 HTTP helpers (engine/http.py: get_json sends GET, post_json POST) and of an aiohttp session's
 or urllib's get/post on `url + path`, through any function that passes its own path
-parameter on to one of them (post_all, WeightSync._post_all, ...), with the path resolved to
+parameter on to one of them (post_all, SGLangWire.pause, ...), with the path resolved to
 its string (a literal, a module constant, a local assigned one). A call whose path cannot be
 resolved fails the test, so a new call cannot slip past the contract."""
 
