@@ -37,7 +37,7 @@ VLLM_SIDE = (
     REPO / "tools/vllm_push_check.py",
 )
 """Code that speaks vLLM's wire, not SGLang's: its routes are checked against vLLM's source
-(tests/unit/test_vllm_contract.py)."""
+(tests/vllm/test_vllm_contract.py)."""
 SCANNED = [
     path
     for path in [

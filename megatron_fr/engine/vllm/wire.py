@@ -73,7 +73,7 @@ ROUTES = {
     COLLECTIVE_RPC_PATH: "POST",
 }
 """Every vLLM route the project calls, with its method (checked against the installed vLLM's
-source by tests/unit/test_vllm_contract.py)."""
+source by tests/vllm/test_vllm_contract.py)."""
 
 
 class UnsupportedByVllm(ValueError):
