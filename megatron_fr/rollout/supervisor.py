@@ -355,6 +355,11 @@ class EngineSupervisor:
         stopped, and restarted later unless its budget is spent (then EngineDied). A restart
         that failed keeps the time the engine first went out, so the time lost counts it all."""
         now = time.monotonic()
+        code = member.process.proc.poll() if member.process is not None else None
+        if code is not None and not cause.startswith("exited"):
+            # What noticed first (a failed probe or request) names the symptom; an exit is the
+            # cause.
+            cause = f"exited with code {code} ({cause})"
         member.state, member.cause = "out", cause
         member.out_since = member.out_since or now
         self.epoch += 1

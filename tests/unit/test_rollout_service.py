@@ -428,3 +428,19 @@ def test_a_wedged_engine_is_taken_out_and_rejoins_once_it_serves_the_learners_we
     assert faults[0]["cause"].startswith("wedged: its generate requests in flight had no answer")
     assert "rollout.engine.stalled_after_s=2" in faults[0]["cause"]
     assert faults[2]["cause"] == "serves version 5"
+
+
+def test_an_engine_taken_out_for_a_symptom_after_it_exited_is_named_as_exited(tmp_path: Path):
+    """The sync check's probe (or a request) can fail on an engine that has just died before
+    the watch sees the exit: the cause recorded is the exit, with the symptom after it."""
+    dead = ServerProcess.start(
+        [sys.executable, "-c", "import sys; sys.exit(3)"], "127.0.0.1", free_port(), tmp_path
+    )
+    dead.proc.wait(30)
+    engines = EngineSupervisor(EngineSettings(restarts=0), [dead], run_dir=tmp_path)
+    symptom = "sync check: probe failed: no answer"
+    with pytest.raises(EngineDied) as died:
+        asyncio.run(engines.take_out_unresponsive([dead.url], symptom))
+    assert f"(pid {dead.pid}) exited with code 3 ({symptom})" in str(died.value)
+    (fault,) = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert fault["event"] == "out" and fault["cause"] == f"exited with code 3 ({symptom})"
