@@ -65,6 +65,7 @@ import ipaddress
 import json
 import logging
 import socket
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Coroutine
@@ -355,10 +356,8 @@ class EngineSupervisor:
         stopped, and restarted later unless its budget is spent (then EngineDied). A restart
         that failed keeps the time the engine first went out, so the time lost counts it all."""
         now = time.monotonic()
-        code = member.process.proc.poll() if member.process is not None else None
-        if code is not None and not cause.startswith("exited"):
-            # What noticed first (a failed probe or request) names the symptom; an exit is the
-            # cause.
+        code = await _exit_code(member.process) if not cause.startswith("exited") else None
+        if code is not None:  # what noticed first (a failed probe, a request) is the symptom
             cause = f"exited with code {code} ({cause})"
         member.state, member.cause = "out", cause
         member.out_since = member.out_since or now
@@ -598,6 +597,23 @@ def _this_host(address: str) -> str:
     """`address`, or "this host" for a loopback or unspecified one (0.0.0.0 reaches here)."""
     parsed = ipaddress.ip_address(address.split("%")[0])
     return "this host" if parsed.is_loopback or parsed.is_unspecified else str(parsed)
+
+
+EXIT_GRACE_S = 1.0
+"""How long an engine taken out for a symptom is given to show that it is exiting: a killed
+engine's connections close while the kernel is still tearing the process down, so the probe
+or request that failed on it can be seen before the exit is."""
+
+
+async def _exit_code(process: ServerProcess | None) -> int | None:
+    """The engine process's exit code if it has exited or does within EXIT_GRACE_S, else None
+    (also for an engine given by URL)."""
+    if process is None:
+        return None
+    try:
+        return await asyncio.to_thread(process.proc.wait, EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 async def _healthy(session: aiohttp.ClientSession, url: str, path: str) -> bool:
