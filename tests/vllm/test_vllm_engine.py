@@ -115,13 +115,13 @@ def test_greedy_generation_is_transformers_greedy(vllm_server) -> None:
 
 def test_a_request_in_flight_survives_a_pause_and_a_version_change(vllm_server) -> None:
     url, _ = vllm_server
-    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=400, sampling_seed=1)
+    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=3000, sampling_seed=1)
     body = wire.generate_request(PROMPT, sampling, rid="long")
     body["sampling_params"]["ignore_eos"] = True  # type: ignore[index]
     answers: list[dict] = []
     request = threading.Thread(target=lambda: answers.append(_post(url, wire.GENERATE_PATH, body)))
     request.start()
-    time.sleep(0.3)
+    time.sleep(0.5)
     _post(url, wire.PAUSE_PATH + "?mode=keep", {})
     try:
         paused = json.load(urllib.request.urlopen(url + wire.IS_PAUSED_PATH, timeout=30))
@@ -131,7 +131,7 @@ def test_a_request_in_flight_survives_a_pause_and_a_version_change(vllm_server) 
         _post(url, wire.RESUME_PATH, {})
     request.join(timeout=300)
     out = wire.parse_generate_response(answers[0])
-    assert len(out.output_ids) == 400 and out.weight_version == "7"
+    assert len(out.output_ids) == 3000 and out.weight_version == "7"
     first_new = out.token_versions.index("7")
     assert first_new > 0, "the request finished before the pause: nothing tested"
     assert set(out.token_versions[:first_new]) == {"default"}
@@ -163,13 +163,13 @@ def test_the_rollout_client_continues_a_request_a_pause_aborted(vllm_server) -> 
     tokens so far; the rollout client re-submits prompt + tokens after the resume and the
     Rollout is whole, each token tagged with the version that sampled it."""
     url, _ = vllm_server
-    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=480, sampling_seed=2)
+    sampling = protocol.SamplingParams(temperature=1.0, max_new_tokens=3000, sampling_seed=2)
     client_config = RolloutClientConfig(urls=(url,), engine_kind="vllm")
 
     async def generate_across_a_sync():
         async with RolloutClient(client_config) as client:
             rollout = asyncio.ensure_future(client.generate(PROMPT, sampling))
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)
             await asyncio.to_thread(VLLM_WIRE.pause, url, "abort", 60.0)
             await asyncio.to_thread(VLLM_WIRE.set_version, url, "8", 60.0)
             await asyncio.to_thread(VLLM_WIRE.flush_cache, url, 60.0)
@@ -178,7 +178,7 @@ def test_the_rollout_client_continues_a_request_a_pause_aborted(vllm_server) -> 
 
     out = asyncio.run(generate_across_a_sync())
     assert out.continuations >= 1, "the request finished before the pause: nothing tested"
-    assert len(out.output_ids) == 480 and out.finish_reason == "length"
+    assert len(out.output_ids) == 3000 and out.finish_reason == "length"
     first_new = out.token_versions.index("8")
     assert set(out.token_versions[:first_new]) - {"8"} and set(out.token_versions[first_new:]) == {
         "8"

@@ -20,13 +20,13 @@ TINY_QWEN3 = dict(  # vLLM's CPU attention takes head_dim 32, 64, 80, ... (not 1
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=32,
-    max_position_embeddings=512,
+    max_position_embeddings=4096,  # long requests: a pause must catch them in flight
     rms_norm_eps=1e-6,
     rope_theta=1e6,
     tie_word_embeddings=False,
 )
 PROMPT = [5, 17, 42, 9]
-SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "16")
+SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "16")
 TINY_QWEN3_MOE = dict(
     TINY_QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
 )
