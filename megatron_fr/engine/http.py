@@ -10,6 +10,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,21 +67,31 @@ def post_all(urls: list[str], path: str, body: dict | None, timeout_s: float) ->
 
 
 def flush_cache(url: str, timeout_s: float, retry_s: float = 0.5) -> None:
-    """Empty the engine's prefix (radix) cache, so no KV computed by old weights is reused.
+    """Empty SGLang's prefix (radix) cache, so no KV computed by old weights is reused. SGLang
+    answers 400 while requests are running or queued (Scheduler.flush_cache; a paused engine's
+    waiting queue does not count)."""
+    flush_while_busy(url, FLUSH_CACHE_PATH, timeout_s, lambda e: e.status == 400, retry_s)
 
-    SGLang answers 400 while requests are running or queued (Scheduler.flush_cache; a paused
-    engine's waiting queue does not count), so a 400 is retried until `timeout_s` has passed.
-    """
+
+def flush_while_busy(
+    url: str,
+    path: str,
+    timeout_s: float,
+    busy: Callable[[EngineRequestError], bool],
+    retry_s: float = 0.5,
+) -> None:
+    """POST `path` to empty an engine's prefix cache, asked again while its refusal says it is
+    still busy (`busy`) until `timeout_s` has passed; then the refusal, saying so."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
         try:
-            post_json(url, FLUSH_CACHE_PATH, None, max(remaining, 0.1))
+            post_json(url, path, None, max(remaining, 0.1))
             return
         except EngineRequestError as error:
-            if error.status != 400 or remaining <= retry_s:
+            if not busy(error) or remaining <= retry_s:
                 raise EngineRequestError(
-                    f"{url}{FLUSH_CACHE_PATH}: cache not flushed within {timeout_s:g} s "
+                    f"{url}{path}: cache not flushed within {timeout_s:g} s "
                     f"(requests still running?): {error}",
                     error.status,
                 ) from error

@@ -270,16 +270,11 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     """The server's environment: this one without the launcher's rank variables; for SGLang
     SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs; for vLLM its own settings
     (engine/vllm/launch.py), on GPUs narrowed the same way."""
-    env = standalone_env()
-    if cfg.engine == "vllm":
-        env = vllm_launch.vllm_env(env, _has_cuda())
-        if not _has_cuda():
-            return env
-    elif cfg.engine != "sglang":
+    env = serve_env(cfg.engine, standalone_env())
+    if cfg.engine == "cpu" or (cfg.engine == "vllm" and not _has_cuda()):
         return env
     import torch
 
-    env = SGLANG_ENV | env if cfg.engine == "sglang" else env
     gpus = server_gpus(cfg, dict(os.environ), torch.cuda.device_count())
     return env | {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else env
 

@@ -34,24 +34,21 @@ def push_tensors(
 ) -> None:
     """Push `tensors` (HF names, full tensors) into the server at `url` and label its weights
     `version` (module docstring). Raises the server's error, or the group's."""
-    init = {"master_address": master_address, "master_port": master_port, "rank_offset": 1}
-    init |= {"world_size": 2, "group_name": group_name, "timeout_s": timeout_s}
-    joining = _in_background(
-        lambda: post_json(url, wire.INIT_TRANSFER_PATH, {"init_info": init}, timeout_s)
-    )
+    init = wire.init_transfer_request(master_address, master_port, 1, 2, group_name, timeout_s)
+    joining = _in_background(lambda: post_json(url, wire.INIT_TRANSFER_PATH, init, timeout_s))
     group = create_weight_update_group(
         master_address, master_port, 2, group_name, timeout_s=timeout_s
     )
     try:
         joining()
         post_json(url, wire.START_UPDATE_PATH, {}, timeout_s)
-        update = {
-            "names": [name for name, _ in tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-        }
+        update = wire.update_weights_request(
+            [name for name, _ in tensors],
+            [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            [list(t.shape) for _, t in tensors],
+        )
         receiving = _in_background(
-            lambda: post_json(url, wire.UPDATE_WEIGHTS_PATH, {"update_info": update}, timeout_s)
+            lambda: post_json(url, wire.UPDATE_WEIGHTS_PATH, update, timeout_s)
         )
         for _, tensor in tensors:
             group.broadcast(tensor.detach().contiguous())

@@ -20,7 +20,6 @@ past the wire is shared:
 from __future__ import annotations
 
 import math
-import time
 
 from megatron_fr.engine import http
 from megatron_fr.engine.sglang import protocol
@@ -118,6 +117,29 @@ def generate_request(
     if rid is not None:
         body["request_id"] = rid
     return body
+
+
+def init_transfer_request(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+) -> dict[str, object]:
+    """Body of /init_weight_transfer_engine for the project's gloo backend: the group's
+    address and name, and where the server's ranks join it (gloo_transfer.GlooInitInfo)."""
+    info = {"master_address": master_address, "master_port": master_port}
+    info |= {"rank_offset": rank_offset, "world_size": world_size}
+    return {"init_info": info | {"group_name": group_name, "timeout_s": timeout_s}}
+
+
+def update_weights_request(
+    names: list[str], dtype_names: list[str], shapes: list[list[int]]
+) -> dict[str, object]:
+    """Body of /update_weights: the tensors the next broadcasts hold, in order (HF names,
+    torch dtype names, shapes; gloo_transfer.GlooUpdateInfo)."""
+    return {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}
 
 
 def parse_generate_response(body: object) -> GenerateOutput:
@@ -219,18 +241,10 @@ class VllmWire:
     def set_version(self, url: str, version: str, timeout_s: float) -> None:
         http.post_json(url, UPDATE_WEIGHT_VERSION_PATH, {"new_version": version}, timeout_s)
 
-    def flush_cache(self, url: str, timeout_s: float, retry_s: float = 0.5) -> None:
-        """vLLM answers {"success": false} while blocks are still held (a request finishing
-        its abort): asked again until `timeout_s` has passed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                http.post_json(url, RESET_PREFIX_CACHE_PATH, None, timeout_s)
-                return
-            except http.EngineRequestError as error:
-                if error.status is not None or time.monotonic() + retry_s > deadline:
-                    raise
-            time.sleep(retry_s)
+    def flush_cache(self, url: str, timeout_s: float) -> None:
+        """vLLM answers {"success": false} (no HTTP error) while blocks are still held (a
+        request finishing its abort): asked again until `timeout_s` has passed."""
+        http.flush_while_busy(url, RESET_PREFIX_CACHE_PATH, timeout_s, lambda e: e.status is None)
 
 
 VLLM_WIRE = VllmWire()

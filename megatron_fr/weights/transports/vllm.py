@@ -58,27 +58,20 @@ class VllmTransport(DistributedTransport):
         self, address: str, port: int, world_size: int, offsets: list[int]
     ) -> tuple[str, list[dict]]:
         bodies: list[dict] = [
-            {
-                "init_info": {
-                    "master_address": address,
-                    "master_port": port,
-                    "rank_offset": offset,
-                    "world_size": world_size,
-                    "group_name": self.group_name,
-                    "timeout_s": self.timeout_s,
-                }
-            }
+            wire.init_transfer_request(
+                address, port, offset, world_size, self.group_name, self.timeout_s
+            )
             for offset in offsets
         ]
         return wire.INIT_TRANSFER_PATH, bodies
 
     def update_request(self, bucket: Bucket, flat: torch.Tensor | None) -> tuple[str, dict]:
-        info = {
-            "names": [name for name, _ in bucket],
-            "dtype_names": [dtype_name(tensor) for _, tensor in bucket],
-            "shapes": [list(tensor.shape) for _, tensor in bucket],
-        }
-        return wire.UPDATE_WEIGHTS_PATH, {"update_info": info}
+        body = wire.update_weights_request(
+            [name for name, _ in bucket],
+            [dtype_name(tensor) for _, tensor in bucket],
+            [list(tensor.shape) for _, tensor in bucket],
+        )
+        return wire.UPDATE_WEIGHTS_PATH, body
 
     def leave_request(self) -> tuple[str, dict]:
         return wire.SHUTDOWN_TRANSFER_PATH, {}
