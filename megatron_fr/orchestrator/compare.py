@@ -24,7 +24,9 @@ with the highest mean accuracy over the budget: a method is compared at its best
 choice is not fitted to the seeds it is judged on (choose_learning_rates).
 
 A run that already finished is read, not trained again, so an interrupted comparison is
-continued by the same command. Results (compare_report.py, compare_stats.py): DIR/results.md
+continued by the same command; one whose config.yaml names another starting model than the
+recipe's is refused (OtherModelError), and results.md lists the commits the runs were trained
+at. Results (compare_report.py, compare_stats.py): DIR/results.md
 (per configuration its learning rate, final held-out accuracy as mean +- sample std with the
 t interval of the mean, the mean accuracy over the budget with a bootstrap interval, mean
 acceptance, KL and lag; for `methods`, the budget each configuration needs to reach the first
@@ -40,6 +42,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -48,7 +51,7 @@ from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator import compare_report as report
 from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.run_log import read_metrics
+from megatron_fr.orchestrator.run_log import read_config_header, read_metrics
 from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
@@ -181,22 +184,33 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         overrides.append(f"steps={args.steps}")
     config = load_run_config(args.recipe, overrides)
-    runs = Runs(args.recipe, out, overrides, config.steps, config.buffer.batch_size)
-    variants = variants_for(args, config.buffer.batch_size)
-    scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
-    by_variant: dict[str, list[report.RunSummary]] = {variant.name: [] for variant in variants}
-    # Seed-major, so that an interrupted comparison already covers every configuration.
-    for seed in range(args.seeds):
-        for variant in variants:
-            lr = chosen.get(variant.name)
-            name = f"{variant.name}-seed{seed}"
-            by_variant[variant.name].append(runs.summary(variant, name, seed, lr))
-    reference = _reference(variants) if args.mode == "methods" else None
     provenance = run_provenance(config.model.hf_dir)
-    started_from = "; ".join(f"{key}: {value}" for key, value in provenance.items())
-    table = f"Started from {started_from}.\n\n" + report.results_table(
-        by_variant, reference, args.x
+    runs = Runs(
+        args.recipe,
+        out,
+        overrides,
+        config.steps,
+        config.buffer.batch_size,
+        provenance["model_sha256"],
     )
+    variants = variants_for(args, config.buffer.batch_size)
+    try:
+        scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
+        by_variant: dict[str, list[report.RunSummary]] = {v.name: [] for v in variants}
+        # Seed-major, so that an interrupted comparison already covers every configuration.
+        for seed in range(args.seeds):
+            for variant in variants:
+                lr = chosen.get(variant.name)
+                name = f"{variant.name}-seed{seed}"
+                by_variant[variant.name].append(runs.summary(variant, name, seed, lr))
+    except OtherModelError as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 2
+    reference = _reference(variants) if args.mode == "methods" else None
+    started_from = "; ".join(f"{key}: {value}" for key, value in provenance.items())
+    trained_at = ", ".join(f"{commit} ({n})" for commit, n in sorted(runs.commits.items()))
+    table = f"Started from {started_from}.\nRuns trained at (commit (runs)): {trained_at}.\n\n"
+    table += report.results_table(by_variant, reference, args.x)
     if reference:
         table += f"\nAccuracy minus {reference}'s at each budget:\n\n"
         table += report.gap_table(by_variant, reference, args.x)
@@ -211,28 +225,56 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class OtherModelError(Exception):
+    """A finished run in the comparison's directory was trained from another starting model."""
+
+
 class Runs:
     """Trains (or reads back) the comparison's runs, each in its own directory of `out`."""
 
     def __init__(
-        self, recipe: Path, out: Path, overrides: list[str], steps: int, batch_size: int
+        self,
+        recipe: Path,
+        out: Path,
+        overrides: list[str],
+        steps: int,
+        batch_size: int,
+        model_hash: str | None,
     ) -> None:
         self.recipe, self.out, self.overrides = recipe, out, overrides
-        self.steps, self.batch_size = steps, batch_size
+        self.steps, self.batch_size, self.model_hash = steps, batch_size, model_hash
+        self.commits: Counter[str] = Counter()
+        """How many of the runs read were trained at each commit (their config.yaml header)."""
 
     def summary(
         self, variant: Variant, name: str, seed: int, lr: float | None
     ) -> report.RunSummary:
         """The run `name` of `variant` at `seed` (and `lr`, None: the recipe's), trained unless
-        it already finished."""
+        it already finished, from the recipe's model (OtherModelError otherwise)."""
         run_dir = self.out / name
         settings = [*self.overrides, *variant.overrides, f"seed={seed}"]
         settings += [f"learner.lr={lr}"] if lr is not None else []
-        if not finished(run_dir, self.steps):
+        if finished(run_dir, self.steps):
+            self._check_same_model(run_dir)
+        else:
             command = train_command(self.recipe, run_dir, settings)
             print("$ " + " ".join(command), flush=True)
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        self.commits[read_config_header(run_dir).get("commit", "unknown")] += 1
         return report.summarise(variant.name, seed, run_dir, self.batch_size, lr)
+
+    def _check_same_model(self, run_dir: Path) -> None:
+        """A finished run is reused only if it started from the model every new run will start
+        from: a comparison resumed after the model was made again (another machine, another
+        warm start) would otherwise mix two starting models in one table."""
+        recorded = read_config_header(run_dir).get("model_sha256")
+        if recorded and self.model_hash and recorded != self.model_hash:
+            raise OtherModelError(
+                f"{run_dir} was trained from the model with sha256 {recorded}, but the "
+                f"recipe's model is now {self.model_hash}: the comparison would mix two "
+                "starting models. Move that directory (or the whole --out) aside to train "
+                "it again, or bring back the model it started from."
+            )
 
 
 def choose_learning_rates(

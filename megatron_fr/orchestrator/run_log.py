@@ -168,6 +168,21 @@ def save_resolved_config(
     return path
 
 
+def read_config_header(run_dir: str | Path) -> dict[str, str]:
+    """The `# key: value` lines save_resolved_config wrote above run_dir/config.yaml (what
+    the run started from: the model's hash, the commit); {} when the run has no config."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    header = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("# "):
+            break
+        key, _, value = line[2:].partition(": ")
+        header[key] = value
+    return header
+
+
 def _repair(path: Path) -> list[dict[str, Any]]:
     """Make an existing metrics file safe to append to; return its records.
 

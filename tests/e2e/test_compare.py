@@ -189,3 +189,47 @@ def test_lag_variants_run_flash_reinforce_once_per_gate():
         variants("--gates", "bernoulli,full")
     methods = parser.parse_args(["methods", "r.yaml", "--out", "o", "--gates", "topk"])
     assert compare.run(methods) == 2
+
+
+def test_a_finished_run_from_another_model_is_refused_not_mixed_in(tmp_path, capsys):
+    """A comparison resumed after the model was made again: a finished run whose config.yaml
+    names another model hash stops it (nothing trained, nothing overwritten); one from the
+    same model is read, and results.md names the commits its runs were trained at."""
+    model = tmp_path / "model"
+    model.mkdir()
+    report_of = {"report": {"model_sha256": "a" * 64}}
+    (model / "warm_start.json").write_text(json.dumps(report_of))
+    out = tmp_path / "compare"
+    run_dir = out / "flash_reinforce-seed0"
+    write_run(run_dir, {0: 0.2, 1: 0.4}, acceptance=1.0, kl=0.0)
+    config = run_dir / "config.yaml"
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "methods",
+            str(REPO / "examples/cpu_demo.yaml"),
+            f"model.hf_dir={model}",
+            "--out",
+            str(out),
+            "--seeds",
+            "1",
+            "--steps",
+            "1",
+            "--estimators",
+            "flash_reinforce",
+        ]
+    )
+    config.write_text(f"# model_sha256: {'b' * 64}\n# commit: 1234abc\nsteps: 1\n")
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    assert compare.run(args) == 2
+    error = capsys.readouterr().err
+    assert f"sha256 {'b' * 64}" in error and f"model is now {'a' * 64}" in error
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+    assert not (out / "results.md").exists()
+
+    config.write_text(f"# model_sha256: {'a' * 64}\n# commit: 1234abc\nsteps: 1\n")
+    assert compare.run(args) == 0
+    table = (out / "results.md").read_text()
+    assert "Runs trained at (commit (runs)): 1234abc (1)." in table
+    assert "| flash_reinforce | recipe | 1 | 0.400 +- 0.000 |" in table

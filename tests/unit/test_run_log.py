@@ -21,6 +21,7 @@ from megatron_fr.orchestrator.run_log import (
     STEP_KEYS,
     RunLogger,
     last_step,
+    read_config_header,
     read_metrics,
     save_resolved_config,
 )
@@ -239,3 +240,11 @@ def test_resolved_config_keeps_key_order(tmp_path):
     assert yaml.safe_load(path.read_text()) == config
     assert path.read_text().splitlines()[0] == "model:"
     assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]
+
+
+def test_the_config_header_reads_back_what_was_written_above_the_config(tmp_path):
+    header = {"model_sha256": "c21d" * 16, "commit": "5275030-dirty"}
+    path = save_resolved_config(tmp_path / "run", {"steps": 3, "note": "# not a header"}, header)
+    assert read_config_header(path.parent) == header
+    assert yaml.safe_load(path.read_text()) == {"steps": 3, "note": "# not a header"}
+    assert read_config_header(tmp_path / "never_ran") == {}
