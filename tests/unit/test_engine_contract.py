@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_SIDE = (
     REPO / "megatron_fr/engine/vllm",
     REPO / "megatron_fr/weights/transports/vllm.py",
-    REPO / "tools/vllm_push_check.py",
 )
 """Code that speaks vLLM's wire, not SGLang's: its routes are checked against vLLM's source
 (tests/vllm/test_vllm_contract.py)."""
