@@ -2,7 +2,7 @@
 
     megatron-fr compare methods RECIPE --out DIR [--seeds 8] [--steps N] [--estimators E,..]
                                        [--lrs 1e-4,3e-4,1e-3 --selection-seeds 2]
-                                       [--x trained|generated|tokens]
+                                       [--x trained|generated|tokens] [--jobs 2]
     megatron-fr compare lag RECIPE --out DIR [--estimators flash_reinforce,grpo] [--lags 0,8]
                                              [--gates bernoulli,topk]
     (then dotted.key=value overrides for every run)
@@ -23,6 +23,7 @@ its own (1000 and up, DIR/<configuration>-lr<lr>-select<s>) and is then compared
 with the highest mean accuracy over the budget: a method is compared at its best, and the
 choice is not fitted to the seeds it is judged on (choose_learning_rates).
 
+--jobs N trains N runs at once (an interrupted comparison keeps every run that finished).
 A run that already finished is read, not trained again, so an interrupted comparison is
 continued by the same command; one whose config.yaml names another starting model than the
 recipe's is refused (OtherModelError), and results.md lists the commits the runs were trained
@@ -43,6 +44,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -87,6 +89,13 @@ def learning_rates(text: str) -> tuple[float, ...]:
             f"takes comma-separated learning rates in (0, 1), e.g. 1e-4,3e-4,1e-3; got {text!r}"
         )
     return values
+
+
+def positive_int(text: str) -> int:
+    """--jobs: an integer of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"takes an integer of at least 1, got {text!r}")
+    return int(text)
 
 
 def gated(variant: Variant, gate: str) -> Variant:
@@ -192,17 +201,20 @@ def run(args: argparse.Namespace) -> int:
         config.steps,
         config.buffer.batch_size,
         provenance["model_sha256"],
+        args.jobs,
     )
     variants = variants_for(args, config.buffer.batch_size)
     try:
         scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
-        by_variant: dict[str, list[report.RunSummary]] = {v.name: [] for v in variants}
         # Seed-major, so that an interrupted comparison already covers every configuration.
-        for seed in range(args.seeds):
-            for variant in variants:
-                lr = chosen.get(variant.name)
-                name = f"{variant.name}-seed{seed}"
-                by_variant[variant.name].append(runs.summary(variant, name, seed, lr))
+        planned = [
+            PlannedRun(variant, f"{variant.name}-seed{seed}", seed, chosen.get(variant.name))
+            for seed in range(args.seeds)
+            for variant in variants
+        ]
+        by_variant: dict[str, list[report.RunSummary]] = {v.name: [] for v in variants}
+        for summary in runs.summaries(planned):
+            by_variant[summary.variant].append(summary)
     except OtherModelError as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2
@@ -229,8 +241,20 @@ class OtherModelError(Exception):
     """A finished run in the comparison's directory was trained from another starting model."""
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of the comparison: `variant` at `seed` (and `lr`, None: the recipe's), in
+    DIR/`name`."""
+
+    variant: Variant
+    name: str
+    seed: int
+    lr: float | None
+
+
 class Runs:
-    """Trains (or reads back) the comparison's runs, each in its own directory of `out`."""
+    """Trains (or reads back) the comparison's runs, each in its own directory of `out`,
+    `jobs` at a time."""
 
     def __init__(
         self,
@@ -240,28 +264,41 @@ class Runs:
         steps: int,
         batch_size: int,
         model_hash: str | None,
+        jobs: int = 1,
     ) -> None:
         self.recipe, self.out, self.overrides = recipe, out, overrides
         self.steps, self.batch_size, self.model_hash = steps, batch_size, model_hash
+        self.jobs = jobs
         self.commits: Counter[str] = Counter()
         """How many of the runs read were trained at each commit (their config.yaml header)."""
 
-    def summary(
-        self, variant: Variant, name: str, seed: int, lr: float | None
-    ) -> report.RunSummary:
-        """The run `name` of `variant` at `seed` (and `lr`, None: the recipe's), trained unless
-        it already finished, from the recipe's model (OtherModelError otherwise)."""
-        run_dir = self.out / name
-        settings = [*self.overrides, *variant.overrides, f"seed={seed}"]
-        settings += [f"learner.lr={lr}"] if lr is not None else []
-        if finished(run_dir, self.steps):
-            self._check_same_model(run_dir)
-        else:
-            command = train_command(self.recipe, run_dir, settings)
-            print("$ " + " ".join(command), flush=True)
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        self.commits[read_config_header(run_dir).get("commit", "unknown")] += 1
-        return report.summarise(variant.name, seed, run_dir, self.batch_size, lr)
+    def summaries(self, planned: list[PlannedRun]) -> list[report.RunSummary]:
+        """Each planned run's summary, in order: the finished ones read back (if they started
+        from the recipe's model, OtherModelError otherwise, before anything is trained), the
+        others trained first, `jobs` at a time (the first failure stops the comparison)."""
+        todo = []
+        for run in planned:
+            if finished(self.out / run.name, self.steps):
+                self._check_same_model(self.out / run.name)
+            else:
+                todo.append(run)
+        with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            for _ in pool.map(self._train, todo):
+                pass
+        summaries = []
+        for run in planned:
+            run_dir = self.out / run.name
+            self.commits[read_config_header(run_dir).get("commit", "unknown")] += 1
+            summary = report.summarise(run.variant.name, run.seed, run_dir, self.batch_size, run.lr)
+            summaries.append(summary)
+        return summaries
+
+    def _train(self, run: PlannedRun) -> None:
+        settings = [*self.overrides, *run.variant.overrides, f"seed={run.seed}"]
+        settings += [f"learner.lr={run.lr}"] if run.lr is not None else []
+        command = train_command(self.recipe, self.out / run.name, settings)
+        print("$ " + " ".join(command), flush=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
     def _check_same_model(self, run_dir: Path) -> None:
         """A finished run is reused only if it started from the model every new run will start
@@ -284,15 +321,19 @@ def choose_learning_rates(
     budget (trained rollouts) on `seeds` selection seeds, SELECTION_SEED and up, which the
     comparison's own seeds (0 and up) never use, so the choice is not fitted to the seeds it
     is judged on. ({name: {lr: score}}, {name: chosen lr}); both empty without `lrs`."""
+    selection = range(SELECTION_SEED, SELECTION_SEED + seeds)
+    planned = [
+        PlannedRun(variant, f"{variant.name}-lr{lr:g}-select{seed}", seed, lr)
+        for variant in variants
+        for lr in lrs
+        for seed in selection
+    ]
+    summaries = iter(runs.summaries(planned))
     scores: dict[str, dict[float, float]] = {}
     for variant in variants:
         for lr in lrs:
-            summaries = [
-                runs.summary(variant, f"{variant.name}-lr{lr:g}-select{seed}", seed, lr)
-                for seed in range(SELECTION_SEED, SELECTION_SEED + seeds)
-            ]
-            area = stats.area_under_curve([summary.curve for summary in summaries])
-            scores.setdefault(variant.name, {})[lr] = area
+            curves = [next(summaries).curve for _ in selection]
+            scores.setdefault(variant.name, {})[lr] = stats.area_under_curve(curves)
     chosen = {name: max(by_lr, key=lambda lr: by_lr[lr]) for name, by_lr in scores.items()}
     return scores, chosen
 
@@ -330,6 +371,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "optional top-K gate; its runs end in _topk)",
     )
     parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="runs trained at once (on a 2-core machine one CPU run leaves about a third of "
+        "the cores idle, its engine the bottleneck: 2 finish sooner)",
+    )
     parser.add_argument(
         "--lrs",
         type=learning_rates,

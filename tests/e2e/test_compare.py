@@ -233,3 +233,54 @@ def test_a_finished_run_from_another_model_is_refused_not_mixed_in(tmp_path, cap
     table = (out / "results.md").read_text()
     assert "Runs trained at (commit (runs)): 1234abc (1)." in table
     assert "| flash_reinforce | recipe | 1 | 0.400 +- 0.000 |" in table
+
+
+FAKE_TRAIN = """
+import json, sys, time
+from pathlib import Path
+run_dir = Path(sys.argv[1])
+run_dir.mkdir(parents=True)
+start = time.monotonic()
+time.sleep(0.5)
+seed = int(sys.argv[2])
+lines = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1, "eval_accuracy": seed / 10},
+         {"step": 1, "reward_mean": 0.5, "acceptance_rate": 1.0, "sequence_kl_mean": 0.0,
+          "lag_mean": 0, "started": start, "ended": time.monotonic()}]
+(run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\\n" for line in lines))
+"""
+
+
+def test_jobs_train_runs_at_once_and_report_them_in_the_planned_order(tmp_path, monkeypatch):
+    """--jobs 2: four runs of half a second each, as a stand-in command, two at a time (the
+    intervals overlap pairwise); the summaries come back in the planned order, not in the
+    order the runs finished, and a second pass trains nothing."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    calls = []
+
+    def fake_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str]:
+        calls.append(run_dir.name)
+        seed = next(item for item in overrides if item.startswith("seed=")).split("=")[1]
+        return [sys.executable, str(script), str(run_dir), seed]
+
+    monkeypatch.setattr(compare, "train_command", fake_command)
+    runs = compare.Runs(Path("r.yaml"), tmp_path / "out", [], 1, 8, None, jobs=2)
+    variant = compare.Variant("fr", ())
+    planned = [compare.PlannedRun(variant, f"fr-seed{seed}", seed, None) for seed in range(4)]
+    summaries = runs.summaries(planned)
+    assert [s.seed for s in summaries] == [0, 1, 2, 3]
+    assert [s.curve[-1][1] for s in summaries] == [0.0, 0.1, 0.2, 0.3]
+    intervals = []
+    for seed in range(4):
+        step = compare.read_metrics(tmp_path / "out" / f"fr-seed{seed}")[-1]
+        intervals.append((step["started"], step["ended"]))
+    overlapping = sum(
+        1
+        for i, (start, end) in enumerate(intervals)
+        for other_start, other_end in intervals[i + 1 :]
+        if start < other_end and other_start < end
+    )
+    assert overlapping >= 2, intervals  # sequential runs would never overlap
+    assert sorted(calls) == [f"fr-seed{seed}" for seed in range(4)]
+    calls.clear()
+    assert [s.seed for s in runs.summaries(planned)] == [0, 1, 2, 3] and calls == []
