@@ -20,4 +20,8 @@ line do not import each other (pyproject.toml [tool.importlinter], checked by th
     utils
 """
 
+from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
+
 __version__ = "0.1.0"
+
+pin_cpu_kernels()  # before any tensor maths: see megatron_fr/utils/cpu_kernels.py

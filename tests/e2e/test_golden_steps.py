@@ -19,6 +19,11 @@ of numerics: if it is intended, regenerate the file with
 and say why in the commit. At lag 2 the ratios differ from 1 and the gate holds some out, so
 a wrong ratio, gate or staleness accounting moves these numbers; acceptance and lags are
 compared exactly.
+
+The chain starts from the demo model, so the golden file also names its sha256 and the test
+checks it first: a different model means the warm start changed, or the CPU kernels are not
+the pinned ones (megatron_fr/utils/cpu_kernels.py: without the pin, another processor's
+kernels round differently and every number here moves).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_fr.utils.cpu_kernels import PINNED
+from megatron_fr.utils.provenance import weights_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -84,6 +92,15 @@ def test_the_first_ten_steps_match_the_golden_file(
     tmp_path: Path, demo_model: Path, golden_name: str
 ) -> None:
     settings, approximate, exact = RUNS[golden_name]
+    golden_file = GOLDEN / golden_name
+    model_hash = weights_sha256(demo_model)
+    if os.environ.get("MEGATRON_FR_UPDATE_GOLDEN") != "1":
+        golden = json.loads(golden_file.read_text())
+        assert golden["settings"] == settings, "the golden file was made with other settings"
+        assert model_hash == golden["demo_model_sha256"], (
+            "another starting model: the demo warm start's numerics changed, or this process's "
+            f"CPU kernels are not the pinned ones ({ {n: os.environ.get(n) for n in PINNED} })"
+        )
     run_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -108,11 +125,10 @@ def test_the_first_ten_steps_match_the_golden_file(
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in steps if "reward_mean" in row]
     measured = {key: [row[key] for row in steps] for key in (*exact, *approximate)}
-    golden_file = GOLDEN / golden_name
     if os.environ.get("MEGATRON_FR_UPDATE_GOLDEN") == "1":
-        golden_file.write_text(json.dumps({"settings": settings, **measured}, indent=1) + "\n")
+        record = {"settings": settings, "demo_model_sha256": model_hash, **measured}
+        golden_file.write_text(json.dumps(record, indent=1) + "\n")
     golden = json.loads(golden_file.read_text())
-    assert golden["settings"] == settings, "the golden file was made with other settings"
     assert len(measured["loss"]) == 10
     assert any(loss != 0 for loss in golden["loss"]), "a golden run without learning signal"
     for key in exact:
