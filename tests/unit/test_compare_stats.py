@@ -95,6 +95,9 @@ class SweepRuns:
     def __init__(self) -> None:
         self.names: list[str] = []
 
+    def summaries(self, planned):
+        return [self.summary(run.variant, run.name, run.seed, run.lr) for run in planned]
+
     def summary(self, variant, name, seed, lr):
         self.names.append(name)
         accuracy = {1e-4: 0.3, 3e-4: 0.5, 1e-3: 0.4}[lr] + (0.2 if variant.name == "b" else 0)
