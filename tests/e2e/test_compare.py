@@ -82,8 +82,7 @@ def test_summary_finds_the_rollouts_to_reach_the_reference(tmp_path):
 @pytest.mark.distributed
 def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     """Both modes into one directory, as a user comparing both would, every run from the
-    recipe's model, two runs at a time (--jobs 2). The lag runs take three steps, to see the
-    lag grow to max_lag."""
+    recipe's model. The lag runs take three steps, to see the lag grow to max_lag."""
     out = tmp_path / "compare"
     modes = {
         "methods": (1, ["--estimators", "flash_reinforce,grpo"], ["flash_reinforce", "grpo_g4"]),
@@ -104,8 +103,7 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     recipe = REPO / "examples/cpu_demo.yaml"
     for mode, (steps, options, names) in modes.items():
         command = [sys.executable, "-m", "megatron_fr", "compare", mode, str(recipe)]
-        command += ["--out", str(out), "--seeds", "1", "--steps", str(steps), "--jobs", "2"]
-        command += [*options, *TINY]
+        command += ["--out", str(out), "--seeds", "1", "--steps", str(steps), *options, *TINY]
         result = subprocess.run(
             [*command, f"model.hf_dir={demo_model}"],
             capture_output=True,
