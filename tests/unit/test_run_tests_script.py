@@ -2,9 +2,10 @@
 
 The trap stops the background vLLM install when the suite fails early. Under errexit a failing
 command inside the trap ends the script with that command's status, so a trap whose `pkill`
-finds nothing to stop (the install finished long ago) turned a fully passing run into exit 1. And the install must be stopped before its child is
-killed: otherwise it runs its next command in the moment between its child's end and its own
-(on a busy machine the failing case below saw its marker written, twice in two runs).
+finds nothing to stop (the install finished long ago) turned a fully passing run into exit 1.
+And the install must be stopped before its child is killed: otherwise it runs its next command
+in the moment between its child's end and its own (on a busy machine the failing case below
+saw its marker written in 3 of 5 runs with a trap that killed the child first).
 """
 
 import re
