@@ -283,8 +283,7 @@ class Runs:
             else:
                 todo.append(run)
         with ThreadPoolExecutor(max_workers=self.jobs) as pool:
-            for _ in pool.map(self._train, todo):
-                pass
+            list(pool.map(self._train, todo))  # raises the first run's failure
         summaries = []
         for run in planned:
             run_dir = self.out / run.name
@@ -375,8 +374,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=positive_int,
         default=1,
-        help="runs trained at once (on a 2-core machine one CPU run leaves about a third of "
-        "the cores idle, its engine the bottleneck: 2 finish sooner)",
+        help="runs trained at once (on a 2-core machine one CPU run, bound by its engine, "
+        "leaves about a third of the cores idle)",
     )
     parser.add_argument(
         "--lrs",
