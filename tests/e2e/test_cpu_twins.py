@@ -36,12 +36,26 @@ def megatron_fr(*args: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+SCORED_PROBLEMS = "2"
+"""Problems scored by the warm start and by the run's evaluations: the test asserts nothing of
+either score, and each is a multi-turn episode (the warm start's weights do not depend on it:
+it scores after training)."""
+
+
 def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
-    """`demo prepare` (the twin's tiny model, in the run's directory) then `train`."""
+    """`demo prepare` (the twin's tiny model, in the run's directory: in this process, as the
+    session's demo model is) then `train`."""
+    from megatron_fr.cli import main
+    from megatron_fr.demo.config import DEFAULTS
+
     recipe = str(REPO / "examples" / f"{name}.yaml")
     model = f"model.hf_dir={run_dir.parent / 'model'}"
-    megatron_fr("demo", "prepare", recipe, model)
-    megatron_fr("train", recipe, "--run-dir", str(run_dir), model, *overrides)
+    demo = []
+    if name.removeprefix("cpu_") in DEFAULTS:  # warm-started: python_tool
+        demo = [f"demo.warm_start.eval_problems={SCORED_PROBLEMS}"]
+    assert main(["demo", "prepare", recipe, model, *demo]) == 0
+    scored = f"eval.problems={SCORED_PROBLEMS}"
+    megatron_fr("train", recipe, "--run-dir", str(run_dir), model, scored, *overrides)
 
 
 def queued_trajectories(run_dir: Path) -> list[Trajectory]:

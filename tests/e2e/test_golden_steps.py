@@ -137,3 +137,5 @@ def test_the_first_ten_steps_match_the_golden_file(
         assert measured[key] == golden[key], key
     for key in approximate:
         assert measured[key] == pytest.approx(golden[key], **TOLERANCE), key
+    if "buffer.max_lag=0" in settings:  # on-policy throughout (the lag-2 file pins its lags)
+        assert [(row["lag_max"], row["lag_mean"]) for row in steps] == [(0, 0)] * 10
