@@ -139,3 +139,36 @@ def test_summaries_put_each_evaluation_on_every_budget(tmp_path: Path) -> None:
     assert summary.on("trained") == [(0, 0.1), (16, 0.3)]
     assert summary.on("generated") == [(16, 0.1), (40, 0.3)]
     assert summary.on("tokens") == [(0, 0.1), (8 * 10 + 8 * 20, 0.3)]
+
+
+def test_runs_that_spend_their_own_budgets_are_averaged_on_one_grid() -> None:
+    """Generated rollouts differ per run at a given step: no two evaluations share a budget.
+    Each curve is interpolated linearly at the mean of the runs' k-th budgets (0, 110, 210),
+    the last kept within what both cover (200)."""
+    a = [(0, 0.1), (100, 0.3), (200, 0.5)]
+    b = [(0, 0.2), (120, 0.4), (220, 0.6)]
+    a_110 = 0.3 + (10 / 100) * 0.2
+    b_110 = 0.2 + (110 / 120) * 0.2
+    b_200 = 0.4 + (80 / 100) * 0.2
+    curve = stats.mean_curve([a, b])
+    assert [x for x, _, _ in curve] == [0, 110, 200]
+    assert [m for _, m, _ in curve] == pytest.approx([0.15, (a_110 + b_110) / 2, (0.5 + b_200) / 2])
+    assert curve[1][2] == pytest.approx(abs(a_110 - b_110) / 2**0.5)  # sample std of two
+    # Against a reference that spends twice as much per evaluation, the gap is read on the
+    # grid of all four runs (mean budgets 0, 165, 310, kept within 200): ours at 165 are
+    # 0.3 + 0.65 x 0.2 and 0.4 + 0.45 x 0.2; the reference's (0.1 -> 0.2 over 0 -> 230,
+    # 0.15 -> 0.25 over 0 -> 210) at 165 are 0.1 + 165/230 x 0.1 and 0.15 + 165/210 x 0.1.
+    reference = [[(0, 0.1), (230, 0.2), (400, 0.3)], [(0, 0.15), (210, 0.25), (420, 0.35)]]
+    gaps = stats.gap_at_each_budget([a, b], reference)
+    assert [x for x, _, _ in gaps] == [0, 165, 200]
+    ours = (0.3 + 0.65 * 0.2 + 0.4 + 0.45 * 0.2) / 2
+    theirs = (0.1 + 165 / 230 * 0.1 + 0.15 + 165 / 210 * 0.1) / 2
+    assert gaps[1][1] == pytest.approx(ours - theirs)
+    # The tokens axis of real runs starts every curve at 0 and shares nothing after: the
+    # budget ratio is read on the grid, not divided by a zero-width budget.
+    assert stats.budget_ratio([a, b], reference) is not None
+
+
+def test_runs_whose_budgets_do_not_overlap_are_refused() -> None:
+    with pytest.raises(ValueError, match="do not overlap"):
+        stats.mean_curve([[(0, 0.1), (10, 0.2)], [(20, 0.3), (30, 0.4)]])
