@@ -34,7 +34,9 @@ acceptance, KL and lag; for `methods`, the budget each configuration needs to re
 group estimator's final accuracy on isotonic fits of the mean curves, as a share of that
 estimator's budget with a paired bootstrap interval, and a table of the accuracy gap at each
 budget; the sweep's table), DIR/accuracy.png (accuracy against the --x budget, mean over seeds
-with the sample std as a band and the isotonic fit dashed) and DIR/results.json.
+with the sample std as a band and the isotonic fit dashed) and DIR/results.json. Against
+generated rollouts or tokens no two runs evaluate at the same budget; their curves are
+interpolated onto one grid first (compare_stats.aligned).
 """
 
 from __future__ import annotations
