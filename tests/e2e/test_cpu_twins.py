@@ -43,9 +43,9 @@ it scores after training)."""
 
 
 def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
-    """`demo prepare` (the twin's tiny model, in the run's directory: in this process, as the
-    session's demo model is) then `train`."""
-    from megatron_fr.cli import main
+    """`demo prepare` (the twin's tiny model, in the run's directory) then `train`, each in a
+    process of its own: the tool twin's warm start runs the Python sandbox, which must not
+    touch the test session's process."""
     from megatron_fr.demo.config import DEFAULTS
 
     recipe = str(REPO / "examples" / f"{name}.yaml")
@@ -53,7 +53,7 @@ def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
     demo = []
     if name.removeprefix("cpu_") in DEFAULTS:  # warm-started: python_tool
         demo = [f"demo.warm_start.eval_problems={SCORED_PROBLEMS}"]
-    assert main(["demo", "prepare", recipe, model, *demo]) == 0
+    megatron_fr("demo", "prepare", recipe, model, *demo)
     scored = f"eval.problems={SCORED_PROBLEMS}"
     megatron_fr("train", recipe, "--run-dir", str(run_dir), model, scored, *overrides)
 
