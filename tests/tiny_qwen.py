@@ -65,10 +65,8 @@ def saved_tensors(directory) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def to_megatron(hf_dir: str | Path, out: str | Path) -> None:
-    """Convert an HF directory into a megatron dist checkpoint, in this process (the
-    conversion makes its own one-rank group when none is running, as `megatron-fr convert`
-    does), so that a test does not pay a spawned rank's start-up for it."""
+def to_megatron_on_rank(rank: int, world_size: int, hf_dir: str, out: str) -> None:
+    """For run_on_ranks(..., 1): convert an HF directory into a megatron dist checkpoint."""
     from megatron_fr.convert.checkpoint import hf_to_megatron_checkpoint
 
-    hf_to_megatron_checkpoint(str(hf_dir), str(out), progress=False)
+    hf_to_megatron_checkpoint(hf_dir, out, progress=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_qwen import TINY, to_megatron
+from tiny_qwen import TINY, to_megatron_on_rank
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.parallel.spawn import run_on_ranks
@@ -135,7 +135,7 @@ def measure(tmp_path: Path) -> dict:
         for parameter in model.parameters():
             parameter.add_(PERTURBATION * torch.randn_like(parameter))
     model.save_pretrained(tmp_path / "behaviour")
-    to_megatron(str(tmp_path / "hf"), str(tmp_path / "m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     batches = {t: stale_batch(tmp_path / "behaviour", t) for t in {t for t, _ in CASES}}
     per_rank = run_on_ranks(steps_on_rank, 2, str(tmp_path / "m"), batches, timeout_s=900)
     for field in ("loss", "grad_norm", "sequence_kl", "admitted"):

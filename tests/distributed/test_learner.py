@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_qwen import TINY, to_megatron
+from tiny_qwen import TINY, to_megatron_on_rank
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.parallel.spawn import run_on_ranks
@@ -120,7 +120,7 @@ def test_learner_step_is_the_batch_loss_and_gradient_in_every_layout(tmp_path):
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3_moe"](**CONFIG))
     model.save_pretrained(tmp_path / "hf")
-    to_megatron(str(tmp_path / "hf"), str(tmp_path / "m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     batch = random_batch()
     loss, acceptance, grad_norm, gate = reference(tmp_path / "hf", batch)
     assert 0 < acceptance < 1, "the gate should split this batch"

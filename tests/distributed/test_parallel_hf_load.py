@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_convert_checkpoint import assert_same_hf_checkpoint, copy_checkpoint
-from tiny_qwen import tiny_checkpoint, to_megatron
+from tiny_qwen import tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
 from megatron_fr.parallel.spawn import run_on_ranks
@@ -145,7 +145,7 @@ def test_direct_load_matches_transformers_and_conversion_and_exports_bitwise(tmp
     for family, layouts in LAYOUTS.items():
         hf = tmp_path / family
         config, _, tokens, logits = tiny_checkpoint(family, hf, max_shard_size="60KB")
-        to_megatron(str(hf), str(tmp_path / f"{family}.m"))
+        run_on_ranks(to_megatron_on_rank, 1, str(hf), str(tmp_path / f"{family}.m"), timeout_s=300)
         for index, layout in enumerate(layouts):
             export = tmp_path / f"{family}.export{index}"
             jobs.append(

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from tiny_qwen import TINY, to_megatron
+from tiny_qwen import TINY, to_megatron_on_rank
 
 from megatron_fr.parallel.spawn import run_on_ranks
 from megatron_fr.utils.net import free_port
@@ -83,7 +83,7 @@ def test_learner_log_probs_at_temperature_equal_the_engines(tmp_path):
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3_moe"](**CONFIG))
     model.save_pretrained(tmp_path / "hf")
-    to_megatron(str(tmp_path / "hf"), str(tmp_path / "m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     server = launch_server(
         ServerLaunchConfig(
             model_path=str(tmp_path / "hf"), port=free_port(), log_dir=tmp_path, engine="cpu"

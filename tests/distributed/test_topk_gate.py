@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from tiny_qwen import TINY, to_megatron
+from tiny_qwen import TINY, to_megatron_on_rank
 
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.engine.top_logprobs import TopLogProbs
@@ -181,7 +181,7 @@ def test_top_k_gate_and_step_are_the_single_process_formula_in_every_layout(tmp_
     AutoModelForCausalLM.from_config(CONFIG_MAPPING["qwen3"](**CONFIG)).save_pretrained(
         tmp_path / "hf"
     )
-    to_megatron(str(tmp_path / "hf"), str(tmp_path / "m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(tmp_path / "hf"), str(tmp_path / "m"))
     batch = random_batch(tmp_path / "hf")
     probe = reference(tmp_path / "hf", batch, math.inf)["sequence_kl"]
     ordered = sorted(probe)

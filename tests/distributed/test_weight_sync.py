@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from stub_server import StubServer
-from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron
+from tiny_qwen import saved_tensors, tiny_checkpoint, to_megatron_on_rank
 
 from megatron_fr.config import ParallelConfig
 from megatron_fr.engine.sglang import protocol
@@ -174,7 +174,7 @@ def assert_same_buckets(got: list, expected: list, what: str) -> None:
 def _convert_both_ways(rank: int, world_size: int, hf_dir: str, megatron_dir: str, back: str):
     from megatron_fr.convert.checkpoint import megatron_to_hf_checkpoint
 
-    to_megatron(hf_dir, megatron_dir)
+    to_megatron_on_rank(rank, world_size, hf_dir, megatron_dir)
     megatron_to_hf_checkpoint(megatron_dir, back, progress=False)
 
 
@@ -388,5 +388,5 @@ def _trained_checkpoint(tmp_path: Path):
     """The learner's weights: the same architecture, other random weights (seed 1)."""
     learner_hf = tmp_path / "learner_hf"
     result = tiny_checkpoint("qwen3_moe", learner_hf, seed=1)
-    to_megatron(str(learner_hf), str(tmp_path / "learner.m"))
+    run_on_ranks(to_megatron_on_rank, 1, str(learner_hf), str(tmp_path / "learner.m"))
     return result

@@ -89,7 +89,11 @@ def test_demo_runs_through_the_real_chain_and_keeps_lag_bounded(demo_run):
     assert [r["step"] for r in evals] == [0, 5] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     assert (demo_run / "config.yaml").exists() and any((demo_run / "tensorboard").iterdir())
     assert (demo_run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
-    from megatron_fr.cli import main
-
-    assert main(["plot", str(demo_run)]) == 0  # the command, in this process
-    assert (demo_run / "metrics.png").stat().st_size > 10_000
+    plot = subprocess.run(
+        [sys.executable, "-m", "megatron_fr", "plot", str(demo_run)],
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=120,
+    )
+    assert plot.returncode == 0 and (demo_run / "metrics.png").stat().st_size > 10_000
