@@ -213,7 +213,7 @@ def gap_at_each_budget(
     paired = len(curves) == len(reference)
     both = aligned([*curves, *reference])  # one grid for both (budgets differ by method)
     curves, reference = both[: len(curves)], both[len(curves) :]
-    for x, _, _ in mean_curve(both):
+    for x, _ in both[0]:
 
         def gap(ours: Sequence[Curve], theirs: Sequence[Curve], at: float = x) -> float:
             return _mean_at(ours, at) - _mean_at(theirs, at)

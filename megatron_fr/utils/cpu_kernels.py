@@ -17,9 +17,9 @@ documentation promises gives the same results on Intel and other processors (ask
 MKL on that AMD processor reported its "auto" branch instead, which follows the processor),
 and strict mode is its strictest reproducibility (the project's runs fix the thread count
 themselves). It costs speed: the quick demo warm start took 23-25 CPU seconds against 18-19
-with MKL's AVX2 request. Both libraries read
-their setting once, at their first computation, so the pin runs when megatron_fr is imported,
-before any tensor maths, and child processes (learner ranks, the CPU engine) inherit it.
+with MKL's AVX2 request. Both libraries read their setting once, at their first computation,
+so the pin runs when megatron_fr is imported, before any tensor maths, and child processes
+(learner ranks, the CPU engine) inherit it.
 MEGATRON_FR_NATIVE_CPU_KERNELS=1 leaves the kernels to the libraries (faster, not
 reproducible across machines). GPU kernels are not affected.
 """

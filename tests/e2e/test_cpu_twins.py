@@ -43,9 +43,7 @@ it scores after training)."""
 
 
 def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
-    """`demo prepare` (the twin's tiny model, in the run's directory) then `train`, each in a
-    process of its own: the tool twin's warm start runs the Python sandbox, which must not
-    touch the test session's process."""
+    """`demo prepare` (the twin's tiny model, in the run's directory) then `train`."""
     from megatron_fr.demo.config import DEFAULTS
 
     recipe = str(REPO / "examples" / f"{name}.yaml")
