@@ -58,13 +58,14 @@ class EngineSettings(StrictModel):
     engine paused by a long weight sync answers) for this long is taken out of the pool: hung,
     stopped or cut off (rollout/supervisor.py)."""
     stalled_after_s: Seconds = 300.0
-    """An engine whose generate requests in flight have had no answer for this long (counted
-    from its last answer, or from when it got work with nothing in flight) while it answers
-    GET /model_info is taken out of the pool as wedged, as a dead one is: SGLang answers
-    /model_info from its HTTP process, so a scheduler stuck in a collective looks alive there
-    while every request times out. An engine with nothing in flight is never stalled. It must
-    exceed a weight sync's pause (requests wait it out) and the longest generation an engine
-    may run with nothing else in flight, and stay below rollout.request_timeout_s."""
+    """An engine whose generate requests have had no answer for this long (counted from its
+    last answer, or from when it got work with nothing in flight; timeouts do not restart it)
+    is sent a 1-token probe request, and taken out of the pool as wedged, as a dead one is,
+    only if the probe has no answer within this long either: SGLang answers /model_info from
+    its HTTP process, so a scheduler stuck in a collective looks alive there while every
+    request hangs. A slow engine answers the probe and stays (rollout/supervisor.py). An
+    engine with nothing in flight is never stalled. It should exceed a weight sync's pause
+    (requests wait it out); it is independent of rollout.request_timeout_s."""
     failures_in_a_row: PositiveInt = 10
     """An engine whose generate requests failed this many times in a row (connection errors,
     5xx) is taken out of the pool as a dead one is. Timeouts do not count: an engine that
@@ -160,17 +161,6 @@ class RolloutSettings(StrictModel):
     finish in. The CPU engine honours the seed; SGLang does under
     --enable-deterministic-inference."""
     engine: EngineSettings = EngineSettings()
-
-    @model_validator(mode="after")
-    def _stall_within_timeout(self) -> RolloutSettings:
-        stalled, timeout = self.engine.stalled_after_s, self.request_timeout_s
-        if stalled >= timeout:
-            raise ValueError(
-                f"rollout.engine.stalled_after_s={stalled:g} must be below "
-                f"rollout.request_timeout_s={timeout:g}: a wedged engine's requests would time "
-                "out, and be retried elsewhere, before it is seen to make no progress"
-            )
-        return self
 
     @model_validator(mode="after")
     def _untruncated(self) -> RolloutSettings:

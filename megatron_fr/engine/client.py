@@ -41,7 +41,8 @@ flight, a floor of 1; each success adds 1/limit back, up to max_in_flight) and t
 retried without using one of its max_attempts; requests over the limit wait in the client,
 where they count neither as in flight nor as stalled. Only connection errors, 5xx and a server
 leaving the pool count toward `failing(url)`, which the pool's watch reads to take a server out;
-a server that makes no progress at all is the watch's to find (`stalled_s`).
+a server that makes no progress at all is the watch's to find (`stalled_s`: no answer for a
+while, timeouts included, after which the watch probes it: rollout/supervisor.py).
 
 Invariant: each generate call yields one Rollout or raises one exception; a retried or
 continued segment replaces nothing already kept, so no request is lost or counted twice.
@@ -227,8 +228,13 @@ class _Server:
     """Set (and dropped) when a request in flight ends, the limit rises or the server leaves
     the pool: what the requests waiting for a slot wait on."""
     progress_at: float = 0.0
-    """When its requests in flight last moved: its last answer to a /generate, or the moment
-    it got work with nothing in flight (time.monotonic())."""
+    """When its requests in flight last moved: its last answer to a /generate, the moment it
+    got work with nothing in flight (unless its last request timed out: a wedged engine's
+    requests all time out, and the clock must run on across their retries), or the moment
+    the pool's probe saw it generate (progressed()); time.monotonic()."""
+    timed_out_last: bool = False
+    """Its last request to end timed out (no answer since): the clock is not restarted when
+    its next request is sent."""
     taken_out: asyncio.Event | None = None
     """Set when the server leaves the pool; its requests in flight wait on it too. Made on
     first use, inside the client's loop."""
@@ -265,7 +271,7 @@ class _Server:
             self.waiting -= 1
         if not self.in_pool:
             raise _Retryable(f"{self.url} was taken out of the pool")
-        if not self.outstanding:
+        if not self.outstanding and not self.timed_out_last:
             self.progress_at = time.monotonic()
         self.outstanding += 1
 
@@ -344,6 +350,13 @@ class RolloutClient:
             return 0.0
         return time.monotonic() - server.progress_at
 
+    def progressed(self, url: str) -> None:
+        """`url` was seen to generate (the pool's probe answered): its stall clock restarts.
+        Called in the client's loop."""
+        server = self._servers.get(url)
+        if server is not None:
+            server.progress_at, server.timed_out_last = time.monotonic(), False
+
     def in_pool(self, url: str) -> bool:
         server = self._servers.get(url)
         return server is not None and server.in_pool
@@ -360,6 +373,7 @@ class RolloutClient:
         client's loop."""
         server = self._servers.setdefault(url, self._new_server(url))
         server.taken_out, server.down_until, server.failing = None, 0.0, 0
+        server.timed_out_last = False
         server.limit = float(self.config.max_in_flight)  # a new process, or one back
 
     def end_session(self, session_id: str) -> None:
@@ -569,7 +583,7 @@ class RolloutClient:
         self.metrics.requests[server.url] += 1
         try:
             answer = await self._unless_taken_out(server, self._post_json(server.url, body))
-            server.progress_at = time.monotonic()
+            server.progress_at, server.timed_out_last = time.monotonic(), False
             server.served(self.config.max_in_flight)
             return self._wire.parse_generate(answer, self.config.top_logprobs)
         except MalformedResponse as exc:
@@ -578,6 +592,7 @@ class RolloutClient:
         except _Timeout:
             self.metrics.failures[server.url] += 1
             self.metrics.timeouts[server.url] += 1
+            server.timed_out_last = True
             server.slowed(sent_at)
             raise
         except (_Retryable, RequestRejected):

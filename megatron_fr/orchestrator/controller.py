@@ -32,13 +32,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from megatron_fr.config.run import RunConfig
 from megatron_fr.learner.delivery import DataPathAddress, ShareReceiver
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.manifest import write_manifest
-from megatron_fr.orchestrator.pool_sync import PoolSync
+from megatron_fr.orchestrator.pool_sync import WAIT_S, PoolSync, StopRequested
 from megatron_fr.orchestrator.ranks import Follower, Leader, Rank
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.setup import connect_weight_sync
@@ -52,10 +53,6 @@ if TYPE_CHECKING:
     from megatron_fr.learner.step_metrics import StepMetrics
     from megatron_fr.learner.trainer import Learner
     from megatron_fr.models.hf_config import HFModelSpec
-
-STOP_FILE = "STOP"
-"""Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run after the
-current step with a checkpoint of that step; the same command then resumes from there."""
 
 
 def train(config: RunConfig, run_dir: Path) -> None:
@@ -162,47 +159,56 @@ def _loop(
     pad_id: int,
     rank: Rank,
 ) -> None:
-    step = learner.steps_done
-    stop_file = run_dir / STOP_FILE
+    """The steps from the learner's, to config.steps or a STOP request: a STOP seen after a
+    step ends the run there; one seen while the learner waits (a batch, an evaluation) ends it
+    at the step reached, checkpointed unless its checkpoint exists already."""
+    step = saved = learner.steps_done
     telemetry = GpuTelemetry()
-    rank.act(lambda _: stop_file.unlink(missing_ok=True))  # a request is for the run that saw it
-    if step == 0:
-        evaluate(config, rank, step)
-    skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rank.leads)
-    while step < config.steps:
-        started = time.monotonic()
-        summaries = pool.wait_for_batch(step, learner.module)
-        plan, shard = receiver.receive()
-        metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
-        step += 1
-        # A skipped step changed no weight: the engines keep theirs.
-        sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
-        last = step == config.steps
-        figures = gather_telemetry(telemetry) | pool.check_metrics()
-        rank.act(
-            functools.partial(
-                Leader.report_step,
-                step=step,
-                summaries=summaries,
-                metrics=(metrics, figures),
-                sync_s=sync_s,
-                started=started,
+    rank.act(lambda lead: lead.stop_file.unlink(missing_ok=True))  # for the run that saw it
+    try:
+        if step == 0:
+            evaluate(rank, pool, learner.module, step)
+        skipped = SkippedSteps(config.learner.max_nonfinite_steps, say=rank.leads)
+        while step < config.steps:
+            started = time.monotonic()
+            summaries = pool.wait_for_batch(step, learner.module)
+            plan, shard = receiver.receive()
+            metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
+            step += 1
+            # A skipped step changed no weight: the engines keep theirs.
+            sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
+            last = step == config.steps
+            figures = gather_telemetry(telemetry) | pool.check_metrics()
+            rank.act(
+                functools.partial(
+                    Leader.report_step,
+                    step=step,
+                    summaries=summaries,
+                    metrics=(metrics, figures),
+                    sync_s=sync_s,
+                    started=started,
+                )
             )
-        )
-        if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
-            evaluate(config, rank, step)
-        stop = rank.share(lambda _: stop_file.exists())
-        if last or stop or step % config.checkpoint.every_steps == 0:
+            if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
+                evaluate(rank, pool, learner.module, step)
+            stop = rank.share(Leader.stop_requested)
+            if last or stop or step % config.checkpoint.every_steps == 0:
+                save_checkpoint(config, run_dir, learner, rank, step)
+                saved = step
+            if stop and not last:
+                rank.act(functools.partial(stopped, step=step, saved=True))
+                return
+    except StopRequested:
+        if step != saved:
             save_checkpoint(config, run_dir, learner, rank, step)
-        if stop and not last:
-            rank.act(functools.partial(stopped, stop_file=stop_file, step=step))
-            return
+        rank.act(functools.partial(stopped, step=step, saved=step != 0))
 
 
-def stopped(_: Leader, stop_file: Path, step: int) -> None:
+def stopped(lead: Leader, step: int, saved: bool) -> None:
     """The leader's part of a stop on request: the request is consumed, the stop said."""
-    stop_file.unlink(missing_ok=True)
-    print(f"stopped on request at step {step} (checkpoint saved)", flush=True)
+    lead.stop_file.unlink(missing_ok=True)
+    kept = "checkpoint saved" if saved else "nothing to save: the next start begins afresh"
+    print(f"stopped on request at step {step} ({kept})", flush=True)
 
 
 class NonFiniteSteps(RuntimeError):
@@ -266,15 +272,16 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
     }
 
 
-def evaluate(config: RunConfig, rank: Rank, step: int) -> None:
-    """avg@k on every held-out set, at the eval's own sampling temperature: the leader
-    evaluates while every rank waits in slices (Rank.run)."""
-
-    def work(lead: Leader) -> None:
-        evaluation, rollouts_total = lead.rollout.evaluate_held_out()
-        lead.report.evaluation(step, evaluation, rollouts_total)
-
-    rank.run(work, wait_slice_s(config))
+def evaluate(
+    config: RunConfig, rank: Rank, pool: PoolSync, model: torch.nn.Module, step: int
+) -> None:
+    """avg@k on every held-out set, at the eval's own sampling temperature: the leader's
+    rollout process evaluates while every rank waits with the pool cared for (PoolSync.wait:
+    an engine restarted meanwhile gets the weights of `step` and serves the rest of it)."""
+    rank.act(lambda lead: lead.rollout.begin_held_out_evaluation())
+    result = pool.wait(lambda lead: lead.rollout.held_out_evaluation(WAIT_S), model, step)
+    if result is not None:  # the leader's
+        rank.act(lambda lead: lead.report.evaluation(step, *result))
 
 
 def wait_slice_s(config: RunConfig) -> float:

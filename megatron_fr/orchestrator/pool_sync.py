@@ -10,15 +10,17 @@ weights.regroup_timeout_s at the reconnect is taken out of the pool at once (its
 stuck in the failed collective), so the engines still alive are regrouped under fresh names
 within that bound. After a sync, the engines that were joining serve.
 
-While the learner waits for a batch, the leader looks at the pool every WAIT_S: an engine that
-joined meanwhile gets the current weights then, so a pool whose every engine was out recovers
-(no engine could have generated the batch the learner waits for).
+While the learner waits (for a batch, an evaluation), the leader looks at the pool every
+WAIT_S: an engine that joined meanwhile gets the current weights then, so a pool whose every
+engine was out recovers without a step in between (no engine could have generated the batch
+or the evaluation the learner waits for), and a STOP request ends the wait.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -35,7 +37,18 @@ if TYPE_CHECKING:
 
 SYNC_TRIES = 3
 WAIT_S = 5.0
-"""How often the learner, waiting for a batch, looks for engines that joined the pool."""
+"""How often the learner, waiting for a batch or an evaluation, looks for engines that joined
+the pool and for a STOP request."""
+T = TypeVar("T")
+
+
+class StopRequested(Exception):
+    """A STOP file appeared while the learner waited (for a batch, an evaluation): the run
+    stops at the step it has reached, which a checkpoint keeps."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stop requested at step {step}")
+        self.step = step
 
 
 class PoolSync:
@@ -87,26 +100,39 @@ class PoolSync:
 
     def wait_for_batch(self, step: int, model: torch.nn.Module) -> list[TrajectorySummary]:
         """The leader: the summaries of step's batch (its shares on their way to the
-        learners); empty elsewhere. Meanwhile engines that joined the pool get the weights of
-        `step`."""
-        batch: list[TrajectorySummary] = []
+        learners); empty elsewhere. Waited for as `wait` says."""
+        summaries = self.wait(lambda lead: lead.rollout.deliver_batch(step, WAIT_S), model, step)
+        return summaries or []
 
-        def look(lead: Leader) -> str:
-            """ "batch" when it came, else "sync" when the pool changed since it was last
-            looked at, else "wait"."""
-            summaries = lead.rollout.deliver_batch(step, WAIT_S)
-            if summaries is not None:
-                batch.extend(summaries)
-                return "batch"
+    def wait(
+        self, look: Callable[[Leader], T | None], model: torch.nn.Module, version: int
+    ) -> T | None:
+        """Every rank: what `look` finds on the leader (it waits up to WAIT_S itself; None:
+        nothing yet), returned on the leader, None on the followers. Between two looks the
+        pool is cared for: engines that joined it (restarted, or back) get the weights of
+        `version` at once, so a restarted engine serves within seconds, even when it was the
+        only one and the leader waits on it (a batch, an evaluation); and a STOP request in
+        the run directory ends the wait on every rank (StopRequested)."""
+        found: list[T] = []
+
+        def decide(lead: Leader) -> str:
+            answer = look(lead)
+            if answer is not None:
+                found.append(answer)
+                return "done"
+            if lead.stop_requested():
+                return "stop"
             epoch, _ = lead.rollout.membership()
-            return "sync" if epoch != self.seen else "wait"
+            return "sync" if epoch != self.seen and lead.rollout.joining() else "wait"
 
         while True:
-            decision = self.rank.share(look)
-            if decision == "batch":
-                return batch
+            decision = self.rank.share(decide)
+            if decision == "done":
+                return found[0] if found else None
+            if decision == "stop":
+                raise StopRequested(version)
             if decision == "sync":
-                self.sync(model, step)
+                self.sync(model, version)
 
     def _reconnect(self, epoch: int, urls: list[str]) -> None:
         self.rank.say(f"weight sync: the pool is now {urls} (epoch {epoch})")

@@ -32,6 +32,10 @@ from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
 from megatron_fr.utils.process_proxy import ProcessProxy
 
 T = TypeVar("T")
+STOP_FILE = "STOP"
+"""Created in the run directory (by a Slurm USR1 trap, or by hand), it ends the run at the
+step reached, within seconds of any wait (orchestrator/pool_sync.py), with a checkpoint of
+that step; the same command then resumes from there."""
 Closers = list[tuple[str, Callable[[], object] | None]]
 
 
@@ -79,9 +83,12 @@ class Leader(Rank):
 
     leads = True
 
-    def __init__(self, process: ProcessProxy[RunRollout], hello: Hello, report: RunReport) -> None:
+    def __init__(
+        self, process: ProcessProxy[RunRollout], hello: Hello, report: RunReport, run_dir: Path
+    ) -> None:
         self.process, self.hello, self.report = process, hello, report
         self.rollout = process.remote
+        self.stop_file = run_dir / STOP_FILE
 
     @classmethod
     def start(
@@ -103,7 +110,7 @@ class Leader(Rank):
                 state = ckpt.load_controller_state(resume_from)["rollout"]
                 process.remote.load_state_dict(state)
                 print(f"resumed from {resume_from} (step {resume_point[0]})", flush=True)
-            return cls(process, hello, RunReport(config, run_dir, *resume_point))
+            return cls(process, hello, RunReport(config, run_dir, *resume_point), run_dir)
         except BaseException:
             process.close()  # no handle is returned to close it later
             raise
@@ -119,6 +126,10 @@ class Leader(Rank):
 
     def closers(self) -> Closers:
         return [("rollout process", self.process.close), ("run report", self.report.close)]
+
+    def stop_requested(self) -> bool:
+        """Whether a STOP file is in the run directory (a request to stop with a checkpoint)."""
+        return self.stop_file.exists()
 
     def explain(self, error: BaseException) -> None:
         """Let the service name a dead engine behind `error` (best effort: the learner's error

@@ -62,9 +62,13 @@ class RunRollout(RolloutControl, Protocol):
         None when no batch was ready within `wait_s` (None: wait as long as it takes)."""
         ...
 
-    def evaluate_held_out(self) -> tuple[Evaluation, int]:
-        """Every held-out set's (mean, spread), or why it has none, at the run's eval
-        settings, and the rollouts completed so far."""
+    def begin_held_out_evaluation(self) -> None:
+        """Start evaluating every held-out set at the run's eval settings."""
+        ...
+
+    def held_out_evaluation(self, wait_s: float) -> tuple[Evaluation, int] | None:
+        """Every held-out set's (mean, spread), or why it has none, and the rollouts completed
+        so far, once the evaluation begun has ended; None while it goes on after `wait_s`."""
         ...
 
 
@@ -128,8 +132,11 @@ class RolloutHost(RolloutService):
             work.wait()
         self._pending = []
 
-    def evaluate_held_out(self) -> tuple[Evaluation, int]:
+    def begin_held_out_evaluation(self) -> None:
         config, producer = self.config, self.producer
         sampling = producer.sampling(config.eval.temperature, config.eval.top_p)
-        results = self.evaluate(eval_sets(config, producer), sampling, config.eval.timeout_s)
-        return results, self.stats()["rollouts_total"]
+        self.begin_evaluation(eval_sets(config, producer), sampling, config.eval.timeout_s)
+
+    def held_out_evaluation(self, wait_s: float) -> tuple[Evaluation, int] | None:
+        results = self.evaluation_result(wait_s)
+        return None if results is None else (results, self.stats()["rollouts_total"])

@@ -29,6 +29,10 @@ class RolloutControl(Protocol):
         """The pool's epoch and the engines the next weight sync must reach."""
         ...
 
+    def joining(self) -> list[str]:
+        """The engines waiting for a weight sync to serve (restarted, back, or new)."""
+        ...
+
     def synced(self, urls: list[str], version: int) -> None:
         """A weight sync reached `urls` at `version`: the joining ones among them serve."""
         ...

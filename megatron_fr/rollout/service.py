@@ -83,6 +83,18 @@ class _EvalTally:
     first_error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class _RunningEvaluation:
+    """An evaluation begun: its task in the loop, its progress and its deadline."""
+
+    future: Future
+    tally: _EvalTally
+    sets: list[str]
+    deadline: float
+    """time.monotonic() past which it is taken as it stands (incomplete)."""
+    timeout_s: float
+
+
 class RolloutFailed(RuntimeError):
     """The rollout service stopped; the cause is chained."""
 
@@ -143,6 +155,8 @@ class RolloutService:
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._evaluation: _RunningEvaluation | None = None
+        """The evaluation begun and not yet taken (begin_evaluation, evaluation_result)."""
         self._failed: Future = Future()
         """Resolved with the first error: what a caller waiting on the loop also waits on,
         since a stopped loop finishes nothing it was given."""
@@ -227,9 +241,13 @@ class RolloutService:
                 tasks.add(task)
                 task.add_done_callback(finished)
             await self._stop.wait()
-            for task in list(tasks):
+            # Every task of the loop ends here, not only the rollouts and the watch: an
+            # evaluation under way and the pool's probes and restarts too, so closing the loop
+            # destroys no pending task.
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*others, return_exceptions=True)
             self._client = None
 
     async def _admissions(
@@ -286,6 +304,13 @@ class RolloutService:
     def membership(self) -> tuple[int, list[str]]:
         """The pool's epoch and the engines the next weight sync must reach (supervisor)."""
         return self._in_loop(self._membership())
+
+    def joining(self) -> list[str]:
+        """The engines waiting for a weight sync to serve (supervisor)."""
+        return self._in_loop(self._joining())
+
+    async def _joining(self) -> list[str]:
+        return self.engines.joining()
 
     def synced(self, urls: list[str], version: int) -> None:
         """A weight sync reached `urls` at `version`: the joining ones among them serve."""
@@ -358,28 +383,57 @@ class RolloutService:
     def evaluate(
         self, sets: dict[str, EvalSet], sampling: SamplingParams, timeout_s: float
     ) -> Evaluation:
-        """avg@k of every set: the reward of k samples per problem at the eval sampling
+        """avg@k of every set, waited for (begin_evaluation, then evaluation_result)."""
+        self.begin_evaluation(sets, sampling, timeout_s)
+        result = self.evaluation_result(None)
+        assert result is not None  # waited without a bound: done, or past its deadline
+        return result
+
+    def begin_evaluation(
+        self, sets: dict[str, EvalSet], sampling: SamplingParams, timeout_s: float
+    ) -> None:
+        """Start avg@k of every set: the reward of k samples per problem at the eval sampling
         settings, the spread over the k passes. Episodes the pool fails are retried until
         `timeout_s`; a set not scored in full by then has no accuracy and the evaluation is
-        incomplete (an outage is not a wrong answer). Raises RolloutFailed as soon as the
-        service fails (an engine past its restart budget), whatever the evaluation was
-        waiting for."""
+        incomplete (an outage is not a wrong answer). The caller looks at it with
+        evaluation_result, and may sync weights in between (an engine that joined the pool
+        meanwhile then serves the rest of it)."""
         self.check()
+        if self._evaluation is not None:
+            raise RuntimeError("an evaluation is already under way: take its result first")
         tally = _EvalTally(accuracies={})
         future: Future = asyncio.run_coroutine_threadsafe(
             self._evaluate(sets, sampling, tally), self._loop
         )
-        finished = wait([future, self._failed], timeout_s, return_when=FIRST_COMPLETED).done
-        if future not in finished:
-            future.cancel()
+        deadline = time.monotonic() + timeout_s
+        self._evaluation = _RunningEvaluation(future, tally, list(sets), deadline, timeout_s)
+
+    def evaluation_result(self, wait_s: float | None) -> Evaluation | None:
+        """The evaluation begun, once it finished or passed its deadline; None when neither
+        happened within `wait_s` (None: wait until one does). Raises RolloutFailed as soon as
+        the service fails (an engine past its restart budget), whatever the evaluation was
+        waiting for."""
+        running = self._evaluation
+        if running is None:
+            raise RuntimeError("no evaluation is under way: begin_evaluation first")
+        left = max(0.0, running.deadline - time.monotonic())
+        patience = left if wait_s is None else min(wait_s, left)
+        finished = wait([running.future, self._failed], patience, return_when=FIRST_COMPLETED)
+        if running.future not in finished.done and time.monotonic() < running.deadline:
+            self.check()
+            return None
+        self._evaluation = None
+        if running.future not in finished.done:
+            running.future.cancel()
         self.check()  # the service's cause, not what the evaluation saw of it
-        if future in finished:
-            future.result()  # a bug in an episode is raised
+        tally = running.tally
+        if running.future in finished.done:
+            running.future.result()  # a bug in an episode is raised
             return Evaluation(dict(tally.accuracies), tally.failed)
-        missing = [name for name in sets if name not in tally.accuracies]
+        missing = [name for name in running.sets if name not in tally.accuracies]
         reason = (
-            f"set(s) {missing} not served within {timeout_s:g} s; {tally.failed} episode "
-            f"tries failed (first: {tally.first_error})"
+            f"set(s) {missing} not served within {running.timeout_s:g} s; {tally.failed} "
+            f"episode tries failed (first: {tally.first_error})"
         )
         log.warning("evaluation incomplete, no accuracy recorded: %s", reason)
         return Evaluation(dict(tally.accuracies), tally.failed, reason)

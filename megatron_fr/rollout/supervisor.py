@@ -13,12 +13,14 @@ are of one wire: SGLang and the CPU engine, or vLLM (engine/wire.py).
 
     serving ──(exited; no answer on GET /model_info for unreachable_after_s;
       ▲        failures_in_a_row generate requests failed, timeouts not counted; wedged:
-      ▲        the requests in flight had no answer for stalled_after_s)─────────► out
+      ▲        no answer for stalled_after_s, nor to a 1-token probe then)───────► out
       ▲            its requests in flight go to the others at once (engine/client.py)
       │
     joining ◄──(started here: restarted after restart_backoff_s x 2^k; by URL: answers again)
       │
-      └──(the next weight sync reached it and its /model_info weight_version is the learner's)
+      └──(a weight sync reached it and its /model_info weight_version is the learner's: the
+          learner syncs as soon as the pool changes while it waits for a batch or an
+          evaluation, so a restarted engine serves within seconds: orchestrator/pool_sync.py)
 
 Every change of who is in the pool bumps the membership epoch. The learner asks for it before
 each weight sync (membership()); when it moved, every sending rank leaves its weight-update
@@ -37,11 +39,14 @@ waits while a weight sync pauses the server and answers 503 after 20 s, so a lon
 be taken for a death; /model_info is answered without generating. Which is also why it cannot
 see a wedged engine: SGLang's HTTP process answers it without the scheduler, so a scheduler
 stuck in a collective answers 200 there while its requests hang. The rollout client times the
-requests in flight at each engine from its last answer (RolloutClient.stalled_s); an engine
-serving requests that have had none for stalled_after_s is taken out as wedged, restarted or
-re-admitted as a dead one is. Slow is not dead: an engine whose requests time out while it
-answers /model_info and keeps answering some is never taken out for it; the client lowers its
-requests in flight instead (engine/client.py).
+requests in flight at each engine from its last answer (RolloutClient.stalled_s, which runs
+on across timeouts); an engine serving requests that have had none for stalled_after_s gets a
+1-token generate request of the watch's own, past the client's queue, and only if that has no
+answer within stalled_after_s either is it taken out as wedged, restarted or re-admitted as a
+dead one is. Slow is not dead: an engine whose requests time out (a request timeout below its
+service time, an overload) still answers the probe, which restarts its stall clock; the
+client lowers its requests in flight instead (engine/client.py). So request_timeout_s and
+stalled_after_s are independent: lowering the first alone never makes a slow engine wedged.
 
 A URL of the engines file is probed beside the watch, never in its way: at most
 rollout.engine.file_probes at once, each given unreachable_after_s to answer /server_info, so a
@@ -67,6 +72,7 @@ import logging
 import socket
 import subprocess
 import time
+import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +98,7 @@ from megatron_fr.engine.server_info import (
     identify,
     parse_server_info,
 )
+from megatron_fr.engine.sglang.protocol import SamplingParams
 from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.rollout.engines_file import EnginesFile
 from megatron_fr.utils.net import free_port
@@ -132,6 +139,10 @@ class Member:
     out_since: float = 0.0
     retry_at: float = 0.0
     cause: str = ""
+    probe: asyncio.Task | None = None
+    """The progress probe under way (_probe_progress), if any."""
+    wedged: str | None = None
+    """Why the last probe found it making no progress: taken out at the next watch."""
 
 
 class EngineSupervisor:
@@ -256,6 +267,10 @@ class EngineSupervisor:
         urls = [m.url for m in self.members.values() if m.state in ("serving", "joining")]
         return self.epoch, urls
 
+    def joining(self) -> list[str]:
+        """The engines waiting for a weight sync to serve (restarted, back, or new)."""
+        return [m.url for m in self.members.values() if m.state == "joining"]
+
     async def synced(self, urls: list[str], version: str) -> None:
         """A weight sync to `urls` finished at `version`: each joining engine among them whose
         version read (the wire's version_path: SGLang's GET /model_info, vLLM's /weight_info)
@@ -314,7 +329,7 @@ class EngineSupervisor:
             code = member.process.proc.poll() if member.process is not None else None
             if code is not None:
                 await self._take_out(member, f"exited with code {code}")
-            elif failure := self._generation_failure(member):
+            elif failure := self._generation_failure(member, session):
                 await self._take_out(member, failure)
                 if member.launch is None:  # answering /model_info, it would be back at once
                     member.retry_at = now + self.settings.unreachable_after_s
@@ -333,23 +348,67 @@ class EngineSupervisor:
             else:
                 member.retry_at = now + self.settings.watch_interval_s
 
-    def _generation_failure(self, member: Member) -> str | None:
+    def _generation_failure(self, member: Member, session: aiohttp.ClientSession) -> str | None:
         """Why a serving engine cannot generate, whether or not it answers GET /model_info:
-        its requests failed failures_in_a_row times in a row, or those in flight have had no
-        answer for stalled_after_s (wedged); None when neither. Counted only while it serves:
-        a joining engine's counts are those of its last life."""
+        its requests failed failures_in_a_row times in a row, or it makes no progress (wedged:
+        its requests have had no answer for stalled_after_s, timeouts included, and then a
+        1-token probe had none either); None when neither. A stall alone only starts the probe
+        (_probe_progress): slow is not wedged. Counted only while it serves: a joining
+        engine's counts are those of its last life."""
         if self._client is None or member.state != "serving":
             return None
         failing = self._client.failing(member.url)
         if failing >= self.settings.failures_in_a_row:
             return f"failed {failing} generate requests in a row"
+        if member.wedged is not None:
+            cause, member.wedged = member.wedged, None
+            return cause
         stalled = self._client.stalled_s(member.url)
-        if stalled >= self.settings.stalled_after_s:
-            return (
-                f"wedged: its generate requests in flight had no answer for {stalled:.1f} s "
-                f"(rollout.engine.stalled_after_s={self.settings.stalled_after_s:g})"
-            )
+        if stalled >= self.settings.stalled_after_s and member.probe is None:
+            member.probe = self._spawn(self._probe_progress(session, member, stalled))
         return None
+
+    async def _probe_progress(
+        self, session: aiohttp.ClientSession, member: Member, stalled: float
+    ) -> None:
+        """Whether an engine whose requests had no answer for `stalled` seconds still
+        generates: a 1-token generate request of its own, sent past the client's queue (the
+        requests waiting for the engine's in-flight limit) and given stalled_after_s to answer.
+        An answer restarts the engine's stall clock (an overloaded engine, or requests timing
+        out below its service time: slow, not wedged); none sets `member.wedged` for the watch
+        to act on. A scheduler stuck in a collective answers GET /model_info but never this."""
+        bound = self.settings.stalled_after_s
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
+        body = self.wire.generate_request([0], sampling, rid=f"progress-probe-{uuid.uuid4().hex}")
+        started = time.monotonic()
+        try:
+            async with session.post(
+                member.url + self.wire.generate_path,
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=bound),
+            ) as response:
+                await response.read()
+                answered = response.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            answered = False
+        finally:
+            member.probe = None
+        if member.state != "serving" or self._client is None:
+            return
+        if answered:
+            log.warning(
+                "inference engine %s: slow, not wedged: no answer to its requests for %.1f s, "
+                "and a 1-token probe answered in %.1f s",
+                member.url,
+                stalled,
+                time.monotonic() - started,
+            )
+            self._client.progressed(member.url)
+            return
+        member.wedged = (
+            f"wedged: its generate requests had no answer for {stalled:.1f} s, nor a 1-token "
+            f"probe within {bound:g} s (rollout.engine.stalled_after_s={bound:g})"
+        )
 
     async def _take_out(self, member: Member, cause: str) -> None:
         """Out of the pool now (its requests in flight go to the others); a started engine is
@@ -386,11 +445,12 @@ class EngineSupervisor:
         member.restarts += 1
         self._spawn(self._relaunch(member))
 
-    def _spawn(self, work: Coroutine[None, None, None]) -> None:
+    def _spawn(self, work: Coroutine[None, None, None]) -> asyncio.Task:
         """Run `work` beside the watch (cancelled by stop())."""
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _relaunch(self, member: Member) -> None:
         """Start the engine again on its port; it joins at the next sync once healthy. A start

@@ -15,6 +15,7 @@ from megatron_fr.config import (
     ParallelConfig,
     WeightSyncConfig,
 )
+from megatron_fr.config.rollout import RolloutSettings
 from megatron_fr.config.run import load_run_config
 
 
@@ -169,3 +170,11 @@ def test_every_schema_of_a_recipe_and_of_the_demos_refuses_non_finite_numbers():
     assert [s.__name__ for s in schemas if not issubclass(s, StrictModel)] == []
     with pytest.raises(pydantic.ValidationError, match="finite"):
         DemoModelConfig.model_validate({"warm_start": {"lr": math.inf}})
+
+
+def test_a_request_timeout_below_the_stall_window_is_accepted_alone():
+    """Lowering rollout.request_timeout_s alone is a valid recipe: the stall window only starts
+    a probe of the engine (rollout/supervisor.py), so the two bounds are independent."""
+    settings = RolloutSettings(request_timeout_s=1.0)
+    assert settings.request_timeout_s == 1.0
+    assert settings.engine.stalled_after_s > settings.request_timeout_s

@@ -359,11 +359,13 @@ def test_a_wedged_engine_is_taken_out_and_rejoins_once_it_serves_the_learners_we
     tmp_path: Path,
 ):
     """A CPU engine whose decoding thread is held inside a forward step (engine_harness.
-    StepGate: generation frozen, the HTTP side answering) still answers GET /model_info; the
-    supervisor takes it out as wedged within stalled_after_s + a watch interval of its last
-    progress, its request in flight ends at once, and faults.jsonl says why. Idle, it was never
-    stalled. Given by URL, it is re-admitted once it answers (joining), and serves again once
-    its /model_info weight_version is the one a weight sync set (SGLang's field; it has no
+    StepGate: generation frozen, the HTTP side answering) still answers GET /model_info; after
+    stalled_after_s without an answer the supervisor probes it with a 1-token request, which
+    waits behind the held step, and takes it out as wedged once that probe has had no answer
+    for stalled_after_s too (2 x stalled_after_s + a watch interval of its last progress); its
+    request in flight ends at once, and faults.jsonl says why. Idle, it was never stalled.
+    Given by URL, it is re-admitted once it answers (joining), and serves again once its
+    /model_info weight_version is the one a weight sync set (SGLang's field; it has no
     /get_weight_version)."""
     tiny_checkpoint("qwen3_moe", tmp_path / "model", seed=0)
     engine = CpuEngine(tmp_path / "model", context_length=64)
@@ -418,16 +420,59 @@ def test_a_wedged_engine_is_taken_out_and_rejoins_once_it_serves_the_learners_we
     result = asyncio.run(scenario())
     assert result["idle"] == "serving"
     assert result["info"]["weight_version"] == "default"  # /model_info answered while frozen
-    # Its last progress was the request's start, just before the hold: out after stalled_s,
-    # and within a watch interval of it (plus the probes of one watch round).
-    assert stalled_s - 0.5 <= result["out_after"] <= stalled_s + interval_s + 0.5, result
+    # Its last progress was the request's start, just before the hold: probed after stalled_s,
+    # out once the probe had no answer for stalled_s more (plus a watch round or two).
+    assert 2 * stalled_s - 0.5 <= result["out_after"] <= 2 * stalled_s + 2 * interval_s + 0.5, (
+        result
+    )
     assert result["unsynced"] == "joining" and result["state"] == "serving"
     assert result["back"].token_versions == ["5"] * 4
     faults = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [f["event"] for f in faults] == ["out", "joining", "in"]
-    assert faults[0]["cause"].startswith("wedged: its generate requests in flight had no answer")
+    assert faults[0]["cause"].startswith("wedged: its generate requests had no answer for")
+    assert "nor a 1-token probe within 2 s" in faults[0]["cause"]
     assert "rollout.engine.stalled_after_s=2" in faults[0]["cause"]
     assert faults[2]["cause"] == "serves version 5"
+
+
+def test_a_slow_engine_whose_requests_all_time_out_is_probed_and_never_taken_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Slow is not wedged: a CPU engine 200 ms a forward step serves 3 tokens in over 0.6 s,
+    and the client's request timeout is 0.5 s, so no request is ever answered and the stall
+    clock runs on across the timeouts past stalled_after_s (1 s). The supervisor's 1-token
+    probe is answered, so the engine stays in the pool, nothing is written to faults.jsonl,
+    and the log says it is slow, not wedged."""
+    tiny_checkpoint("qwen3_moe", tmp_path / "model", seed=0)
+    engine = CpuEngine(tmp_path / "model", context_length=64)
+    engine.model.register_forward_pre_hook(lambda _module, _args: time.sleep(0.2))
+    sampling = SamplingParams(max_new_tokens=32, stop_token_ids=())
+
+    async def scenario() -> tuple[str, float]:
+        async with engine_serving(engine) as (url, _server):
+            settings = EngineSettings(
+                urls=[url], watch_interval_s=0.2, stalled_after_s=1.0, start_timeout_s=60.0
+            )
+            supervisor = EngineSupervisor(settings, [], run_dir=tmp_path)
+            config = RolloutClientConfig(
+                urls=[url], request_timeout_s=0.5, max_attempts=1, max_timeouts=1000
+            )
+            async with RolloutClient(config) as client:
+                watch = asyncio.create_task(supervisor.watch(client))
+                slow = asyncio.create_task(client.generate(PROMPT, sampling))
+                await asyncio.sleep(6.0)
+                stalled = client.stalled_s(url)
+                state = supervisor.members[url].state
+                slow.cancel()
+                watch.cancel()
+        return state, stalled
+
+    with caplog.at_level(logging.WARNING, logger="megatron_fr.rollout"):
+        state, stalled = asyncio.run(scenario())
+    assert state == "serving"
+    assert stalled < 1.0 + 1.0, stalled  # the probe restarted its clock
+    assert not (tmp_path / "faults.jsonl").exists()
+    assert "slow, not wedged" in caplog.text
 
 
 def test_an_engine_taken_out_for_a_symptom_after_it_exited_is_named_as_exited(tmp_path: Path):
