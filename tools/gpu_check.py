@@ -2,13 +2,20 @@
 """The Python steps of tools/gpu_check.sh (which runs them in order, tier by tier).
 
     python tools/gpu_check.py plan                 # the steps; imports every part (CPU is fine)
-    python tools/gpu_check.py probe single|cluster # exit 0: the tier can run; 4: skipped (why)
+    python tools/gpu_check.py probe single|cluster|te # exit 0: the tier can run; 4: skipped
     python tools/gpu_check.py parity --out DIR     # tiny Qwen3-MoE, every layer spec vs HF
     python tools/gpu_check.py bench --out DIR      # torch vs local spec TFLOP/s; the slice
     python tools/gpu_check.py train --out DIR      # 3 steps of the loop, disk weight update
     python tools/gpu_check.py sglang --out DIR     # SGLang + NCCL weight update, GB/s/bucket
 
 Every step prints its figures as `name: value` lines; a failed check exits 1 with the reason.
+A probe that cannot run its tier prints `skipped: <why>` and exits 4; tools/gpu_check.sh
+reports the tier SKIPPED with that reason, never as passed.
+
+transformer-engine is not in requirements.txt (its torch extension is built from source
+against the set's torch, and tools/check_gpu_requirements.py resolves wheels only), so the
+cluster tier (SGLang + NCCL, what a cluster run does) does not need it: only the `te` tier,
+the parity check with TE's layer spec, does.
 """
 
 from __future__ import annotations
@@ -61,14 +68,22 @@ STEPS = {
         ),
     ],
     "cluster": [
-        ("parity", "the same parity check, now with transformer-engine's layer spec"),
         (
             "sglang",
-            "a real SGLang server on the tiny model (GPU 1), NCCL weight update from "
-            "the learner (GPU 0): engine log-probs vs learner's, GB/s per bucket",
+            "a real SGLang server on the tiny model (GPU 1; --skip-tokenizer-init: the "
+            "checkpoint has no tokenizer, the step speaks token ids), NCCL weight update "
+            "from the learner (GPU 0) in both bucket formats: engine log-probs vs "
+            "learner's, GB/s per bucket",
         ),
     ],
+    "te": [("parity", "the same parity check, now with transformer-engine's layer spec")],
 }
+NEEDS = {
+    "single": "a CUDA device",
+    "cluster": "2 CUDA devices and an SGLang that imports (transformer-engine not needed)",
+    "te": "a CUDA device and transformer-engine",
+}
+"""What each tier's probe requires."""
 
 
 def figure(name: str, value: object) -> None:
@@ -94,12 +109,15 @@ def probe(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     figure("gpus", ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) or "none")
     missing = [] if gpus else ["no CUDA device"]
+    if args.tier == "te" and importlib.util.find_spec("transformer_engine") is None:
+        missing.append(
+            "transformer-engine not installed (built from source, not in requirements.txt)"
+        )
     if args.tier == "cluster":
         if gpus < 2:
             missing.append(f"{gpus} GPU(s), the cluster tier needs 2")
-        for package, what in (("transformer_engine", "transformer-engine"), ("sglang", "SGLang")):
-            if importlib.util.find_spec(package) is None:
-                missing.append(f"{what} not installed")
+        if importlib.util.find_spec("sglang") is None:
+            missing.append("SGLang not installed")
         if not missing:
             try:
                 importlib.import_module("sglang.srt.utils")
@@ -334,6 +352,7 @@ def sglang(args: argparse.Namespace) -> int:
         engine="sglang",
         gpu_ids=(1,),
         mem_fraction_static=0.5,
+        skip_tokenizer_init=True,  # tiny_checkpoint saves no tokenizer; ids in, ids out
         log_dir=args.out,
     )
     server = launch_server(launch)

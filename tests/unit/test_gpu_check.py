@@ -1,10 +1,13 @@
 """tools/gpu_check.sh: its dry run on CPU (the plan, every Python part imports), the tiers'
-skip reasons where the hardware is missing, tools/bench_learner.py's model FLOP count against
-a hand computation and its CPU run, and on a GPU machine the whole check (shellcheck:
-tests/unit/test_slurm_launcher.py)."""
+skip reasons where the hardware is missing (a skipped tier is reported SKIPPED with its
+reason, never as passed, and fails --require-all; the shell's bookkeeping checked with a
+stand-in interpreter whose probes and steps answer as told), tools/bench_learner.py's model
+FLOP count against a hand computation and its CPU run, and on a GPU machine the whole check
+(shellcheck: tests/unit/test_slurm_launcher.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +25,9 @@ from gpu_check import SKIPPED  # noqa: E402
 from megatron_fr.models.hf_config import load_hf_config  # noqa: E402
 
 
-def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -32,7 +35,8 @@ def test_dry_run_prints_both_tiers_and_imports_every_part():
     result = run("--dry-run")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "single tier:" in out and "cluster tier:" in out
+    assert "single tier:" in out and "cluster tier:" in out and "te tier:" in out
+    assert "--skip-tokenizer-init" in out
     for step in ("parity", "bench", "train", "sglang"):
         assert f"  {step}" in out
     assert "imports: 10 modules import" in out
@@ -47,9 +51,55 @@ def test_without_a_gpu_each_tier_says_why_it_is_skipped(tmp_path):
     )
     assert probe.returncode == SKIPPED
     assert "skipped: no CUDA device; 0 GPU(s), the cluster tier needs 2" in probe.stdout
+    assert "transformer-engine" not in probe.stdout, "the cluster tier does not need TE"
     result = run("--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("skipped: no CUDA device") == 2
+    for tier in ("single", "cluster", "te"):
+        assert f"SKIPPED: {tier} tier: no CUDA device" in result.stdout
+    assert "passed" not in result.stdout
+    assert "gpu_check: 3 tier(s) SKIPPED: they proved nothing on this machine" in result.stdout
+    required = run("--out", str(tmp_path), "--require-all")
+    assert required.returncode == SKIPPED
+    assert "NOT COMPLETE: 3 tier(s) skipped and --require-all was given" in required.stdout
+
+
+STAND_IN = """#!/usr/bin/env bash
+# $1: tools/gpu_check.py, $2: the step, $3: a probe's tier
+case "$2" in
+    probe)
+        case "$3" in
+            single) echo "gpus: stand-in" ;;
+            cluster) echo "gpus: stand-in"; echo "skipped: SGLang not installed"; exit 4 ;;
+            te) echo "skipped: transformer-engine not installed"; exit 4 ;;
+        esac ;;
+    "$FAIL_STEP") echo "FAILED: as told"; exit 1 ;;
+    *) echo "$2: ok" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("fail_step", ["none", "train"])
+def test_a_skipped_tier_is_never_reported_as_passed(tmp_path, fail_step):
+    python = tmp_path / "python"
+    python.write_text(STAND_IN)
+    python.chmod(0o755)
+    env = dict(os.environ, MFR_PYTHON=str(python), FAIL_STEP=fail_step)
+    result = run("--out", str(tmp_path / "out"), env=env)
+    out = result.stdout
+    assert "SKIPPED: cluster tier: SGLang not installed" in out
+    assert "SKIPPED: te tier: transformer-engine not installed" in out
+    skipped = (
+        "cluster SKIPPED (SGLang not installed); te SKIPPED (transformer-engine not installed)"
+    )
+    if fail_step == "none":
+        assert f"gpu_check: single passed; {skipped}" in out
+        assert result.returncode == 0, out
+        assert "gpu_check: 2 tier(s) SKIPPED" in out
+        required = run("--out", str(tmp_path / "out"), "--require-all", env=env)
+        assert required.returncode == SKIPPED and "single passed" in required.stdout
+    else:
+        assert f"gpu_check: single FAILED; {skipped}" in out
+        assert "gpu_check: FAILED: train" in out and result.returncode == 1
 
 
 def test_model_flops_of_a_packed_qwen3_30b_a3b_slice():
