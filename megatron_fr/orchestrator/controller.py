@@ -272,9 +272,7 @@ def gather_telemetry(telemetry: GpuTelemetry) -> dict[str, float]:
     }
 
 
-def evaluate(
-    config: RunConfig, rank: Rank, pool: PoolSync, model: torch.nn.Module, step: int
-) -> None:
+def evaluate(rank: Rank, pool: PoolSync, model: torch.nn.Module, step: int) -> None:
     """avg@k on every held-out set, at the eval's own sampling temperature: the leader's
     rollout process evaluates while every rank waits with the pool cared for (PoolSync.wait:
     an engine restarted meanwhile gets the weights of `step` and serves the rest of it)."""
