@@ -26,10 +26,17 @@ buckets and tensor by tensor.
 --project: Qwen3-30B-A3B's sync time in its recipe's layout from the figures of the last
 default run (tools/weight_sync_projection.py has the formula).
 
+--broadcasts [MODEL]: instead, the broadcasts one sync makes for a model's HF tensor list
+(default the flagship's, qwen3-30b-a3b; shapes from the meta model, nothing allocated), in
+--bucket-mib buckets: one per tensor with weights.bucket_format tensors, one per bucket with
+flattened, and which weights.bucket_format auto picks on NCCL and on gloo. Prints
+"broadcasts per sync: N" for the auto default on NCCL.
+
     .venv/bin/python tools/bench_weight_sync.py                  # ~1 GB, 512 MiB buckets
     .venv/bin/python tools/bench_weight_sync.py --bucket-mib 128 --wire-gbps 8
     .venv/bin/python tools/bench_weight_sync.py --target-gb 0.2 --bucket-mib 64 --receivers 2
     .venv/bin/python tools/bench_weight_sync.py --project
+    .venv/bin/python tools/bench_weight_sync.py --broadcasts
 """
 
 from __future__ import annotations
@@ -165,6 +172,51 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
         target.copy_(source)
         best = min(best, time.monotonic() - started)
     return best
+
+
+def bucket_sizes(sizes: list[int], bucket_bytes: int) -> list[int]:
+    """Tensors per bucket, by the sync's rule (the same as hf_buckets): a bucket closes when
+    the next tensor would take it past bucket_bytes; a bigger tensor goes alone."""
+    counts, size = [0], 0
+    for nbytes in sizes:
+        if counts[-1] and size + nbytes > bucket_bytes:
+            counts.append(0)
+            size = 0
+        counts[-1] += 1
+        size += nbytes
+    return counts
+
+
+def count_broadcasts(model: str, bucket_bytes: int) -> dict:
+    """The broadcasts of one sync of `model`'s HF tensors in each bucket format (module
+    docstring), printed; returned for the tests."""
+    from megatron_fr.config.weights import WeightSyncConfig
+    from megatron_fr.convert.checkpoint import expected_hf_tensors
+    from megatron_fr.models.hf_config import load_hf_config
+    from megatron_fr.parallel.cpu_shims import install_cpu_shims
+
+    install_cpu_shims()
+    tensors = expected_hf_tensors(load_hf_config(model), torch.bfloat16)
+    sizes = [meta.numel() * meta.element_size() for meta in tensors.values()]
+    buckets = bucket_sizes(sizes, bucket_bytes)
+    per_format = {"tensors": len(sizes), "flattened": len(buckets)}
+    default = WeightSyncConfig()
+    auto = {
+        backend: "flattened" if default.flattened(backend) else "tensors"
+        for backend in ("nccl", "gloo")
+    }
+    print(
+        f"{model}: {len(sizes):,} HF tensors, {sum(sizes) / 1e9:.1f} GB in bf16; "
+        f"{bucket_bytes / 2**20:g} MiB buckets: {len(buckets)}"
+    )
+    for name, count in per_format.items():
+        print(f"  weights.bucket_format {name}: {count:,} broadcasts per sync")
+    print(
+        f"  weights.bucket_format {default.bucket_format} (the default): {auto['nccl']} on "
+        f"NCCL (SGLang on GPUs), {auto['gloo']} on gloo (the CPU engine)"
+    )
+    print(f"broadcasts per sync: {per_format[auto['nccl']]:,}")
+    return dict(per_format, auto=auto, bytes=sum(sizes))
 
 
 def hf_buckets(config: dict, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -333,7 +385,19 @@ def main() -> None:
         help="instead: project Qwen3-30B-A3B's sync time from --out (its own options, e.g. "
         "--gather-gbps, --bucket-overhead-ms: tools/weight_sync_projection.py --help)",
     )
+    parser.add_argument(
+        "--broadcasts",
+        nargs="?",
+        const="qwen3-30b-a3b",
+        help="instead: count the broadcasts per sync for this model's tensors (a preset, HF "
+        "dir or config.json; default qwen3-30b-a3b)",
+    )
     args, rest = parser.parse_known_args()
+    if args.broadcasts:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        count_broadcasts(args.broadcasts, args.bucket_mib * 2**20)
+        return
     if args.project:
         from weight_sync_projection import main as project
 

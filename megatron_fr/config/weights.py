@@ -15,12 +15,16 @@ class WeightSyncConfig(StrictModel):
     tensor: colocated engines on the learner's GPUs (CUDA IPC); disk: a shared directory."""
     bucket_mib: int = Field(default=512, ge=1, le=65536)
     """Tensors are sent in buckets of at most this size (a bigger tensor goes alone)."""
-    bucket_format: Literal["tensors", "flattened"] = "tensors"
-    """distributed transport: "tensors" broadcasts tensor by tensor (SGLang's default
-    load_format), "flattened" one uint8 buffer per bucket (load_format "flattened_bucket").
-    On gloo, tensor by tensor was 3.1x faster (tools/bench_weight_sync.py --target-gb 1
-    --bucket-mib 128 --receivers 2: 0.45 vs 0.15 GB/s); tools/gpu_check.sh measures both on
-    NCCL."""
+    bucket_format: Literal["auto", "tensors", "flattened"] = "auto"
+    """distributed transport to SGLang-protocol engines: "tensors" broadcasts tensor by tensor
+    (SGLang's default load_format), "flattened" one uint8 buffer per bucket (load_format
+    "flattened_bucket": SGLang 0.5.23's update_weights_from_distributed receives it with one
+    broadcast into FlattenedTensorBucket.empty(names, dtypes, shapes) and rebuilds the
+    tensors, model_runner_components/weight_updater.py). auto: flattened on NCCL (SGLang on
+    GPUs: one broadcast per bucket, 115 for Qwen3-30B-A3B's 18,867 tensors at 512 MiB,
+    tools/bench_weight_sync.py --broadcasts), tensors on gloo (the CPU engine: tensor by
+    tensor was 3.1x faster there, tools/bench_weight_sync.py --target-gb 1 --bucket-mib 128
+    --receivers 2: 0.45 vs 0.15 GB/s); tools/gpu_check.sh measures both on NCCL."""
     overlap: bool = True
     """Build the next bucket (the shards' messages, the HF mapping) while the previous one is
     being sent, on a second thread: two buckets in memory instead of one. Off: one after the
@@ -65,6 +69,13 @@ class WeightSyncConfig(StrictModel):
     """auto: nccl where CUDA is present, gloo otherwise."""
     directory: str | None = None
     """The shared directory of the disk transport."""
+
+    def flattened(self, backend: str) -> bool:
+        """Whether the distributed transport sends flattened buckets over `backend` (nccl or
+        gloo, resolved): bucket_format, auto resolved as its docstring says."""
+        if self.bucket_format == "auto":
+            return backend == "nccl"
+        return self.bucket_format == "flattened"
 
     @model_validator(mode="after")
     def _check(self) -> WeightSyncConfig:

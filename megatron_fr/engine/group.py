@@ -18,6 +18,26 @@ and its default, 3, tears the whole process down), every wait is bounded by the 
 timeout on the CPU, and a group whose collective failed is aborted (torch's
 `_abort_process_group`), never destroyed gracefully: a graceful destroy waits for the stalled
 collective it is meant to end.
+
+torch's NCCL monitoring is process-wide (docs/weight-sync.md, "A dead engine inside a sync",
+has the source lines): a watchdog that sees a collective fail or time out calls
+broadcastDumpSignal, which sets the static ProcessGroupNCCL::shouldDump_; the default group's
+heartbeat monitor (uid 0, checking it when that group was built with
+TORCH_NCCL_DUMP_ON_TIMEOUT on, torch's default) then dumps, sleeps
+TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and terminates the process; each group's own monitor
+terminates it too when its watchdog stops beating for that long. So:
+  * the weight group's watchdog never times a collective out itself: its NCCL timeout is the
+    wait's bound plus WATCHDOG_MARGIN_S, and the wait (weights.timeout_s) aborts the group
+    first (an aborted communicator's work completes, and the watchdog drops it);
+  * its own heartbeat monitor neither terminates nor arms the dump (NCCL_GROUP_ENV:
+    TORCH_NCCL_ENABLE_MONITORING=0, a heartbeat timeout no sync reaches), and a failure its
+    watchdog does see (a peer's socket closing) sleeps 4 x 1 s before the CleanUpOnly abort,
+    not 4 x 15 s (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC);
+  * the learner's process starts with TORCH_NCCL_DUMP_ON_TIMEOUT=0 unless set
+    (PROCESS_NCCL_ENV, match_sglang_nccl_env), so the default group's monitor does not act
+    on the shared flag: megatron's own groups still tear the process down on their own
+    timeouts (TORCH_NCCL_ASYNC_ERROR_HANDLING 3, parallel.timeout_minutes), without the
+    flight-recorder dump (empty unless TORCH_NCCL_TRACE_BUFFER_SIZE is set).
 """
 
 from __future__ import annotations
@@ -43,10 +63,25 @@ NCCL_CUMEM = "NCCL_CUMEM_ENABLE"
 SGLANG_NCCL_CUMEM = "0"
 """What SGLang sets NCCL_CUMEM_ENABLE to for itself when it is unset (srt/entrypoints/engine.py:
 _set_envs_and_config, without --enable-symm-mem or the KV-shard gather)."""
-NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+NCCL_GROUP_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(7 * 24 * 3600),
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+}
 """The environment a weight-update NCCL group is constructed under (module docstring): on an
 error or a timeout its watchdog aborts the communicator (CleanUpOnly) instead of tearing the
-learner down. Read once, at construction; the learner's own groups keep torch's default."""
+learner down; its heartbeat monitor terminates nothing and arms no dump; a failure its
+watchdog sees waits 4 s, not 60, before that abort. Read once, at construction (the
+ProcessGroupNCCL, its Watchdog and its HeartbeatMonitor constructors); the learner's own
+groups keep what the process has."""
+PROCESS_NCCL_ENV = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""Defaults of the learner's process (a value the user set is kept): the default group's
+monitor ignores the process-wide dump flag a weight group's failure sets (module docstring)."""
+WATCHDOG_MARGIN_S = 60.0
+"""The weight group's NCCL timeout is the wait's bound plus this: the waiting thread aborts
+the group before its watchdog could time the collective out (and arm the dump)."""
 
 
 class CollectiveFailed(RuntimeError):
@@ -112,7 +147,10 @@ def match_sglang_nccl_env(environ: MutableMapping[str, str] = os.environ) -> str
     whose ranks disagree on cuMem buffers fails or hangs), and SGLang sets its own when the
     variable is unset. Called at the start of `train`, before this process or its torchrun
     children create any NCCL communicator; engines started from here inherit it, and a value
-    the user set is kept (SGLang keeps it too)."""
+    the user set is kept (SGLang keeps it too). PROCESS_NCCL_ENV's defaults are set with it,
+    at the same moment and for the same reason (before the default group is built)."""
+    for name, value in PROCESS_NCCL_ENV.items():
+        environ.setdefault(name, value)
     return environ.setdefault(NCCL_CUMEM, SGLANG_NCCL_CUMEM)
 
 
@@ -130,6 +168,9 @@ def create_weight_update_group(
     if backend not in BACKENDS:
         raise ValueError(f"weight-update backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    # NCCL: the watchdog's own timeout past the wait's bound (WATCHDOG_MARGIN_S)
+    margin = WATCHDOG_MARGIN_S if backend == "nccl" else 0.0
+    group_timeout = datetime.timedelta(seconds=timeout_s + margin)
     store = dist.TCPStore(
         master_address,
         master_port,
@@ -148,7 +189,7 @@ def create_weight_update_group(
             prefixed,
             group_name=GroupName(group_name),
             backend_options=None,
-            timeout=timeout,
+            timeout=group_timeout,
             device_id=None,
         )
     # SGLang registers the group's ranks as identity so dist.* calls may name them directly.

@@ -54,7 +54,9 @@ def test_only_the_weight_groups_nccl_communicator_is_built_to_abort_not_to_tear_
         "127.0.0.1", free_port(), 2, "g", backend, timeout_s=42
     )
     try:
-        assert seen == {"backend": backend, "handling": during, "timeout": 42.0}
+        # NCCL: the watchdog's timeout past the wait's bound, so the wait aborts first
+        margin = group_module.WATCHDOG_MARGIN_S if backend == "nccl" else 0.0
+        assert seen == {"backend": backend, "handling": during, "timeout": 42.0 + margin}
         assert os.environ[ERROR_HANDLING] == "3"
         assert made.timeout.total_seconds() == 42.0  # the broadcast's wait is bounded by it
     finally:
@@ -66,6 +68,28 @@ def test_the_variable_is_removed_again_when_the_user_had_not_set_it(monkeypatch)
     with group_module.construction_environment("nccl"):
         assert os.environ[ERROR_HANDLING] == CLEAN_UP_ONLY
     assert ERROR_HANDLING not in os.environ
+
+
+def test_the_weight_group_arms_no_process_wide_dump_or_termination(monkeypatch):
+    """Under construction: no monitoring, no dump, a heartbeat bound no sync reaches and a 1 s
+    dump wait (4 s before the watchdog's abort); all restored after. The learner's process
+    defaults TORCH_NCCL_DUMP_ON_TIMEOUT to 0 and keeps a value the user set
+    (docs/weight-sync.md)."""
+    names = [name for name in group_module.NCCL_GROUP_ENV if name != ERROR_HANDLING]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    with group_module.construction_environment("nccl"):
+        assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+        assert int(os.environ["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]) >= 7 * 24 * 3600
+        assert os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "1000"
+    assert not any(name in os.environ for name in names)
+    process: dict[str, str] = {}
+    group_module.match_sglang_nccl_env(process)
+    assert process["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    user = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    group_module.match_sglang_nccl_env(user)
+    assert user["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
 
 
 def test_an_engine_that_does_not_leave_its_old_groups_is_named_dead_within_the_bound(tmp_path):

@@ -43,7 +43,7 @@ def build_transport(
             backend,
             config.timeout_s,
             group_name,
-            flatten=config.bucket_format == "flattened",
+            flatten=config.flattened(backend),
         )
     if config.transport == "tensor":
         return TensorTransport(engines, config.timeout_s)
