@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -78,12 +79,25 @@ def checkpoints_to_prune(run_dir: Path, latest: Path, keep: int) -> list[Path]:
 
 def mark_latest(run_dir: Path, checkpoint: Path, keep: int) -> None:
     """Point `latest` at checkpoint (atomically), then delete what checkpoints_to_prune names."""
-    pointer = checkpoint_root(run_dir) / LATEST
-    partial = pointer.with_suffix(".partial")
-    partial.write_text(checkpoint.name + "\n")
-    os.replace(partial, pointer)
+    write_pointer(checkpoint)
     for old in checkpoints_to_prune(run_dir, checkpoint, keep):
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_pointer(checkpoint: Path) -> None:
+    """Make `latest` name `checkpoint`, atomically: the name goes to a temporary file of a name
+    no one else uses (a fixed `latest.partial` could be a directory left there, and the write
+    would fail after a whole checkpoint was saved), which is then renamed over `latest`."""
+    handle, partial = tempfile.mkstemp(
+        prefix=f".{LATEST}.", suffix=".partial", dir=checkpoint.parent
+    )
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(checkpoint.name + "\n")
+        os.replace(partial, checkpoint.parent / LATEST)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
 
 
 def save_rng(checkpoint: Path, rank: int) -> None:

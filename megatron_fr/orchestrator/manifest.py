@@ -13,11 +13,14 @@ with its manifest was damaged afterwards.
         {"format": 1, "hash": "blake2b-128",
          "files": {"controller.json": {"size": 311, "blake2b": "9f0c..."}, ...}}
 
-Files the manifest does not list are not looked at (a note left in the directory is harmless).
+Files the manifest does not list are not looked at (a note left in the directory is harmless),
+except the files a resume loads (LOADED): a manifest that leaves one of those out, as one whose
+`files` is `{}` does, cannot vouch for its bytes, so the checkpoint counts as damaged.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -32,6 +35,15 @@ _CHUNK = 1 << 20
 _THREADS = min(8, os.cpu_count() or 1)
 """Files hashed at once: hashlib releases the GIL on large updates, so a checkpoint of many
 shards is hashed at the speed of that many cores (or of the disk)."""
+LOADED = (
+    "controller.json",
+    "rng/rank*.pt",
+    "learner/.metadata",
+    "learner/metadata.json",
+    "learner/common.pt",
+    "learner/*.distcp",
+)
+"""The files a resume loads (relative, POSIX): each one there must be in the manifest."""
 
 
 def file_hash(path: Path, flush: bool = False) -> str:
@@ -89,9 +101,26 @@ def manifest_problem(checkpoint: Path) -> str | None:
             raise ValueError(f"not a format-{FORMAT} manifest")
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{path}: unreadable ({error})"
+    unlisted = _unlisted(checkpoint, files)
+    if unlisted is not None:
+        return unlisted
     with ThreadPoolExecutor(_THREADS) as pool:
         problems = pool.map(lambda item: _file_problem(checkpoint, *item), files.items())
         return next((problem for problem in problems if problem is not None), None)
+
+
+def _unlisted(checkpoint: Path, files: dict) -> str | None:
+    """The first file a resume would load that the manifest does not list, named; a save
+    lists every file it wrote, so a gap means the manifest was damaged or replaced."""
+    for path in sorted(checkpoint.rglob("*")):
+        relative = path.relative_to(checkpoint).as_posix()
+        loaded = any(fnmatch.fnmatchcase(relative, pattern) for pattern in LOADED)
+        if loaded and relative not in files and not path.is_dir():
+            return (
+                f"{path}: not listed in {checkpoint / MANIFEST} ({len(files)} files listed), "
+                "so nothing vouches for its bytes (the manifest was damaged or replaced)"
+            )
+    return None
 
 
 def _file_problem(checkpoint: Path, name: str, expected: object) -> str | None:

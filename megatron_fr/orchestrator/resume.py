@@ -28,7 +28,11 @@ file and the reason, moved to checkpoints/corrupt/ (the reason may be worth a lo
 in the run's metrics; every other step directory newer than the chosen one (a save cut short,
 or one `latest` never named) is moved to checkpoints/unfinished/, so a step is never written
 over a half-written copy of itself. When no checkpoint is usable the run stops, naming each,
-and nothing is moved. The two folders are never emptied by the run: remove them by hand.
+and nothing is moved. The two folders are never emptied by the run: remove them by hand. A
+name of the run's own that something else holds is left as it is, in one line: a `corrupt`
+or `unfinished` that is no directory (a file, a FIFO, a dangling symlink) makes the move go
+to `corrupt.1` (the first free name), and a `latest` that is a directory is moved to
+unfinished/ with what it holds before the pointer is written.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from megatron_fr.orchestrator.checkpoints import (
     WRITES_MANIFEST,
     checkpoint_root,
     step_number,
+    write_pointer,
 )
 from megatron_fr.orchestrator.manifest import MANIFEST, manifest_problem
 
@@ -60,7 +65,7 @@ def checkpoint_problem(path: Path, world_size: int) -> str | None:
     """Why a run of `world_size` ranks cannot resume from the checkpoint `path`, naming the
     file; None if it can."""
     for problem in (
-        manifest_problem(path) if (path / MANIFEST).exists() else None,
+        manifest_problem(path) if os.path.lexists(path / MANIFEST) else None,
         _controller_problem(path),
         megatron_checkpoint_problem(path / "learner"),
         _rng_problem(path, world_size),
@@ -86,7 +91,7 @@ def _controller_problem(path: Path) -> str | None:
 def finished(path: Path) -> bool:
     """Whether the save of step directory `path` finished: it has a manifest, or it was
     written before manifests (a controller.json without the key; its files are checked)."""
-    if (path / MANIFEST).exists():
+    if os.path.lexists(path / MANIFEST):
         return True
     state, problem = read_json(path / "controller.json")
     if problem is not None:
@@ -212,20 +217,55 @@ def _unfinished_reason(path: Path, chosen: str) -> str:
 
 
 def _set_aside(path: Path, folder: str) -> Path:
-    """Move the step directory `path` into checkpoints/<folder>/ (never over an earlier one)."""
-    destination = path.parent / folder / path.name
+    """Move `path` (a step directory, or whatever stood at `latest`) into checkpoints/<folder>/,
+    never over an earlier one. When <folder> is there but is no directory (a regular file, a
+    FIFO, a dangling symlink: nothing the run made), it is left as it is and the first free
+    <folder>.<n> is used instead, with a line saying so: moving into it would fail, and
+    clearing it would delete what someone put there."""
+    holder = _folder(path.parent, folder)
+    destination = holder / path.name
     suffix = 1
-    while destination.exists():
-        destination, suffix = path.parent / folder / f"{path.name}.{suffix}", suffix + 1
-    destination.parent.mkdir(exist_ok=True)
+    while os.path.lexists(destination):
+        destination, suffix = holder / f"{path.name}.{suffix}", suffix + 1
     shutil.move(str(path), str(destination))
     return destination
 
 
+def _folder(root: Path, folder: str) -> Path:
+    """checkpoints/<folder>, made if missing, or the first free or usable <folder>.<n> when
+    that name is taken by something other than a directory."""
+    candidate, suffix = root / folder, 0
+    while os.path.lexists(candidate) and not candidate.is_dir():
+        suffix += 1
+        candidate = root / f"{folder}.{suffix}"
+    if suffix:
+        print(
+            f"{root / folder} is not a directory ({_kind(root / folder)}): left as it is; "
+            f"using {candidate} instead",
+            flush=True,
+        )
+    candidate.mkdir(exist_ok=True)
+    return candidate
+
+
+def _kind(path: Path) -> str:
+    """What stands at `path`, in words, for a line naming it."""
+    if path.is_symlink():
+        return "a symlink" if path.exists() else "a dangling or looping symlink"
+    if path.is_dir():
+        return "a directory"
+    if path.is_file():
+        return "a regular file"
+    return "a FIFO, socket or device" if path.exists() else "missing"
+
+
 def _point_at(checkpoint: Path) -> None:
+    """Make `latest` name `checkpoint`. A directory standing there is moved to
+    checkpoints/unfinished/ first with what it holds, never deleted (it was removed with
+    shutil.rmtree); a symlink or a FIFO, which hold nothing, is replaced, as a pointer file
+    that names no usable checkpoint is (resume_point named each already)."""
     pointer = checkpoint.parent / LATEST
     if pointer.is_dir() and not pointer.is_symlink():
-        shutil.rmtree(pointer)
-    partial = pointer.with_suffix(".partial")
-    partial.write_text(checkpoint.name + "\n")
-    os.replace(partial, pointer)
+        moved = _set_aside(pointer, UNFINISHED_DIR)
+        print(f"{pointer} was a directory, not the pointer file: moved to {moved}", flush=True)
+    write_pointer(checkpoint)

@@ -125,7 +125,8 @@ class Runs:
 
 
 def decide(run_dir: Path, expected: Path | None, names: str | None, what: str) -> Case:
-    return Case(what, [str(run_dir), str(expected) if expected else "-"], names)
+    argv = [str(run_dir), str(expected) if expected else "-"]
+    return Case(what, argv, names, watch=run_dir)
 
 
 def file_cases(runs: Runs, rng: random.Random) -> list[Case]:
@@ -173,6 +174,76 @@ def pointer_cases(runs: Runs) -> list[Case]:
     return cases
 
 
+def odd_kind(kind: str, path: Path) -> None:
+    """Put `kind` at `path`, where the run expects its own folder or pointer."""
+    if kind == "a file":
+        path.write_text("someone's notes\n")
+    elif kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "a dangling symlink":
+        path.symlink_to(path.parent / "gone")
+    elif kind == "a symlink loop":
+        path.symlink_to(path.name)
+    elif kind == "a directory":
+        path.mkdir()
+        (path / "keep.txt").write_text("precious")
+
+
+KINDS = ["a file", "a FIFO", "a dangling symlink", "a symlink loop"]
+
+
+def shape_cases(runs: Runs, rng: random.Random) -> list[Case]:
+    """The run directory's own shapes (issue 52): checkpoints/corrupt or unfinished taken by
+    something that is no directory (a FileExistsError traceback on both ranks), `latest` a
+    directory holding a file (deleted with it) or another kind, a manifest listing no files
+    (a flipped shard resumed silently). Each is one line and a fallback; nothing is deleted."""
+    cases = []
+    for kind in KINDS:
+        run_dir = runs.copy()
+        odd_kind(kind, ckpt.checkpoint_root(run_dir) / "corrupt")
+        zero_fill(ckpt.step_dir(run_dir, 2) / FILES[3], rng)
+        cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[3], f"corrupt {kind}"))
+        run_dir = runs.copy()
+        odd_kind(kind, ckpt.checkpoint_root(run_dir) / "unfinished")
+        shutil.copytree(ckpt.step_dir(run_dir, 2), ckpt.step_dir(run_dir, 3))
+        (ckpt.step_dir(run_dir, 3) / "manifest.json").unlink()  # a save cut short
+        cases.append(decide(run_dir, ckpt.step_dir(run_dir, 2), None, f"unfinished {kind}"))
+    for kind in ["a directory", "a FIFO", "a dangling symlink"]:
+        run_dir = runs.copy()
+        pointer = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
+        pointer.unlink()
+        odd_kind(kind, pointer)
+        cases.append(decide(run_dir, ckpt.step_dir(run_dir, 2), "latest", f"latest {kind}"))
+    run_dir = runs.copy()
+    pointer = ckpt.checkpoint_root(run_dir) / ckpt.LATEST
+    pointer.unlink()
+    odd_kind("a directory", pointer)
+    odd_kind("a file", ckpt.checkpoint_root(run_dir) / "unfinished")
+    zero_fill(ckpt.step_dir(run_dir, 2) / FILES[4], rng)
+    three = decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[4], "all three at once")
+    three.one_line = False  # two problems (the pointer, the shard): a line each
+    cases.append(three)
+    for flip in (False, True):
+        run_dir = runs.copy()
+        newest = ckpt.step_dir(run_dir, 2)
+        manifest = {"format": 1, "hash": "blake2b-128", "files": {}}
+        (newest / "manifest.json").write_text(json.dumps(manifest))
+        if flip:
+            flip_64_bytes(newest / FILES[3], rng)
+        what = "files {}" + (" and 64 bytes flipped" if flip else "")
+        cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), "not listed in", what))
+    run_dir = runs.copy()
+    newest = ckpt.step_dir(run_dir, 2)
+    manifest = json.loads((newest / "manifest.json").read_text())
+    del manifest["files"][FILES[4]]
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    cases.append(decide(run_dir, ckpt.step_dir(run_dir, 1), FILES[4], "a shard left out"))
+    run_dir = runs.copy()
+    (ckpt.checkpoint_root(run_dir) / "latest.partial").mkdir()
+    cases.append(decide(run_dir, ckpt.step_dir(run_dir, 2), None, "latest.partial a directory"))
+    return cases
+
+
 def whole_run_cases(runs: Runs, rng: random.Random) -> list[Case]:
     run_dir = runs.copy()
     for step in (1, 2):
@@ -202,7 +273,12 @@ def test_fuzz_checkpoints(workspace):
     made = train(workspace, pristine, steps=2)
     assert made.returncode == 0, made.stderr[-3000:]
     runs = Runs(pristine, workspace / "runs")
-    cases = [*file_cases(runs, rng), *pointer_cases(runs), *whole_run_cases(runs, rng)]
+    cases = [
+        *file_cases(runs, rng),
+        *pointer_cases(runs),
+        *shape_cases(runs, rng),
+        *whole_run_cases(runs, rng),
+    ]
     results = [run_case(case, resume_decision) for case in cases]
 
     # The real command, on a run whose `latest` is a symlink loop and whose newest shard is

@@ -294,3 +294,140 @@ def test_a_fifo_in_place_of_a_listed_file_or_the_manifest_is_named_without_block
     chosen, bad = resume_point(tmp_path, 2)
     assert chosen == ckpt.step_dir(tmp_path, 10)
     assert bad == [(newest, f"{newest / file}: {reason}")]
+
+
+def _make_a(kind: str, path: Path) -> bytes | None:
+    """Put `kind` at `path` (what a run directory may hold where the run expects a folder
+    or the pointer); the bytes it holds, to check it was kept, where it holds any."""
+    if kind == "file":
+        path.write_bytes(b"someone's notes\n")
+        return path.read_bytes()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dangling symlink":
+        path.symlink_to(path.parent / "gone")
+    elif kind == "symlink loop":
+        path.symlink_to(path.name)
+    return None
+
+
+SHAPES = ["file", "fifo", "dangling symlink", "symlink loop"]
+
+
+@pytest.mark.parametrize("folder", ["corrupt", "unfinished"])
+@pytest.mark.parametrize("kind", SHAPES)
+def test_a_set_aside_folder_taken_by_another_kind_is_kept_and_a_fresh_name_used(
+    tmp_path, capsys, folder, kind
+):
+    """checkpoints/corrupt or unfinished that is no directory ended the start with a
+    FileExistsError: now it is left as it is, the checkpoint goes to <folder>.1, one line."""
+    write_checkpoint(tmp_path, 10)
+    newest = write_checkpoint(tmp_path, 20)
+    if folder == "corrupt":
+        zero_fill(newest / SHARD)
+    else:
+        (ckpt.checkpoint_root(tmp_path) / ckpt.LATEST).write_text("step_00000010\n")
+    taken = ckpt.checkpoint_root(tmp_path) / folder
+    held = _make_a(kind, taken)
+    chosen, skipped, error = settle_resume_point(tmp_path, 2)
+    assert (chosen, skipped, error) == (str(ckpt.step_dir(tmp_path, 10)), folder == "corrupt", None)
+    assert os.path.lexists(taken) and not taken.is_dir()
+    if held is not None:
+        assert taken.read_bytes() == held
+    assert step_dirs(tmp_path, f"{folder}.1") == ["step_00000020"]
+    assert (ckpt.checkpoint_root(tmp_path) / f"{folder}.1" / "step_00000020" / SHARD).is_file()
+    out = capsys.readouterr().out
+    assert f"{taken} is not a directory" in out and f"using {taken}.1 instead" in out
+    assert ckpt.latest_checkpoint(tmp_path) == ckpt.step_dir(tmp_path, 10)
+
+
+def test_a_second_set_aside_folder_taken_too_moves_on_to_the_next_free_name(tmp_path):
+    write_checkpoint(tmp_path, 10)
+    zero_fill(write_checkpoint(tmp_path, 20) / SHARD)
+    root = ckpt.checkpoint_root(tmp_path)
+    (root / "corrupt").write_text("x")
+    (root / "corrupt.1").write_text("y")
+    assert settle_resume_point(tmp_path, 2)[0] == str(ckpt.step_dir(tmp_path, 10))
+    assert step_dirs(tmp_path, "corrupt.2") == ["step_00000020"]
+    assert (root / "corrupt").read_text() == "x" and (root / "corrupt.1").read_text() == "y"
+
+
+def test_a_latest_that_is_a_directory_is_moved_aside_with_what_it_holds_never_deleted(
+    tmp_path, capsys
+):
+    """_point_at removed such a directory with shutil.rmtree, and what it held with it."""
+    write_checkpoint(tmp_path, 10)
+    write_checkpoint(tmp_path, 20)
+    pointer = ckpt.checkpoint_root(tmp_path) / ckpt.LATEST
+    pointer.unlink()
+    pointer.mkdir()
+    (pointer / "keep.txt").write_text("precious")
+    assert settle_resume_point(tmp_path, 2) == (str(ckpt.step_dir(tmp_path, 20)), 0, None)
+    assert pointer.read_text() == "step_00000020\n"
+    moved = ckpt.checkpoint_root(tmp_path) / "unfinished" / ckpt.LATEST
+    assert (moved / "keep.txt").read_text() == "precious"
+    out = capsys.readouterr().out
+    assert f"{pointer} was a directory, not the pointer file: moved to {moved}" in out
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling symlink"])
+def test_a_latest_of_another_kind_is_named_and_replaced(tmp_path, capsys, kind):
+    """A FIFO or a symlink holds nothing to keep: named, then replaced by the pointer."""
+    write_checkpoint(tmp_path, 10)
+    write_checkpoint(tmp_path, 20)
+    pointer = ckpt.checkpoint_root(tmp_path) / ckpt.LATEST
+    pointer.unlink()
+    _make_a(kind, pointer)
+    assert settle_resume_point(tmp_path, 2) == (str(ckpt.step_dir(tmp_path, 20)), 0, None)
+    assert not pointer.is_symlink() and pointer.read_text() == "step_00000020\n"
+    assert f"cannot use {pointer}: not a regular file" in capsys.readouterr().out
+
+
+def _empty_manifest(checkpoint: Path) -> None:
+    (checkpoint / MANIFEST).write_text(
+        json.dumps({"format": 1, "hash": "blake2b-128", "files": {}})
+    )
+
+
+@pytest.mark.parametrize("damage", [None, flip_64_bytes], ids=["intact", "flipped"])
+def test_a_manifest_listing_no_files_of_a_checkpoint_that_has_some_counts_as_damaged(
+    tmp_path, capsys, damage
+):
+    """With `files: {}` a bit-flipped shard resumed silently: the manifest vouched for
+    nothing. A manifest that leaves out a file the resume loads is itself damage."""
+    write_checkpoint(tmp_path, 10)
+    newest = write_checkpoint(tmp_path, 20)
+    _empty_manifest(newest)
+    if damage is not None:
+        damage(newest / SHARD)
+    chosen, bad = resume_point(tmp_path, 2)
+    assert chosen == ckpt.step_dir(tmp_path, 10)
+    ((path, why),) = bad
+    assert path == newest and "not listed in" in why and "(0 files listed)" in why
+    assert settle_resume_point(tmp_path, 2) == (str(ckpt.step_dir(tmp_path, 10)), 1, None)
+    assert step_dirs(tmp_path, "corrupt") == ["step_00000020"]
+
+
+def test_a_manifest_missing_one_shard_names_that_shard(tmp_path):
+    newest = write_checkpoint(tmp_path, 10)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    del manifest["files"][SHARD]
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    ((_, why),) = resume_point(tmp_path, 2)[1]
+    assert why.startswith(f"{newest / SHARD}: not listed in {newest / MANIFEST}")
+
+
+def test_a_note_beside_the_loaded_files_needs_no_manifest_entry(tmp_path):
+    newest = write_checkpoint(tmp_path, 10)
+    (newest / "learner" / "notes.txt").write_text("an extra file")
+    assert resume_point(tmp_path, 2) == (newest, [])
+
+
+def test_marking_latest_works_with_a_directory_where_the_old_temporary_name_was(tmp_path):
+    """A fixed `latest.partial` that was a directory failed the save after its checkpoint."""
+    write_checkpoint(tmp_path, 10)
+    (ckpt.checkpoint_root(tmp_path) / "latest.partial").mkdir()
+    write_checkpoint(tmp_path, 20)
+    assert ckpt.latest_checkpoint(tmp_path) == ckpt.step_dir(tmp_path, 20)
+    leftovers = [p.name for p in ckpt.checkpoint_root(tmp_path).iterdir() if p.name.startswith(".")]
+    assert leftovers == []
