@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -52,16 +53,24 @@ from pathlib import Path
 from typing import get_args
 
 from megatron_fr.config.algo import FlashReinforceConfig
+from megatron_fr.config.buffer import MAX_LAG
+from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.run import load_run_config
+from megatron_fr.orchestrator import compare_reader as reader
 from megatron_fr.orchestrator import compare_report as report
 from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.run_log import read_config_header, read_metrics
 from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
 """learner.flash_reinforce.gate_kl's values: what `compare lag --gates` takes."""
+ESTIMATORS: tuple[str, ...] = get_args(LearnerConfig.model_fields["estimator"].annotation)
+"""learner.estimator's values: what `compare --estimators` takes."""
 SELECTION_SEED = 1000
 """The first seed of the learning-rate sweep's selection runs (choose_learning_rates)."""
+MAX_SEEDS = 1000
+"""More seeds than this is a typo, not a comparison: each seed is a whole training run."""
+MAX_STEPS = 10**7
+MAX_GROUP_SIZE = 4096
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def gate_list(text: str) -> tuple[str, ...]:
     gates = tuple(dict.fromkeys(gate for gate in text.split(",") if gate))
     if not gates or any(gate not in GATES for gate in gates):
         raise argparse.ArgumentTypeError(
-            f"takes a comma-separated subset of {','.join(GATES)}, got {text!r}"
+            f"takes a comma-separated subset of {','.join(GATES)}, got {text[:40]!r}"
         )
     return gates
 
@@ -88,16 +97,67 @@ def learning_rates(text: str) -> tuple[float, ...]:
         values = ()
     if not values or any(not 0 < value < 1 for value in values):
         raise argparse.ArgumentTypeError(
-            f"takes comma-separated learning rates in (0, 1), e.g. 1e-4,3e-4,1e-3; got {text!r}"
+            "takes comma-separated learning rates in (0, 1), e.g. 1e-4,3e-4,1e-3; "
+            f"got {text[:40]!r}"
         )
     return values
 
 
 def positive_int(text: str) -> int:
     """--jobs: an integer of at least 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"takes an integer of at least 1, got {text!r}")
-    return int(text)
+    return bounded_int(1, 1024)(text)
+
+
+def bounded_int(low: int, high: int):
+    """An argparse type: a whole number from `low` to `high`, written in digits (argparse's
+    `int` would take '٣' and ' 3'; a count out of range failed later, as a TypeError or in
+    a training run, instead of here)."""
+
+    def parse(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or not low <= int(text[:12]) <= high:
+            raise argparse.ArgumentTypeError(
+                f"takes a whole number from {low} to {high}, got {text[:40]!r}"
+            )
+        return int(text)
+
+    return parse
+
+
+def lag_list(text: str) -> tuple[int, ...]:
+    """--lags: comma-separated max_lag values, each 0 to buffer.max_lag's bound."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(i.isascii() and i.isdigit() and int(i[:12]) <= MAX_LAG for i in items):
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated whole numbers from 0 to {MAX_LAG}, e.g. 0,2,8; "
+            f"got {text[:40]!r}"
+        )
+    return tuple(dict.fromkeys(int(item) for item in items))
+
+
+def estimator_list(text: str) -> tuple[str, ...]:
+    """--estimators: a comma-separated subset of learner.estimator's values, in order."""
+    items = tuple(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+    unknown = [item for item in items if item not in ESTIMATORS]
+    if not items or unknown:
+        shown = repr(unknown[0][:40]) if unknown else "nothing"
+        raise argparse.ArgumentTypeError(
+            f"takes a comma-separated subset of {','.join(ESTIMATORS)}; got {shown}"
+        )
+    return items
+
+
+def out_dir(text: str) -> Path:
+    """--out: a directory, or a path where one can be made: not a file, not under one."""
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"takes a directory path, got {text[:40]!r}")
+    path = Path(text)
+    for place in (path, *path.parents):
+        if os.path.lexists(place) and not place.is_dir():
+            what = "is" if place == path else f"is under {place}, which is"
+            raise argparse.ArgumentTypeError(f"{text} {what} not a directory")
+        if place.is_dir():
+            break
+    return path
 
 
 def gated(variant: Variant, gate: str) -> Variant:
@@ -166,31 +226,54 @@ def train_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str
 
 
 def finished(run_dir: Path, steps: int) -> bool:
-    if not (run_dir / "metrics.jsonl").exists():
-        return False
-    # the last step's eval line, complete or not: the run ran to its end
-    return any(r.get("step") == steps and "eval_accuracy" in r for r in read_metrics(run_dir))
+    """Whether the run logged its last step's evaluation, complete or not: it ran to its end
+    (compare_reader.RunDirError when its metrics are malformed)."""
+    return reader.state(run_dir, steps) == "finished"
 
 
 def variants_for(args: argparse.Namespace, batch_size: int) -> list[Variant]:
     default = ["flash_reinforce", "grpo", "rloo"] if args.mode == "methods" else ["flash_reinforce"]
-    estimators = [e for e in args.estimators.split(",") if e] if args.estimators else default
+    estimators = list(args.estimators) if args.estimators else default
     if args.mode == "methods":
         return method_variants(estimators, args.group_size)
-    lags = [int(lag) for lag in args.lags.split(",")]
-    return lag_variants(estimators, lags, batch_size, args.group_size, args.gates)
+    return lag_variants(estimators, list(args.lags), batch_size, args.group_size, args.gates)
+
+
+def check_variants(recipe: Path, overrides: list[str], variants: list[Variant]) -> None:
+    """Every run's settings load as a recipe before any run is trained: a setting the recipe
+    refuses (a group size that does not divide the batch, a max_lag past its bound) is one
+    line naming the configuration and the key, not a failed training run part-way through."""
+    for variant in variants:
+        try:
+            load_run_config(recipe, [*overrides, *variant.overrides])
+        except ValueError as error:
+            raise ValueError(f"configuration {variant.name}: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mode == "methods" and args.gates != ("bernoulli",):
+    """The comparison; a bad recipe, setting or run directory, or a run that fails, ends it
+    with one line on stderr (exit 2), never a traceback."""
+    try:
+        return _compare(args)
+    except (ValueError, OSError, OtherModelError) as error:
+        print(f"megatron-fr compare: error: {error}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as error:
         print(
-            "compare: --gates applies to `compare lag` (methods compares estimators with the "
-            "recipe's gate; set learner.flash_reinforce.gate_kl to change it)",
+            f"megatron-fr compare: error: a training run failed (exit {error.returncode}; its "
+            f"error is above): {' '.join(str(part) for part in error.cmd[4:])}",
             file=sys.stderr,
         )
         return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    if args.mode == "methods" and args.gates != ("bernoulli",):
+        raise ValueError(
+            "--gates applies to `compare lag` (methods compares estimators with the "
+            "recipe's gate; set learner.flash_reinforce.gate_kl to change it)"
+        )
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     overrides = [item for item in args.overrides if item != "--"]
     if args.steps:
         overrides.append(f"steps={args.steps}")
@@ -206,20 +289,18 @@ def run(args: argparse.Namespace) -> int:
         args.jobs,
     )
     variants = variants_for(args, config.buffer.batch_size)
-    try:
-        scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
-        # Seed-major, so that an interrupted comparison already covers every configuration.
-        planned = [
-            PlannedRun(variant, f"{variant.name}-seed{seed}", seed, chosen.get(variant.name))
-            for seed in range(args.seeds)
-            for variant in variants
-        ]
-        by_variant: dict[str, list[report.RunSummary]] = {v.name: [] for v in variants}
-        for summary in runs.summaries(planned):
-            by_variant[summary.variant].append(summary)
-    except OtherModelError as error:
-        print(f"compare: {error}", file=sys.stderr)
-        return 2
+    check_variants(args.recipe, overrides, variants)
+    out.mkdir(parents=True, exist_ok=True)
+    scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
+    # Seed-major, so that an interrupted comparison already covers every configuration.
+    planned = [
+        PlannedRun(variant, f"{variant.name}-seed{seed}", seed, chosen.get(variant.name))
+        for seed in range(args.seeds)
+        for variant in variants
+    ]
+    by_variant: dict[str, list[report.RunSummary]] = {v.name: [] for v in variants}
+    for summary in runs.summaries(planned):
+        by_variant[summary.variant].append(summary)
     reference = _reference(variants) if args.mode == "methods" else None
     started_from = "; ".join(f"{key}: {value}" for key, value in provenance.items())
     trained_at = ", ".join(f"{commit} ({n})" for commit, n in sorted(runs.commits.items()))
@@ -281,7 +362,8 @@ class Runs:
         todo = []
         for run in planned:
             if finished(self.out / run.name, self.steps):
-                self._check_same_model(self.out / run.name)
+                read = reader.read_finished(self.out / run.name, self.steps)
+                self._check_same_model(self.out / run.name, read.header)
             else:
                 todo.append(run)
         with ThreadPoolExecutor(max_workers=self.jobs) as pool:
@@ -289,8 +371,11 @@ class Runs:
         summaries = []
         for run in planned:
             run_dir = self.out / run.name
-            self.commits[read_config_header(run_dir).get("commit", "unknown")] += 1
-            summary = report.summarise(run.variant.name, run.seed, run_dir, self.batch_size, run.lr)
+            read = reader.read_finished(run_dir, self.steps)
+            self.commits[read.header.get("commit", "unknown")] += 1
+            summary = report.summarise(
+                run.variant.name, run.seed, run_dir, self.batch_size, run.lr, read.records
+            )
             summaries.append(summary)
         return summaries
 
@@ -301,11 +386,11 @@ class Runs:
         print("$ " + " ".join(command), flush=True)
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
-    def _check_same_model(self, run_dir: Path) -> None:
+    def _check_same_model(self, run_dir: Path, header: dict[str, str]) -> None:
         """A finished run is reused only if it started from the model every new run will start
         from: a comparison resumed after the model was made again (another machine, another
         warm start) would otherwise mix two starting models in one table."""
-        recorded = read_config_header(run_dir).get("model_sha256")
+        recorded = header.get("model_sha256")
         if recorded and self.model_hash and recorded != self.model_hash:
             raise OtherModelError(
                 f"{run_dir} was trained from the model with sha256 {recorded}, but the "
@@ -352,17 +437,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and FlashREINFORCE ungated at the largest lag",
     )
     parser.add_argument("recipe", type=Path, help="the recipe every run starts from")
-    parser.add_argument("--out", type=Path, required=True, help="directory of runs and results")
-    parser.add_argument("--seeds", type=int, default=8, help="seeds per configuration")
-    parser.add_argument("--steps", type=int, default=0, help="optimizer steps (0: the recipe's)")
+    parser.add_argument("--out", type=out_dir, required=True, help="directory of runs and results")
+    parser.add_argument(
+        "--seeds", type=bounded_int(1, MAX_SEEDS), default=8, help="seeds per configuration"
+    )
+    parser.add_argument(
+        "--steps",
+        type=bounded_int(0, MAX_STEPS),
+        default=0,
+        help="optimizer steps (0: the recipe's)",
+    )
     parser.add_argument(
         "--estimators",
-        default="",
+        type=estimator_list,
+        default=(),
         help="comma-separated: flash_reinforce, grpo, dr_grpo, rloo, "
         "reinforce_baseline (default: methods flash_reinforce,grpo,rloo; "
         "lag flash_reinforce)",
     )
-    parser.add_argument("--lags", default="0,2,8", help="lag mode: the max_lag values")
+    parser.add_argument(
+        "--lags", type=lag_list, default=(0, 2, 8), help="lag mode: the max_lag values"
+    )
     parser.add_argument(
         "--gates",
         type=gate_list,
@@ -371,7 +466,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "bernoulli (the paper's; the run keeps its name), topk (the "
         "optional top-K gate; its runs end in _topk)",
     )
-    parser.add_argument("--group-size", type=int, default=4, help="G of the group estimators")
+    parser.add_argument(
+        "--group-size",
+        type=bounded_int(2, MAX_GROUP_SIZE),
+        default=4,
+        help="G of the group estimators",
+    )
     parser.add_argument(
         "--jobs",
         type=positive_int,
@@ -388,7 +488,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--selection-seeds",
-        type=int,
+        type=bounded_int(1, MAX_SEEDS),
         default=2,
         help=f"seeds per learning rate of the sweep ({SELECTION_SEED} and up)",
     )

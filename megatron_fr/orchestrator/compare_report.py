@@ -8,12 +8,14 @@ tokens (the response tokens of the trained batches)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
+from megatron_fr.orchestrator.compare_reader import read_records
+from megatron_fr.orchestrator.run_log import has_accuracy
 
 X_AXES = {
     "trained": "trained rollouts",
@@ -43,12 +45,21 @@ class RunSummary:
 
 
 def summarise(
-    variant: str, seed: int, run_dir: Path, batch_size: int, lr: float | None = None
+    variant: str,
+    seed: int,
+    run_dir: Path,
+    batch_size: int,
+    lr: float | None = None,
+    records: list[dict] | None = None,
 ) -> RunSummary:
-    records = read_metrics(run_dir)
+    """The run's summary from its metrics records (`records`, as compare_reader checked them,
+    or read from `run_dir` through the same reader: a malformed line is a RunDirError naming
+    its file and line, never an exception from inside the summary)."""
+    if records is None:
+        records = read_records(run_dir)
     evals = [r for r in records if has_accuracy(r)]
     steps = [r for r in records if "reward_mean" in r]
-    kls = [r["sequence_kl_mean"] for r in steps if r.get("sequence_kl_mean") is not None]
+    kls = [r["sequence_kl_mean"] for r in steps if _finite(r.get("sequence_kl_mean"))]
     lags = [r["lag_mean"] for r in steps if r.get("lag_mean") is not None]
     tokens_by_step, total = {0: 0.0}, 0.0
     for record in steps:
@@ -69,6 +80,11 @@ def summarise(
         },
         lr=lr,
     )
+
+
+def _finite(value: object) -> bool:
+    """A measurement to average: a skipped step's NaN KL is none."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def results_table(
