@@ -8,6 +8,7 @@ reference  the generated reference of every setting (docs/config.md), to stdout 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,10 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.action == "reference":
         text = render_reference()
-        if args.out:
-            args.out.write_text(text)
-        else:
+        if args.out is None:
             sys.stdout.write(text)
+            return 0
+        try:
+            _write_reference(args.out, text)
+        except (OSError, ValueError) as error:  # a directory, under a file, a NUL: one line
+            reason = getattr(error, "strerror", None) or str(error)
+            print(f"megatron-fr config: error: --out {args.out}: {reason}", file=sys.stderr)
+            return 2
         return 0
     key, overrides = args.key, list(args.overrides)
     if key is not None and "=" in key:  # no KEY given: the first override took its place
@@ -44,3 +50,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"megatron-fr config: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _write_reference(out: Path, text: str) -> None:
+    """Write the reference to `out`, a file whose folder exists; anything else is an OSError
+    naming why (a directory there would otherwise be an IsADirectoryError traceback, and a
+    FIFO would block until a reader came)."""
+    if out.is_dir():
+        raise IsADirectoryError(21, "a directory (give a file path, e.g. docs/config.md)")
+    if os.path.lexists(out) and not out.is_file():
+        raise OSError(17, "exists and is not a regular file")
+    if not out.parent.is_dir():
+        raise NotADirectoryError(20, f"its folder {out.parent} is missing or not a directory")
+    out.write_text(text)
