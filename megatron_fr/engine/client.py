@@ -613,6 +613,10 @@ class RolloutClient:
             out.cancel()
             if not answer.done():
                 answer.cancel()
+            elif not answer.cancelled():
+                # Failed as this wait was cancelled (the run ending): read, so that its error
+                # is not reported as never retrieved.
+                answer.exception()
         if answer not in done:
             raise _Retryable(f"{server.url} was taken out of the pool")
         return answer.result()
