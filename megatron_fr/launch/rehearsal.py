@@ -38,6 +38,9 @@ replacements (rehearsal_patches(), a context manager), undone on exit:
   coalesced collectives  the DDP's reduce-scatters issued one by one (the fake backend has
                          no coalesced kernel)
   megatron's L2 norm     its no-apex fallback builds torch.tensor() from 0-d tensors: stacked
+  grouped GEMMs          the experts of a dtype other than bf16 (the CPU demo's float32) one
+                         matmul per expert, as on a GPU, where CUDA's grouped_mm takes bf16
+                         only; the fake mode's meta function checks that rule on any device
 The project itself has no data-dependent shapes where a size is known (the grouped experts'
 repeat_interleave, the gate's sums and diagnostics), skips the loss's input checks under
 parallel/loss.py's skip_input_checks(), and builds no gloo side groups.
@@ -48,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -167,6 +171,8 @@ def rehearsal_patches(skew: float = 0.0) -> Iterator[None]:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
     from torch._subclasses import fake_impls, fake_tensor
 
+    from megatron_fr.models import torch_spec
+
     scalar = torch.ops.aten._local_scalar_dense.default
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(dist, "all_gather_object", _own_object))
@@ -181,6 +187,9 @@ def rehearsal_patches(skew: float = 0.0) -> Iterator[None]:
             mock.patch.object(param_and_grad_buffer, "_coalescing_manager", _one_by_one)
         )
         stack.enter_context(mock.patch.object(clip_grads, "l2_norm_impl", _l2_norm))
+        stack.enter_context(
+            mock.patch.object(torch_spec, "_grouped_mm", _grouped_mm_as_on_a_gpu(torch_spec))
+        )
         yield
 
 
@@ -210,6 +219,22 @@ def _l2_norm(
 ) -> tuple[torch.Tensor, None]:
     norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _grouped_mm_as_on_a_gpu(torch_spec: Any) -> Callable[..., torch.Tensor]:
+    """models/torch_spec._grouped_mm as it runs on a GPU: the grouped kernel for bf16, one
+    matmul per group for any other dtype (module docstring)."""
+    grouped = torch_spec._grouped_mm
+
+    def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Any, counts: list[int]) -> Any:
+        if a.dtype == torch.bfloat16:
+            return grouped(a, b, offs, counts)
+        spans = list(itertools.pairwise(itertools.accumulate([0, *counts])))
+        if b.dim() == 3:
+            return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(spans)])
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in spans])
+
+    return grouped_mm
 
 
 def _balanced_preprocess(skew: float) -> Callable[..., torch.Tensor]:

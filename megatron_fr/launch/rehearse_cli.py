@@ -70,7 +70,9 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
     """Rehearse the ranks asked for and print the table and the verdict of each."""
     from megatron_fr.launch.plan import DEFAULT_RESERVE_GIB
     from megatron_fr.launch.rehearsal import rehearse
+    from megatron_fr.launch.rehearse_args import check_world
 
+    check_world(config, world, args)  # before the model is read or a rank is built
     spec, source = model_spec(config, args.layers)
     weights = Path(config.model.hf_dir)
     # its tensors are checked against each rank's shards unless the model is cut

@@ -100,6 +100,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
     memory = args.gpu_mem_gb
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise ValueError(f"--gpu-mem-gb {memory}: must be a positive number of GiB")
+    from megatron_fr.launch.rehearse_args import check_flags
+
+    check_flags(args)  # the world's bound; the rehearsal's flags only with --rehearse
 
 
 def _run_rank(config: RunConfig, run_dir: Path) -> int:
