@@ -458,6 +458,67 @@ def launcher_cases(ws: Path) -> list[Case]:
     return [Case(f"env {env}", argv, names, env=env, deadline_s=90) for env, names in envs]
 
 
+def address_cases(ws: Path) -> list[Case]:
+    """parallel.data_address: a host name or an IP address, no port, no whitespace; each of
+    these was "recipe OK" and would have failed every node at the run's start."""
+    bad = [
+        "'garbage!!'",
+        "999.1.1.1",
+        "1.2.3",
+        "''",
+        "a" * 100_000,
+        "127.0.0.1:80",
+        '"a\\nb"',
+        "'a b'",
+        "'[::1]'",
+        "-node",
+        "node-.x",
+        "'http://node1'",
+        "'nöde'",
+        "'10.0.0.1/24'",
+        "." + "a" * 64,
+        "5",
+        "[node1]",
+    ]
+    cases = [check(ws, f"parallel.data_address={value}", names="data_address") for value in bad]
+    good = ["10.0.0.5", "node001", "'::1'", "gpu-node-3.cluster.local", "localhost", "node_7"]
+    return cases + [check(ws, f"parallel.data_address={value}", names=None) for value in good]
+
+
+def rehearse_cases(ws: Path) -> list[Case]:
+    """--rehearse and the flags only it reads: the world and the layout refused before
+    anything is built (a world of 10**9 grew to 20 GB), a skew out of range, and the
+    rehearsal's flags given to --check or to a run, where they mean nothing."""
+    recipe = str(ws / "recipe.yaml")
+    rehearse = ["train", recipe, "--rehearse"]
+    argvs = [
+        ([*rehearse, "--world-size", "1000000000"], "--world-size"),
+        ([*rehearse, "--world-size", "65537"], "--world-size"),
+        (["train", recipe, "--check", "--world-size", "1000000000"], "--world-size"),
+        ([*rehearse, "--world-size", "3"], "--world-size"),
+        ([*rehearse, "--skew", "-5"], "--skew"),
+        ([*rehearse, "--skew", "inf"], "--skew"),
+        ([*rehearse, "--skew", "nan"], "--skew"),
+        ([*rehearse, "--skew", "1e9"], "--skew"),
+        ([*rehearse, "--skew", "x"], "--skew"),
+        ([*rehearse, "--rank", "5"], "--rank"),
+        ([*rehearse, "--rank", "-1"], "--rank"),
+        ([*rehearse, "--rank", "2", "--world-size", "2"], "--rank"),
+        ([*rehearse, "--rank", "1", "--stages"], "--stages"),
+        ([*rehearse, "--layers", "-1"], "--layers"),
+        ([*rehearse, "--layers", "99"], "--layers"),
+        ([*rehearse, "parallel.expert=3"], "expert"),
+        (["train", recipe, "--check", "--rank", "5"], "--rank"),
+        (["train", recipe, "--check", "--rank", "0"], "--rank"),
+        (["train", recipe, "--check", "--skew", "1"], "--skew"),
+        (["train", recipe, "--check", "--layers", "2"], "--layers"),
+        (["train", recipe, "--check", "--cpu-kernels"], "--cpu-kernels"),
+        (["train", recipe, "--check", "--stages"], "--stages"),
+        (["train", recipe, "--run-dir", str(ws / "runs" / "r_rank"), "--rank", "1"], "--rank"),
+    ]
+    return [Case(" ".join(argv[2:])[:120], argv, names) for argv, names in argvs]
+
+
 def good_cases(ws: Path, rng: random.Random) -> list[Case]:
     overrides = [
         [],
@@ -493,6 +554,8 @@ def corpus(ws: Path, seed: int) -> list[Case]:
         *model_cases(ws),
         *run_dir_cases(ws),
         *launcher_cases(ws),
+        *address_cases(ws),
+        *rehearse_cases(ws),
         *good_cases(ws, rng),
     ]
 
