@@ -18,10 +18,9 @@ line do not import each other (pyproject.toml [tool.importlinter], checked by th
     algo                                  advantages and losses, pure torch
     config                                typed configuration (no torch)
     utils
+
+Importing the package (or any of its modules) changes no environment variable: the entry
+points that compute pin the CPU kernels themselves (megatron_fr/utils/cpu_kernels.py).
 """
 
-from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
-
 __version__ = "0.1.0"
-
-pin_cpu_kernels()  # before any tensor maths: see megatron_fr/utils/cpu_kernels.py

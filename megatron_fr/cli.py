@@ -14,46 +14,58 @@ megatron-fr config show RECIPE [KEY]    a recipe's resolved settings, their defa
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
+SUBCOMMANDS = (  # name, module with add_arguments and the function to run, help
+    ("train", "megatron_fr.orchestrator.train_cli", "main",
+     "train from a recipe (starts the learner ranks, engines and rollouts)"),
+    ("serve", "megatron_fr.engine.serve_cli", "main",
+     "run one inference server in the foreground (SGLang, or the CPU engine)"),
+    ("plot", "megatron_fr.orchestrator.plot", "main",
+     "PNG of reward, acceptance, lag and eval accuracy of a run directory"),
+    ("lengths", "megatron_fr.orchestrator.length_report", "main",
+     "response lengths generated, dropped as stale and trained: table and PNG"),
+    ("convert", "megatron_fr.convert.cli", "run",
+     "HF <-> megatron checkpoint conversion and logit verification"),
+    ("compare", "megatron_fr.orchestrator.compare", "run",
+     "FlashREINFORCE vs GRPO vs RLOO at equal rollouts, or a max_lag sweep"),
+    ("demo", "megatron_fr.demo.cli", "main",
+     "the CPU demos: `demo prepare RECIPE` makes a demo recipe's tiny model"),
+    ("config", "megatron_fr.config.cli", "main",
+     "a recipe's resolved settings with their docs (show), every setting's (reference)"),
+)  # fmt: skip
 
-def build_parser() -> argparse.ArgumentParser:
-    from megatron_fr.config import cli as config
-    from megatron_fr.convert import cli as convert
-    from megatron_fr.demo import cli as demo
-    from megatron_fr.engine import serve_cli
-    from megatron_fr.orchestrator import compare, length_report, plot, train_cli
+COMPUTES = frozenset({"train", "serve", "demo", "compare", "convert"})
+"""Commands whose process, or the processes it starts, compute tensors: they pin the CPU
+kernels first (utils/cpu_kernels.py); plot, lengths and config only read files."""
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser. Only `command`'s module is imported (all of them when None): the
+    subcommands' modules pull in torch, matplotlib or megatron, and `megatron-fr --help` or
+    `config show` should not wait for what they do not run."""
     parser = argparse.ArgumentParser(prog="megatron-fr", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    subcommands = (  # name, module with add_arguments and the function to run, help
-        ("train", train_cli, train_cli.main,
-         "train from a recipe (starts the learner ranks, engines and rollouts)"),
-        ("serve", serve_cli, serve_cli.main,
-         "run one inference server in the foreground (SGLang, or the CPU engine)"),
-        ("plot", plot, plot.main,
-         "PNG of reward, acceptance, lag and eval accuracy of a run directory"),
-        ("lengths", length_report, length_report.main,
-         "response lengths generated, dropped as stale and trained: table and PNG"),
-        ("convert", convert, convert.run,
-         "HF <-> megatron checkpoint conversion and logit verification"),
-        ("compare", compare, compare.run,
-         "FlashREINFORCE vs GRPO vs RLOO at equal rollouts, or a max_lag sweep"),
-        ("demo", demo, demo.main,
-         "the CPU demos: `demo prepare RECIPE` makes a demo recipe's tiny model"),
-        ("config", config, config.main,
-         "a recipe's resolved settings with their docs (show), every setting's (reference)"),
-    )  # fmt: skip
-    for name, module, run, help_text in subcommands:
+    for name, module_name, function, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text)
-        module.add_arguments(sub)
-        sub.set_defaults(run=run)
+        if command is None or name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(run=getattr(module, function))
     return parser
 
 
+def chosen_command(argv: list[str]) -> str:
+    """The subcommand `argv` names: its first item that is not an option ("" for none, which
+    leaves the choice, or the error, to argparse)."""
+    return next((item for item in argv if not item.startswith("-")), "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(chosen_command(argv))
     # train's dotted overrides may follow --run-dir, which argparse's positional matching
     # does not allow; they come back as unknown arguments and are appended here.
     args, extra = parser.parse_known_args(argv)
@@ -64,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
+    if args.command in COMPUTES:
+        from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
+
+        pin_cpu_kernels()  # before any tensor maths, here and in the processes it starts
+    if args.command == "train" and args.run_dir is not None and not args.check:
+        from megatron_fr.utils.quiet import quiet_known_messages
+
+        quiet_known_messages(args.run_dir)  # before megatron's imports say what they lack
     if runs_megatron(args):
         from megatron_fr.parallel.cpu_shims import install_cpu_shims
 

@@ -4,7 +4,9 @@ tests/ itself is put on sys.path so every tier can import the shared fixtures mo
 tiny_qwen (spawned ranks inherit the path). The test process is an entry point: it installs
 the CPU shims megatron needs without CUDA (the tests that build megatron models in this
 process), without the device mode, which only the ranks' schedules and optimizers need
-(parallel/spawn.py's ranks install everything).
+(parallel/spawn.py's ranks install everything). It is also an entry point that computes, so
+it pins the CPU kernels (megatron_fr/utils/cpu_kernels.py) as the `megatron-fr` command does:
+the golden steps and demo models it makes are the same bits on every x86 machine.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import pytest
 import torch
 
 from megatron_fr.parallel.cpu_shims import install_cpu_shims
+from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
+pin_cpu_kernels()  # before any tensor maths; spawned ranks and started commands inherit it
 install_cpu_shims(device_mode=False)
 
 

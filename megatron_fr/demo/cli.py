@@ -39,6 +39,13 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         print(f"megatron-fr demo prepare: error: {error}", file=sys.stderr)
         return 2
-    print(f"demo model: {report}", flush=True)
-    print(config.model.hf_dir)
+    print(report, flush=True)
+    print(f"next: megatron-fr train {args.recipe} --run-dir RUN_DIR{_overrides(recipe_overrides)}")
     return 0
+
+
+def _overrides(overrides: list[str]) -> str:
+    """The recipe overrides `train` needs too (the model's directory among them), quoted."""
+    import shlex
+
+    return "".join(f" {shlex.quote(item)}" for item in overrides)

@@ -32,17 +32,37 @@ EnvConfig = TypeVar("EnvConfig", bound=BaseModel)
 
 
 def prepare_model(config: RunConfig, demo: DemoModelConfig) -> str:
-    """Write (or reuse) the model of `config.model.hf_dir`; a one-line report."""
+    """Write (or reuse) the model of `config.model.hf_dir`; what was made, in plain words."""
     hf_dir = Path(config.model.hf_dir)
     task = config.task
     if task.name == "math":
-        return str(_warm_start_text_math(config, demo, hf_dir))
+        return describe_warm_start(_warm_start_text_math(config, demo, hf_dir), hf_dir)
     samples = load_dataset(task.train)
     tokenizer = _task_tokenizer(config, demo, samples)
     tool_demos = task.name == "python_tool" and all("code" in sample for sample in samples)
     if demo.warm_start is not None and tool_demos:
-        return str(_warm_start_tool_demos(config, demo.warm_start, hf_dir, samples, tokenizer))
+        report = _warm_start_tool_demos(config, demo.warm_start, hf_dir, samples, tokenizer)
+        return describe_warm_start(report, hf_dir)
     return _random_model(config, hf_dir, tokenizer)
+
+
+def describe_warm_start(report: WarmStartReport, hf_dir: Path) -> str:
+    """The warm start's report as a user reads it: where the model is, which weights (the
+    sha256 a run's config.yaml and a results table name), and how well it starts."""
+    made = "reused (made before with the same settings)" if report.reused else "made"
+    lines = [f"demo model {made}: {hf_dir}"]
+    if report.model_sha256:
+        lines.append(f"  weights sha256 {report.model_sha256}")
+    lines.append(
+        f"  warm start: {report.steps_run} steps, loss {report.initial_loss:.3f} -> "
+        f"{report.final_loss:.3f}, {report.seconds:.0f} s"
+    )
+    lines.append(
+        f"  on {report.eval_problems} held-out problems: greedy accuracy "
+        f"{report.greedy_accuracy:.3f}, sampled reward {report.sampled_reward:.3f} (where RL "
+        "starts)"
+    )
+    return "\n".join(lines)
 
 
 def demo_model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
@@ -141,9 +161,9 @@ def _random_model(config: RunConfig, hf_dir: Path, tokenizer: PreTrainedTokenize
     )
 
     if (hf_dir / "config.json").is_file():
-        return f"reused {hf_dir}"
+        return f"demo model reused: {hf_dir}"
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
         model = build_model(demo_model_config(config, tokenizer), chat_stop_token_ids(tokenizer))
     save_chat_model(hf_dir, model, tokenizer)
-    return f"a randomly initialised tiny chat model in {hf_dir}"
+    return f"demo model made: {hf_dir} (a randomly initialised tiny chat model)"

@@ -88,6 +88,7 @@ class RunReport:
                 tokens_per_s=sum(t.length for t in batch) / seconds,
                 response_length_mean=statistics.fmean(t.num_policy_tokens for t in batch),
                 rollouts_total=rollout["rollouts_total"],
+                batch_rollouts=len(batch),
                 loss=learner["loss"],
                 grad_norm=learner["grad_norm"],
                 adam_step_min=learner["adam_step_min"],

@@ -19,10 +19,10 @@ from megatron_fr.config.run import RunConfig
 from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.envs.registry import build_environment, environment_class, environment_config
 from megatron_fr.models.hf_config import HFModelSpec
-from megatron_fr.rollout.episodes import AgentEpisodes, EpisodeProducer, TruncationHandling
 
 if TYPE_CHECKING:
     from megatron_fr.rollout.chat import ChatFormat
+    from megatron_fr.rollout.episodes import EpisodeProducer
 
 
 def resolve_task(config: RunConfig) -> RunConfig:
@@ -73,7 +73,10 @@ def check_hf_dir(config: RunConfig) -> tuple[Path, HFModelSpec]:
 
 def build_producer(config: RunConfig, hf_dir: Path) -> EpisodeProducer:
     """What the run's problems are and how an episode is played (config from resolve_task)."""
+    # here, not at the top: checking a recipe (train --check, the launching parent) builds
+    # no producer, and the episodes' modules import torch
     from megatron_fr.rollout.chat import load_chat
+    from megatron_fr.rollout.episodes import AgentEpisodes, TruncationHandling
 
     task = config.task
     agent = task.agent or task.single_turn_agent()

@@ -12,6 +12,7 @@ go on without them. ``process_groups()`` hands the groups to the code that uses 
 from __future__ import annotations
 
 import datetime
+import importlib
 import threading
 from collections.abc import Callable
 from typing import TypeVar, cast
@@ -45,6 +46,7 @@ def initialize(config: ParallelConfig, seed: int | None = 1234) -> None:
         )
     config.validate_world(dist.get_world_size())
     check_installed()
+    use_current_collectives()
     if torch.cuda.is_available():
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     if parallel_state.model_parallel_is_initialized():
@@ -74,6 +76,38 @@ def process_groups() -> ProcessGroupCollection:
     and megatron's model, DDP, optimizer and schedules are given instead of reading
     parallel_state's globals."""
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+MEGATRON_COLLECTIVES = (
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.utils",
+)
+"""Modules of megatron-core 0.19.2 that bind torch's collectives to dist_all_gather_func and
+dist_reduce_scatter_func at import."""
+
+
+def use_current_collectives() -> None:
+    """Point megatron's bound collectives at the functions torch names as their replacements.
+
+    megatron-core binds torch.distributed.all_gather_into_tensor and reduce_scatter_tensor,
+    which torch 2.13 deprecates: each call warns (a FutureWarning at every step's gradient
+    reduce-scatter). The deprecated functions are wrappers that call all_gather_single and
+    reduce_scatter_single with the same arguments, so calling those directly changes no
+    collective and no bit. A name megatron bound to anything else (its fp32-accumulating
+    reduce-scatter) is left as it is; installing twice changes nothing."""
+    replacements = {
+        "dist_all_gather_func": (dist.all_gather_into_tensor, dist.all_gather_single),
+        "dist_reduce_scatter_func": (dist.reduce_scatter_tensor, dist.reduce_scatter_single),
+    }
+    for name in MEGATRON_COLLECTIVES:
+        module = importlib.import_module(name)
+        for attribute, (deprecated, current) in replacements.items():
+            if getattr(module, attribute, None) is deprecated:
+                setattr(module, attribute, current)
 
 
 def initialize_single_process(

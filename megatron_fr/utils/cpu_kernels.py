@@ -18,8 +18,11 @@ MKL on that AMD processor reported its "auto" branch instead, which follows the 
 and strict mode is its strictest reproducibility (the project's runs fix the thread count
 themselves). It costs speed: the quick demo warm start took 23-25 CPU seconds against 18-19
 with MKL's AVX2 request. Both libraries read their setting once, at their first computation,
-so the pin runs when megatron_fr is imported, before any tensor maths, and child processes
-(learner ranks, the CPU engine) inherit it.
+so the pin runs at the entry points that compute, before any tensor maths: the `megatron-fr`
+command's train, serve, demo, compare and convert (cli.py), the CPU engine's server and the
+test session (tests/conftest.py); child processes (learner ranks, the CPU engine, spawned test
+ranks) inherit it. Importing the package does not pin: a process that only reads a recipe
+keeps its environment as it was given.
 MEGATRON_FR_NATIVE_CPU_KERNELS=1 leaves the kernels to the libraries (faster, not
 reproducible across machines). GPU kernels are not affected.
 """

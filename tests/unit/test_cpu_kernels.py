@@ -1,8 +1,9 @@
 """The CPU kernels pinned to AVX2 (megatron_fr/utils/cpu_kernels.py): what pin_cpu_kernels
-sets, what it leaves to the user, and that importing megatron_fr really selects ATen's AVX2
-kernels in a fresh interpreter. That the pinned kernels give the same bits on another
-machine is what tests/e2e/test_golden_steps.py checks wherever the suite runs: its golden
-files name the demo model's sha256 made on the machine that wrote them."""
+sets, what it leaves to the user, and that an entry point's pin (the `megatron-fr` command's,
+the test session's) really selects ATen's AVX2 kernels in a fresh interpreter. That the
+pinned kernels give the same bits on another machine is what tests/e2e/test_golden_steps.py
+checks wherever the suite runs: its golden files name the demo model's sha256 made on the
+machine that wrote them."""
 
 from __future__ import annotations
 
@@ -51,14 +52,16 @@ def test_avx2_is_read_from_the_flags_line(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 MKL_QUERY = """
-import ctypes, os, torch, megatron_fr
+import ctypes, os, torch
+from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
+pin_cpu_kernels()  # as the entry points do, before any tensor maths
 torch.ones(4, 4) @ torch.ones(4, 4)  # MKL and ATen now fixed on their kernels
 mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
 print(torch.backends.cpu.get_cpu_capability(), hex(mkl.mkl_serv_cbwr_get(-1)))
 """
 """Prints ATen's kernel capability and MKL's reproducibility mode (mkl_cbwr_get of all its
 settings: the branch, 3 for compatible, with 0x10000 for strict; 0x1 when off) in a fresh
-interpreter that imports torch before megatron_fr, as a test or a user's script may."""
+interpreter that imports torch before it pins, as the `megatron-fr` command may."""
 
 
 def kernels_chosen(extra_env: dict[str, str]) -> tuple[str, str]:
@@ -91,7 +94,7 @@ def mkl_is_queryable() -> bool:
 
 @pytest.mark.skipif(not has_avx2(), reason="the pin applies to x86 processors with AVX2 only")
 @pytest.mark.skipif(not mkl_is_queryable(), reason="this torch build does not export MKL's calls")
-def test_importing_megatron_fr_fixes_both_libraries_kernels_unless_the_user_chose() -> None:
+def test_the_pin_fixes_both_libraries_kernels_unless_the_user_chose() -> None:
     assert kernels_chosen({}) == ("AVX2", "0x10003")
     assert kernels_chosen({"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO"}) == (
         "DEFAULT",

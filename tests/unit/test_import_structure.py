@@ -1,16 +1,21 @@
 """The package's structure holds: the layer contracts of pyproject.toml ([tool.importlinter],
 checked by import-linter's own `lint-imports`), no import circle between modules (found with
-Tarjan's algorithm on grimp's import graph, the graph import-linter itself reads), and a config
-that loads without the rest of the package."""
+Tarjan's algorithm on grimp's import graph, the graph import-linter itself reads), a config
+that loads without the rest of the package and changes no environment variable, and commands
+that only print (`--help`, `config show`) without torch."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
+import pytest
+
+from megatron_fr.utils.cpu_kernels import OPT_OUT, PINNED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,3 +114,54 @@ def test_the_rollout_process_does_not_import_megatron() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_importing_the_config_loads_only_config_modules_and_sets_no_environment() -> None:
+    """A recipe reader (a launcher, a notebook) imports the config without the package's
+    compute, and finds its environment as it was: the CPU kernels are pinned by the entry
+    points that compute (utils/cpu_kernels.py), not by an import."""
+    code = (
+        "import json, os, sys; before = dict(os.environ); import megatron_fr.config; "
+        "print(json.dumps({'modules': sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('megatron_fr', 'torch', 'megatron', 'transformers')), 'changed': sorted(k for k in "
+        "set(before) | set(os.environ) if before.get(k) != os.environ.get(k))}))"
+    )
+    unpinned = {k: v for k, v in os.environ.items() if k not in (*PINNED, OPT_OUT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=unpinned,
+        check=True,
+    )
+    loaded = json.loads(result.stdout)
+    outside = [m for m in loaded["modules"] if not m.startswith("megatron_fr.config")]
+    assert outside == ["megatron_fr"] and loaded["changed"] == []
+
+
+def imported_modules(*command: str) -> set[str]:
+    """Every module `python -m megatron_fr COMMAND` imported, as python -X importtime lists
+    them (the real entry point, to its exit)."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "megatron_fr", *command],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.split("|")[-1].strip() for line in result.stderr.splitlines()]
+    return {row for row in rows if row and row != "imported package"}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("--help",), ("train", "--help"), ("config", "show", "examples/cpu_demo.yaml", "steps")],
+)
+def test_help_and_config_show_import_no_torch(command: tuple[str, ...]) -> None:
+    """What only prints text waits for no tensor library: torch alone takes seconds."""
+    modules = imported_modules(*command)
+    assert "megatron_fr.cli" in modules  # the listing is the command's
+    heavy = {m.split(".")[0] for m in modules} & {"torch", "megatron", "transformers", "matplotlib"}
+    assert heavy == set()

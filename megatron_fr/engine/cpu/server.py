@@ -59,6 +59,7 @@ from megatron_fr.engine.cpu.wire import (
 )
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, INSTANCE_FIELD
 from megatron_fr.engine.sglang.source import DistributedReceiver, JoinArgs, SglangSourceMissing
+from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
 log = logging.getLogger("megatron_fr.cpu_server")
@@ -410,6 +411,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    pin_cpu_kernels()  # an entry point that computes (a no-op when its starter pinned them)
     if args.parent_pid:
         exit_when_parent_dies(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
