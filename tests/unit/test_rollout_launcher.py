@@ -168,11 +168,14 @@ def test_cpu_engine_refuses_what_it_cannot_honour() -> None:
 
 
 def test_the_engine_is_named_never_guessed(tmp_path, capsys) -> None:
-    """The command follows the name whatever the machine has; SGLang where CUDA is missing is
-    refused before anything starts (launch, `megatron-fr serve`), never served by the CPU
-    engine instead; `serve` requires the name."""
-    cfg = ServerLaunchConfig(model_path="m", log_dir=tmp_path)
-    assert cfg.engine == "sglang" and server_command(cfg) == sglang_command(cfg)
+    """The command follows the name whatever the machine has; SGLang where CUDA and SGLang's
+    CPU environment are missing is refused before anything starts (launch, `megatron-fr
+    serve`), never served by the CPU engine instead; `serve` requires the name."""
+    no_sglang = str(tmp_path / "no-python")  # no SGLang CPU environment either
+    cfg = ServerLaunchConfig(model_path="m", log_dir=tmp_path, python=no_sglang)
+    assert cfg.engine == "sglang"
+    if torch.cuda.is_available():
+        assert server_command(cfg) == sglang_command(cfg)
     cpu = cfg.model_copy(update={"engine": "cpu"})
     assert server_command(cpu) == cpu_engine_command(cpu)
     with pytest.raises(ValidationError, match="engine"):
@@ -186,7 +189,9 @@ def test_the_engine_is_named_never_guessed(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match="engine is 'sglang', which needs CUDA GPUs"):
         launch_server(cfg)
     assert not (tmp_path / f"server-{cfg.port}.log").exists(), "nothing was started"
-    args = parser.parse_args(["serve", "--model-path", "m", "--port", "1", "--engine", "sglang"])
+    args = parser.parse_args(
+        ["serve", "--model-path", "m", "--port", "1", "--engine", "sglang", "--python", no_sglang]
+    )
     assert args.run(args) == 2
     assert "--engine is 'sglang', which needs CUDA GPUs" in capsys.readouterr().err
 
@@ -279,6 +284,7 @@ def test_server_env_narrows_cuda_visible_devices_for_sglang_only(monkeypatch) ->
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    monkeypatch.setattr("megatron_fr.engine.launcher._has_cuda", lambda: True)  # SGLang on GPUs
     env = server_env(ServerLaunchConfig(model_path="m", engine="sglang"))
     assert env["CUDA_VISIBLE_DEVICES"] == "7" and "LOCAL_RANK" not in env
     assert server_env(ServerLaunchConfig(model_path="m", engine="cpu"))["CUDA_VISIBLE_DEVICES"] == (
