@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "The settings a recipe resolves to, with their defaults and docs: `megatron-fr config "
+        "show RECIPE [KEY] [key=value ...]`; every setting: `megatron-fr config reference`."
+    )
     parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
     parser.add_argument(
         "--run-dir", type=Path, help="outputs; resumed if present (required unless --check)"
@@ -51,14 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
-    from megatron_fr.engine.group import match_sglang_nccl_env
     from megatron_fr.engine.launcher import check_engine_device
     from megatron_fr.engine.vllm import launch as vllm_launch
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
-    match_sglang_nccl_env()  # before any NCCL communicator, here or in torchrun's children
     try:
         launched = preflight.launch_environment()  # (rank, world) under torchrun
         _check_arguments(args)
@@ -101,14 +103,22 @@ def _check_arguments(args: argparse.Namespace) -> None:
     memory = args.gpu_mem_gb
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise ValueError(f"--gpu-mem-gb {memory}: must be a positive number of GiB")
+    from megatron_fr.launch.rehearse_args import check_flags
+
+    check_flags(args)  # the world's bound; the rehearsal's flags only with --rehearse
 
 
 def _run_rank(config: RunConfig, run_dir: Path) -> int:
     """This process's learner rank, to the end of the run; a run that fails on its storage
-    (disk full, quota) ends with one line naming the file."""
+    (disk full, quota) ends with one line naming the file, one that ends well with the first
+    rank's summary of its metrics (orchestrator/summary.py)."""
+    from megatron_fr.engine.group import match_sglang_nccl_env
     from megatron_fr.orchestrator.preflight import describe_storage_error
     from megatron_fr.utils.parent_watch import exit_when_parent_dies
 
+    # before any NCCL communicator: the ranks make them (the parent that checked the recipe
+    # and started torchrun needs no torch), and the engines the first rank starts inherit it
+    match_sglang_nccl_env()
     exit_when_parent_dies()  # torchrun runs ranks in sessions of their own
     import torch
 
@@ -125,11 +135,21 @@ def _run_rank(config: RunConfig, run_dir: Path) -> int:
             raise
         print(f"megatron-fr train: error: {storage}", file=sys.stderr, flush=True)
         return 1
+    if os.environ.get("RANK") == "0":  # the first rank says how the run went, once
+        from megatron_fr.orchestrator.summary import run_summary
+
+        print(run_summary(run_dir, config.steps, config.report.tensorboard), flush=True)
     return 0
 
 
 def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
     from megatron_fr.utils.net import free_port
+
+    if ranks > 1:
+        # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset, with a banner on
+        # every start (torch/distributed/run.py); the value it would set, set here, keeps the
+        # ranks' threads as they were, and the banner off the console
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     command = [
         sys.executable,
