@@ -264,8 +264,7 @@ run_learners() {
         "$LOG_DIR" "$MFR_PYTHON" "$MFR_LEARNER_NODES" "$MFR_PROCS_PER_NODE" "$addr" \
         "$MASTER_PORT" "$MFR_RECIPE" --run-dir "$MFR_RUN_DIR" "${MFR_OVERRIDES[@]}" \
         "model.hf_dir=$MFR_HF_DIR" "rollout.engine.urls=$urls" "weights.master_address=$addr" \
-        "weights.master_port=$WEIGHTS_PORT" "parallel.data_address=$addr" \
-        "learner_ranks=$((MFR_LEARNER_NODES * MFR_PROCS_PER_NODE))"
+        "weights.master_port=$WEIGHTS_PORT" "parallel.data_address=$addr"
     LEARNER_PID=$LAST_PID
 }
 

@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from megatron_fr.config.base import StrictModel, describe
 from megatron_fr.config.buffer import BufferConfig
+from megatron_fr.config.cluster import ClusterSettings
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.config.report import ReportConfig
@@ -55,8 +56,11 @@ class RunConfig(StrictModel):
     """Seeds the learner's random state, the order prompts are handed out in, and the
     engines' sampling (their sampling_seed)."""
     learner_ranks: int = Field(default=1, ge=1)
-    """Learner processes on this node when `megatron-fr train` starts them itself (torchrun
-    --nproc-per-node); under an existing torchrun/srun launch the environment decides."""
+    """Learner processes on each learner node (torchrun --nproc-per-node; `megatron-fr
+    train` started by hand runs them on this one); the world is cluster.learner_nodes x
+    learner_ranks. Under an existing torchrun/srun launch the environment decides."""
+    cluster: ClusterSettings = ClusterSettings()
+    """The nodes the recipe is laid out for (config/cluster.py)."""
     model: ModelSettings
     task: TaskConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -67,6 +71,27 @@ class RunConfig(StrictModel):
     eval: EvalSettings = EvalSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
     report: ReportConfig = ReportConfig()
+
+    @property
+    def learner_world(self) -> int:
+        """The learner ranks the recipe is laid out for: cluster.learner_nodes x
+        learner_ranks."""
+        return self.cluster.learner_nodes * self.learner_ranks
+
+    @model_validator(mode="after")
+    def _ranks_fit_the_nodes(self) -> RunConfig:
+        gpus = self.cluster.gpus_per_node
+        if gpus and self.learner_ranks > gpus:
+            raise ValueError(
+                f"learner_ranks {self.learner_ranks} (per learner node) is more than "
+                f"cluster.gpus_per_node {gpus}"
+            )
+        server = self.cluster.server_gpus
+        if server and gpus and gpus % server:
+            raise ValueError(
+                f"cluster.server_gpus {server} does not divide cluster.gpus_per_node {gpus}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _estimator_fits_group_size(self) -> RunConfig:

@@ -83,8 +83,31 @@ and generalised to GQA, q/k norms and gated (SwiGLU) or routed MLPs:
   without TE or apex) hold one fp32 temporary of the rank's optimizer shards, 4 bytes per
   parameter over the shard group; a stage's peak on top of its model state is the larger of
   that and its activations (activation_bytes).
-  Not counted: the CUDA context, NCCL buffers, allocator fragmentation (the `reserve`
-  allowance stands in for them).
+  The weight sync, after the optimizer step (its temporaries freed): each stage's sending
+  rank holds the bucket being sent and, with weights.overlap, the next one being built (at
+  least the largest HF tensor, which goes alone: weights/sync.py's buckets,
+  docs/weight-sync.md), (1 + overlap) x max(bucket, largest tensor); one more peak candidate
+  beside the activations and the optimizer step, counted on every stage (its first rank
+  sends).
+
+What neither these formulas nor the rehearsal's fake tensors see, added to every stage's peak
+as stated terms (`untraced_terms`; printed by describe and the rehearsal, each with its
+source):
+  CUDA context + cuBLAS workspaces  the context: CUDA_CONTEXT_BYTES, an assumption (NVIDIA
+                              publishes no figure; with lazy module loading, torch's default,
+                              it is commonly 0.3-0.6 GiB); cuBLAS/cuBLASLt: torch's
+                              aten/src/ATen/cuda/CublasHandlePool.cpp allocates a workspace
+                              of getChosenWorkspaceSize() per (handle, stream), ":4096:8" =
+                              32 MiB on Hopper, and cuBLASLt shares it by default
+                              (TORCH_CUBLASLT_UNIFIED_WORKSPACE); two streams (compute and the
+                              weight sync's overlap thread)
+  NCCL buffers                per communicator the rank is in (groups of more than one rank
+                              that a step or the sync uses: `nccl_groups`), per channel one
+                              NCCL_BUFFSIZE receive buffer (4 MiB, NCCL's documented default)
+                              for each of the Simple and LL128 protocols, 32 channels (NCCL's
+                              most, NVLink-class): 256 MiB a group, an assumption until a GPU
+                              run measures it
+  Allocator fragmentation stays in the `reserve` allowance.
 
 Rows: a micro-batch holds trajectories of at most config/learner.py's longest_row tokens
 (micro_batch_tokens x CP, less the CP and SP padding), the learner's own rule; plan_layout
@@ -104,8 +127,27 @@ from megatron_fr.models.layout import LayoutError, check_model_layout, divisors
 
 GIB = 2**30
 DEFAULT_RESERVE_GIB = 4.0
-"""Allowance for the CUDA context, NCCL buffers and fragmentation: a rule of thumb, not a
+"""Allowance for allocator fragmentation and whatever no stated term counts (the CUDA
+context, cuBLAS workspaces and NCCL buffers are `untraced_terms`): a rule of thumb, not a
 measurement; pass another with --reserve-gb."""
+MIB = 2**20
+CUDA_CONTEXT_BYTES = 512 * MIB
+"""The CUDA context of one process on one GPU: an assumption (module docstring)."""
+CUBLAS_WORKSPACE_BYTES = 32 * MIB
+"""torch's cuBLAS workspace per (handle, stream) on Hopper: CublasHandlePool.cpp's
+getChosenWorkspaceSize(), ":4096:8" (8 x 4096 KiB); cuBLASLt shares it by default."""
+CUBLAS_STREAMS = 2
+"""Streams that run GEMMs: the compute stream and the weight sync's overlap thread."""
+NCCL_BUFFSIZE = 4 * MIB
+"""NCCL_BUFFSIZE's documented default (NCCL's environment variables)."""
+NCCL_CHANNELS = 32
+"""NCCL's most channels per communicator (NVLink-class links open that many): an assumption."""
+NCCL_PROTOCOL_BUFFERS = 2
+"""Receive buffers of NCCL_BUFFSIZE per channel: the Simple and LL128 protocols (LL's is
+1/16 as big and left out)."""
+NCCL_GROUP_BYTES = NCCL_BUFFSIZE * NCCL_PROTOCOL_BUFFERS * NCCL_CHANNELS
+DEFAULT_SYNC_BUCKET_BYTES = 512 * MIB
+"""config/weights.py's default weights.bucket_mib."""
 BYTES_PER_PARAM = {
     # dtype: (weight, gradient, optimizer state before dividing by the shard group)
     "bfloat16": (2, 4, 12),
@@ -113,6 +155,16 @@ BYTES_PER_PARAM = {
 }
 RECOMPUTE = ("none", "selective", "full")
 """LearnerConfig.recompute's settings, least recomputation first."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """Memory a GPU holds that neither the planner's formulas nor the rehearsal trace: stated,
+    with where its figure comes from."""
+
+    name: str
+    bytes: int
+    source: str
 
 
 @dataclass(frozen=True)
@@ -141,6 +193,9 @@ class StagePlan:
     kept_bytes: dict[str, int]
     """The part of activation_bytes kept for the backward (the rest: the working buffers and
     the layer being recomputed), by recompute setting."""
+    sync_bytes: int = 0
+    """The weight sync's buckets on the stage's sending rank, after the optimizer step: a
+    peak candidate of activation_bytes (module docstring)."""
 
     @property
     def state_bytes(self) -> int:
@@ -164,13 +219,21 @@ class Plan:
     stages: tuple[StagePlan, ...]
     gpu_mem_bytes: int | None
     reserve_bytes: int
+    untraced: tuple[Term, ...] = ()
+    """The stated terms added to every stage's peak (untraced_terms)."""
 
     @property
     def params_per_gpu(self) -> int:
         return max(stage.params.total for stage in self.stages)
 
+    @property
+    def untraced_bytes(self) -> int:
+        return sum(term.bytes for term in self.untraced)
+
     def peak_bytes(self, recompute: str) -> int:
-        return max(s.state_bytes + s.activation_bytes[recompute] for s in self.stages)
+        return self.untraced_bytes + max(
+            s.state_bytes + s.activation_bytes[recompute] for s in self.stages
+        )
 
     def fits(self, recompute: str) -> bool | None:
         """Whether the layout fits with this LearnerConfig.recompute; None when no GPU memory
@@ -218,6 +281,8 @@ class Plan:
             peak_bytes={mode: self.peak_bytes(mode) for mode in RECOMPUTE},
             gpu_mem_bytes=self.gpu_mem_bytes,
             reserve_bytes=self.reserve_bytes,
+            untraced=[asdict(term) for term in self.untraced],
+            untraced_bytes=self.untraced_bytes,
             fits={mode: self.fits(mode) for mode in RECOMPUTE},
             stages=[asdict(s) | {"state_bytes": s.state_bytes} for s in self.stages],
         )
@@ -335,6 +400,78 @@ def loss_path_bytes(
     return per_token + chunk + weight_gradient
 
 
+def nccl_groups(
+    parallel: ParallelConfig, world: int, sender: bool = True, moe: bool = True
+) -> list[str]:
+    """The NCCL communicators of more than one rank a learner rank is in when it trains and
+    syncs: the default group (the learner's own reductions), TP (sequence parallelism, the
+    vocab-parallel loss), CP (the keys and values gathered), DP x CP (the distributed
+    optimizer's reduce-scatter and all-gather of dense gradients and weights), EP (the token
+    all-to-all), ETP, expert DP (expert gradients), the model-parallel groups the gradient
+    norm is reduced over (TP x PP, and ETP x EP x PP), a pipeline stage's two neighbours
+    (point to point) and, on a sending rank, the weight-update group with the engines. A
+    dense model (`moe` False) uses no expert group (torch makes a communicator at a group's
+    first collective)."""
+    tp, pp, cp, ep = parallel.tensor, parallel.pipeline, parallel.context, parallel.expert
+    etp = parallel.effective_expert_tensor
+    dp = world // (tp * pp * cp)
+    edp = world // (etp * ep * pp)
+    sizes = {
+        "world": world,
+        "TP": tp,
+        "CP": cp,
+        "DPxCP": dp * cp,
+        "EP": ep,
+        "ETP": etp,
+        "EDP": edp,
+        "TPxPP": tp * pp,
+        "ETPxEPxPP": etp * ep * pp,
+    }
+    if not moe:
+        sizes = {name: size for name, size in sizes.items() if "E" not in name}
+    groups = [name for name, size in sizes.items() if size > 1]
+    if pp > 1:
+        groups += ["PP previous", "PP next"]
+    if sender:
+        groups.append("weight sync")
+    return groups
+
+
+def untraced_terms(parallel: ParallelConfig, world: int, moe: bool = True) -> tuple[Term, ...]:
+    """The stated terms of a rank's memory that nothing traces (module docstring)."""
+    groups = nccl_groups(parallel, world, moe=moe)
+    return (
+        Term(
+            "CUDA context + cuBLAS workspaces",
+            CUDA_CONTEXT_BYTES + CUBLAS_STREAMS * CUBLAS_WORKSPACE_BYTES,
+            f"context {CUDA_CONTEXT_BYTES // MIB} MiB assumed; cuBLAS {CUBLAS_STREAMS} x "
+            f"{CUBLAS_WORKSPACE_BYTES // MIB} MiB (torch CublasHandlePool.cpp, Hopper)",
+        ),
+        Term(
+            f"NCCL buffers, {len(groups)} groups",
+            len(groups) * NCCL_GROUP_BYTES,
+            f"{NCCL_GROUP_BYTES // MIB} MiB a group ({NCCL_CHANNELS} channels x "
+            f"{NCCL_PROTOCOL_BUFFERS} x NCCL_BUFFSIZE {NCCL_BUFFSIZE // MIB} MiB): "
+            + ", ".join(groups),
+        ),
+    )
+
+
+def largest_hf_tensor_bytes(spec: HFModelSpec, params_dtype: str) -> int:
+    """The largest tensor the weight sync sends (the embedding or the output layer, or a
+    dense MLP's projection), in the parameters' dtype."""
+    h = spec.hidden_size
+    widest = max(
+        spec.vocab_size, spec.intermediate_size or 0, spec.num_attention_heads * spec.head_dim
+    )
+    return h * widest * BYTES_PER_PARAM[params_dtype][0]
+
+
+def sync_bytes(spec: HFModelSpec, params_dtype: str, bucket_bytes: int, overlap: bool) -> int:
+    """The weight sync's buckets on a sending rank (module docstring)."""
+    return (1 + overlap) * max(bucket_bytes, largest_hf_tensor_bytes(spec, params_dtype))
+
+
 def plan_layout(
     spec: HFModelSpec,
     parallel: ParallelConfig,
@@ -346,10 +483,13 @@ def plan_layout(
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     entropies: bool = False,
     row_tokens: int | None = None,
+    sync_bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES,
+    sync_overlap: bool = True,
 ) -> Plan:
     """The figures of a layout; LayoutError if it is invalid (check_layout) or, given the
     recipe's longest row (`row_tokens`), if its micro-batches cannot hold that row.
-    `entropies`: the loss computes token entropies (negative_token_fraction < 1)."""
+    `entropies`: the loss computes token entropies (negative_token_fraction < 1);
+    `sync_bucket_bytes`, `sync_overlap`: weights.bucket_mib (in bytes) and weights.overlap."""
     check_layout(spec, parallel, world)
     tp, cp = parallel.tensor, parallel.context
     longest = longest_row(micro_batch_tokens, cp, tp)  # SP whenever TP > 1
@@ -361,8 +501,11 @@ def plan_layout(
         )
     dp = parallel.data_parallel_size(world)
     edp = world // (parallel.effective_expert_tensor * parallel.pipeline * parallel.expert)
+    sync = sync_bytes(spec, params_dtype, sync_bucket_bytes, sync_overlap)
     stages = tuple(
-        _stage_plan(spec, parallel, stage, micro_batch_tokens, params_dtype, entropies, dp, edp)
+        _stage_plan(
+            spec, parallel, stage, micro_batch_tokens, params_dtype, entropies, dp, edp, sync
+        )
         for stage in range(parallel.pipeline)
     )
     return Plan(
@@ -378,6 +521,7 @@ def plan_layout(
         stages=stages,
         gpu_mem_bytes=None if gpu_mem_gib is None else int(gpu_mem_gib * GIB),
         reserve_bytes=int(reserve_gib * GIB),
+        untraced=untraced_terms(parallel, world, spec.is_moe),
     )
 
 
@@ -390,6 +534,7 @@ def _stage_plan(
     entropies: bool,
     dp: int,
     edp: int,
+    sync: int = 0,
 ) -> StagePlan:
     """One pipeline stage's state and activations by recompute setting (module docstring)."""
     weight_b, grad_b, optim_b = BYTES_PER_PARAM[params_dtype]
@@ -415,6 +560,7 @@ def _stage_plan(
         activations[mode] = max(
             int(kept[mode] + max(loss, recomputing + dispatch)),
             optimizer_step_bytes(params, parallel.context * dp, edp),
+            sync,
         )
     return StagePlan(
         stage=stage,
@@ -425,6 +571,7 @@ def _stage_plan(
         + params.expert * optim_b // edp,
         activation_bytes=activations,
         kept_bytes=kept,
+        sync_bytes=sync,
     )
 
 
@@ -495,6 +642,9 @@ def describe(plan: Plan) -> str:
         f"  micro-batches of {plan.micro_batch_tokens:,} tokens per GPU hold rows of up to"
         f" {plan.longest_row:,} tokens",
         f"  peak by learner.recompute: {by_mode}; reserve {_gib(plan.reserve_bytes)}",
+        *(f"  not traced, added: {t.name} {_gib(t.bytes)} ({t.source})" for t in plan.untraced),
+        f"  weight-sync buckets on the sender {_gib(plan.stages[0].sync_bytes)} (after the"
+        " optimizer step: a peak candidate, not added on top)",
     ]
     if plan.gpu_mem_bytes is not None:
         verdicts = ", ".join(f"{m} {'yes' if d['fits'][m] else 'no'}" for m in RECOMPUTE)

@@ -9,6 +9,13 @@ cuts the model), else the planner's known model of the directory's name (models/
 `/models/Qwen3-30B-A3B` is qwen3-30b-a3b), so it runs with no model files. --layers N
 rehearses (and plans) the model cut to its first N layers: every decoder layer has the same
 shapes, so a short rehearsal measures the per-layer terms of the whole model.
+
+The world: the recipe's cluster.learner_nodes x learner_ranks (config/cluster.py), or
+--world-size. What fake tensors cannot trace is added to both columns as the planner's stated
+terms (launch/plan.py: untraced_terms, each printed with its source): the CUDA context and
+cuBLAS workspaces, NCCL buffers per group; and the weight sync's buckets on the sending rank
+(every rehearsed rank is its stage's first, the sender), which are alive after the optimizer
+step, so they are a peak candidate beside the step's (model state + buckets), not added on top.
 """
 
 from __future__ import annotations
@@ -82,7 +89,13 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
     ranks = [args.rank] if args.rank is not None else [s * world // pp for s in range(pp)]
     if any(not 0 <= rank < world for rank in ranks):
         raise ValueError(f"--rank {args.rank}: the world has ranks 0 to {world - 1}")
-    print(f"model {source}: {spec.num_layers} layers; {world} ranks; reserve "
+    cluster = config.cluster
+    origin = (
+        "--world-size"
+        if args.world_size
+        else f"cluster.learner_nodes {cluster.learner_nodes} x learner_ranks {config.learner_ranks}"
+    )
+    print(f"model {source}: {spec.num_layers} layers; {world} ranks ({origin}); reserve "
           f"{DEFAULT_RESERVE_GIB:g} GiB", flush=True)  # fmt: skip
     fits = True
     for rank in ranks:
@@ -98,7 +111,7 @@ def run(config: RunConfig, world: int, args: argparse.Namespace) -> int:
         )
         print(file=sys.stderr)
         print(table(config, plan, rank, memory), flush=True)
-        fits &= memory.peak + plan.reserve_bytes <= (plan.gpu_mem_bytes or 0)
+        fits &= total_peak(plan, memory) + plan.reserve_bytes <= (plan.gpu_mem_bytes or 0)
     return 0 if fits else TOO_BIG
 
 
@@ -139,30 +152,45 @@ def planned(config: RunConfig, spec: HFModelSpec, world: int, gpu_mem_gib: float
         params_dtype=learner.params_dtype,
         gpu_mem_gib=gpu_mem_gib,
         entropies=learner.flash_reinforce.negative_token_fraction < 1,
+        sync_bucket_bytes=config.weights.bucket_mib * 2**20,
+        sync_overlap=config.weights.overlap,
     )
+
+
+def total_peak(plan: Plan, memory: Memory) -> int:
+    """The rehearsed peak with what it cannot trace: the larger of the step's peak and the
+    model state with the weight sync's buckets, plus the stated terms (module docstring)."""
+    state = memory.weights + memory.grads + memory.optimizer
+    sync = plan.stages[memory.stage].sync_bytes
+    return max(memory.peak, state + sync) + plan.untraced_bytes
 
 
 def table(config: RunConfig, plan: Plan, rank: int, memory: Memory) -> str:
     """The per-part table, the rehearsal-vs-planner line and the verdict of one rank."""
     mode = config.learner.recompute
     stage: StagePlan = plan.stages[memory.stage]
-    planned_peak = stage.state_bytes + stage.activation_bytes[mode]
+    planned_peak = stage.state_bytes + stage.activation_bytes[mode] + plan.untraced_bytes
+    peak = total_peak(plan, memory)
     rows = [
         ("weights", memory.weights, stage.weight_bytes),
         ("gradients (fp32 buffers)", memory.grads, stage.grad_bytes),
         ("optimizer (main + Adam)", memory.optimizer, stage.optimizer_bytes),
         ("kept activations", memory.activations, stage.kept_bytes[mode]),
         ("temporaries", memory.temporaries, stage.activation_bytes[mode] - stage.kept_bytes[mode]),
-        ("peak", memory.peak, planned_peak),
+        ("traced peak", memory.peak, stage.state_bytes + stage.activation_bytes[mode]),
+        ("sync buckets (after step)", stage.sync_bytes, stage.sync_bytes),
+        *((term.name, term.bytes, term.bytes) for term in plan.untraced),
+        ("peak", peak, planned_peak),
     ]
     lines = [
         f"rank {rank} (stage {memory.stage}), learner.recompute {mode}, {memory.seconds:.0f} s",
-        f"  {'part':<26}{'rehearsal':>12}{'planner':>12}",
-        *(f"  {name:<26}{_gib(ours):>12}{_gib(theirs):>12}" for name, ours, theirs in rows),
-        f"rehearsal peak {memory.peak / GIB:.2f} GiB, planner {planned_peak / GIB:.2f} GiB",
+        f"  {'part':<34}{'rehearsal':>12}{'planner':>12}",
+        *(f"  {name:<34}{_gib(ours):>12}{_gib(theirs):>12}" for name, ours, theirs in rows),
+        *(f"  stated: {term.name}: {term.source}" for term in plan.untraced),
+        f"rehearsal peak {peak / GIB:.2f} GiB, planner {planned_peak / GIB:.2f} GiB",
     ]
     budget = (plan.gpu_mem_bytes or 0) - plan.reserve_bytes
-    margin = budget - memory.peak
+    margin = budget - peak
     share = margin / (plan.gpu_mem_bytes or 1)
     verdict = "fits" if margin >= 0 else "does NOT fit"
     lines.append(

@@ -8,7 +8,11 @@
 
 The node split: the first `rollout_nodes` nodes run the inference servers (`megatron-fr serve`,
 `servers_per_node` each, on `server_gpus` GPUs each), the remaining `learner_nodes` run one
-torchrun each with `procs_per_node` learner ranks (`megatron-fr train`).
+torchrun each with `procs_per_node` learner ranks (`megatron-fr train`). Each of these is the
+recipe's own (its `cluster:` section and `learner_ranks`, config/cluster.py) unless a flag
+gives it: a flag overrides the recipe, goes to the run as the dotted override of that key (so
+the run's config.yaml says what ran), and a flag and a dotted override of the same key that
+disagree are refused, naming both.
 """
 
 from __future__ import annotations
@@ -49,16 +53,19 @@ class SlurmOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    rollout_nodes: PositiveInt = 1
-    """Nodes 1..R of the job: inference servers."""
-    learner_nodes: PositiveInt = 1
-    """Nodes R+1..R+L: learner ranks (one torchrun each)."""
-    gpus_per_node: NonNegativeInt = 0
-    """0: CPU nodes (the CPU engine and gloo learner ranks)."""
+    rollout_nodes: PositiveInt | None = None
+    """Nodes 1..R of the job: inference servers; None: the recipe's cluster.rollout_nodes."""
+    learner_nodes: PositiveInt | None = None
+    """Nodes R+1..R+L: learner ranks (one torchrun each); None: the recipe's
+    cluster.learner_nodes."""
+    gpus_per_node: NonNegativeInt | None = None
+    """0: CPU nodes (the CPU engine and gloo learner ranks); None: the recipe's
+    cluster.gpus_per_node."""
     procs_per_node: PositiveInt | None = None
-    """Learner ranks per learner node; None: one per GPU (one without GPUs)."""
+    """Learner ranks per learner node; None: the recipe's learner_ranks."""
     server_gpus: NonNegativeInt | None = None
-    """GPUs per inference server (its SGLang TP size); None: all of a node's GPUs."""
+    """GPUs per inference server (its SGLang TP size); None: the recipe's cluster.server_gpus
+    (None there: all of a node's GPUs)."""
     engine: Literal["cpu", "sglang", "vllm"] | None = None
     """The servers' engine; None: the recipe's rollout.engine.kind."""
     server_threads: PositiveInt = 1
@@ -127,15 +134,15 @@ class SlurmJob:
 
     @property
     def nodes(self) -> int:
-        return self.options.rollout_nodes + self.options.learner_nodes
+        return self.config.cluster.rollout_nodes + self.config.cluster.learner_nodes
 
     @property
     def learner_ranks(self) -> int:
-        return self.options.learner_nodes * self.procs_per_node
+        return self.config.learner_world
 
     @property
     def server_ports(self) -> list[int]:
-        count = self.options.rollout_nodes * self.servers_per_node
+        count = self.config.cluster.rollout_nodes * self.servers_per_node
         first = self.options.port_base + SERVER_PORT_OFFSET
         return list(range(first, first + count))
 
@@ -148,15 +155,23 @@ def resolve_job(
     for path in (recipe, run_dir):
         if any(c.isspace() for c in str(path)):
             raise LaunchError(f"{path}: paths with whitespace cannot go into #SBATCH lines")
-    gpus = options.gpus_per_node
-    procs = options.procs_per_node or max(gpus, 1)
-    if gpus and procs > gpus:
-        raise LaunchError(f"procs_per_node {procs} > gpus_per_node {gpus}")
-    world = options.learner_nodes * procs
+    placed = flag_overrides(options, overrides)
+    overrides = [*overrides, *placed]
     try:
-        config = load_run_config(recipe, [*overrides, f"learner_ranks={world}"])
+        config = load_run_config(recipe, overrides)
     except (ValueError, FileNotFoundError) as error:
         raise LaunchError(f"recipe {recipe}: {error}") from None
+    cluster = config.cluster
+    options = options.model_copy(
+        update=dict(
+            rollout_nodes=cluster.rollout_nodes,
+            learner_nodes=cluster.learner_nodes,
+            gpus_per_node=cluster.gpus_per_node,
+            procs_per_node=config.learner_ranks,
+            server_gpus=options.server_gpus or cluster.server_gpus,
+        )
+    )
+    procs, world = config.learner_ranks, config.learner_world
     if config.weights.transport == "tensor":
         raise LaunchError(
             "weights.transport 'tensor' needs engines on the learner's GPUs; this launcher puts "
@@ -175,7 +190,7 @@ def resolve_job(
             "SGLang needs GPUs and gpus_per_node is 0: give --gpus-per-node, or serve with "
             "--engine cpu (or rollout.engine.kind=cpu)"
         )
-    last_port = options.port_base + SERVER_PORT_OFFSET + options.rollout_nodes * servers_per_node
+    last_port = options.port_base + SERVER_PORT_OFFSET + cluster.rollout_nodes * servers_per_node
     if last_port > 65535:
         raise LaunchError(f"port_base {options.port_base}: server ports would pass 65535")
     plan = _plan(config, options, world)
@@ -193,6 +208,43 @@ def resolve_job(
         servers_per_node=servers_per_node,
         python=python,
     )
+
+
+FLAG_KEYS = {
+    "rollout_nodes": "cluster.rollout_nodes",
+    "learner_nodes": "cluster.learner_nodes",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "server_gpus": "cluster.server_gpus",
+    "procs_per_node": "learner_ranks",
+}
+"""The launcher's flags that override a recipe setting: option -> the recipe's dotted key."""
+
+
+def flag_overrides(options: SlurmOptions, overrides: list[str]) -> list[str]:
+    """The flags given, as the recipe's dotted overrides; LaunchError naming both when a flag
+    and a dotted override of the same key disagree."""
+    from megatron_fr.config.run import parse_yaml
+
+    given: dict[str, object] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if sep and key in FLAG_KEYS.values():
+            try:
+                given[key] = parse_yaml(text)
+            except Exception:  # the recipe's loader names a bad value
+                given[key] = text
+    placed = []
+    for field, key in FLAG_KEYS.items():
+        value = getattr(options, field)
+        if value is None or (field == "server_gpus" and value == 0):
+            continue
+        if key in given and given[key] != value:
+            raise LaunchError(
+                f"--{field.replace('_', '-')} {value} and the override {key}={given[key]} "
+                "disagree: give one of them"
+            )
+        placed.append(f"{key}={value}")
+    return placed
 
 
 def _check_node_share(options: SlurmOptions, procs: int) -> None:
@@ -251,6 +303,8 @@ def _plan(config: RunConfig, options: SlurmOptions, world: int) -> Plan:
             gpu_mem_gib=options.gpu_mem_gb if options.gpus_per_node else None,
             reserve_gib=options.reserve_gb,
             entropies=config.learner.flash_reinforce.negative_token_fraction < 1,
+            sync_bucket_bytes=config.weights.bucket_mib * 2**20,
+            sync_overlap=config.weights.overlap,
         )
     except LayoutError as error:
         raise LaunchError(f"learner layout on {world} ranks: {error}") from None

@@ -172,6 +172,8 @@ def _layout(
             gpu_mem_gib=gpu_mem_gb,
             entropies=learner.flash_reinforce.negative_token_fraction < 1,
             row_tokens=rows,
+            sync_bucket_bytes=config.weights.bucket_mib * 2**20,
+            sync_overlap=config.weights.overlap,
         )
     except (LayoutError, ValueError) as error:
         raise CheckFailed(f"parallel (world size {world_size}): {error}") from None

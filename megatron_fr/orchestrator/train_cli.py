@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--world-size",
         type=int,
         default=0,
-        help="--check: learner ranks of the layout (default: learner_ranks)",
+        help="--check, --rehearse: learner ranks of the layout (default: the recipe's "
+        "cluster.learner_nodes x learner_ranks)",
     )
     parser.add_argument(
         "--gpu-mem-gb",
@@ -65,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         launched = preflight.launch_environment()  # (rank, world) under torchrun
         _check_arguments(args)
         config = resolve_task(load_run_config(args.recipe, args.overrides))
-        world = args.world_size or (launched[1] if launched else config.learner_ranks)
+        world = args.world_size or (launched[1] if launched else config.learner_world)
         if args.rehearse:
             from megatron_fr.launch import rehearse_cli
 
@@ -76,6 +77,12 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.run_dir is None:
             raise ValueError("--run-dir is required (or --check)")
+        if launched is None and config.cluster.learner_nodes > 1:
+            raise ValueError(
+                f"the recipe is laid out for cluster.learner_nodes {config.cluster.learner_nodes}"
+                f" (x learner_ranks {config.learner_ranks}); started by hand, train runs one "
+                "node: submit it with slurm/launch.sh, or run torchrun on each node"
+            )
         preflight.check_run_dir(args.run_dir)
         # before any process: everything, once (the ranks repeat only what is quick)
         check_recipe(config, world, gpu_mem_gb=None, render=launched is None)

@@ -1,6 +1,7 @@
 """tools/plan_layout.py and megatron_fr/launch/plan.py: the figures for Qwen3-30B-A3B at
 TP4/EP8/PP1 on 8 GPUs against a hand calculation (every recompute setting), refusals with
-their reasons (rows that do not fit a micro-batch included), enumeration."""
+their reasons (rows that do not fit a micro-batch included), enumeration, the stated terms
+nothing traces (CUDA context, cuBLAS, NCCL groups, the sync's buckets) and --recipe."""
 
 from __future__ import annotations
 
@@ -100,13 +101,23 @@ def test_qwen3_30b_a3b_tp4_ep8_pp1_on_8_gpus_matches_a_hand_calculation():
     assert per_gpu["optimizer_bytes"] == optimizer == 45_855_756_288
     assert per_gpu["activation_bytes"] == activations
     state = weights + grads + optimizer  # 65.2 GiB
-    assert plan["peak_bytes"] == {mode: state + activations[mode] for mode in activations}
+    # the stated terms: a 512 MiB context and two 32 MiB cuBLAS workspaces; 256 MiB for each
+    # of 7 NCCL groups (world, TP, DPxCP, EP, TPxPP, ETPxEPxPP, the weight sync)
+    untraced = 512 * 2**20 + 2 * 32 * 2**20 + 7 * 256 * 2**20
+    assert plan["untraced_bytes"] == untraced
+    assert [t["name"] for t in plan["untraced"]] == [
+        "CUDA context + cuBLAS workspaces",
+        "NCCL buffers, 7 groups",
+    ]
+    peaks = {mode: state + activations[mode] + untraced for mode in activations}
+    assert plan["peak_bytes"] == peaks
     # 80 GiB with the 4 GiB reserve: not even with recompute, the optimizer step being over
-    # (65.2 GiB of state + 14.2 of Adam's temporaries); 84 GiB would hold it with recompute.
+    # (65.2 GiB of state + 14.2 of Adam's temporaries + 2.3 untraced); 86 GiB would hold it
+    # with recompute.
     assert plan["fits"] == {"none": False, "selective": False, "full": False}
-    assert 80 < (state + adam_step) / GIB + 4 <= 84 < (state + activations["none"]) / GIB + 4
+    assert 80 < peaks["full"] / GIB + 4 <= 86 < peaks["none"] / GIB + 4
     assert plan["longest_row"] == 16384 // 4 * 4 + 1
-    refused = plan_cli(*layout.replace("80", "84").split())
+    refused = plan_cli(*layout.replace("80", "86").split())
     assert refused.returncode == 3 and "none no, selective yes, full yes" in refused.stdout
 
 
@@ -254,3 +265,51 @@ def test_the_launch_package_imports_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_untraced_terms_name_their_groups_and_the_sync_is_a_peak_candidate():
+    from megatron_fr.launch.plan import nccl_groups, sync_bytes
+
+    spec = load_hf_config("qwen3-30b-a3b")
+    flagship = ParallelConfig(
+        tensor=4, context=2, expert=8, expert_tensor=1, sequence_parallel=True
+    )
+    assert nccl_groups(flagship, 16) == [
+        "world", "TP", "CP", "DPxCP", "EP", "EDP", "TPxPP", "ETPxEPxPP", "weight sync"
+    ]  # fmt: skip
+    assert nccl_groups(ParallelConfig(pipeline=2), 2, sender=False, moe=False) == [
+        "world", "TPxPP", "PP previous", "PP next"
+    ]  # fmt: skip
+    assert nccl_groups(ParallelConfig(), 1) == ["weight sync"]
+    # two buckets in flight (overlap), each at least the 151,936 x 2,048 bf16 embedding
+    embedding = 151_936 * 2048 * 2
+    assert sync_bytes(spec, "bfloat16", 512 * 2**20, overlap=True) == 2 * embedding
+    assert sync_bytes(spec, "bfloat16", 1024 * 2**20, overlap=False) == 1024 * 2**20
+    # a sync bigger than everything else after the step sets the peak (not added on top)
+    small = dict(micro_batch_tokens=1024, gpu_mem_gib=80)
+    one = plan_layout(load_hf_config("qwen2.5-math-1.5b"), ParallelConfig(), 8, **small)
+    huge = plan_layout(
+        load_hf_config("qwen2.5-math-1.5b"),
+        ParallelConfig(),
+        8,
+        **small,
+        sync_bucket_bytes=40 * GIB,
+    )
+    stage = huge.stages[0]
+    assert stage.sync_bytes == 80 * GIB
+    assert huge.peak_bytes("none") == stage.state_bytes + 80 * GIB + huge.untraced_bytes
+    assert one.peak_bytes("none") < huge.peak_bytes("none")
+
+
+def test_the_recipe_gives_the_world_the_layout_and_the_learner_settings():
+    flags = "--model qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --gpu-mem-gb 80 --tp 4 --cp 2"
+    flags += " --ep 8 --etp 1 --micro-batch-tokens 9216 --row-tokens 18432 --recompute selective"
+    explicit = plan_cli(*flags.split(), "--json")
+    recipe = str(REPO / "examples" / "qwen3_30b_a3b_lag8.yaml")
+    from_recipe = plan_cli("--recipe", recipe, "--gpu-mem-gb", "80", "--json")
+    assert explicit.returncode == from_recipe.returncode == 0, from_recipe.stderr
+    assert json.loads(from_recipe.stdout) == json.loads(explicit.stdout)
+    assert json.loads(from_recipe.stdout)["world"] == 16
+    # a flag overrides the recipe's value
+    one_node = plan_cli("--recipe", recipe, "--nodes", "1", "--json")
+    assert json.loads(one_node.stdout)["world"] == 8

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 FLAGSHIP = str(REPO / "examples" / "qwen3_30b_a3b_lag8.yaml")
 PEAK = re.compile(r"rehearsal peak ([\d.]+) GiB, planner ([\d.]+) GiB")
@@ -35,12 +37,27 @@ def check_against_planner(stdout: str, ranks: int) -> None:
         assert len(rows) == ranks and all(ours == theirs for ours, theirs in rows), (part, stdout)
 
 
-def test_the_flagships_layer_rehearsed_matches_the_planner():
-    result = rehearse("--world-size", "16", "--layers", "1")
+def test_the_flagships_layer_rehearsed_in_its_own_world_matches_the_planner():
+    """No --world-size: the recipe's cluster.learner_nodes x learner_ranks; the terms fake
+    tensors cannot trace are stated and counted in both columns."""
+    result = rehearse("--layers", "1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "qwen3-30b-a3b (preset): 1 layers; 16 ranks" in result.stdout
+    world = "16 ranks (cluster.learner_nodes 2 x learner_ranks 8)"
+    assert f"qwen3-30b-a3b (preset): 1 layers; {world}" in result.stdout
     check_against_planner(result.stdout, ranks=1)
     assert "verdict: fits 80 GiB less the 4 GiB reserve" in result.stdout
+    stated = {
+        "CUDA context + cuBLAS workspaces": 0.5625,  # 512 MiB + 2 x 32 MiB
+        "NCCL buffers, 9 groups": 2.25,  # 256 MiB each
+        "sync buckets (after step)": 1.16,  # 2 x the bf16 151,936 x 2,048 embedding
+    }
+    for name, gib in stated.items():
+        row = re.search(rf"  {re.escape(name)}\s+([\d.]+) GiB\s+([\d.]+) GiB", result.stdout)
+        assert row and row[1] == row[2] == f"{gib:.2f}", (name, result.stdout)
+    assert "stated: NCCL buffers, 9 groups: 256 MiB a group" in result.stdout
+    traced = re.search(r"  traced peak\s+([\d.]+) GiB", result.stdout)
+    rehearsed = float(PEAK.search(result.stdout)[1])
+    assert rehearsed == pytest.approx(float(traced[1]) + 0.5625 + 2.25, abs=0.011)
 
 
 def test_a_small_dense_pipeline_rehearsed_per_stage_and_refused_when_over():

@@ -116,7 +116,9 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model
         " --kill-on-bad-exit=1"
     )
     python = str(REPO / ".venv" / "bin" / "python")  # slurm/launch.sh's interpreter
-    overrides = f"steps=6 model.hf_dir={demo_model}"
+    # the wrapper's node flags override the recipe's cluster and reach the run as overrides
+    overrides = f"steps=6 model.hf_dir={demo_model} cluster.rollout_nodes=1"
+    overrides += " cluster.learner_nodes=2 cluster.gpus_per_node=0 learner_ranks=1"
     logs = f"{run_dir}/logs/slurm-dryrun.0"
     assert [line.replace(python, "PY") for line in commands(out)] == [
         f"{srun.format(n=1, nodes='node1')} bash -c '<serve_node from slurm/job.sh>' serve_node"
@@ -125,7 +127,7 @@ def test_cpu_recipe_dry_run_prints_nodes_ranks_and_commands(tmp_path, demo_model
         f" learner_node {logs} PY 2 1 node2 20000 {recipe} --run-dir {run_dir} {overrides}"
         f" model.hf_dir={demo_model}"
         """ 'rollout.engine.urls=["http://node1:20100"]' weights.master_address=node2"""
-        " weights.master_port=20010 parallel.data_address=node2 learner_ranks=2",
+        " weights.master_port=20010 parallel.data_address=node2",
         "scontrol requeue dryrun",
     ]
 
@@ -151,7 +153,8 @@ def test_flagship_dry_run_splits_gpu_nodes_into_servers_and_learners(tmp_path):
     assert f"'rollout.engine.urls={urls}'" in lines[2]
     assert "learner_node" in lines[2] and " 2 8 node3 20000 " in lines[2]
     weights = "weights.master_address=node3 weights.master_port=20010"
-    assert f"{weights} parallel.data_address=node3 learner_ranks=16" in lines[2]
+    assert lines[2].endswith(f"{weights} parallel.data_address=node3")
+    assert "cluster." not in lines[2], "the recipe's own cluster: nothing overridden"
     script = tmp_path / "job.sbatch"
     dry_run(wrapper, tmp_path, "--script-out", str(script), "--time", "04:00:00")
     sbatch = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
@@ -306,7 +309,7 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
     [
         (
             "qwen3_30b_a3b_lag8",
-            # 16 ranks on 64 GiB GPUs: 61.10 GiB + 4 reserve without recompute, 50.93 selective
+            # 16 ranks on 64 GiB GPUs: 63.91 GiB + 4 reserve without recompute, 53.74 selective
             ["--gpu-mem-gb", "64", "learner.recompute=none"],
             "does not fit in GPU memory with learner.recompute=none (learner.recompute=selective "
             "fits)",
@@ -327,6 +330,16 @@ def test_container_flags_reach_every_srun_only_when_an_image_is_set(tmp_path):
         ("qwen2p5_math_1p5b", ["--server-gpus", "3"], "server_gpus 3 does not divide"),
         ("cpu_demo", ["--engine", "sglang"], "SGLang needs GPUs"),
         ("cpu_demo", ["--cpus-per-node", "0"], "cpus_per_node"),
+        (
+            "qwen3_30b_a3b_lag8",
+            ["--learner-nodes", "1", "cluster.learner_nodes=2"],
+            "--learner-nodes 1 and the override cluster.learner_nodes=2 disagree",
+        ),
+        (
+            "cpu_demo",  # the wrapper says --procs-per-node 1
+            ["learner_ranks=2"],
+            "--procs-per-node 1 and the override learner_ranks=2 disagree",
+        ),
     ],
 )
 def test_bad_jobs_are_refused_before_submission(wrapper, args, reason, tmp_path):
@@ -403,3 +416,20 @@ def test_the_launcher_places_vllm_servers_on_cpu_nodes(tmp_path):
     out = dry_run(wrapper, tmp_path, "--engine", "vllm", "weights.spot_check=0").stdout
     assert "vllm engine" in out
     assert commands(out)[0].endswith(" vllm 1 0 1 0 20100")
+
+
+def test_the_recipe_carries_its_world_and_a_flag_overrides_it(tmp_path):
+    """The flagship's wrapper gives no node counts: they are the recipe's cluster section; a
+    flag given overrides it and reaches the run as the dotted override."""
+    wrapper = REPO / "slurm" / "recipes" / "qwen3_30b_a3b_lag8.sh"
+    assert "--learner-nodes" not in wrapper.read_text()
+    config = load_run_config(REPO / "examples" / "qwen3_30b_a3b_lag8.yaml", [])
+    cluster = config.cluster
+    assert (cluster.learner_nodes, config.learner_ranks, config.learner_world) == (2, 8, 16)
+    assert (cluster.rollout_nodes, cluster.gpus_per_node, cluster.server_gpus) == (2, 8, 4)
+    assert cluster.servers == 4
+    out = dry_run(wrapper, tmp_path, "--rollout-nodes", "1", "--gpu-mem-gb", "141").stdout
+    assert "nodes     3: rollout node 1, learner nodes 2-3" in out
+    assert "servers   2 (2 per rollout node" in out and "learner   16 ranks" in out
+    learner = commands(out)[1]
+    assert " cluster.rollout_nodes=1 " in learner and "cluster.learner_nodes" not in learner
