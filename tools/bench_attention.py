@@ -23,12 +23,30 @@ one lower-right tile the micro-batch shares (models/chunked_attention.py). The l
 counts the tiles built over all layers and the bytes of those in host memory (on a CPU the
 device is the host). --attention also runs each layer's attention forward and backward
 (small shapes: at the default shape a CPU needs minutes per layer).
+
+The row reaches the layers as the learner hands it over: a packed micro-batch's
+PackedSeqParams (learner/micro_batches.py: MicroBatch.packed_seq_params, cu_seqlens on the
+device) read by each layer through models/attention.py's row_boundaries. The line
+
+    host syncs per micro-batch: N
+
+counts the calls that copy a device tensor's values to the host (Tensor.tolist, item, cpu,
+numpy, and int/float/bool of a tensor) from the micro-batch's PackedSeqParams through every
+layer's attention inputs, by patching those methods for the run; on a CPU every tensor is
+counted, as it would sit on the GPU. --device-boundaries hands the layers megatron's plain
+PackedSeqParams (no host copy of the boundaries): each layer then reads cu_seqlens back. The
+count sees reads made from Python; a sync inside a torch kernel (a data-dependent shape) is
+not a method call and is not counted (on a GPU, torch.cuda.set_sync_debug_mode("warn") shows
+those).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.nn.attention.bias import CausalBias
@@ -57,7 +75,71 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--attention", action="store_true", help="run the attention too")
+    parser.add_argument(
+        "--device-boundaries",
+        action="store_true",
+        help="megatron's plain PackedSeqParams: every layer reads cu_seqlens from the device",
+    )
     return parser
+
+
+SYNCING = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+"""Tensor methods that copy values to the host (a device-to-host sync on a GPU)."""
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: torch.device) -> Iterator[list[str]]:
+    """Patch the SYNCING methods of torch.Tensor for the block; the list fills with the name of
+    each call on a tensor of `device` (on a CPU: every tensor, standing in for the GPU's)."""
+    calls: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def counted(name: str, method):
+        def wrapper(tensor, *args, **kwargs):
+            if tensor.device.type == device.type:
+                calls.append(name)
+            return method(tensor, *args, **kwargs)
+
+        return wrapper
+
+    for name, method in originals.items():
+        setattr(torch.Tensor, name, counted(name, method))
+    try:
+        yield calls
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+def packed_params(boundaries: tuple[int, ...], device: torch.device, host: bool):
+    """The packed row's PackedSeqParams as the learner makes it for a micro-batch (host=True:
+    MicroBatch.packed_seq_params, cu_seqlens on the device and the boundaries kept on the
+    host), or megatron's plain one with the same device tensors (host=False)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_fr.learner.micro_batches import MicroBatch
+
+    cu = torch.tensor(boundaries, dtype=torch.int32).to(device)  # built on the host, moved
+    longest = max(b - a for a, b in itertools.pairwise(boundaries))
+    if not host:
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+    micro = MicroBatch(
+        input_ids=torch.empty(0),
+        positions=torch.empty(0),
+        loss_batch=None,  # type: ignore[arg-type]  # not read here
+        cu_seqlens=cu,
+        max_seqlen=longest,
+        boundaries=boundaries,
+    )
+    return micro.packed_seq_params()
 
 
 def row_boundaries(tokens: int, cp: int, sequences: int) -> tuple[int, ...]:
@@ -70,6 +152,11 @@ def row_boundaries(tokens: int, cp: int, sequences: int) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from megatron_fr.parallel.cpu_shims import install_import_shims
+
+    install_import_shims()  # megatron imports triton, which a CPU machine lacks
+    from megatron_fr.models.attention import row_boundaries as attention_row_boundaries
+
     spec = load_hf_config(args.model)
     layers = args.layers or spec.num_layers
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -86,17 +173,24 @@ def main(argv: list[str] | None = None) -> None:
             x.requires_grad_()
     built, host_bytes = MASKS.built, MASKS.host_bytes
     in_kernel, preparing, attending = 0, [], 0.0
+    with count_host_syncs(device) as syncs:
+        params = packed_params(boundaries, device, host=not args.device_boundaries)
     for _ in range(layers):
         started = time.perf_counter()
-        layout = chunk_layout(boundaries, args.cp, args.rank)
-        inputs = chunk_inputs(query, key, value, layout)
+        with count_host_syncs(device) as calls:
+            row = tuple(attention_row_boundaries(query, params, args.cp))  # as each layer does
+            layout = chunk_layout(row, args.cp, args.rank)
+            inputs = chunk_inputs(query, key, value, layout)
+        syncs += calls
         synchronize(device)
         preparing.append(time.perf_counter() - started)
         in_kernel += sum(isinstance(bias, CausalBias) for *_, bias in inputs)
         if args.attention:
             started = time.perf_counter()
-            output = chunked_causal_attention(query, key, value, layout, spec.head_dim**-0.5)
-            output.backward(torch.ones_like(output))
+            with count_host_syncs(device) as calls:
+                output = chunked_causal_attention(query, key, value, layout, spec.head_dim**-0.5)
+                output.backward(torch.ones_like(output))
+            syncs += calls
             synchronize(device)
             attending += time.perf_counter() - started
     print(
@@ -109,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         f" {MASKS.host_bytes - host_bytes:,} bytes on the host"
     )
     print(f"chunk biases applied inside the kernel (CUDA lower-right causal): {in_kernel}")
+    kinds = ", ".join(f"{name} x {syncs.count(name)}" for name in sorted(set(syncs)))
+    print(f"host syncs per micro-batch: {len(syncs)}" + (f" ({kinds})" if kinds else ""))
     print(
         f"build time: first layer (chunk layout and the mask tile, if any) {preparing[0]:.3f} s;"
         f" all {layers} layers' attention inputs (row-ordered keys, chunk biases)"

@@ -94,6 +94,9 @@ class MicroBatch:
     own). None for padded rows."""
     max_seqlen: int = 0
     """Packed rows: the longest span."""
+    boundaries: tuple[int, ...] = ()
+    """Packed rows: cu_seqlens as Python ints, kept on the host when the tensors move to the
+    device, so attention reads the row's layout without a device-to-host sync per layer."""
     routing: Tensor | None = None
     """[rows, width / CP, layers, top_k] expert ids of every input position (routing replay),
     laid out like input_ids; None unless asked for."""
@@ -110,10 +113,12 @@ class MicroBatch:
         """
         if self.cu_seqlens is None:
             return None
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron_fr.models.attention import HostPackedSeqParams
 
         cu = self.cu_seqlens
-        return PackedSeqParams(
+        boundaries = self.boundaries or tuple(int(b) for b in cu.tolist())  # once per micro-batch
+        return HostPackedSeqParams(
+            row_boundaries=boundaries,
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
@@ -348,7 +353,9 @@ def _micro_batch(
         return micro
     spans = [end - start for start, end in itertools.pairwise(boundaries)]
     cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
-    return dataclasses.replace(micro, cu_seqlens=cu_seqlens, max_seqlen=max(spans))
+    return dataclasses.replace(
+        micro, cu_seqlens=cu_seqlens, max_seqlen=max(spans), boundaries=tuple(boundaries)
+    )
 
 
 def _row(

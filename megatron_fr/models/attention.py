@@ -23,6 +23,7 @@ mask attends chunk by chunk (models/chunked_attention.py).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,12 +40,28 @@ if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+@dataclass
+class HostPackedSeqParams(PackedSeqParams):
+    """megatron's PackedSeqParams with the row's boundaries also on the host, read once per
+    micro-batch where the row is built (learner/micro_batches.py): every layer's attention
+    (forward, and the recomputation in the backward) reads them here, so no layer copies
+    cu_seqlens off the device (a device-to-host sync per layer on a GPU)."""
+
+    row_boundaries: tuple[int, ...] | None = None
+    """The padded cu_seqlens as Python ints (the row before the CP split)."""
+
+
 def row_boundaries(
     query: torch.Tensor, packed_seq_params: PackedSeqParams | None, cp_size: int
 ) -> list[int]:
     """The row's sequence boundaries before the CP split: the padded cu_seqlens of a packed
-    row, or the whole row (this rank's query length x CP) for a padded one."""
+    row, or the whole row (this rank's query length x CP) for a padded one. The host copy of
+    HostPackedSeqParams when there is one; else the tensor is read, one device-to-host copy
+    (a sync on a GPU) per call."""
     if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        host = getattr(packed_seq_params, "row_boundaries", None)
+        if host is not None:
+            return list(host)
         padded = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if padded is None else padded
         return [int(b) for b in cu.tolist()]

@@ -41,3 +41,13 @@ def test_bench_attention_counts_the_masks_a_micro_batch_builds(args, tile_bytes)
     assert "chunk biases applied inside the kernel (CUDA lower-right causal): 0" in out, out
     assert "build time: first layer" in out, out
     assert ("attention forward and backward, 3 layers" in out) == ("--attention" in args), out
+
+
+def test_a_micro_batch_reads_its_row_boundaries_on_the_host_once_not_per_layer():
+    """The learner's PackedSeqParams carry the boundaries as host ints: no layer copies
+    cu_seqlens back (0 syncs, forward and backward included); megatron's plain
+    PackedSeqParams cost one read per layer, which the count sees (4 layers: 4)."""
+    args = ["--tokens", "256", "--layers", "4", "--sequences", "2"]
+    assert "host syncs per micro-batch: 0" in bench(*args, "--attention")
+    out = bench(*args, "--device-boundaries")
+    assert "host syncs per micro-batch: 4 (tolist x 4)" in out, out
