@@ -27,12 +27,22 @@ mixed-version tokens into training data.
 Connect is idempotent against long-lived engines (given by URL, outliving a learner that was
 killed and restarted). A learner that died mid-sync leaves them paused, with an update session
 open (SGLang's /begin_weight_update then refuses to open another) and members of its weight-
-update groups. So connect ends any open session (/end_weight_update; "none open" is fine) and
-destroys the groups the previous start recorded in GROUPS_FILE, and every connect forms its
-groups under a fresh name (weight_update_group_<tag>_pp<stage>, the tag drawn by rank 0):
-torch refuses a second group of a name it holds, and SGLang answers that with 400. Generation
-is continued at the end of the first sync, which the learner runs right after connect, never
-before: until then the engines may hold the weights of two versions.
+update groups. So connect ends any session that may be open (/end_weight_update; "none open" is
+fine) and destroys the groups the previous start recorded in GROUPS_FILE, and every connect
+forms its groups under a fresh name (weight_update_group_<tag>_pp<stage>, the tag drawn by rank
+0): torch refuses a second group of a name it holds, and SGLang answers that with 400.
+
+A session call is never sent to an engine that serves: SGLang 0.5.23 runs begin/end on an
+unpaused engine under model_update_lock's writer lock (tokenizer_control_mixin.py:
+_weight_update_session_call), which waits for every generation in flight (each /generate
+holds the reader lock to its end) and holds up every new one meanwhile; an engine with a long
+generation would miss the regroup bound and be taken out as dead. So connect sends no session
+call to an engine this sync closed its session on last (a reconnect to engines that stay in
+the pool after a finished sync: nothing of theirs is open), and pauses every other engine
+(weights.pause_mode) before ending its session. The paused engines resume at the end of the
+sync that follows every connect (the learner runs it right after connect; pool_sync.py after
+every reconnect), never before: until then an engine a learner left mid-sync may hold the
+weights of two versions.
 """
 
 from __future__ import annotations
@@ -119,6 +129,9 @@ class WeightSync:
         self.timeout_s = config.timeout_s
         self.transport: WeightTransport | None = None
         self._plan: tuple[torch.nn.Module, ReshardPlan] | None = None
+        self.closed: set[str] = set()
+        """Rank 0: the engines whose update session this sync closed last (module docstring):
+        none of theirs is open, so a reconnect sends them no session call."""
         self.unresponsive: set[str] = set()
         """Rank 0: engines that did not answer a connect within weights.regroup_timeout_s
         since the caller last took them (take_unresponsive); the pool takes them out."""
@@ -169,8 +182,9 @@ class WeightSync:
         self.engines, self.transport = engines, transport
 
     def _adopt(self) -> list[Engine]:
-        """Rank 0: the engines resolved, each with no update session open and none of the
-        groups GROUPS_FILE names (module docstring), all at once and within
+        """Rank 0: the engines resolved, each with no update session open (those that may
+        have one paused first) and none of the groups GROUPS_FILE names (module docstring),
+        all at once and within
         regroup_timeout_s: an engine that does not answer in time is recorded in
         `unresponsive` and the connect fails naming it (the pool then takes it out)."""
         leftovers = _recorded_groups(self.groups_file)
@@ -208,9 +222,11 @@ class WeightSync:
         if resolved.kind == "vllm":
             leave_leftover_group(engine.url, bound)
             return resolved
-        end = protocol.end_weight_update_request()
-        _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
-        for name in leftovers:
+        if engine.url not in self.closed:  # a session may be open: end it, paused
+            wire_for(resolved.kind or "sglang").pause(engine.url, self.config.pause_mode, bound)
+            end = protocol.end_weight_update_request()
+            _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
+        for name in leftovers:  # no lock: the scheduler runs it between batches
             body = protocol.destroy_weights_update_group_request(name)
             _unless_absent(engine.url, protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH, body, bound)
         return resolved
@@ -319,12 +335,14 @@ class WeightSync:
     def _pause(self) -> None:
         mode = self.config.pause_mode
         self._each_engine(lambda url: self.wire.pause(url, mode, self.timeout_s))
+        self.closed.clear()  # from here until end() answers, a session may be open
         self._connected().begin()
 
     def _commit(self, version: str, kept: list[tuple[str, torch.Tensor]]) -> None:
         transport = self._connected()
         transport.commit(version)
         transport.end()
+        self.closed = {engine.url for engine in self.engines}
         if self.config.flush_cache:
             for url in transport.urls:
                 self.wire.flush_cache(url, self.timeout_s)

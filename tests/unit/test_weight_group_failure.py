@@ -100,6 +100,7 @@ def test_an_engine_that_does_not_leave_its_old_groups_is_named_dead_within_the_b
     groups_file.write_text('{"groups": ["weight_update_group_old_pp0"]}\n')
     answers = {
         "/server_info": [(200, CPU_ENGINE_INFO)],
+        "/pause_generation": [(200, {})],  # before ending a session that may be open
         "/end_weight_update": [(400, {"error": "no update session open"})],
         "/destroy_weights_update_group": [(200, {"success": True})],
     }
@@ -126,6 +127,7 @@ def test_an_engine_that_does_not_leave_its_old_groups_is_named_dead_within_the_b
 def test_an_engine_that_answers_with_an_error_is_not_taken_for_dead():
     answers = {
         "/server_info": [(200, CPU_ENGINE_INFO)],
+        "/pause_generation": [(200, {})],
         "/end_weight_update": [(500, {"error": "internal"})],
     }
     with StubServer(answers) as broken:
