@@ -403,7 +403,7 @@ def render_script(job: SlurmJob) -> str:
 def summary(job: SlurmJob) -> str:
     """The plan in words: nodes, servers, ranks, layout, preemption."""
     o, ports = job.options, job.server_ports
-    r, n = o.rollout_nodes, job.nodes
+    r, n = job.config.cluster.rollout_nodes, job.nodes
     server = (
         f"{job.server_gpus} GPU(s) each (SGLang TP{job.server_gpus})"
         if job.server_gpus

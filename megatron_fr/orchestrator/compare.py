@@ -47,6 +47,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,7 +109,7 @@ def positive_int(text: str) -> int:
     return bounded_int(1, 1024)(text)
 
 
-def bounded_int(low: int, high: int):
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: a whole number from `low` to `high`, written in digits (argparse's
     `int` would take '٣' and ' 3'; a count out of range failed later, as a TypeError or in
     a training run, instead of here)."""
