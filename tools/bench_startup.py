@@ -19,7 +19,7 @@ measured once. Every command runs in a process of its own, as a user's would: no
 cached between them but what the operating system caches.
 
 The demo's model: --hf-dir, else the recipe's model.hf_dir when `demo prepare` has made it,
-else the test suite's quick demo model (QUICK_DEMO_MODEL, as tests/conftest.py makes it) made
+else the test suite's quick demo model (megatron_fr.demo.config.QUICK_DEMO_MODEL) made
 in a temporary directory first (minutes; not timed). Which model it is does not change the
 start-up measured: the quick one has the demo's shapes, only a shorter warm start.
 """
@@ -38,15 +38,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_fr.demo.config import QUICK_DEMO_MODEL
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
-QUICK_DEMO_MODEL = [
-    "demo.warm_start.steps=150",
-    "demo.warm_start.batch_size=32",
-    "demo.warm_start.eval_problems=50",
-    "demo.warm_start.problems={digits: 1}",
-]
-"""The test suite's quick demo model (tests/conftest.py: QUICK_DEMO_MODEL, checked equal)."""
 ONE_STEP = [
     "steps=1",
     "eval.problems=4",

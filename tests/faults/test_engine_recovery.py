@@ -7,6 +7,8 @@ real run (`megatron-fr train` of the CPU demo, 2 gloo learner ranks, one CPU eng
   needed between the death and the re-admission, which is what a single-engine run lacked).
 - SIGSTOPped while the learner waits for a batch, then a STOP file: the run ends within 30 s,
   on request (exit 0), with a checkpoint of the step it reached, which a start resumes from.
+  (A STOP that comes while a weight sync waits on a hung engine waits for the sync's own
+  bound first: the engine is out after rollout.engine.unreachable_after_s, 30 s.)
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ def test_a_lone_engine_killed_in_an_evaluation_or_stopped_in_a_wait_never_stalls
     events = [f["event"] for f in records(run_dir, "faults.jsonl")]
     assert events[:3] == ["out", "joining", "in"], events
 
-    # 2. Stopped (SIGSTOP) while the learner waits for a batch, then a STOP file.
+    # 2. Stopped (SIGSTOP) while the learner waits for a batch, then a STOP file. At max_lag 0
+    # no rollout of the next batch starts before the step's sync, so once a step is logged
+    # the learner's next wait is for a batch the stopped engine never finishes.
     run_dir, marker = tmp_path / "stopped", uuid.uuid4().hex
     run_dir.mkdir()
-    settings = [*base, "steps=20", "eval.every_steps=0", "eval.problems=8", "eval.samples=1"]
+    settings = [*base, "steps=20", "buffer.max_lag=0", "eval.every_steps=0", "eval.problems=8"]
     run = Run(run_dir, marker, settings)
     try:
         wait_until(
