@@ -414,12 +414,15 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM to the server's process group, SIGKILL if it is still there after `timeout_s`;
-        returns the exit code. Safe to call twice."""
+        returns the exit code. Safe to call twice. SIGCONT follows the SIGTERM: a stopped
+        server (SIGSTOP, a debugger) acts on nothing until continued, and would otherwise
+        hold the run's end for all of `timeout_s`."""
         if self._stopped:
             return self.proc.returncode
         self._stopped = True
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

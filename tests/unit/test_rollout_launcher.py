@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import time
@@ -387,6 +388,19 @@ def test_stop_leaves_no_process_behind(start) -> None:
     assert time.monotonic() - began < 0.5 + 2.0
     assert _gone(server.pid) and _gone(child)
     assert server.stop() == -9  # a second stop is harmless
+
+
+def test_a_stopped_server_ends_at_its_sigterm_not_at_the_timeout(start) -> None:
+    """A server SIGSTOPped (hung in the kernel's eyes: it acts on no signal but SIGKILL until
+    continued) is continued after the SIGTERM, so it ends by that SIGTERM at once instead of
+    holding the run's end for the whole grace period."""
+    server = start(HEALTHY_AFTER_DELAY, "0.1")
+    server.wait_healthy(deadline_s=20)
+    os.kill(server.pid, signal.SIGSTOP)
+    began = time.monotonic()
+    assert server.stop(timeout_s=20) == -15  # SIGTERM, not the SIGKILL after the grace
+    assert time.monotonic() - began < 5.0
+    assert _gone(server.pid)
 
 
 def test_the_pool_starts_count_engines_on_consecutive_ports_and_gpu_blocks(tmp_path) -> None:
