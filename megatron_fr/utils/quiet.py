@@ -93,13 +93,20 @@ class _Quieted:
         self.path = path
         self._file: TextIO | None = None
 
-    def write(self, source: str, text: str) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        self._file.write(f"{stamp} pid {os.getpid()} {source}: {text}\n")
-        self._file.flush()
+    def write(self, source: str, text: str) -> bool:
+        """Whether the message is in the log. A log that cannot be written (the run directory
+        unusable, the disk full) leaves the message to the console: a filter never raises into
+        the code that logged, and nothing is lost."""
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            self._file.write(f"{stamp} pid {os.getpid()} {source}: {text}\n")
+            self._file.flush()
+        except OSError:
+            return False
+        return True
 
 
 class _KnownRecords(logging.Filter):
@@ -111,8 +118,7 @@ class _KnownRecords(logging.Filter):
         text = record.getMessage()
         if text not in self.messages:
             return True
-        self.quieted.write(f"{record.name} {record.levelname}", text)
-        return False
+        return not self.quieted.write(f"{record.name} {record.levelname}", text)
 
 
 _installed: _Quieted | None = None
@@ -137,9 +143,10 @@ def quiet_known_messages(run_dir: str | Path) -> Path:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        if (category, str(message)) in known:
-            quieted.write(f"{category.__name__} {filename}:{lineno}", str(message))
-        else:
+        logged = (category, str(message)) in known and quieted.write(
+            f"{category.__name__} {filename}:{lineno}", str(message)
+        )
+        if not logged:
             show(message, category, filename, lineno, file, line)
 
     warnings.showwarning = showwarning

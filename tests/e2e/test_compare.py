@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.orchestrator import compare
+from megatron_fr.orchestrator import compare, compare_reader
 from megatron_fr.orchestrator import compare_report as report
 from megatron_fr.orchestrator import compare_stats as stats
 
@@ -252,6 +252,7 @@ lines = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1, "eval_accuracy": seed / 
          {"step": 1, "reward_mean": 0.5, "acceptance_rate": 1.0, "sequence_kl_mean": 0.0,
           "lag_mean": 0, "started": start, "ended": time.monotonic()}]
 (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\\n" for line in lines))
+(run_dir / "config.yaml").write_text("# seed: %d\\nseed: %d\\n" % (seed, seed))
 """
 
 
@@ -277,7 +278,7 @@ def test_jobs_train_runs_at_once_and_report_them_in_the_planned_order(tmp_path, 
     assert [s.curve[-1][1] for s in summaries] == [0.0, 0.1, 0.2, 0.3]
     intervals = []
     for seed in range(4):
-        step = compare.read_metrics(tmp_path / "out" / f"fr-seed{seed}")[-1]
+        step = compare_reader.read_records(tmp_path / "out" / f"fr-seed{seed}")[-1]
         intervals.append((step["started"], step["ended"]))
     overlapping = sum(
         1

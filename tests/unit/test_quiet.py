@@ -47,3 +47,16 @@ def test_known_messages_go_to_the_log_and_the_rest_to_the_console(tmp_path: Path
     assert console.count(first_record) == 1  # from another.library only
     for _, text in KNOWN_WARNINGS[1:]:
         assert text not in console
+
+
+def test_a_log_that_cannot_be_written_leaves_the_messages_on_the_console(tmp_path: Path) -> None:
+    """A run directory that is a symlink loop: the known messages reach the console, as if
+    nothing were installed, and no logging call raises (a filter that raised broke megatron's
+    model constructor in whichever later code logged)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(loop)], capture_output=True, text=True, check=True
+    )
+    for _, text in [*KNOWN_WARNINGS, *KNOWN_LOG_RECORDS]:
+        assert text in result.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -366,7 +365,11 @@ def test_submission_writes_the_script_and_prints_the_job_id(tmp_path):
     assert result.stdout.splitlines()[-1] == "42"
     script = tmp_path / "run" / "slurm" / "job.sbatch"
     assert (tmp_path / "argv").read_text().split() == ["--parsable", str(script)]
-    assert f"MFR_OVERRIDES=(steps=3 model.hf_dir={CPU_MODEL[0]})" in script.read_text()
+    # the wrapper's node flags reach the run as the cluster section's dotted overrides
+    flags = (
+        "cluster.rollout_nodes=1 cluster.learner_nodes=2 cluster.gpus_per_node=0 learner_ranks=1"
+    )
+    assert f"MFR_OVERRIDES=(steps=3 model.hf_dir={CPU_MODEL[0]} {flags})" in script.read_text()
     assert (tmp_path / "run" / "logs").is_dir()  # sbatch --output needs it to exist
 
 
@@ -400,11 +403,13 @@ def test_recipe_files_load_with_the_paper_settings(name):
     assert config.model.hf_dir and config.weights.transport == "distributed"
     wrapper = (REPO / "slurm" / "recipes" / f"{name}.sh").read_text()
     assert f"examples/{name}.yaml" in wrapper
-    # The recipe's header names the hardware layout its wrapper launches.
-    nodes = re.search(r"--rollout-nodes (\d) --learner-nodes (\d)", wrapper)
+    # The recipe's header names the hardware layout its cluster section (the wrapper's world)
+    # describes; the wrapper gives no node count of its own.
+    assert "--rollout-nodes" not in wrapper and "--learner-nodes" not in wrapper
+    cluster = config.cluster
+    assert cluster.gpus_per_node == 8
     assert (
-        nodes
-        and f"{int(nodes[1]) + int(nodes[2])} nodes x 8 H100"
+        f"{cluster.rollout_nodes + cluster.learner_nodes} nodes x 8 H100"
         in (REPO / "examples" / f"{name}.yaml").read_text()
     )
 

@@ -41,6 +41,7 @@ import importlib.machinery
 import os
 import sys
 import types
+from collections.abc import Callable
 
 SGL_KERNEL_NAMES = (
     "assign_draft_cache_locs_contiguous_cpu",
@@ -68,7 +69,7 @@ class ShimCalled(RuntimeError):
     """A stand-in for an SGLang kernel with no CPU build was called."""
 
 
-def _stand_in(name: str):
+def _stand_in(name: str) -> Callable[..., None]:
     def refuse(*args: object, **kwargs: object) -> None:
         raise ShimCalled(
             f"sgl_kernel.{name} was called, but it is a stand-in (megatron_fr/engine/sglang/"
@@ -95,7 +96,7 @@ def install_sgl_kernel_stand_in() -> None:
     module.__spec__ = importlib.machinery.ModuleSpec("sgl_kernel", None)
     for name in SGL_KERNEL_NAMES:
         setattr(module, name, _stand_in(name))
-    module.__getattr__ = _missing  # type: ignore[attr-defined]
+    setattr(module, "__getattr__", _missing)  # noqa: B010 (a module's PEP 562 hook)
     sys.modules["sgl_kernel"] = module
 
 
