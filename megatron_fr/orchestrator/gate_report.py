@@ -16,8 +16,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from megatron_fr.orchestrator.report import BATCHES_FILE
-from megatron_fr.orchestrator.run_log import read_run_log
+from megatron_fr.analysis.run_files import BATCHES_FILE, read_run_log
 
 
 @dataclass(frozen=True)

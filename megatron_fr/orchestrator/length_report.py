@@ -32,8 +32,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_fr.orchestrator.report import BATCHES_FILE
-from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics, read_run_log
+from megatron_fr.analysis.run_files import BATCHES_FILE, has_accuracy, read_metrics, read_run_log
 
 PLOT_FILE = "lengths.png"
 KINDS = ("generated", "dropped", "trained")

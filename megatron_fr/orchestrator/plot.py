@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
+from megatron_fr.analysis.run_files import has_accuracy, read_metrics
 
 PLOT_FILE = "metrics.png"
 

@@ -26,12 +26,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_fr.analysis.run_files import BATCHES_FILE, METRICS_FILE
 from megatron_fr.buffer.lag_buffer import LengthRecord
 from megatron_fr.buffer.stale_tokens import STALE_TOKENS_MASKED
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
-from megatron_fr.orchestrator.run_log import METRICS_FILE, RunLogger, save_resolved_config
+from megatron_fr.orchestrator.run_log import RunLogger, save_resolved_config
 from megatron_fr.orchestrator.sinks import build_sinks
 from megatron_fr.rollout.episodes import episode_metrics
 from megatron_fr.rollout.service import Evaluation
@@ -39,8 +40,6 @@ from megatron_fr.utils.provenance import run_provenance
 
 if TYPE_CHECKING:
     from megatron_fr.learner.step_metrics import StepMetrics
-
-BATCHES_FILE = "batches.jsonl"
 
 
 class RunReport:

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from megatron_fr.orchestrator.run_log import CONFIG_FILE, METRICS_FILE
+from megatron_fr.analysis.run_files import BATCHES_FILE, CONFIG_FILE, METRICS_FILE
 from megatron_fr.orchestrator.sinks import TENSORBOARD_DIR
 
 DIRECTORIES = ("checkpoints", "logs", TENSORBOARD_DIR)
@@ -25,7 +25,7 @@ TensorBoard events."""
 FILES = (
     METRICS_FILE,
     CONFIG_FILE,
-    "batches.jsonl",  # orchestrator/report.py
+    BATCHES_FILE,  # orchestrator/report.py
     "faults.jsonl",  # rollout/supervisor.py
     "weight_groups.json",  # weights/sync.py
 )

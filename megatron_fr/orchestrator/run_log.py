@@ -9,9 +9,10 @@
 Crash safety: every line is written with one write() and then flushed and fsync'ed, so a
 SIGKILL loses at most the line being written. A run is resumed by reopening the logger on the
 same directory; it first cuts off the remnant of such an interrupted line, so that the file
-stays valid JSONL and new lines never get glued onto a fragment. Readers apply the same rule:
-the last line may be a remnant and is skipped; a bad line anywhere else is corruption and is
-reported with its line number.
+stays valid JSONL and new lines never get glued onto a fragment. Readers apply the same rule
+(analysis/run_files.py, which names the files and reads them back): the last line may be a
+remnant and is skipped; a bad line anywhere else is corruption and is reported with its line
+number.
 
 Only rank 0 writes: other ranks build the logger with `enabled=False`, which makes every
 method a no-op, so call sites need no rank checks.
@@ -30,10 +31,14 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from megatron_fr.orchestrator.sinks import MetricSink, is_number
-
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
+from megatron_fr.analysis.run_files import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    is_number,
+    read_metrics,
+    scan,
+)
+from megatron_fr.orchestrator.sinks import MetricSink
 
 STEP_KEYS = (
     "step",
@@ -89,60 +94,6 @@ def _check(metrics: Mapping[str, Any], required: tuple[str, ...], what: str) -> 
         raise ValueError(f"{what}: 'step' must be an int, got {metrics['step']!r}")
 
 
-def _scan(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a JSON-lines run log and the byte length of its intact part.
-
-    The last non-blank line is allowed to be unparseable (the remnant of a write cut short by a
-    kill); it is left out and the intact length stops before it. Any other bad line raises.
-    """
-    data = path.read_bytes()
-    lines = data.splitlines(keepends=True)
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    records: list[dict[str, Any]] = []
-    offset = 0
-    for index, line in enumerate(lines):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                if index == last:
-                    return records, offset
-                raise ValueError(f"{path}:{index + 1}: malformed line ({err})") from err
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{index + 1}: expected a JSON object, got {line!r}")
-            records.append(record)
-        offset += len(line)
-    return records, offset
-
-
-def _log_path(run_dir: str | Path, name: str) -> Path:
-    """run_dir/name; FileNotFoundError naming the path when it is not there."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist (or is not a directory)")
-    path = run_dir / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file ({run_dir} has not logged {name})")
-    return path
-
-
-def read_run_log(run_dir: str | Path, name: str) -> list[dict[str, Any]]:
-    """Every record of the JSON-lines log run_dir/name, in file order (a last line cut short
-    by a kill is left out)."""
-    return _scan(_log_path(run_dir, name))[0]
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of run_dir/metrics.jsonl, in file order (step and eval lines interleaved)."""
-    return read_run_log(run_dir, METRICS_FILE)
-
-
-def has_accuracy(record: Mapping[str, Any]) -> bool:
-    """An evaluation line with an accuracy: not a step line, not an incomplete evaluation
-    (whose eval_accuracy is null: results must skip it, not read it as 0)."""
-    return is_number(record.get("eval_accuracy"))
-
-
 def last_step(run_dir: str | Path) -> int | None:
     """`step` of the last record, or None for a run that has logged nothing yet."""
     if not (Path(run_dir) / METRICS_FILE).exists():
@@ -188,7 +139,7 @@ def _repair(path: Path) -> list[dict[str, Any]]:
 
     An interrupted last line is cut off; a complete last line that only lacks its newline
     (killed between the JSON and the newline) gets one."""
-    records, intact = _scan(path)
+    records, intact = scan(path)
     with path.open("r+b") as file:
         file.truncate(intact)
         if intact:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from megatron_fr.analysis.run_files import is_number
 from megatron_fr.config.report import ReportConfig, WandbConfig
 
 TENSORBOARD_DIR = "tensorboard"
@@ -22,11 +23,6 @@ class MetricSink(Protocol):
     def write(self, scope: str, metrics: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def is_number(value: object) -> bool:
-    """int or float; bool is an int subclass but a flag, not a measurement."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def scalars(scope: str, metrics: dict[str, Any]) -> dict[str, float]:

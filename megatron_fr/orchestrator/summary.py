@@ -1,8 +1,8 @@
 """The block `megatron-fr train` ends with: how the run went, where it is, what to run next.
 
-Built from the run directory's metrics.jsonl alone (run_log.py), the file every other reader
-of a run trusts, so the block says what the record says, and a run resumed after a kill is
-summed over all its steps, not over this start's:
+Built from the run directory's metrics.jsonl alone (read by analysis/run_files.py), the file
+every other reader of a run trusts, so the block says what the record says, and a run resumed
+after a kill is summed over all its steps, not over this start's:
 
     steps trained       a count of step lines (each step is logged once, resumes included)
     rollouts            generated: the last line's rollouts_total; trained: the sum of the
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_fr.orchestrator.run_log import has_accuracy, read_metrics
+from megatron_fr.analysis.run_files import has_accuracy, read_metrics
 from megatron_fr.orchestrator.sinks import TENSORBOARD_DIR
 
 LABEL_WIDTH = 19

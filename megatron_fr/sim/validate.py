@@ -38,9 +38,9 @@ from pathlib import Path
 
 import yaml
 
+from megatron_fr.analysis.run_files import CONFIG_FILE, read_metrics
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator.checkpoints import latest_checkpoint, load_controller_state
-from megatron_fr.orchestrator.run_log import CONFIG_FILE, read_metrics
 from megatron_fr.sim.config import SimConfig
 from megatron_fr.sim.engine import Scheme
 from megatron_fr.sim.result import SimResult, simulate

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from megatron_fr import cli
+from megatron_fr.analysis.run_files import BATCHES_FILE
 from megatron_fr.buffer.lag_buffer import LengthRecord
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator import length_report
-from megatron_fr.orchestrator.report import BATCHES_FILE, RunReport
+from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.rollout.service import Evaluation
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"

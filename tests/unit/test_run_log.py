@@ -16,13 +16,13 @@ import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_fr.analysis.run_files import read_metrics
 from megatron_fr.orchestrator.run_log import (
     EVAL_KEYS,
     STEP_KEYS,
     RunLogger,
     last_step,
     read_config_header,
-    read_metrics,
     save_resolved_config,
 )
 from megatron_fr.orchestrator.sinks import TensorBoardSink

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_fr.analysis.run_files import read_metrics
 from megatron_fr.config.report import ReportConfig, WandbConfig
 from megatron_fr.config.run import load_run_config
-from megatron_fr.orchestrator.run_log import RunLogger, read_metrics
+from megatron_fr.orchestrator.run_log import RunLogger
 from megatron_fr.orchestrator.sinks import WANDB_DIR, WandbSink, build_sinks
 
 REPO = Path(__file__).resolve().parents[2]
