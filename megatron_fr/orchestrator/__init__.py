@@ -1,1 +1,2 @@
-"""The async controller and what it records in the run directory (metrics, config, plots)."""
+"""The async controller and what it records in the run directory (metrics, batches, config,
+checkpoints); what reads a run back (plots, reports, comparisons) is analysis/'s."""

@@ -64,6 +64,7 @@ def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
         f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}"
     )
+    _sglang_readback(config, spec)
     budget, _ = _row_tokens(config.task)
     if budget > context:
         raise CheckFailed(
@@ -71,6 +72,25 @@ def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
             f"context {context} (max_position_embeddings)"
         )
     return spec
+
+
+def _sglang_readback(config: RunConfig, spec: HFModelSpec) -> None:
+    """weights.spot_check reads weights back through SGLang's /get_weights_by_name, which only
+    a few model families implement: refused here for the SGLang engines the run starts, not
+    at the first sync minutes later (engines given by URL are told apart only when they
+    answer, and the sync refuses them then)."""
+    from megatron_fr.engine.sglang.protocol import WEIGHT_READBACK_FAMILIES
+
+    engine = config.rollout.engine
+    families = WEIGHT_READBACK_FAMILIES
+    reads_back = spec.model_type in families or config.weights.spot_check == 0
+    if engine.started and engine.kind == "sglang" and not reads_back:
+        raise CheckFailed(
+            f"weights.spot_check {config.weights.spot_check}: SGLang does not read back "
+            f"the weights of {spec.model_type} (/get_weights_by_name exists for "
+            f"{', '.join(families)} only): set weights.spot_check=0 (the sync check, "
+            "weights.verify_every, checks the engines by their log-probs)"
+        )
 
 
 def _row_tokens(task: TaskConfig) -> tuple[int, str]:

@@ -1,6 +1,6 @@
 """PNG figures of simulations: a sweep over cluster sizes, and the splits --suggest tried.
 
-Drawn on a bare Figure with the Agg canvas (as orchestrator/plot.py), so importing this module
+Drawn on a bare Figure with the Agg canvas (as analysis/plot.py), so importing this module
 never switches the process-wide pyplot backend.
 """
 

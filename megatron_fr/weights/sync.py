@@ -76,11 +76,6 @@ from megatron_fr.weights.transports.vllm import leave_leftover_group
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-SGLANG_WEIGHT_READBACK = ("llama", "opt", "granite", "exaone4")
-"""Model families whose SGLang 0.5.23 model class defines get_weights_by_name (the others
-answer /get_weights_by_name with an error); tests/unit/test_weight_transports.py reads them."""
-
-
 GROUPS_FILE = "weight_groups.json"
 """In the run directory: the names of the weight-update groups the engines joined at the latest
 connect, which the next connect destroys (module docstring)."""
@@ -252,12 +247,13 @@ class WeightSync:
                 f"and {vllm} are vLLM servers: set weights.spot_check=0 (the sync check, "
                 "weights.verify_every, checks them by their log-probs)"
             )
-        if self.config.spot_check and model_type not in SGLANG_WEIGHT_READBACK:
+        families = protocol.WEIGHT_READBACK_FAMILIES
+        if self.config.spot_check and model_type not in families:
             sglang = [engine.url for engine in engines if engine.kind == "sglang"]
             if sglang:
                 raise ValueError(
                     f"spot_check {self.config.spot_check}: SGLang 0.5.23 does not implement "
-                    f"/get_weights_by_name for {model_type} (only {SGLANG_WEIGHT_READBACK}); "
+                    f"/get_weights_by_name for {model_type} (only {families}); "
                     f"{sglang} are SGLang servers: set weights.spot_check=0"
                 )
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.orchestrator import compare, compare_reader
-from megatron_fr.orchestrator import compare_report as report
-from megatron_fr.orchestrator import compare_stats as stats
+from megatron_fr.analysis import compare, compare_reader
+from megatron_fr.analysis import compare_report as report
+from megatron_fr.analysis import compare_stats as stats
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = [

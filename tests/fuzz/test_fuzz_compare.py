@@ -203,7 +203,7 @@ def good_cases(ws: Path) -> list[Case]:
 @pytest.fixture
 def no_training(monkeypatch):
     """A comparison that would train a run has accepted its input: the case ends there."""
-    from megatron_fr.orchestrator import compare
+    from megatron_fr.analysis import compare
 
     def started(*_args, **_kwargs):
         raise Started

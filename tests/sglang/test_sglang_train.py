@@ -41,6 +41,7 @@ def test_train_through_real_sglang_with_every_sync_checked(sglang_python, demo_m
         f"rollout.engine.python={sglang_python}",
         "rollout.engine.start_timeout_s=900",
         "weights.verify_every=1",
+        "weights.spot_check=0",  # SGLang reads back no qwen3_moe weights: the check refuses it
         "eval.every_steps=0",
         "eval.problems=8",
         "checkpoint.every_steps=100",

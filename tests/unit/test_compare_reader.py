@@ -1,5 +1,5 @@
 """`megatron-fr compare`'s inputs: its arguments refused by argparse with their range, and the
-run directories it reads back checked by one reader (orchestrator/compare_reader.py) that
+run directories it reads back checked by one reader (analysis/compare_reader.py) that
 names the file and line, so that no malformed or foreign run directory reaches a table and no
 error is a traceback. Nothing here trains: the refusals come before any run starts, and the
 finished runs are written by hand in the form a run writes them."""
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.cli import main
-from megatron_fr.orchestrator import compare
-from megatron_fr.orchestrator.compare_reader import (
+from megatron_fr.analysis import compare
+from megatron_fr.analysis.compare_reader import (
     RunDirError,
     read_finished,
     read_records,
     state,
 )
+from megatron_fr.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
@@ -46,7 +46,7 @@ def test_a_finished_run_is_read_whole(tmp_path):
 
 
 def test_a_skipped_steps_nan_kl_is_read_and_left_out_of_the_mean(tmp_path):
-    from megatron_fr.orchestrator.compare_report import summarise
+    from megatron_fr.analysis.compare_report import summarise
 
     run_dir = write_run(tmp_path / "r")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

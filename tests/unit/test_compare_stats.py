@@ -1,4 +1,4 @@
-"""The statistics of `megatron-fr compare` (orchestrator/compare_stats.py) against values written
+"""The statistics of `megatron-fr compare` (analysis/compare_stats.py) against values written
 out here: Student's t quantiles from printed tables, the sample standard deviation and the t
 interval by their formulas, the isotonic fit and the area under a curve by hand, a crossing
 that a noisy mean touches by chance but its fit does not, and a paired bootstrap that sees a
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.orchestrator import compare
-from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.compare_report import RunSummary, sweep_table
+from megatron_fr.analysis import compare
+from megatron_fr.analysis import compare_stats as stats
+from megatron_fr.analysis.compare_report import RunSummary, sweep_table
 
 STUDENT_T = {  # (p, degrees of freedom): quantile, from printed t tables
     (0.975, 1): 12.706205,
@@ -126,7 +126,7 @@ def test_learning_rates_argument() -> None:
 
 
 def test_summaries_put_each_evaluation_on_every_budget(tmp_path: Path) -> None:
-    from megatron_fr.orchestrator.compare_report import summarise
+    from megatron_fr.analysis.compare_report import summarise
 
     lines = [
         '{"step": 0, "rollouts_total": 16, "eval_accuracy": 0.1}',

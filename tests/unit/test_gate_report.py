@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fr.orchestrator.gate_report import gate_by_advantage_sign
+from megatron_fr.analysis.gate_report import gate_by_advantage_sign
 
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = [

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from megatron_fr import cli
+from megatron_fr.analysis import length_report
 from megatron_fr.analysis.run_files import BATCHES_FILE
 from megatron_fr.buffer.lag_buffer import LengthRecord
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import load_run_config
-from megatron_fr.orchestrator import length_report
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.rollout.service import Evaluation
 

@@ -10,7 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
-from megatron_fr.orchestrator import plot
+from megatron_fr.analysis import plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

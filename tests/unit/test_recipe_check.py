@@ -162,7 +162,11 @@ def bad_cases(tmp_path: Path) -> list[tuple[str, list[str], str]]:
         ("no tokenizer", [f"model.hf_dir={PRESETS}"], "no config.json"),
         (
             "SGLang without CUDA",
-            ["rollout.engine.kind=sglang", f"rollout.engine.python={tmp_path / 'no-python'}"],
+            [
+                "rollout.engine.kind=sglang",
+                f"rollout.engine.python={tmp_path / 'no-python'}",
+                "weights.spot_check=0",
+            ],
             "rollout.engine.kind is 'sglang', which needs CUDA GPUs, and this machine has none",
         ),
     ]
@@ -247,3 +251,21 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism(tmp_path, tokeni
         assert (refusal is not None) == raises, (tp, sp, refusal)
         if refusal:
             assert f"parallel.tensor={tp} needs parallel.sequence_parallel=true" in refusal
+
+
+def test_a_spot_check_of_sglang_engines_is_refused_for_a_family_sglang_cannot_read_back(
+    demo_model,
+):
+    """SGLang's /get_weights_by_name exists for a few model families only (read from its
+    model classes in test_weight_transports.py): a recipe whose started SGLang engines serve
+    another family (the demo's qwen3_moe) is refused by the check, not at the first sync; the
+    same recipe with weights.spot_check=0, or with the CPU engine, passes."""
+    recipe = EXAMPLES / "cpu_demo.yaml"
+    sglang = [f"model.hf_dir={demo_model}", "rollout.engine.kind=sglang"]
+    config = load_run_config(recipe, sglang)
+    assert config.weights.spot_check > 0
+    with pytest.raises(CheckFailed, match="SGLang does not read back the weights of qwen3_moe"):
+        check_recipe(config, config.learner_world, None, render=False)
+    for overrides in ([*sglang, "weights.spot_check=0"], [f"model.hf_dir={demo_model}"]):
+        config = load_run_config(recipe, overrides)
+        check_recipe(config, config.learner_world, None, render=False)

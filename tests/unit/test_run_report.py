@@ -52,8 +52,8 @@ def test_an_incomplete_evaluation_is_logged_without_accuracy_drawn_as_a_marker_a
     0, and the results code (compare's summary, the plot's title) reads only the honest one."""
     from matplotlib.figure import Figure
 
-    from megatron_fr.orchestrator import plot
-    from megatron_fr.orchestrator.compare_report import summarise
+    from megatron_fr.analysis import plot
+    from megatron_fr.analysis.compare_report import summarise
     from megatron_fr.rollout.service import Evaluation
 
     config = load_run_config(RECIPE)

@@ -418,7 +418,7 @@ def test_flush_cache_retries_while_sglang_refuses_and_gives_up_at_the_deadline()
 
 def test_spot_check_is_refused_for_sglang_serving_the_projects_model_families():
     models = src.sglang_root() / "srt/models"
-    for family in sync_module.SGLANG_WEIGHT_READBACK:
+    for family in protocol.WEIGHT_READBACK_FAMILIES:
         assert "def get_weights_by_name" in (models / f"{family}.py").read_text(), family
     for family in SUPPORTED_MODEL_TYPES:
         assert "def get_weights_by_name" not in (models / f"{family}.py").read_text(), family

@@ -25,6 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, 
 
 from megatron_fr.engine.top_logprobs import TopLogProbs
 
+WEIGHT_READBACK_FAMILIES = ("llama", "opt", "granite", "exaone4")
+"""Model families whose SGLang 0.5.23 model class defines get_weights_by_name (the others
+answer /get_weights_by_name with an error): weights.spot_check reads weights back from these
+only; tests/unit/test_weight_transports.py reads them in SGLang's source."""
+
 GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
 PAUSE_GENERATION_PATH = "/pause_generation"

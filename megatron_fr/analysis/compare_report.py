@@ -13,9 +13,9 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_fr.analysis import compare_stats as stats
+from megatron_fr.analysis.compare_reader import read_records
 from megatron_fr.analysis.run_files import has_accuracy
-from megatron_fr.orchestrator import compare_stats as stats
-from megatron_fr.orchestrator.compare_reader import read_records
 
 X_AXES = {
     "trained": "trained rollouts",

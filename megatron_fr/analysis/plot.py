@@ -1,6 +1,6 @@
 """`megatron-fr plot RUN_DIR [--out FILE]`: one PNG summarising a run's metrics.jsonl.
 
-    python -m megatron_fr.orchestrator.plot runs/qwen3-0.6b-gsm8k     # same, before wiring
+    python -m megatron_fr.analysis.plot runs/qwen3-0.6b-gsm8k     # same, before wiring
 
 Top row against optimizer step, bottom row against rollouts consumed: reward, acceptance
 rate, policy lag (mean and max), eval accuracy with its spread over eval seeds as a band.

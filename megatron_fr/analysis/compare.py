@@ -53,13 +53,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
 
+from megatron_fr.analysis import compare_reader as reader
+from megatron_fr.analysis import compare_report as report
+from megatron_fr.analysis import compare_stats as stats
 from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.buffer import MAX_LAG
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.run import load_run_config
-from megatron_fr.orchestrator import compare_reader as reader
-from megatron_fr.orchestrator import compare_report as report
-from megatron_fr.orchestrator import compare_stats as stats
 from megatron_fr.utils.provenance import run_provenance
 
 GATES: tuple[str, ...] = get_args(FlashReinforceConfig.model_fields["gate_kl"].annotation)
