@@ -3,12 +3,12 @@
 
     .venv/bin/python tools/gate_by_advantage.py runs/lag/lag8-seed0 [--delta 3e-3]
 
-See megatron_fr/orchestrator/gate_report.py.
+See megatron_fr/analysis/gate_report.py.
 """
 
 import sys
 
-from megatron_fr.orchestrator import gate_report
+from megatron_fr.analysis import gate_report
 
 if __name__ == "__main__":
     sys.exit(gate_report.main())
