@@ -56,6 +56,7 @@ from typing import get_args
 from megatron_fr.analysis import compare_reader as reader
 from megatron_fr.analysis import compare_report as report
 from megatron_fr.analysis import compare_stats as stats
+from megatron_fr.analysis.axes import BUDGETS
 from megatron_fr.config.algo import FlashReinforceConfig
 from megatron_fr.config.buffer import MAX_LAG
 from megatron_fr.config.learner import LearnerConfig
@@ -495,7 +496,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--x",
-        choices=tuple(report.X_AXES),
+        choices=BUDGETS,
         default="trained",
         help="the budget the results are read against: trained rollouts, generated rollouts "
         "(discarded groups and stale drops charged) or trained response tokens",

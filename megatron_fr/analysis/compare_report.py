@@ -1,10 +1,10 @@
 """What a comparison reports: each run read into a summary, then the tables of results.md and
 the accuracy figure (the statistics themselves are compare_stats.py's).
 
-The budget on the x-axis is one of X_AXES: trained rollouts (steps x B: what each method
-learned from), generated rollouts (rollouts_total at each evaluation: what the engines spent,
-including a group estimator's discarded groups and the drops of stale trajectories) or trained
-tokens (the response tokens of the trained batches)."""
+The budget on the x-axis is one of axes.BUDGETS: trained rollouts (steps x B: what each
+method learned from), generated rollouts (rollouts_total at each evaluation: what the engines
+spent, including a group estimator's discarded groups and the drops of stale trajectories) or
+trained tokens (the response tokens of the trained batches)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_fr.analysis import compare_stats as stats
+from megatron_fr.analysis.axes import X_AXES, logged_key
 from megatron_fr.analysis.compare_reader import read_records
 from megatron_fr.analysis.run_files import has_accuracy
-
-X_AXES = {
-    "trained": "trained rollouts",
-    "generated": "generated rollouts",
-    "tokens": "trained response tokens",
-}
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,7 @@ class RunSummary:
     """Mean over steps of the batch's mean lag (versions between its oldest token and the
     learner)."""
     curves: dict[str, stats.Curve] = field(default_factory=dict)
-    """The same evaluations against each budget of X_AXES."""
+    """The same evaluations against each other budget of axes.BUDGETS."""
     lr: float | None = None
     """The learning rate the run trained at (None: the recipe's)."""
 
@@ -66,7 +61,7 @@ def summarise(
         total += record.get("response_length_mean", 0.0) * batch_size
         tokens_by_step[record["step"]] = total
     trained = sorted({r["step"]: r["eval_accuracy"] for r in evals}.items())
-    generated = {r["step"]: r.get("rollouts_total", 0) for r in evals}
+    generated = {r["step"]: r.get(logged_key("generated"), 0) for r in evals}
     return RunSummary(
         variant,
         seed,
@@ -101,7 +96,8 @@ def results_table(
         "| mean accuracy over the budget (95% bootstrap) | mean acceptance | mean KL | mean lag |"
     )
     if reference:
-        header += f" {X_AXES[axis]} to reach {reference}'s final (x its budget, 95% interval) |"
+        budget = X_AXES[axis].label
+        header += f" {budget} to reach {reference}'s final (x its budget, 95% interval) |"
     lines = [header, "|" + "---|" * (9 + bool(reference))]
     for name, runs in by_variant.items():
         finals = [curve[-1][1] for curve in curves[name]]
@@ -132,7 +128,7 @@ def gap_table(by_variant: dict[str, list[RunSummary]], reference: str, axis: str
     for name in others:
         for x, gap, interval in stats.gap_at_each_budget(curves[name], curves[reference]):
             rows.setdefault(x, []).append(f"{gap:+.3f} {_interval(interval)}")
-    header = f"| {X_AXES[axis]} | " + " | ".join(f"{n} - {reference}" for n in others) + " |"
+    header = f"| {X_AXES[axis].label} | " + " | ".join(f"{n} - {reference}" for n in others) + " |"
     lines = [header, "|" + "---|" * (1 + len(others))]
     lines += [f"| {x:,.0f} | " + " | ".join(cells) + " |" for x, cells in sorted(rows.items())]
     return "\n".join(lines) + "\n"
@@ -196,7 +192,7 @@ def plot(by_variant: dict[str, list[RunSummary]], out: Path, title: str, axis: s
             alpha=0.2,
             color=line.get_color(),
         )
-    axes.set_xlabel(X_AXES[axis])
+    axes.set_xlabel(X_AXES[axis].label)
     axes.set_ylabel("held-out accuracy (dashed: isotonic fit)")
     axes.set_title(title)
     axes.grid(alpha=0.3)

@@ -1,7 +1,7 @@
 """The statistics of a comparison, as a careful reviewer would compute them from a few seeds.
 
 curve       (budget, accuracy) at each evaluation of one run; the budget is trained
-            rollouts, generated rollouts or trained tokens (compare.X_AXES)
+            rollouts, generated rollouts or trained tokens (axes.BUDGETS)
 alignment   runs evaluated at the same step have the same trained rollouts, but not the same
             generated rollouts or tokens; such curves are each interpolated linearly onto one
             grid before any mean is taken (aligned)

@@ -2,10 +2,10 @@
 
     python -m megatron_fr.analysis.plot runs/qwen3-0.6b-gsm8k     # same, before wiring
 
-Top row against optimizer step, bottom row against rollouts consumed: reward, acceptance
-rate, policy lag (mean and max), eval accuracy with its spread over eval seeds as a band.
-Both rows matter for async RL: a step can consume a varying number of rollouts, so two runs
-are compared fairly on sample efficiency only along the bottom row.
+Top row against optimizer step, bottom row against generated rollouts (axes.PLOT_AXES):
+reward, acceptance rate, policy lag (mean and max), eval accuracy with its spread over eval
+seeds as a band. Both rows matter for async RL: a step can generate a varying number of
+rollouts, so two runs are compared fairly on sample efficiency only along the bottom row.
 
 Drawn on a bare Figure with the Agg canvas, so importing this module never switches the
 process-wide pyplot backend.
@@ -24,6 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from megatron_fr.analysis.axes import PLOT_AXES, X_AXES, logged_key
 from megatron_fr.analysis.run_files import has_accuracy, read_metrics
 
 PLOT_FILE = "metrics.png"
@@ -35,8 +36,6 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy lag (versions)", ("lag_mean", "lag_max")),
     ("eval accuracy", ("eval_accuracy",)),
 )
-# (x key, axis label): one row each
-X_AXES = (("step", "optimizer step"), ("rollouts_total", "rollouts"))
 EPISODE_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_rate")
 """Text tasks' per-step figures, drawn in an "episodes" panel when the run logged them."""
 POOL_KEYS = ("engines_total", "engines_serving", "engines_out_total", "engine_seconds_lost")
@@ -136,13 +135,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     panels = panels_of(records)
     fig = Figure(figsize=(4 * len(panels), 7), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(X_AXES), len(panels), squeeze=False)
-    for row, (x_key, x_label) in enumerate(X_AXES):
+    axes = fig.subplots(len(PLOT_AXES), len(panels), squeeze=False)
+    for row, axis in enumerate(PLOT_AXES):
         for col, (title, keys) in enumerate(panels):
             ax = axes[row][col]
-            _draw_panel(ax, records, x_key, keys)
+            _draw_panel(ax, records, logged_key(axis), keys)
             ax.set_title(title)
-            ax.set_xlabel(x_label)
+            ax.set_xlabel(X_AXES[axis].label)
     fig.suptitle(_title(run_dir, records), fontsize="x-large")
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
