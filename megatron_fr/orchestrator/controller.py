@@ -44,9 +44,12 @@ from megatron_fr.orchestrator.ranks import Follower, Leader, Rank
 from megatron_fr.orchestrator.resume import NoUsableCheckpoint, settle_resume_point
 from megatron_fr.orchestrator.setup import connect_weight_sync
 from megatron_fr.parallel.state import broadcast_from_rank0
+from megatron_fr.rollout.service import RolloutFailed
+from megatron_fr.rollout.supervisor import EngineDied
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 from megatron_fr.utils.net import free_port
+from megatron_fr.weights.sync import WeightSyncError
 from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:
@@ -243,6 +246,18 @@ class SkippedSteps:
                 flush=True,
             )
         return bool(cause)
+
+
+RUN_ENDINGS: tuple[type[Exception], ...] = (
+    EngineDied,
+    RolloutFailed,
+    NoUsableCheckpoint,
+    NonFiniteSteps,
+    WeightSyncError,
+)
+"""The errors that end a run for a reason its message states in full (an engine out of
+restarts, no usable checkpoint, the learner's steps non-finite, a weight sync refused): the
+rank that meets one prints that message, not a traceback of the run loop."""
 
 
 def settled_resume_point(run_dir: Path) -> tuple[Path | None, int]:

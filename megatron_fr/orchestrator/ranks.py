@@ -28,7 +28,7 @@ from megatron_fr.learner.step_metrics import StepMetrics
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.rollout_process import Hello, RunRollout, start_rollout_process
-from megatron_fr.parallel.state import broadcast_from_rank0, run_on_rank0
+from megatron_fr.parallel.state import FirstRankFailed, broadcast_from_rank0, run_on_rank0
 from megatron_fr.utils.process_proxy import ProcessProxy
 
 T = TypeVar("T")
@@ -116,7 +116,16 @@ class Leader(Rank):
             raise
 
     def share(self, ask: Callable[[Leader], T]) -> T:
-        return broadcast_from_rank0(ask(self))
+        """`ask`'s answer, on every rank; when it raises, the others are told (they raise
+        FirstRankFailed) before it is raised here, so no rank is left in the broadcast to
+        meet the first rank's exit as a lost connection."""
+        try:
+            answer = ask(self)
+        except Exception as error:
+            broadcast_from_rank0(("error", f"{type(error).__name__}: {error}"))
+            raise
+        broadcast_from_rank0(("done", answer))
+        return answer
 
     def act(self, work: Callable[[Leader], object]) -> None:
         work(self)
@@ -162,7 +171,11 @@ class Follower(Rank):
     leads = False
 
     def share(self, ask: Callable[[Leader], T]) -> T:
-        return broadcast_from_rank0(None)
+        shared: tuple[str, T] = broadcast_from_rank0(None)  # the leader's ("done", answer)
+        kind, answer = shared
+        if kind == "error":
+            raise FirstRankFailed(f"the first rank failed: {answer}")
+        return answer
 
     def act(self, work: Callable[[Leader], object]) -> None:
         pass

@@ -129,13 +129,19 @@ def _run_rank(config: RunConfig, run_dir: Path) -> int:
     exit_when_parent_dies()  # torchrun runs ranks in sessions of their own
     import torch
 
-    from megatron_fr.orchestrator.controller import train
+    from megatron_fr.orchestrator.controller import RUN_ENDINGS, train
+    from megatron_fr.parallel.state import FirstRankFailed
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # ranks and the CPU engine share the cores
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         train(config, run_dir)
+    except FirstRankFailed:
+        return 1  # the first rank says why, once
+    except RUN_ENDINGS as error:
+        print(f"megatron-fr train: error: {error}", file=sys.stderr, flush=True)
+        return 1
     except Exception as error:
         storage = describe_storage_error(error, run_dir)
         if storage is None:
@@ -161,7 +167,7 @@ def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
     command = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "megatron_fr.orchestrator.torchrun",
         "--nproc-per-node",
         str(ranks),
         "--master-addr",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -301,7 +302,8 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     """SIGKILL of the engine while the step-0 evaluation runs (its 600 episodes take far
     longer than the test waits), no restart allowed: the run ends non-zero within 60 s, its
     last error names the engine (not the weight-update group it could no longer leave), no
-    task's exception is left unretrieved (asyncio's "Task exception was never retrieved"), and
+    task's exception is left unretrieved (asyncio's "Task exception was never retrieved"), the
+    console holds no traceback (the rank prints the error, the launcher one line), and
     nothing is left."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
@@ -336,6 +338,10 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     last_error = [line for line in output.splitlines() if "Error" in line][-1]
     assert "destroy_weights_update_group" not in last_error, output[-3000:]
     assert "Task exception was never retrieved" not in output, output[-3000:]
+    # the ending is the engine's error and the launcher's line, no rank's or torchrun's
+    # traceback and no task left pending at the rollout loop's close
+    assert "Traceback" not in output and "Task was destroyed" not in output, output[-3000:]
+    assert re.search(r"megatron-fr train: learner rank \d ended with code 1", output), output
     wait_until(lambda: not run_processes(marker), 30, "no process left")
 
 

@@ -8,8 +8,9 @@ What must hold, read from the run's own files:
   rollouts generated across a sync, so the engine served weights the learner pushed);
 - every sync check scored SGLang's log-probs of the probe against the learner's at the version
   just pushed, and none failed: sync_logprob_gap is in metrics.jsonl at every step, within
-  the 0.01-nat bound a float32 push holds on this model (a push that loaded the wrong bytes,
-  or that SGLang refused, would show here);
+  GAP_BOUND (a push that loaded the wrong bytes, or that SGLang refused, would show here).
+  SGLang's CPU kernels are not the learner's: the largest per-token gap on the 16-token probe
+  measured 6.4e-4, 1.3e-2 and 4.0e-3 at steps 1-3 of one run, 3.1e-4 to 9.3e-4 in another;
 - the engine was never taken out (faults.jsonl has no line).
 The demo model's MoE layers run on SGLang's torch-native CPU path; its routed experts cannot
 be returned on CPU (SGLang pins host memory with CUDA for them), so routing replay is not run
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.sglang
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
 STEPS = 3
+GAP_BOUND = 0.05
+"""Nats: four times the largest gap measured (module docstring), far below the recipe's own
+weights.verify_tolerance (1.0)."""
 
 
 def test_train_through_real_sglang_with_every_sync_checked(sglang_python, demo_model, tmp_path):
@@ -54,7 +58,7 @@ def test_train_through_real_sglang_with_every_sync_checked(sglang_python, demo_m
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     assert any(m["lag_max"] >= 1 for m in steps), [m["lag_max"] for m in steps]
     gaps = [m.get("sync_logprob_gap") for m in steps]
-    assert all(gap is not None and gap < 0.01 for gap in gaps), gaps
+    assert all(gap is not None and gap < GAP_BOUND for gap in gaps), gaps
     assert all(m["sync_checks_failed"] == 0 for m in steps)
     faults = run_dir / "faults.jsonl"
     assert not faults.exists() or not faults.read_text().strip(), faults.read_text()
