@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-METRICS = "metrics.jsonl"
-CONFIG = "config.yaml"
+from megatron_fr.analysis.run_files import CONFIG_FILE, METRICS_FILE
+
 MAX_BYTES = 1 << 30
 """A metrics.jsonl past 1 GiB is no run of this project (a line per step and evaluation)."""
 MAX_CONFIG_BYTES = 16 << 20
@@ -58,7 +58,7 @@ class RunRecords:
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of run_dir/metrics.jsonl, each checked (module docstring); RunDirError
     naming the file and line of the first that is not."""
-    path = run_dir / METRICS
+    path = run_dir / METRICS_FILE
     data = _regular_bytes(path, MAX_BYTES)
     lines = data.split(b"\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -80,7 +80,7 @@ def state(run_dir: Path, steps: int) -> str:
     """ "missing" (no metrics.jsonl: not started), "partial" (to be trained on: train resumes
     it) or "finished" (logged an evaluation at step `steps`); RunDirError when its records are
     malformed (training into it would fail on them, or mix them into the results)."""
-    if not (run_dir / METRICS).exists() and not (run_dir / METRICS).is_symlink():
+    if not (run_dir / METRICS_FILE).exists() and not (run_dir / METRICS_FILE).is_symlink():
         return "missing"
     records = read_records(run_dir)
     done = any(r["step"] == steps and "eval_accuracy" in r for r in records)
@@ -90,7 +90,7 @@ def state(run_dir: Path, steps: int) -> str:
 def read_finished(run_dir: Path, steps: int) -> RunRecords:
     """A finished run of `steps` steps, checked whole (module docstring)."""
     records = read_records(run_dir)
-    path = run_dir / METRICS
+    path = run_dir / METRICS_FILE
     logged = [r["step"] for r in records if "reward_mean" in r]
     if logged != list(range(1, steps + 1)):
         raise RunDirError(
@@ -108,7 +108,7 @@ def read_finished(run_dir: Path, steps: int) -> RunRecords:
 def read_header(run_dir: Path) -> dict[str, str]:
     """The `# key: value` lines above run_dir/config.yaml, after the file is checked to be the
     YAML mapping a run writes."""
-    path = run_dir / CONFIG
+    path = run_dir / CONFIG_FILE
     try:
         text = _regular_bytes(path, MAX_CONFIG_BYTES).decode("utf-8")
         config = yaml.safe_load(text)
