@@ -308,12 +308,13 @@ class Learner:
         )
         return loss * scale, reported
 
-    def plan(self, batch: list[Trajectory]) -> StepPlan:
+    def plan(self, batch: list[Trajectory], replayed: bool = True) -> StepPlan:
         """The step plan of a whole batch (every rank computes the same one), its trajectories
-        validated and, with routing replay, checked for the model's routed experts."""
+        validated and, when they are replayed (routing replay on and `replayed`), checked for
+        the model's routed experts."""
         for trajectory in batch:
             validate_trajectory(trajectory)
-        if self.routing_replay is not None:
+        if self.routing_replay is not None and replayed:
             self.routing_replay.check(batch)
         return plan_step(batch, self.config, self.parallel, self.groups.dp.size())
 
@@ -450,7 +451,8 @@ class Learner:
             return scores.sum() * 0, {}
 
         with torch.no_grad():
-            micros = self._micro_batches(self.plan(batch), batch, pad_id, replay)
+            plan = self.plan(batch, replayed=replay is not None)
+            micros = self._micro_batches(plan, batch, pad_id, replay)
             self._schedule(micros, score, True, replay, temperature)
         everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
         # each trajectory lives on one DP rank, its tokens spread over that rank's CP group

@@ -3,7 +3,9 @@ learner: an engine holding the learner's weights passes the probe with a gap of 
 rounding; the same engine after a push of other weights behind the learner's back (a
 checkpoint of another seed loaded from disk, with the version set as a correct sync would)
 fails it with a gap thousands of times larger, and the pool takes it out naming the gap.
-The top-K gate's probe asks for the engine's top-K too and carries them to the learner.
+The top-K gate's probe asks for the engine's top-K too and carries them to the learner. A
+learner with routing replay on scores the probe (which carries no routed experts) with its
+own routing, as the run's check does.
 An engine that serves another version fails too, whatever its weights."""
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RecordingPool:
 
 
 def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: str) -> dict:
+    import functools
     import json as json_module
 
     from megatron_fr.config import LearnerConfig, ParallelConfig
@@ -67,6 +70,19 @@ def check_on_rank(rank: int, world_size: int, hf_dir: str, other_dir: str, url: 
     version = protocol.update_weight_version_request
     _post(url, protocol.UPDATE_WEIGHT_VERSION_PATH, version("0"))
     results = {"same": check.run([url], 0)}
+    # the run's check under routing replay (controller.sync_check): the probe carries no
+    # routed experts, and the learner scores it with its own routing
+    replaying = Learner(
+        spec,
+        parallel,
+        LearnerConfig(params_dtype="float32", routing_replay=True),
+        total_steps=1,
+        init_hf_dir=hf_dir,
+    )
+    score = functools.partial(replaying.policy_log_probs, routing_replay=False)
+    results["same, routing replay"] = SyncCheck(
+        score, spec.vocab_size, 1.0, 1, TOLERANCE, 120.0
+    ).run([url], 0)
     with_top_k = SyncCheck(
         learner.policy_log_probs, spec.vocab_size, 1.0, 1, TOLERANCE, 120.0, top_logprobs_num=4
     )
@@ -98,6 +114,8 @@ def test_a_push_of_other_weights_is_caught_by_the_probe(tmp_path, cpu_engine, ca
     (results,) = run_on_ranks(check_on_rank, 1, str(served), str(other), cpu_engine)
     (same,) = results["same"]
     assert same.problem is None and same.tokens > 0 and same.gap < 1e-4, same
+    (replayed,) = results["same, routing replay"]  # R3 on: the same check, the same gap
+    assert replayed.problem is None and replayed.gap < 1e-4, replayed
     (same_top_k,) = results["same, top-K"]  # the top-K gate's probe: the same check passes
     assert same_top_k.problem is None and same_top_k.gap < 1e-4, same_top_k
     rows = results["top-K probe rows"]  # and carries K entries per generated token
