@@ -164,7 +164,7 @@ MALFORMED = [
             ("temperature=0", "sampling_params must be an object, got str"),
             ({"temperature": "0.5"}, "'temperature' must be float, got str"),
             ({"temperature": -0.5}, "temperature must be a non-negative finite number"),
-            ({"temperature": 1e400}, "'temperature' must be finite"),
+            ({"temperature": 1e400}, "'sampling_params.temperature' must be finite"),
             ({"top_p": 0}, "top_p must be in (0, 1]"),
             ({"top_p": 1.5}, "top_p must be in (0, 1]"),
             ({"top_k": 0}, "top_k must be -1 (disable) or at least 1"),

@@ -12,6 +12,9 @@ One request must neither cost the server more than it can afford nor stop it ans
     another Content-Encoding               415
     not JSON, not a JSON object            400
     nested deeper than MAX_JSON_DEPTH      400 (Python's parser would raise RecursionError)
+    what SGLang's parser (orjson) refuses  400 naming the field: a UTF-8 byte order mark, a
+      and Python's takes                       body not in UTF-8, NaN, Infinity, a number past
+                                               a double, a lone surrogate (parse_json)
 
 The server reads bodies as they were sent (cpu_server: AUTO_DECOMPRESS turns aiohttp's own
 inflating off, which runs on the event loop: a 260 KiB body inflating to 256 MiB held /health
@@ -28,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import zlib
 from typing import Any, TypeVar
 
@@ -46,6 +51,13 @@ MAX_JSON_DEPTH = 32
 """Nesting a body may have; SGLang's request bodies need 4."""
 PARSE_IN_THREAD_BYTES = 64 * 2**10
 """Bodies larger than this are parsed off the event loop."""
+UTF8_BOM = b"\xef\xbb\xbf"
+FINITE_INT_CHARS = 309
+"""A JSON integer shorter than this is a finite double (the largest, 1.8e308, has 309
+digits)."""
+LONE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+"""A \\ud800-\\udfff escape: only a body holding one has its strings checked for a lone
+surrogate."""
 INFLATE_CHUNK_BYTES = 2**20
 """A compressed body is inflated this much at a time, so its size is checked as it grows."""
 INFLATED_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": 0}
@@ -115,21 +127,83 @@ def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
 
 
 def parse_json(raw: bytes) -> object:
-    """JSON text, at most MAX_JSON_DEPTH deep; BadRequest naming the fault otherwise."""
+    """JSON text read as SGLang's server reads it (orjson: srt/entrypoints/http_server.py,
+    ORJSONRequest), at most MAX_JSON_DEPTH deep; BadRequest naming the fault otherwise.
+
+    What Python's parser would take and SGLang's refuses is refused here too: a UTF-8 byte
+    order mark, a body in another encoding (UTF-16, UTF-32), NaN and Infinity, a number that
+    is not finite as a double (1e400, an integer of 310 digits), a lone surrogate escape.
+    What SGLang takes is taken: -0 (the integer 0), -0.0, a number of any number of digits
+    that rounds to a finite double."""
+    if raw.startswith(UTF8_BOM):
+        raise BadRequest("the body starts with a UTF-8 byte order mark, which JSON text must not")
     try:
-        value = json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadRequest(f"the body is not JSON: it is not UTF-8 ({error})") from None
+    try:
+        value = json.loads(text, parse_int=_json_int)
     except RecursionError:
         raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as error:  # not JSON, or not UTF-8
+    except ValueError as error:  # not JSON
         raise BadRequest(f"the body is not JSON: {error}") from error
-    stack = [(value, 1)] if isinstance(value, dict | list) else []
+    _check_tree(value, surrogates=LONE_SURROGATE.search(raw) is not None)
+    return value
+
+
+def _json_int(text: str) -> int | float:
+    """A JSON integer; one past any finite double is read as the double it rounds to (an
+    infinity, as SGLang's parser reads it), so that it is refused by name like 1e400 (and
+    Python's int() would refuse one of over 4300 digits with a message naming no field)."""
+    if len(text) < FINITE_INT_CHARS or math.isfinite(float(text)):
+        return int(text)
+    return float(text)
+
+
+def _check_tree(value: object, surrogates: bool) -> None:
+    """Refuse nesting past MAX_JSON_DEPTH and, naming its path, any number that is not
+    finite as a double (and, with `surrogates`, any string holding a lone surrogate)."""
+    if not isinstance(value, dict | list):
+        return  # no JSON object: json_object refuses it
+    stack: list[tuple[dict | list, int, str]] = [(value, 1, "")]
     while stack:
-        item, depth = stack.pop()
+        item, depth, path = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels")
-        children = item.values() if isinstance(item, dict) else item
-        stack += [(child, depth + 1) for child in children if isinstance(child, dict | list)]
-    return value
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        odd = [
+            (key, child)
+            for key, child in pairs
+            if isinstance(child, dict | list | float)
+            or (surrogates and isinstance(child, str))
+            or (surrogates and isinstance(key, str))
+        ]
+        for key, child in odd:
+            where = f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]"
+            where = where.removeprefix(".")
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1, where))
+            else:
+                _check_leaf(child, where, surrogates)
+            if surrogates and isinstance(key, str):
+                _check_leaf(key, f"the name of {where}", surrogates)
+
+
+def _check_leaf(value: object, where: str, surrogates: bool) -> None:
+    where = where.encode("utf-8", "backslashreplace").decode("utf-8")  # a name may hold one
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadRequest(
+            f"field {where!r} must be finite, got {value} (JSON has no NaN or Infinity, and "
+            "a number past 1.8e308 overflows a double)"
+        )
+    if surrogates and isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(
+                f"{where:.120} holds a lone surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not text"
+            ) from None
 
 
 def error_response(status: int, message: str) -> web.Response:
