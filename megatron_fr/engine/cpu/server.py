@@ -18,9 +18,12 @@ A /generate response carries SGLang's per-token version spans, meta_info.weight_
 [{"version", "start", "end"}, ...] over the output tokens, and meta_info.weight_version = the
 last span's version (srt/utils/weight_versions.py). Hostile or broken clients cannot wedge it:
 bodies are bounded in size, arrival time and depth before they are parsed (cpu_requests: 413,
-408, 400), a /generate in prompts, tokens and characters before any tokenising (cpu_wire,
-400 naming the field), a weight-group join in time (--weight-group-timeout-s, on a thread of
-its own), a disk load to regular files; a client that disconnects ends its generation.
+408, 400), a /generate in prompts, tokens and characters before any tokenising, and in the
+log-probs its answer may carry (--max-request-logprobs) (cpu_wire, 400 naming the field or
+the flag), a weight-group join in time (--weight-group-timeout-s, on a thread of its own), a
+disk load to regular files; a client that disconnects ends its generation (every prompt of
+it: those not started never start), and an answer is encoded on a worker thread, entry by
+entry, so /health answers meanwhile.
 """
 
 from __future__ import annotations
@@ -28,16 +31,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from aiohttp import web
 
 from megatron_fr.engine.cpu.engine import CpuEngine, Output
 from megatron_fr.engine.cpu.requests import (
+    DISCONNECT_POLL_S,
     READ_TIMEOUT_S,
     ClientGone,
     errors_as_json,
@@ -49,18 +54,23 @@ from megatron_fr.engine.cpu.wire import (
     BadRequest,
     GenerateJob,
     PromptLimits,
+    answer_json,
     bool_flags,
     bucket_metadata,
     field,
     generate_response,
     join_args,
     parse_generate,
+    sglang_base_request,
     version_field,
 )
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, INSTANCE_FIELD
 from megatron_fr.engine.sglang.source import DistributedReceiver, JoinArgs, SglangSourceMissing
 from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
 from megatron_fr.utils.parent_watch import exit_when_parent_dies
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("megatron_fr.cpu_server")
 T = TypeVar("T")
@@ -72,8 +82,15 @@ DEFAULT_MAX_BATCH_PROMPTS = 1024
 """Prompts one /generate may carry (the rollout client sends one)."""
 DEFAULT_READ_TIMEOUT_S = 60.0
 """How long a request's headers and body may take to arrive."""
-DEFAULT_JOIN_TIMEOUT_S = 300.0
-"""How long joining a weight-update group may wait for its master (and its other ranks)."""
+DEFAULT_MAX_REQUEST_LOGPROBS = 2**21
+"""Log-probs one /generate's answer may carry (its prompts' most output tokens x (1 +
+top_logprobs_num)); a request past it is refused at admission (HTTP 400 naming the flag).
+2 Mi is a single prompt of 32k tokens with top-63 log-probs, or 2048 tokens x 1024 prompts
+without: an answer of about 70 MB of JSON, built in 1 to 2.5 s on a worker thread (2 cores)."""
+DEFAULT_JOIN_TIMEOUT_S = 60.0
+"""How long joining a weight-update group may wait for its master (and its other ranks), and
+each of the group's broadcasts: half the learner's own deadline for the join (weights.timeout_s,
+120 s), so an engine whose master never answers says so before the learner gives up."""
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 AUTO_DECOMPRESS = False
 """aiohttp's server option: off, so bodies are read as sent and inflated off the event loop,
@@ -98,12 +115,15 @@ class CpuServer:
         max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+        max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS,
     ):
         self.engine = engine
         self.max_concurrency = max_concurrency
         self.max_request_bytes = max_request_bytes
         self.read_timeout_s, self.join_timeout_s = read_timeout_s, join_timeout_s
-        self.limits = PromptLimits.of(engine.tokenizer, engine.context_length, max_batch_prompts)
+        self.limits = PromptLimits.of(
+            engine.tokenizer, engine.context_length, max_batch_prompts, max_request_logprobs
+        )
         self.pool = ThreadPoolExecutor(max_workers=max_concurrency)
         # Weight updates get threads of their own: requests waiting out a pause hold every
         # generation thread, and the update that would end the pause must still run. Group
@@ -111,6 +131,8 @@ class CpuServer:
         # join_timeout_s: a master that never answers holds neither.
         self.control_pool = ThreadPoolExecutor(max_workers=4)
         self.receiver = DistributedReceiver()  # one process: TP rank 0 of a TP-1 server
+        self._stopping: set[asyncio.Task] = set()
+        """Aborts of the prompts of requests whose clients left, repeated until they end."""
         self.instance = uuid.uuid4().hex  # /server_info: one process under two URLs is one
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
@@ -189,32 +211,55 @@ class CpuServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await json_object(request)
-        jobs, batched = await asyncio.to_thread(parse_generate, body, self.limits)
-        futures = [asyncio.ensure_future(self._run(self._generate_one, job)) for job in jobs]
+        gone = threading.Event()
+        jobs, batched, work = await asyncio.to_thread(self._admit, body, gone)
         try:
-            outputs = await unless_disconnected(request, asyncio.gather(*futures))
+            waiting = asyncio.gather(*map(asyncio.wrap_future, work))
+            outputs = await unless_disconnected(request, waiting)
         except BaseException as error:
             # A client gone, a cancelled handler or a refused prompt of a batch: nothing more
             # of this request is worth computing.
-            for job, future in zip(jobs, futures, strict=True):
-                if not future.done():  # (a finished one's rid may belong to another request)
-                    future.cancel()  # not started yet: never starts
-                    self.engine.abort(job.rid)
+            gone.set()
+            for job, future in zip(jobs, work, strict=True):
+                if not future.cancel() and not future.done():  # started: ended at a step
+                    self._stop(job.rid, future)
             if isinstance(error, ClientGone):
                 return web.Response(status=499, text="client disconnected")
             raise
-        responses = [
-            generate_response(output, job.rid, self.engine.tokenizer)
-            for output, job in zip(outputs, jobs, strict=True)
-        ]
-        return web.json_response(responses if batched else responses[0])
+        tokenizer = self.engine.tokenizer
+        answer = await asyncio.to_thread(_answer, outputs, jobs, batched, tokenizer)
+        return web.Response(body=answer, content_type="application/json")
 
-    def _generate_one(self, job: GenerateJob) -> Output:
+    def _admit(
+        self, body: dict, gone: threading.Event
+    ) -> tuple[list[GenerateJob], bool, list[Future]]:
+        """The jobs of a /generate body (refused past the server's limits), each submitted to
+        the generation threads: off the event loop, where starting the pool's threads would
+        hold /health (a thread's start waits for it to run)."""
+        jobs, batched = parse_generate(body, self.limits)
+        return jobs, batched, [self.pool.submit(self._generate_one, job, gone) for job in jobs]
+
+    def _stop(self, rid: str, work: Future) -> None:
+        """Abort `rid` until its generation has ended: a prompt that was past its check of
+        `gone` but not yet running in the engine misses the first abort, not the next."""
+
+        async def abort_until_done() -> None:
+            while not work.done():
+                self.engine.abort(rid)
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        task = asyncio.ensure_future(abort_until_done())
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    def _generate_one(self, job: GenerateJob, gone: threading.Event) -> Output:
         prompt = job.prompt
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
                 raise BadRequest("this model directory has no tokenizer: send input_ids")
             prompt = self.engine.tokenizer.encode(prompt)
+        if gone.is_set():  # the client left while this prompt waited for a thread
+            raise ClientGone()
         return self.engine.generate(
             prompt,
             job.sampling,
@@ -227,11 +272,14 @@ class CpuServer:
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await json_object(request, empty_ok=True)
+        sglang_base_request(body)  # other names: ignored, as SGLang ignores them
         self.engine.pause(field(body, "mode", str, "abort"))
         return web.json_response({"success": True, "message": "paused"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await json_object(request, empty_ok=True)
+        body = await json_object(request, empty_ok=True)
+        sglang_base_request(body)
+        field(body, "torch_empty_cache", bool, True)  # no CUDA cache to empty
         self.engine.resume()
         return web.json_response({"success": True, "message": "continued"})
 
@@ -260,10 +308,15 @@ class CpuServer:
         except SglangSourceMissing as error:
             message = f"the CPU engine joins weight groups with SGLang's code: {error}"
             raise BadRequest(message) from error
-        except (RuntimeError, TimeoutError) as error:  # torch's store and group errors
+        except TimeoutError as error:  # the master (or a rank) never answered
             raise BadRequest(
-                f"joining {name} with master {args[0]}:{args[1]} failed or got no answer "
-                f"within {self.join_timeout_s:g} s (--weight-group-timeout-s): {error}"
+                f"joining {name} with master {args[0]}:{args[1]}: no answer within "
+                f"{self.join_timeout_s:g} s (--weight-group-timeout-s)"
+            ) from error
+        except RuntimeError as error:  # torch's store and group errors
+            raise BadRequest(
+                f"joining {name} with master {args[0]}:{args[1]} failed within "
+                f"{self.join_timeout_s:g} s (--weight-group-timeout-s): {error}"
             ) from error
         return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 
@@ -353,6 +406,20 @@ class CpuServer:
         return web.json_response(tensor.float().flatten()[:size].tolist())
 
 
+def _answer(
+    outputs: list[Output],
+    jobs: list[GenerateJob],
+    batched: bool,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> bytes:
+    """The JSON of a /generate answer (built on a worker thread: cpu_wire.answer_json)."""
+    responses = [
+        generate_response(output, job.rid, tokenizer, as_json=True)
+        for output, job in zip(outputs, jobs, strict=True)
+    ]
+    return answer_json(responses if batched else responses[0])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
@@ -387,6 +454,13 @@ def _parser() -> argparse.ArgumentParser:
         help="prompts one /generate may carry",
     )
     add(
+        "--max-request-logprobs",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_LOGPROBS,
+        help="log-probs one /generate's answer may carry: its prompts' most output tokens x "
+        "(1 + top_logprobs_num), summed; a request past it gets HTTP 400 at admission",
+    )
+    add(
         "--read-timeout-s",
         type=float,
         default=DEFAULT_READ_TIMEOUT_S,
@@ -397,7 +471,8 @@ def _parser() -> argparse.ArgumentParser:
         "--weight-group-timeout-s",
         type=float,
         default=DEFAULT_JOIN_TIMEOUT_S,
-        help="how long /init_weights_update_group waits for the group's master and ranks",
+        help="how long /init_weights_update_group waits for the group's master and ranks "
+        "(and each broadcast of the group); past it the join is answered HTTP 400",
     )
     add(
         "--parent-pid",
@@ -437,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_batch_prompts,
         args.read_timeout_s,
         args.weight_group_timeout_s,
+        args.max_request_logprobs,
     )
     web.run_app(
         server.app(),

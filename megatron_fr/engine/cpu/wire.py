@@ -25,13 +25,18 @@ aborted before its first step gets the answer SGLang gives one aborted in its wa
 (waiting_abort_response: no token, no routed experts).
 
 What one request may cost is bounded before any prompt is tokenised or read token by token
-(PromptLimits: prompts per request, tokens of a prompt, characters of a text prompt).
+(PromptLimits: prompts per request, tokens of a prompt, characters of a text prompt, and the
+log-probs its answer may carry: every prompt's most output tokens x (1 + top_logprobs_num),
+summed over the batch, the server's --max-request-logprobs). An answer's per-token lists are
+written to JSON entry by entry (answer_json), so encoding a large one holds no other thread
+for long.
 """
 
 from __future__ import annotations
 
 import base64
 import ipaddress
+import json
 import math
 import re
 import uuid
@@ -127,16 +132,24 @@ class PromptLimits:
     """A prompt of this many tokens or more is refused (the model's context)."""
     max_text_chars: int
     """A text prompt longer than this cannot fit the context, whatever its tokenisation."""
+    max_request_logprobs: int = 2**21
+    """Log-probs one request's answer may carry (request_logprobs): what bounds the memory
+    and time its answer takes (the server's --max-request-logprobs)."""
 
     @classmethod
     def of(
-        cls, tokenizer: PreTrainedTokenizerBase | None, context_length: int, max_prompts: int
+        cls,
+        tokenizer: PreTrainedTokenizerBase | None,
+        context_length: int,
+        max_prompts: int,
+        max_request_logprobs: int = 2**21,
     ) -> PromptLimits:
         """The limits of a model: the longest entry of the tokenizer's vocabulary bounds the
         characters one token stands for (byte-level vocabularies write one character per
         byte), TEXT_MARGIN times over."""
         longest = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer else 1
-        return cls(max_prompts, context_length, context_length * longest * TEXT_MARGIN)
+        chars = context_length * longest * TEXT_MARGIN
+        return cls(max_prompts, context_length, chars, max_request_logprobs)
 
 
 @dataclass(frozen=True)
@@ -343,7 +356,44 @@ def parse_generate(body: dict, limits: PromptLimits) -> tuple[list[GenerateJob],
     rids = _rids(body.get("rid"), count, batched)
     routing, top = _routed_experts_start(body), _top_logprobs_num(body)
     jobs = [GenerateJob(*job, routing, top) for job in zip(prompts, samplings, rids, strict=True)]
+    _check_budget(jobs, limits)
     return jobs, batched
+
+
+def most_output_tokens(job: GenerateJob, context_length: int) -> int:
+    """The most tokens `job` may generate: its max_new_tokens (null: up to the context), at
+    most what the context leaves after the prompt (a text prompt has at least one token);
+    a request asking for more is refused by the engine with SGLang's message."""
+    prompt_tokens = len(job.prompt) if isinstance(job.prompt, list) else 1
+    room = max(context_length - prompt_tokens, 0)
+    asked = job.sampling.max_new_tokens
+    return room if asked is None else min(asked, room)
+
+
+def request_logprobs(jobs: list[GenerateJob], context_length: int) -> tuple[int, int]:
+    """(the most output tokens of all `jobs`, the log-probs their answers may carry): each
+    output token carries its own log-prob and its top_logprobs_num top ones."""
+    tokens = [most_output_tokens(job, context_length) for job in jobs]
+    logprobs = sum(
+        count * (1 + job.top_logprobs_num) for count, job in zip(tokens, jobs, strict=True)
+    )
+    return sum(tokens), logprobs
+
+
+def _check_budget(jobs: list[GenerateJob], limits: PromptLimits) -> None:
+    """Refuse at admission a request whose answer may carry more log-probs than the server's
+    budget: it would hold generation threads and memory for longer than any client waits
+    (1024 prompts x 4000 tokens x top-128 is 528 million log-probs, a 13 GB answer)."""
+    tokens, logprobs = request_logprobs(jobs, limits.context_length)
+    if logprobs > limits.max_request_logprobs:
+        top = jobs[0].top_logprobs_num
+        raise BadRequest(
+            f"this request may generate {tokens} tokens ({len(jobs)} prompts) carrying "
+            f"{logprobs} log-probs (1 + top_logprobs_num {top} per token), past the server's "
+            f"budget of {limits.max_request_logprobs} per request: send fewer prompts, a "
+            "smaller max_new_tokens or top_logprobs_num, or start the server with a larger "
+            "--max-request-logprobs"
+        )
 
 
 def _top_logprobs_num(body: dict) -> int:
@@ -440,6 +490,15 @@ def bucket_metadata(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
     return names, dtypes, shapes
 
 
+def sglang_base_request(body: dict) -> None:
+    """The fields every SGLang control request has (srt/managers/io_struct.py: BaseReq, rid
+    and http_worker_ipc, strings or null), checked as SGLang checks them; any other name is
+    ignored, as SGLang ignores it (srt/utils/msgspec_utils.py,
+    msgspec_struct_pydantic_core_schema: extra_behavior="ignore")."""
+    field(body, "rid", str, None)
+    field(body, "http_worker_ipc", str, None)
+
+
 def bool_flags(body: dict, *names: str) -> None:
     for name in names:
         field(body, name, bool, False)
@@ -460,8 +519,11 @@ def version_spans(output: Output) -> list[dict]:
     return spans or [{"version": output.weight_version, "start": 0, "end": 0}]
 
 
-def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBase | None) -> dict:
-    """SGLang's /generate answer for one finished request."""
+def generate_response(
+    output: Output, rid: str, tokenizer: PreTrainedTokenizerBase | None, as_json: bool = False
+) -> dict:
+    """SGLang's /generate answer for one finished request; `as_json`: its per-token log-prob
+    lists as JsonText (answer_json)."""
     if output.waiting_abort:
         return waiting_abort_response(output, rid)
     text = tokenizer.decode(output.output_ids) if tokenizer else ""
@@ -471,10 +533,11 @@ def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBa
         "finish_reason": output.finish_reason,
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": len(output.output_ids),
-        "output_token_logprobs": [
-            [logprob, token, None]
-            for logprob, token in zip(output.logprobs, output.output_ids, strict=True)
-        ],
+        "output_token_logprobs": (
+            JsonText(f"[{_entries_json(output.logprobs, output.output_ids)}]")
+            if as_json
+            else logprob_entries(output.logprobs, output.output_ids)
+        ),
         "weight_version": spans[-1]["version"],
         "weight_versions": spans,
         "e2e_latency": output.e2e_latency,
@@ -482,20 +545,25 @@ def generate_response(output: Output, rid: str, tokenizer: PreTrainedTokenizerBa
     if output.routed_experts is not None:
         experts = output.routed_experts.numpy().astype("<i4", copy=False)
         meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("ascii")
-    meta.update(top_logprobs_meta(output))
+    meta.update(top_logprobs_meta(output, as_json))
     return {"text": text, "output_ids": output.output_ids, "meta_info": meta}
 
 
-def top_logprobs_meta(output: Output) -> dict:
+def logprob_entries(values: list[float], ids: list[int]) -> list[list]:
+    """SGLang's log-prob entries: [log-prob, token id, null] (no text asked)."""
+    return [[value, token, None] for value, token in zip(values, ids, strict=True)]
+
+
+def top_logprobs_meta(output: Output, as_json: bool = False) -> dict:
     """SGLang's input_top_logprobs and output_top_logprobs of an answer (module doc); nothing
     when they were not asked for."""
     if output.top_logprobs is None:
         return {}
-    rows = [
-        [[value, token, None] for value, token in zip(values, ids, strict=True)]
-        for values, ids in output.top_logprobs
-    ]
-    return {"input_top_logprobs": [], "output_top_logprobs": rows}
+    if as_json:
+        rows = ", ".join([f"[{_entries_json(*top)}]" for top in output.top_logprobs])
+        return {"input_top_logprobs": [], "output_top_logprobs": JsonText(f"[{rows}]")}
+    entries = [logprob_entries(values, ids) for values, ids in output.top_logprobs]
+    return {"input_top_logprobs": [], "output_top_logprobs": entries}
 
 
 def waiting_abort_response(output: Output, rid: str) -> dict:
@@ -516,3 +584,50 @@ def waiting_abort_response(output: Output, rid: str) -> dict:
         "completion_tokens": 0,
     }
     return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+class JsonText(str):
+    """Text that is JSON already: answer_json writes it as it is."""
+
+
+def _entries_json(values: list[float], ids: list[int]) -> str:
+    """The JSON of logprob_entries(values, ids), without the list brackets, written entry by
+    entry: no list per entry is made (millions of them would run the garbage collector over
+    the whole heap, holding every thread), and no single call holds the interpreter for long.
+    A float is written as json.dumps writes it (repr, or NaN / Infinity)."""
+    text = ", ".join(
+        [f"[{value!r}, {token}, null]" for value, token in zip(values, ids, strict=True)]
+    )
+    if "inf" in text or "nan" in text:  # repr's spelling of a non-finite float: JSON's instead
+        return json.dumps(logprob_entries(values, ids))[1:-1]
+    return text
+
+
+def answer_json(answer: dict | list[dict]) -> bytes:
+    """The JSON of a /generate answer (as json.dumps writes it) built with
+    generate_response(as_json=True): its per-token lists are JsonText already, written in
+    Python an entry at a time, where json.dumps would hold the interpreter (and /health, on
+    the event loop's thread) for the whole list (1.4 s for 2 million entries). Call it on a
+    worker thread."""
+    out: list[str] = []
+    _encode(answer, out)
+    return "".join(out).encode("utf-8")
+
+
+def _encode(value: object, out: list[str]) -> None:
+    if isinstance(value, JsonText):
+        out.append(value)
+    elif isinstance(value, dict):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(f"{', ' if i else ''}{json.dumps(key)}: ")
+            _encode(item, out)
+        out.append("}")
+    elif isinstance(value, list) and value and isinstance(value[0], dict):  # a batch, spans
+        out.append("[")
+        for i, item in enumerate(value):
+            out.append(", " if i else "")
+            _encode(item, out)
+        out.append("]")
+    else:
+        out.append(json.dumps(value))
