@@ -76,16 +76,16 @@ from pydantic import (
 from megatron_fr.config.algo import MAX_GATE_TOP_K
 from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.engine.server_info import EngineKind
-from megatron_fr.engine.sglang.protocol import (
+from megatron_fr.engine.sglang.protocol import decode_routed_experts
+from megatron_fr.engine.top_logprobs import TopLogProbs
+from megatron_fr.engine.types import (
     HEALTH_PATH,
     FinishReason,
     GenerateOutput,
     MalformedResponse,
     RoutedExpertsLayout,
     SamplingParams,
-    decode_routed_experts,
 )
-from megatron_fr.engine.top_logprobs import TopLogProbs
 from megatron_fr.engine.wire import wire_for
 
 

@@ -51,7 +51,7 @@ from pydantic import (
 )
 
 from megatron_fr.engine.sglang import launch as sglang_launch
-from megatron_fr.engine.sglang.protocol import HEALTH_PATH
+from megatron_fr.engine.types import HEALTH_PATH
 from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.utils.launcher_env import standalone_env
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from megatron_fr.engine.server_info import EngineKind
-from megatron_fr.engine.sglang.protocol import GenerateOutput, PauseMode, SamplingParams
+from megatron_fr.engine.types import GenerateOutput, PauseMode, SamplingParams
 
 
 class EngineWire(Protocol):

@@ -110,7 +110,7 @@ def check_engines(config: RunConfig, poll_s: float = 1.0, report_every_s: float 
     a line on stderr at its first failure and every `report_every_s` after it, so a wait for
     an engine that never answers is seen at once (the URLs' form is the config's check)."""
     from megatron_fr.engine.http import EngineRequestError, get_json
-    from megatron_fr.engine.sglang.protocol import HEALTH_PATH
+    from megatron_fr.engine.types import HEALTH_PATH
 
     settings = config.rollout.engine
     started = time.monotonic()

@@ -18,7 +18,7 @@ from megatron_fr.buffer.lag_buffer import LagAwareBuffer
 from megatron_fr.buffer.prompts import PromptSource
 from megatron_fr.config.run import RunConfig
 from megatron_fr.engine.client import RolloutClientConfig
-from megatron_fr.engine.sglang.protocol import RoutedExpertsLayout, SamplingParams
+from megatron_fr.engine.types import RoutedExpertsLayout, SamplingParams
 from megatron_fr.orchestrator.workload import build_producer
 from megatron_fr.rollout.episodes import EpisodeProducer
 from megatron_fr.rollout.service import EvalSet

@@ -51,8 +51,8 @@ from megatron_fr.buffer.trajectory import (
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import Rollout, RolloutClient
 from megatron_fr.engine.routing import RoutedExperts
-from megatron_fr.engine.sglang.protocol import SamplingParams
 from megatron_fr.engine.top_logprobs import TopLogProbs
+from megatron_fr.engine.types import SamplingParams
 from megatron_fr.envs.base import Episode, Message
 from megatron_fr.rollout.chat import ChatFormat
 

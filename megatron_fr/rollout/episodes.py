@@ -23,7 +23,7 @@ from typing import Protocol
 from megatron_fr.buffer.trajectory import Trajectory, TrajectorySummary
 from megatron_fr.config.tasks import AgentConfig
 from megatron_fr.engine.client import RolloutClient
-from megatron_fr.engine.sglang.protocol import SamplingParams
+from megatron_fr.engine.types import SamplingParams
 from megatron_fr.envs.base import Environment, Sample
 from megatron_fr.rollout.agent import run_episode
 from megatron_fr.rollout.chat import ChatFormat

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from megatron_fr.buffer.lag_buffer import Admission, LagAwareBuffer, LengthRecord
 from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, RolloutError
-from megatron_fr.engine.sglang.protocol import MalformedResponse, SamplingParams
+from megatron_fr.engine.types import MalformedResponse, SamplingParams
 from megatron_fr.rollout.episodes import EpisodeFailed, EpisodeProducer
 from megatron_fr.rollout.supervisor import EngineSupervisor
 

@@ -98,7 +98,7 @@ from megatron_fr.engine.server_info import (
     identify,
     parse_server_info,
 )
-from megatron_fr.engine.sglang.protocol import SamplingParams
+from megatron_fr.engine.types import SamplingParams
 from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.rollout.engines_file import EnginesFile
 from megatron_fr.utils.net import free_port

@@ -27,9 +27,8 @@ import torch.distributed as dist
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
 from megatron_fr.engine.http import EngineRequestError, post_json
-from megatron_fr.engine.sglang import protocol
-from megatron_fr.engine.sglang.wire import SGLANG_WIRE
-from megatron_fr.engine.wire import EngineWire
+from megatron_fr.engine.types import MalformedResponse, SamplingParams
+from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.parallel.state import broadcast_from_rank0
 
 PROBE_PROMPT_TOKENS = 16
@@ -82,11 +81,12 @@ class SyncCheck:
         return self.every > 0 and version % self.every == 0
 
     def run(
-        self, urls: list[str] | None, version: int, wire: EngineWire = SGLANG_WIRE
+        self, urls: list[str] | None, version: int, wire: EngineWire | None = None
     ) -> list[EngineCheck]:
-        """Every rank: rank 0 passes the pool's engines (the others None), which speak `wire`,
-        and gets each one's check; the others get []. Every rank takes part in the learner's
-        forward."""
+        """Every rank: rank 0 passes the pool's engines (the others None), which speak `wire`
+        (None: SGLang's, which the CPU engine speaks too), and gets each one's check; the
+        others get []. Every rank takes part in the learner's forward."""
+        wire = wire or wire_for("sglang")
         probed = self._probe(urls, version, wire) if urls is not None else None
         probes = broadcast_from_rank0(probed)
         trajectories = [p for p in probes if isinstance(p, Trajectory)]
@@ -103,7 +103,7 @@ class SyncCheck:
 
     def _probe(self, urls: list[str], version: int, wire: EngineWire) -> list[Trajectory | str]:
         """Rank 0: each engine's probe as a trajectory, or why there is none."""
-        sampling = protocol.SamplingParams(
+        sampling = SamplingParams(
             temperature=self.temperature,
             max_new_tokens=PROBE_NEW_TOKENS,
             sampling_seed=PROBE_SEED,
@@ -129,7 +129,7 @@ class SyncCheck:
     ) -> Trajectory | str:
         try:
             output = wire.parse_generate(answer(), self.top_logprobs_num)
-        except (EngineRequestError, protocol.MalformedResponse) as error:
+        except (EngineRequestError, MalformedResponse) as error:
             return f"probe failed: {error}"
         if output.weight_version != str(version):
             return f"serves weight version {output.weight_version}, not {version}"

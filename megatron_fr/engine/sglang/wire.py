@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_fr.engine import http
 from megatron_fr.engine.sglang import protocol
-from megatron_fr.engine.sglang.protocol import GenerateOutput, PauseMode, SamplingParams
+from megatron_fr.engine.types import GenerateOutput, PauseMode, SamplingParams
 
 
 class SGLangWire:

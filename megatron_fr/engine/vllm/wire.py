@@ -5,7 +5,7 @@ started with --enable-scale-out (entrypoints/scale_out/token_in_token_out: Gener
 GenerateResponse, its choices in output_mode "tokens"), and its RL routes
 (entrypoints/rl/online/api_router.py: /pause, /resume, /weight_info, /start_weight_update,
 /update_weights, /finish_weight_update, ...) when VLLM_SERVER_DEV_MODE=1. The request and
-answer are read into the same GenerateOutput as SGLang's (engine/sglang/protocol.py), so everything
+answer are read into the same GenerateOutput as SGLang's (engine/types.py), so everything
 past the wire is shared:
 
 - the sampled tokens' log-probs are those of the distribution sampled from only when the server
@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 
 from megatron_fr.engine import http
-from megatron_fr.engine.sglang import protocol
-from megatron_fr.engine.sglang.protocol import (
+from megatron_fr.engine.types import (
     FINISH_REASONS,
     GenerateOutput,
     MalformedResponse,
     PauseMode,
     SamplingParams,
+    parse_version_spans,
 )
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -81,7 +81,7 @@ class UnsupportedByVllm(ValueError):
 
 def generate_request(
     input_ids: list[int],
-    sampling: protocol.SamplingParams,
+    sampling: SamplingParams,
     rid: str | None = None,
     top_logprobs_num: int = 0,
     routed_experts_start_len: int | None = None,
@@ -159,7 +159,7 @@ def parse_generate_response(body: object) -> GenerateOutput:
     last = spans[-1] if isinstance(spans, list) and spans else None
     version = last.get("version") if isinstance(last, dict) else None
     version = version if isinstance(version, str) else ""
-    versions = protocol.parse_version_spans(choice, len(output_ids), version, "choices[0]")
+    versions = parse_version_spans(choice, len(output_ids), version, "choices[0]")
     usage = body.get("usage")
     prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     return GenerateOutput(
