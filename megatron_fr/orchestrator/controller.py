@@ -49,7 +49,7 @@ from megatron_fr.rollout.supervisor import EngineDied
 from megatron_fr.utils.cleanup import close_in_order
 from megatron_fr.utils.gpu_telemetry import GpuTelemetry
 from megatron_fr.utils.net import free_port
-from megatron_fr.weights.sync import WeightSyncError
+from megatron_fr.weights.sync import SyncInterrupted, WeightSyncError
 from megatron_fr.weights.verify import SyncCheck
 
 if TYPE_CHECKING:
@@ -178,8 +178,13 @@ def _loop(
             plan, shard = receiver.receive()
             metrics = learner.train_share(plan, shard.rows(), pad_id=pad_id)
             step += 1
-            # A skipped step changed no weight: the engines keep theirs.
-            sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
+            # A skipped step changed no weight: the engines keep theirs. A STOP that gave up
+            # the sync (an engine hung in it) stops the run once the step is logged and saved.
+            interrupted = False
+            try:
+                sync_s = 0.0 if skipped.count(step, metrics) else pool.sync(learner.module, step)
+            except SyncInterrupted:
+                sync_s, interrupted = 0.0, True
             last = step == config.steps
             figures = gather_telemetry(telemetry) | pool.check_metrics()
             rank.act(
@@ -192,9 +197,10 @@ def _loop(
                     started=started,
                 )
             )
-            if last or (config.eval.every_steps and step % config.eval.every_steps == 0):
+            evaluates = last or (config.eval.every_steps and step % config.eval.every_steps == 0)
+            if evaluates and not interrupted:
                 evaluate(rank, pool, learner.module, step)
-            stop = rank.share(Leader.stop_requested)
+            stop = interrupted or rank.share(Leader.stop_requested)
             if last or stop or step % config.checkpoint.every_steps == 0:
                 save_checkpoint(config, run_dir, learner, rank, step)
                 saved = step

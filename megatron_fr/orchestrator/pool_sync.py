@@ -13,7 +13,9 @@ within that bound. After a sync, the engines that were joining serve.
 While the learner waits (for a batch, an evaluation), the leader looks at the pool every
 WAIT_S: an engine that joined meanwhile gets the current weights then, so a pool whose every
 engine was out recovers without a step in between (no engine could have generated the batch
-or the evaluation the learner waits for), and a STOP request ends the wait.
+or the evaluation the learner waits for), and a STOP request ends the wait. A STOP request
+also gives up a sync that waits on an engine's answer (weights/sync.py: SyncInterrupted), so
+a hung engine does not hold the stop for weights.timeout_s.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator.ranks import Follower, Leader, Rank
 from megatron_fr.orchestrator.setup import weight_sync_port
-from megatron_fr.weights.sync import WeightSyncError
+from megatron_fr.weights.sync import SyncInterrupted, WeightSyncError
 from megatron_fr.weights.transports import Engine
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class PoolSync:
         check: SyncCheck | None = None,
     ) -> None:
         self.config, self.weight_sync, self.rank = config, weight_sync, rank
+        if isinstance(rank, Leader):  # a STOP gives up a sync that waits on a hung engine
+            weight_sync.interrupted = rank.stop_requested
         self.check = check
         """Checks after a sync that every engine computes the learner's log-probs (None: no
         check); a failed engine leaves the pool."""
@@ -74,7 +78,8 @@ class PoolSync:
 
     def sync(self, model: torch.nn.Module, version: int) -> float:
         """Send the weights of `version` to the pool's members, on every rank; the seconds it
-        took. WeightSyncError after SYNC_TRIES failed tries."""
+        took. WeightSyncError after SYNC_TRIES failed tries; SyncInterrupted, on every rank,
+        when a STOP request gave up a try that waited on an engine's answer."""
         reconnect, self.checked = False, []
         for attempt in range(1, SYNC_TRIES + 1):
             epoch, urls = self.rank.membership()
@@ -85,6 +90,8 @@ class PoolSync:
                 if reconnect or epoch != self.epoch:
                     self._reconnect(epoch, urls)
                 seconds = self.weight_sync.sync(model, version).seconds
+            except SyncInterrupted:
+                raise
             except WeightSyncError as error:
                 self._take_out_unresponsive()
                 if attempt == SYNC_TRIES:
@@ -185,6 +192,8 @@ class PoolSync:
             bound = settings.unreachable_after_s + 2 * settings.watch_interval_s
             deadline = time.monotonic() + bound
             while time.monotonic() < deadline and lead.rollout.membership()[0] == epoch:
+                if lead.stop_requested():  # the next try is given up at once
+                    return
                 time.sleep(settings.watch_interval_s)
 
         self.rank.act(wait)

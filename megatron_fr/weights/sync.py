@@ -48,6 +48,7 @@ weights of two versions.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -83,6 +84,16 @@ connect, which the next connect destroys (module docstring)."""
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+class SyncInterrupted(WeightSyncError):
+    """The sync was given up on request (a stop) while rank 0 waited on engines' answers: the
+    engines may be left paused with an update session open, which the next connect ends."""
+
+
+INTERRUPTED = "interrupted: a stop was requested while the sync waited on the engines"
+"""The failure message `_attempt` reports for SyncInterrupted, so every rank raises it."""
+INTERRUPT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,10 @@ class WeightSync:
         self.unresponsive: set[str] = set()
         """Rank 0: engines that did not answer a connect within weights.regroup_timeout_s
         since the caller last took them (take_unresponsive); the pool takes them out."""
+        self.interrupted: Callable[[], bool] = lambda: False
+        """Rank 0: asked every INTERRUPT_POLL_S while the sync waits on the engines' HTTP
+        answers (pause, version, resume); True gives the sync up (SyncInterrupted on every
+        rank), so a stop is not held for weights.timeout_s by an engine that hangs."""
 
     @classmethod
     def from_config(
@@ -353,11 +368,32 @@ class WeightSync:
         return self.transport
 
     def _each_engine(self, call: Callable[[str], None]) -> None:
-        """`call` for every engine at once; raises the first failure after all finished."""
-        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            futures = [pool.submit(call, engine.url) for engine in self.engines]
-        for future in futures:
-            future.result()
+        """`call` for every engine at once; raises the first failure after all finished, or
+        SyncInterrupted as soon as `interrupted()` says so. Each call runs on a daemon thread:
+        one left hanging on a stopped engine holds neither the stop nor the process's exit."""
+        failures: dict[str, BaseException] = {}
+
+        def run(url: str) -> None:
+            try:
+                call(url)
+            except BaseException as error:  # raised in the caller's thread below
+                failures[url] = error
+
+        threads = [
+            threading.Thread(target=run, args=(engine.url,), name=f"sync {engine.url}", daemon=True)
+            for engine in self.engines
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(INTERRUPT_POLL_S)
+            while thread.is_alive():
+                if self.interrupted():
+                    raise SyncInterrupted(INTERRUPTED)
+                thread.join(INTERRUPT_POLL_S)
+        for engine in self.engines:
+            if engine.url in failures:
+                raise failures[engine.url]
 
     @staticmethod
     def _attempt(this_rank: bool, what: str, call: Callable[[], object]) -> str | None:
@@ -366,6 +402,8 @@ class WeightSync:
             return None
         try:
             call()
+        except SyncInterrupted:
+            return INTERRUPTED
         except (EngineRequestError, WeightSyncError, RuntimeError, TimeoutError, OSError) as error:
             return f"rank {dist.get_rank()} at {what}: {error}"
         return None
@@ -429,5 +467,7 @@ def _raise_if_any(failure: str | None) -> None:
     failures: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     messages = [message for message in failures if message]
+    if INTERRUPTED in messages:
+        raise SyncInterrupted(INTERRUPTED)
     if messages:
         raise WeightSyncError("weight sync failed: " + "; ".join(messages))
