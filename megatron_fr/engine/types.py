@@ -11,12 +11,16 @@ reasons and pause modes), since SGLang's wire was the first the project spoke.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, field_validator
 
 from megatron_fr.engine.top_logprobs import TopLogProbs
+
+if TYPE_CHECKING:
+    import torch
 
 HEALTH_PATH = "/health"
 """GET: answers once the server is up (SGLang, vLLM and the CPU engine alike)."""
@@ -25,6 +29,10 @@ FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+TensorSerializer = Callable[[list[tuple[str, "torch.Tensor"]]], str]
+"""Named tensors to the text of one payload of the tensor transport (engine/wire.py:
+tensor_request)."""
 
 # SGLang samples greedily (top_k = 1) below this temperature (sampling_params._SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-6

@@ -79,10 +79,10 @@ def _sglang_readback(config: RunConfig, spec: HFModelSpec) -> None:
     a few model families implement: refused here for the SGLang engines the run starts, not
     at the first sync minutes later (engines given by URL are told apart only when they
     answer, and the sync refuses them then)."""
-    from megatron_fr.engine.sglang.protocol import WEIGHT_READBACK_FAMILIES
+    from megatron_fr.engine.wire import wire_for
 
     engine = config.rollout.engine
-    families = WEIGHT_READBACK_FAMILIES
+    families = wire_for("sglang").readback_families
     reads_back = spec.model_type in families or config.weights.spot_check == 0
     if engine.started and engine.kind == "sglang" and not reads_back:
         raise CheckFailed(

@@ -19,7 +19,8 @@ Protocol, run by every learner rank together (resharding exchanges shards betwee
      generation (/continue_generation).
 The pause, the version, the cache flush and the resume are the engines' wire's
 (engine/wire.py; vLLM: /pause, /update_weight_version, /reset_prefix_cache, /resume), the
-session and the push the transport's (vLLM's: weights/transports/vllm.py). Every engine call
+session and the push the transport's, through the same wire (vLLM's transports:
+weights/transports/vllm.py); so are connect's clean-up and the read-back. Every engine call
 has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
 mixed-version tokens into training data.
@@ -63,8 +64,7 @@ import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.convert.shard import groups_or_megatron
-from megatron_fr.engine.http import EngineRequestError, post_json
-from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.http import EngineRequestError
 from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.pipeline import BucketSender
@@ -72,7 +72,6 @@ from megatron_fr.weights.plan import ReshardPlan, build_plan
 from megatron_fr.weights.reshard import Bucket, reshard_buckets
 from megatron_fr.weights.transports import Engine, WeightTransport, build_transport
 from megatron_fr.weights.transports.base import resolve_engine
-from megatron_fr.weights.transports.vllm import leave_leftover_group
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -217,8 +216,7 @@ class WeightSync:
             self.unresponsive.update(mute)
             raise EngineRequestError(
                 f"engines {mute} did not end their update session and leave their old weight "
-                f"groups ({protocol.END_WEIGHT_UPDATE_PATH}, "
-                f"{protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH}) within {bound:g} s "
+                f"groups within {bound:g} s "
                 "(weights.regroup_timeout_s, at most weights.timeout_s): treated as dead"
             )
         return engines
@@ -229,16 +227,9 @@ class WeightSync:
     def _adopt_one(self, engine: Engine, leftovers: list[str]) -> Engine:
         bound = self._regroup_bound()
         resolved = resolve_engine(engine, bound)
-        if resolved.kind == "vllm":
-            leave_leftover_group(engine.url, bound)
-            return resolved
-        if engine.url not in self.closed:  # a session may be open: end it, paused
-            wire_for(resolved.kind or "sglang").pause(engine.url, self.config.pause_mode, bound)
-            end = protocol.end_weight_update_request()
-            _unless_absent(engine.url, protocol.END_WEIGHT_UPDATE_PATH, end, bound)
-        for name in leftovers:  # no lock: the scheduler runs it between batches
-            body = protocol.destroy_weights_update_group_request(name)
-            _unless_absent(engine.url, protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH, body, bound)
+        session = engine.url not in self.closed  # a session may be open: end it, paused
+        wire = wire_for(resolved.kind or "sglang")
+        wire.release(engine.url, leftovers, session, self.config.pause_mode, bound)
         return resolved
 
     def take_unresponsive(self) -> list[str]:
@@ -262,7 +253,7 @@ class WeightSync:
                 f"and {vllm} are vLLM servers: set weights.spot_check=0 (the sync check, "
                 "weights.verify_every, checks them by their log-probs)"
             )
-        families = protocol.WEIGHT_READBACK_FAMILIES
+        families = wire_for("sglang").readback_families
         if self.config.spot_check and model_type not in families:
             sglang = [engine.url for engine in engines if engine.kind == "sglang"]
             if sglang:
@@ -412,8 +403,7 @@ class WeightSync:
         """Read the first values of a few sent tensors back from every engine, bitwise."""
         for name, expected in kept:
             for url in self._connected().urls:
-                body = protocol.get_weights_by_name_request(name, expected.numel())
-                served = post_json(url, protocol.GET_WEIGHTS_BY_NAME_PATH, body, self.timeout_s)
+                served = self.wire.read_weights(url, name, expected.numel(), self.timeout_s)
                 if torch.tensor(served, dtype=torch.float32).tolist() != expected.float().tolist():
                     raise WeightSyncError(
                         f"spot check: {url} serves {name} = {served}, sent {expected.tolist()}"
@@ -450,16 +440,6 @@ def _recorded_groups(path: Path | None) -> list[str]:
             "it named then stay on the engines)"
         ) from None
     return [str(name) for name in names]
-
-
-def _unless_absent(url: str, path: str, body: dict[str, object], timeout_s: float) -> None:
-    """POST, where a 400 answer means there was nothing to end or destroy (SGLang and the CPU
-    engine answer so for no session open and an unknown group)."""
-    try:
-        post_json(url, path, body, timeout_s)
-    except EngineRequestError as error:
-        if error.status != 400:
-            raise
 
 
 def _raise_if_any(failure: str | None) -> None:

@@ -228,7 +228,14 @@ def _http_calls(
             yield SESSION_METHODS[callee], joined.right
 
 
-WIRE_PATHS = ("generate_path", "version_path")
+WIRE_PATHS = (
+    "generate_path",
+    "version_path",
+    "join_group_path",
+    "receive_path",
+    "leave_group_path",
+    "tensor_path",
+)
 """The engine interface's path attributes (engine/wire.py): `x.generate_path` is resolved to
 the SGLang implementation's (engine/sglang/wire.py), what the scanned code speaks to SGLang."""
 SGLANG_WIRE = REPO / "megatron_fr/engine/sglang/wire.py"

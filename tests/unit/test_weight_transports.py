@@ -28,14 +28,15 @@ from stub_server import StubServer
 from test_rollout_protocol import class_fields
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine import http as engine_http
 from megatron_fr.engine.http import EngineRequestError, flush_cache
 from megatron_fr.engine.server_info import CPU_ENGINE, ENGINE_FIELD, UnknownServer
 from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.sglang import source as src
+from megatron_fr.engine.sglang.wire import SGLANG_WIRE
 from megatron_fr.models.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config
 from megatron_fr.utils.net import address_towards
 from megatron_fr.weights import sync as sync_module
-from megatron_fr.weights.transports import disk as disk_module
 from megatron_fr.weights.transports import distributed as dist_module
 from megatron_fr.weights.transports import tensor as tensor_module
 from megatron_fr.weights.transports.base import Engine, resolve_engine
@@ -270,7 +271,7 @@ def test_tensor_transport_payload_carries_the_gpu_uuid_and_opens_in_another_proc
     torch_reductions,
 ):
     tensor = torch.arange(6.0, device="cuda").reshape(2, 3)
-    payload = tensor_module.sglang_serializer()([("w", tensor)])
+    payload = SGLANG_WIRE.tensor_serializer()([("w", tensor)])
     uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
     assert uuid.encode() in base64.b64decode(payload), "the handle names the GPU by UUID"
     received = subprocess.run(
@@ -305,9 +306,9 @@ def sglang_weight_files(folder: Path) -> list[str]:
 def test_disk_layout_is_what_sglangs_loader_reads(tmp_path, monkeypatch, io_struct):
     recorder = Recorder()
     monkeypatch.setattr(
-        disk_module,
-        "post_all",
-        lambda urls, path, body, t: recorder.posts.append((urls, path, body)),
+        engine_http,
+        "post_json",
+        lambda url, path, body, t: recorder.posts.append((url, path, body)),
     )
     engines = [Engine("http://e:1", tp_size=1, kind="sglang")]
     stages = [DiskTransport(engines, tmp_path), DiskTransport(engines, tmp_path)]

@@ -20,6 +20,7 @@ past the wire is shared:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from megatron_fr.engine import http
 from megatron_fr.engine.types import (
@@ -28,6 +29,7 @@ from megatron_fr.engine.types import (
     MalformedResponse,
     PauseMode,
     SamplingParams,
+    TensorSerializer,
     parse_version_spans,
 )
 
@@ -77,6 +79,11 @@ source by tests/vllm/test_vllm_contract.py)."""
 
 class UnsupportedByVllm(ValueError):
     """A request the project cannot make of vLLM yet, refused before it is sent."""
+
+
+RELOAD_METHOD = "reload_weights"
+"""vLLM's worker method that loads weights in place from a directory (gpu_model_runner.py)."""
+_NO_TENSOR = "vLLM engines receive weights by broadcast (distributed) or from disk"
 
 
 def generate_request(
@@ -245,6 +252,76 @@ class VllmWire:
         """vLLM answers {"success": false} (no HTTP error) while blocks are still held (a
         request finishing its abort): asked again until `timeout_s` has passed."""
         http.flush_while_busy(url, RESET_PREFIX_CACHE_PATH, timeout_s, lambda e: e.status is None)
+
+    join_group_path = INIT_TRANSFER_PATH
+    receive_path = UPDATE_WEIGHTS_PATH
+    leave_group_path = SHUTDOWN_TRANSFER_PATH
+    tensor_path = ""
+    """No such route: vLLM takes weights by broadcast or from disk (tensor_request refuses)."""
+    readback_families: tuple[str, ...] = ()
+    """vLLM has no route to read weights back."""
+
+    def join_group_request(
+        self,
+        address: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> dict[str, object]:
+        """The group is always gloo (the project's backend in vLLM's workers, gloo_transfer.py)."""
+        return init_transfer_request(address, port, rank_offset, world_size, group_name, timeout_s)
+
+    def receive_request(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        flattened: bool,
+    ) -> dict[str, object]:
+        if flattened:
+            raise UnsupportedByVllm("vLLM's workers receive a bucket tensor by tensor")
+        return update_weights_request(names, dtypes, shapes)
+
+    def leave_group_request(self, group_name: str) -> dict[str, object]:
+        return {}
+
+    def tensor_request(self, payloads: list[str]) -> dict[str, object]:
+        raise UnsupportedByVllm(_NO_TENSOR)
+
+    def tensor_serializer(self) -> TensorSerializer:
+        raise UnsupportedByVllm(_NO_TENSOR)
+
+    def begin_update(self, url: str, timeout_s: float) -> None:
+        """vLLM's layerwise reload opens (the engines paused)."""
+        http.post_json(url, START_UPDATE_PATH, None, timeout_s)
+
+    def commit_update(self, url: str, version: str, timeout_s: float) -> None:
+        """finish_weight_update closes the reload and labels the weights `version`."""
+        http.post_json(url, FINISH_UPDATE_PATH, {"weight_version": version}, timeout_s)
+
+    def end_update(self, url: str, timeout_s: float) -> None:
+        """finish_weight_update (commit_update) closed vLLM's reload: nothing left to close."""
+
+    def reload_from_disk(self, url: str, directory: Path, version: str, timeout_s: float) -> None:
+        """Every vLLM worker reloads the directory's safetensors in place through vLLM's
+        /collective_rpc (dev mode) calling its worker's `reload_weights(weights_path=...)`; the
+        version is then set with /update_weight_version by the sync (weights/sync.py)."""
+        body = {"method": RELOAD_METHOD, "kwargs": {"weights_path": str(directory)}}
+        http.post_json(url, COLLECTIVE_RPC_PATH, body, timeout_s)
+
+    def read_weights(self, url: str, name: str, count: int, timeout_s: float) -> object:
+        raise UnsupportedByVllm("vLLM has no route to read weights back")
+
+    def release(
+        self, url: str, groups: list[str], session: bool, mode: PauseMode, timeout_s: float
+    ) -> None:
+        """The group a learner that died left the engine in is released (the project's gloo
+        backend answers alike whether there was one or not; its next init would replace it)."""
+        http.post_json(url, SHUTDOWN_TRANSFER_PATH, None, timeout_s)
 
 
 VLLM_WIRE = VllmWire()

@@ -4,17 +4,19 @@ The sync (``weights/sync.py``) resolves the engines (``resolve_engine``), calls 
 once, then per sync ``begin`` on global rank 0 once the engines are paused, ``send`` for each
 of the stage's buckets and ``finish_stage`` on the stage's sending rank, and ``commit`` then
 ``end`` on global rank 0 after every stage has sent. Every engine call has a deadline
-(``timeout_s``).
+(``timeout_s``) and goes through the engines' wire (engine/wire.py: one kind per transport).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from megatron_fr.engine.http import EngineRequestError, post_all
+from megatron_fr.engine.http import EngineRequestError
 from megatron_fr.engine.server_info import EngineKind, identify
-from megatron_fr.engine.sglang import protocol
+from megatron_fr.engine.wire import EngineWire, wire_for
 from megatron_fr.weights.reshard import Bucket
 
 
@@ -64,14 +66,25 @@ def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
 
 
 class WeightTransport(ABC):
+    kind: EngineKind | None = None
+    """The engines' kind a transport is for, where it is for one (else the engines')."""
+
     def __init__(self, engines: list[Engine], timeout_s: float):
         if not engines:
             raise ValueError("a weight transport needs at least one engine")
         self.engines, self.timeout_s = engines, timeout_s
+        self.wire: EngineWire = wire_for(self.kind or engines[0].kind or "sglang")
 
     @property
     def urls(self) -> list[str]:
         return [engine.url for engine in self.engines]
+
+    def on_every_engine(self, call: Callable[[str], object]) -> None:
+        """`call` for every engine's URL at once; raises the first failure after all finished."""
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            futures = [pool.submit(call, url) for url in self.urls]
+        for future in futures:
+            future.result()
 
     def check_engines(self) -> None:  # noqa: B027  (optional hook)
         """Raise ValueError if the (resolved) engines cannot take this transport."""
@@ -108,15 +121,3 @@ class WeightTransport(ABC):
         """On the stage's sending rank, when the pool changed: release this side of the groups
         without calling any engine (one may be dead or hung; the next connect destroys the
         old groups on the engines that stay)."""
-
-
-def begin_sglang_session(urls: list[str], timeout_s: float) -> None:
-    """SGLang accepts /update_weights_from_distributed and _from_tensor only between
-    /begin_weight_update and /end_weight_update (the CPU engine likewise)."""
-    body = protocol.begin_weight_update_request()
-    post_all(urls, protocol.BEGIN_WEIGHT_UPDATE_PATH, body, timeout_s)
-
-
-def end_sglang_session(urls: list[str], timeout_s: float) -> None:
-    body = protocol.end_weight_update_request()
-    post_all(urls, protocol.END_WEIGHT_UPDATE_PATH, body, timeout_s)

@@ -1,4 +1,5 @@
-"""Disk transport: safetensors on a shared file system, reloaded by /update_weights_from_disk."""
+"""Disk transport: safetensors on a shared file system, reloaded by the engines (SGLang's
+/update_weights_from_disk, vLLM's reload_weights: engine/wire.py's reload_from_disk)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_fr.engine.http import post_all
-from megatron_fr.engine.sglang import protocol
 from megatron_fr.utils.hf_checkpoint import INDEX_NAME
 from megatron_fr.weights.reshard import Bucket
 from megatron_fr.weights.transports.base import Engine, WeightTransport
@@ -74,9 +73,7 @@ class DiskTransport(WeightTransport):
         self.reload(version)
 
     def reload(self, version: str) -> None:
-        """Every engine loads the directory's files in place (SGLang's route; vLLM's:
-        weights/transports/vllm.py)."""
-        body = protocol.update_weights_from_disk_request(
-            str(self.directory), weight_version=version, flush_cache=False
+        """Every engine loads the directory's files in place."""
+        self.on_every_engine(
+            lambda url: self.wire.reload_from_disk(url, self.directory, version, self.timeout_s)
         )
-        post_all(self.urls, protocol.UPDATE_WEIGHTS_FROM_DISK_PATH, body, self.timeout_s)

@@ -10,17 +10,10 @@ import torch
 
 from megatron_fr.engine.group import CollectiveFailed, WeightUpdateGroup, create_weight_update_group
 from megatron_fr.engine.http import EngineRequestError, post_json
-from megatron_fr.engine.sglang import protocol
 from megatron_fr.utils.net import address_towards
 from megatron_fr.weights.reshard import Bucket
-from megatron_fr.weights.transports.base import (
-    Engine,
-    WeightTransport,
-    begin_sglang_session,
-    end_sglang_session,
-)
+from megatron_fr.weights.transports.base import Engine, WeightTransport
 
-FLATTENED = "flattened_bucket"
 CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("megatron_fr.weights")
 
@@ -100,39 +93,40 @@ class DistributedTransport(WeightTransport):
         return [f"{self.base_group_name}_pp{stage}" for stage in range(stages)]
 
     def begin(self) -> None:
-        begin_sglang_session(self.urls, self.timeout_s)
+        self.on_every_engine(lambda url: self.wire.begin_update(url, self.timeout_s))
+
+    def commit(self, version: str) -> None:
+        self.on_every_engine(lambda url: self.wire.commit_update(url, version, self.timeout_s))
 
     def end(self) -> None:
-        end_sglang_session(self.urls, self.timeout_s)
+        self.on_every_engine(lambda url: self.wire.end_update(url, self.timeout_s))
 
     def join_requests(
         self, address: str, port: int, world_size: int, offsets: list[int]
     ) -> tuple[str, list[dict]]:
         """The call that makes each engine join the group at its rank offset: path, bodies."""
         bodies = [
-            protocol.init_weights_update_group_request(
-                address, port, offset, world_size, self.group_name, self.backend
+            self.wire.join_group_request(
+                address, port, offset, world_size, self.group_name, self.backend, self.timeout_s
             )
             for offset in offsets
         ]
-        return protocol.INIT_WEIGHTS_UPDATE_GROUP_PATH, bodies
+        return self.wire.join_group_path, bodies
 
     def update_request(self, bucket: Bucket, flat: torch.Tensor | None) -> tuple[str, dict]:
         """The call that tells every engine what the next broadcasts hold: path, body."""
-        body = protocol.update_weights_from_distributed_request(
+        body = self.wire.receive_request(
             [name for name, _ in bucket],
             [dtype_name(tensor) for _, tensor in bucket],
             [list(tensor.shape) for _, tensor in bucket],
-            group_name=self.group_name,
-            flush_cache=False,  # the sync flushes once, after the last stage (sync.py)
-            load_format=FLATTENED if flat is not None else None,
+            self.group_name,
+            flattened=flat is not None,
         )
-        return protocol.UPDATE_WEIGHTS_FROM_DISTRIBUTED_PATH, body
+        return self.wire.receive_path, body
 
     def leave_request(self) -> tuple[str, dict]:
         """The call that makes every engine leave the group: path, body."""
-        body = protocol.destroy_weights_update_group_request(self.group_name)
-        return protocol.DESTROY_WEIGHTS_UPDATE_GROUP_PATH, body
+        return self.wire.leave_group_path, self.wire.leave_group_request(self.group_name)
 
     def connect(self, stage: int) -> None:
         self.group_name = self.group_names(stage + 1)[stage]

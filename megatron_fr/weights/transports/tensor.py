@@ -11,48 +11,19 @@ not on this node are refused when the transport connects, naming the engine.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
 from urllib.parse import urlparse
 
-import torch
-
 from megatron_fr.engine.http import post_json
-from megatron_fr.engine.sglang import protocol
-from megatron_fr.engine.sglang import source as src
+from megatron_fr.engine.types import TensorSerializer
 from megatron_fr.utils.net import is_this_host
 from megatron_fr.weights.reshard import Bucket
-from megatron_fr.weights.transports.base import (
-    Engine,
-    WeightTransport,
-    begin_sglang_session,
-    end_sglang_session,
-)
+from megatron_fr.weights.transports.base import Engine, WeightTransport
 
-Serializer = Callable[[Bucket], str]
+Serializer = TensorSerializer
 
 
 class NotColocated(RuntimeError):
     """The tensor transport was pointed at an engine on another node."""
-
-
-def sglang_serializer() -> Serializer:
-    """SGLang's MultiprocessingSerializer.serialize (ForkingPickler, base64) after SGLang's
-    monkey_patch_torch_reductions, so each CUDA IPC handle names its GPU by UUID (module
-    docstring); both read from the installed sglang package where it cannot be imported."""
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            "the tensor transport hands over CUDA IPC handles, and this machine has no CUDA: "
-            "use the distributed or disk transport"
-        )
-    try:
-        src.monkey_patch_torch_reductions()()
-        serialize = src.serialize()
-    except (src.SglangSourceMissing, OSError, SyntaxError) as error:
-        raise RuntimeError(
-            f"the tensor transport serializes with SGLang's own code, which is missing here "
-            f"({error}); use the distributed or disk transport"
-        ) from error
-    return lambda bucket: serialize(bucket, output_str=True)
 
 
 class TensorTransport(WeightTransport):
@@ -63,10 +34,10 @@ class TensorTransport(WeightTransport):
     its own: ``tp_size`` payloads per engine."""
 
     def begin(self) -> None:
-        begin_sglang_session(self.urls, self.timeout_s)
+        self.on_every_engine(lambda url: self.wire.begin_update(url, self.timeout_s))
 
     def end(self) -> None:
-        end_sglang_session(self.urls, self.timeout_s)
+        self.on_every_engine(lambda url: self.wire.end_update(url, self.timeout_s))
 
     def __init__(
         self, engines: list[Engine], timeout_s: float, serialize: Serializer | None = None
@@ -89,11 +60,11 @@ class TensorTransport(WeightTransport):
     def request_body(self, bucket: Bucket, engine: Engine) -> dict[str, object]:
         tp_size = engine.known_tp_size()
         if self._serialize is None:
-            self._serialize = sglang_serializer()
+            self._serialize = self.wire.tensor_serializer()
         payloads = [self._serialize(bucket) for _ in range(tp_size)]
-        return protocol.update_weights_from_tensor_request(payloads, flush_cache=False)
+        return self.wire.tensor_request(payloads)
 
     def send(self, bucket: Bucket) -> None:
         for engine in self.engines:
             body = self.request_body(bucket, engine)
-            post_json(engine.url, protocol.UPDATE_WEIGHTS_FROM_TENSOR_PATH, body, self.timeout_s)
+            post_json(engine.url, self.wire.tensor_path, body, self.timeout_s)
