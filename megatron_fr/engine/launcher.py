@@ -268,6 +268,17 @@ def check_engine_device(
         )
 
 
+def check_engine_environment(
+    engine: str, where: str, remedy: str, python: str | None = None
+) -> None:
+    """Before a run starts engines of kind `engine`: check_engine_device, and for vLLM that its
+    interpreter (`python`, else the repository's .venv-vllm, else this one) has vLLM, naming
+    `where` and the remedy."""
+    check_engine_device(engine, where, remedy, python)
+    if engine == "vllm":
+        vllm_launch.check_interpreter(vllm_launch.interpreter(python), f"{where} vllm")
+
+
 def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
     """The CUDA_VISIBLE_DEVICES entries an SGLang server gets (module docstring); empty: leave
     the environment as it is. ValueError when the GPUs are not there."""

@@ -56,8 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from megatron_fr.config.run import load_run_config
-    from megatron_fr.engine.launcher import check_engine_device
-    from megatron_fr.engine.vllm import launch as vllm_launch
+    from megatron_fr.engine.launcher import check_engine_environment
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
@@ -89,10 +88,7 @@ def main(args: argparse.Namespace) -> int:
         if config.rollout.engine.started:
             remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
             engine = config.rollout.engine
-            check_engine_device(engine.kind, "rollout.engine.kind", remedy, engine.python)
-            if config.rollout.engine.kind == "vllm":
-                python = vllm_launch.interpreter(config.rollout.engine.python)
-                vllm_launch.check_interpreter(python, "rollout.engine.kind vllm")
+            check_engine_environment(engine.kind, "rollout.engine.kind", remedy, engine.python)
         if launched is None:
             preflight.check_resume(args.run_dir, world)
             preflight.check_engines(config)
