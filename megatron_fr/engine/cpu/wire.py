@@ -18,6 +18,12 @@ tokenizer manager writes them without return_flat_raw_output_top_logprobs
 [logprob, token_id, null], and meta_info.input_top_logprobs = [] (logprob_start_len -1 asks
 for no prompt position).
 
+The answer has SGLang's fields: meta_info.input_token_logprobs ([]: logprob_start_len -1) and
+output_token_logprobs_length beside the output log-probs (tokenizer_manager.py:
+add_logprob_to_meta_info, which SGLang runs for every request with return_logprob), and "text"
+only where the engine has a tokenizer: SGLang with --skip-tokenizer-init answers output_ids and
+meta_info alone (tokenizer_manager.py: _handle_batch_output, BatchTokenIDOutput).
+
 The answer carries SGLang's per-token version spans (srt/utils/weight_versions.py:
 add_weight_versions_to_meta_info): meta_info.weight_versions = [{"version", "start", "end"}]
 tiling the output tokens, and meta_info.weight_version = the last span's version. A request
@@ -526,18 +532,19 @@ def generate_response(
     lists as JsonText (answer_json)."""
     if output.waiting_abort:
         return waiting_abort_response(output, rid)
-    text = tokenizer.decode(output.output_ids) if tokenizer else ""
     spans = version_spans(output)
     meta = {
         "id": rid,
         "finish_reason": output.finish_reason,
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": len(output.output_ids),
+        "input_token_logprobs": [],  # logprob_start_len -1: no prompt position
         "output_token_logprobs": (
             JsonText(f"[{_entries_json(output.logprobs, output.output_ids)}]")
             if as_json
             else logprob_entries(output.logprobs, output.output_ids)
         ),
+        "output_token_logprobs_length": len(output.output_ids),
         "weight_version": spans[-1]["version"],
         "weight_versions": spans,
         "e2e_latency": output.e2e_latency,
@@ -546,6 +553,9 @@ def generate_response(
         experts = output.routed_experts.numpy().astype("<i4", copy=False)
         meta["routed_experts"] = base64.b64encode(experts.tobytes()).decode("ascii")
     meta.update(top_logprobs_meta(output, as_json))
+    if tokenizer is None:  # SGLang's --skip-tokenizer-init answer: no text
+        return {"output_ids": output.output_ids, "meta_info": meta}
+    text = tokenizer.decode(output.output_ids)
     return {"text": text, "output_ids": output.output_ids, "meta_info": meta}
 
 
