@@ -95,10 +95,7 @@ def test_an_engine_killed_or_stopped_while_the_learner_waits_never_stalls_the_ru
         pid, _ = engine_of(marker)
         os.kill(pid, signal.SIGSTOP)
         time.sleep(3.0)  # every request in flight hangs; the learner waits
-        (run_dir / "STOP").touch()
-        asked = time.monotonic()
-        code = run.wait(120)
-        took = time.monotonic() - asked
+        code, took = stop(run, run_dir)
     finally:
         if run.process.poll() is None:
             os.killpg(run.process.pid, signal.SIGKILL)
@@ -117,10 +114,7 @@ def test_an_engine_killed_or_stopped_while_the_learner_waits_never_stalls_the_ru
         pid, _ = engine_of(marker)
         os.kill(pid, signal.SIGSTOP)
         wait_until(lambda: holds(run_dir, 3.0), 60, "the learner waiting in a sync")
-        (run_dir / "STOP").touch()
-        asked = time.monotonic()
-        code = run.wait(120)
-        took = time.monotonic() - asked
+        code, took = stop(run, run_dir)
     finally:
         if run.process.poll() is None:
             os.killpg(run.process.pid, signal.SIGKILL)
@@ -142,6 +136,15 @@ def holds(run_dir, seconds: float) -> bool:
     before = last_step(run_dir)
     time.sleep(seconds)
     return last_step(run_dir) == before
+
+
+def stop(run: Run, run_dir) -> tuple[int | None, float]:
+    """A STOP file; the run's exit code (None: still running after 120 s) and the seconds
+    from the request to its end."""
+    (run_dir / "STOP").touch()
+    asked = time.monotonic()
+    code = run.wait(120)
+    return code, time.monotonic() - asked
 
 
 def assert_stopped_at_a_checkpoint(run: Run, run_dir, code: int | None, took: float) -> int:
