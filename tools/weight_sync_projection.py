@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench_weight_sync.py             # measures; bench_out/*.json
     .venv/bin/python tools/bench_weight_sync.py --project   # this projection
     .venv/bin/python tools/bench_weight_sync.py --project --gather-gbps 1600 --bucket-overhead-ms 20
+    .venv/bin/python tools/bench_weight_sync.py --project --engines-per-group   # k = 1, 2, all
 
 The recipe (examples/qwen3_30b_a3b_lag8.yaml: learner TP4 + SP, EP8, ETP1, PP1 on 16 ranks,
 four SGLang TP4 servers) has one pipeline stage, so ONE sending rank sends every byte:
@@ -24,6 +25,22 @@ four SGLang TP4 servers) has one pipeline stage, so ONE sending rank sends every
     one after the other:  T = R + n w
     overlapped (weights.overlap, two buckets in flight):
                           T = r + (n - 1) max(r, w) + w = max(R, n w) + min(r, w)
+
+Topology (--engines-per-group K ...; alone: 1 2 all). The recipe's E engines
+(cluster.servers: four SGLang TP4 servers) are split into weight-update groups of k engines
+each, g = ceil(E / k) groups; k = all (g = 1) is the one group the sync forms today, k = 1 a
+group per engine. The buckets are built once and each is sent to every group, the groups one
+after the other from the same sender (concurrent groups would share the sender's one NIC: the
+same wire time), and each group's send carries its own per-bucket call:
+
+    R  paid once;  W_g = g x W;  w = W_g / n + g c
+    one after the other:  T = R + n w;  overlapped: T = r + (n - 1) max(r, w) + w
+
+An engine that dies mid-broadcast holds the schedulers of the engines in its own group in the
+broken collective (SGLang's /init_weights_update_group takes no timeout: torch's default of
+30 min), so they miss the regroup bound and leave the pool with it: one death takes out k
+engines (all E with one group), printed as "out after one death". The decision and what a
+survivor goes through in each topology: docs/weight-sync.md, "One group or a group per engine".
 
 Not modelled: the pause / commit calls and the cache flush (a few HTTP round trips), and the
 plan built once per run. Anchors to compare with, as reported by others for Qwen3-30B-A3B:
@@ -79,12 +96,18 @@ def received_bytes(sizes: ModelBytes, tp: int, ep: int, etp: int) -> float:
 
 
 def sync_seconds(
-    total: int, reshard_s: float, wire_gbps: float, bucket_bytes: int, overhead_s: float
+    total: int,
+    reshard_s: float,
+    wire_gbps: float,
+    bucket_bytes: int,
+    overhead_s: float,
+    groups: int = 1,
 ) -> dict[str, float]:
-    """R, W, and T one after the other and overlapped, by the formula above."""
+    """R, W (g x W with `groups` g), and T one after the other and overlapped, by the
+    formulas above."""
     n = math.ceil(total / bucket_bytes)
-    wire_s = total * 8 / (wire_gbps * 1e9)
-    r, w = reshard_s / n, wire_s / n + overhead_s
+    wire_s = groups * total * 8 / (wire_gbps * 1e9)
+    r, w = reshard_s / n, wire_s / n + groups * overhead_s
     return dict(
         buckets=n,
         reshard=reshard_s,
@@ -92,6 +115,25 @@ def sync_seconds(
         in_line=reshard_s + n * w,
         overlapped=r + (n - 1) * max(r, w) + w,
     )
+
+
+def engines_per_group(text: str) -> int | None:
+    """K of --engines-per-group: a positive integer, or None for 'all' (one group)."""
+    if text == "all":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1 engine per group")
+    return value
+
+
+TOPOLOGIES: tuple[int | None, ...] = (1, 2, None)
+"""--engines-per-group given alone: a group per engine, groups of two, one group (today)."""
+
+
+def group_count(engines: int, per_group: int | None) -> int:
+    """g = ceil(engines / k); one group for k = all (None)."""
+    return 1 if per_group is None else math.ceil(engines / per_group)
 
 
 def seconds_per_received_byte(bench: dict) -> float:
@@ -119,7 +161,18 @@ def main(argv: list[str] | None = None) -> None:
         help="an assumed reshard rate (Gb/s received by the sender) instead of the measured one",
     )
     parser.add_argument("--bucket-overhead-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--engines-per-group",
+        nargs="*",
+        type=engines_per_group,
+        default=None,
+        metavar="K",
+        help="also the sync time and the engines one death takes out with weight-update groups "
+        "of K engines (an integer or 'all'); given alone: 1 2 all",
+    )
     args = parser.parse_args(argv)
+    if args.engines_per_group == []:
+        args.engines_per_group = list(TOPOLOGIES)
     from megatron_fr.config.run import load_run_config
     from megatron_fr.models.hf_config import load_hf_config
 
@@ -167,6 +220,39 @@ def report(args: argparse.Namespace, run, spec, per_byte: float, rate: str) -> N
             f"{gbps:>10g} {t['buckets']:>8d} {t['reshard']:>7.2f} {t['wire']:>7.2f} "
             f"{t['in_line']:>10.2f} {t['overlapped']:>13.2f}"
         )
+    if args.engines_per_group:
+        report_topologies(args, run, sizes.total, received * per_byte)
+
+
+def report_topologies(args: argparse.Namespace, run, total: int, reshard_s: float) -> None:
+    """Per k of --engines-per-group and per wire: g, the engines one death takes out, W_g and
+    T one after the other and overlapped."""
+    engines = run.cluster.servers
+    print(
+        f"groups of k engines: {engines} engines (cluster.servers), g = ceil({engines} / k) "
+        "groups sent one after the other; R once, wire g x W"
+    )
+    print(
+        f"{'k':>4} {'groups':>6} {'out after one death':>20} {'wire Gb/s':>10} {'g x W s':>8} "
+        f"{'in line s':>10} {'overlapped s':>13}"
+    )
+    for per_group in args.engines_per_group:
+        groups = group_count(engines, per_group)
+        k = "all" if per_group is None else str(per_group)
+        radius = engines if per_group is None else min(per_group, engines)
+        for gbps in args.wire_gbps:
+            t = sync_seconds(
+                total,
+                reshard_s,
+                gbps,
+                run.weights.bucket_mib * 2**20,
+                args.bucket_overhead_ms / 1e3,
+                groups,
+            )
+            print(
+                f"{k:>4} {groups:>6d} {radius:>20d} {gbps:>10g} {t['wire']:>8.2f} "
+                f"{t['in_line']:>10.2f} {t['overlapped']:>13.2f}"
+            )
 
 
 if __name__ == "__main__":
