@@ -177,6 +177,15 @@ class ClientMetrics:
     continuations: int = 0
 
 
+KEEPALIVE_S = 4.0
+"""How long an idle connection to a server is kept for reuse: below the servers' own keep-alive
+(SGLang's uvicorn closes idle connections after SGLANG_TIMEOUT_KEEP_ALIVE, 5 s; vLLM's after
+VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). aiohttp's default, 15 s, reused connections the server
+had closed while the engine sat idle (a learner step of 5-15 s with the buffer full): each
+such request failed ("Server disconnected"), and 18 in a row took a healthy SGLang engine out
+of the pool."""
+
+
 class RolloutError(RuntimeError):
     """A generate call that could not produce a Rollout."""
 
@@ -320,7 +329,8 @@ class RolloutClient:
     def _session(self) -> aiohttp.ClientSession:
         # Created on first use: aiohttp binds a session to the running event loop.
         if self._http is None:
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._http = aiohttp.ClientSession(connector=connector)
         return self._http
 
     def _new_server(self, url: str) -> _Server:

@@ -797,3 +797,24 @@ def test_an_overloaded_server_serves_every_request_under_a_lowered_limit() -> No
     assert [r.output_ids[0] for r in rollouts] == list(range(1, 9))
     assert timeouts > 0 and failing == 0
     assert posts == 8 + timeouts  # every timed-out request was sent again, nothing else
+
+
+def test_idle_connections_are_dropped_before_sglang_closes_them() -> None:
+    """SGLang's HTTP server closes a keep-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE
+    seconds (read from the installed sglang's srt/environ.py); the client must drop an idle
+    connection sooner, or a request sent on one the server closed fails ("Server
+    disconnected") and counts against a healthy engine."""
+    import ast
+
+    from megatron_fr.engine import client as client_module
+    from megatron_fr.engine.sglang.source import sglang_root
+
+    tree = ast.parse((sglang_root() / "srt" / "environ.py").read_text())
+    setting = next(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "SGLANG_TIMEOUT_KEEP_ALIVE" for t in node.targets)
+    )
+    assert isinstance(setting, ast.Call) and isinstance(setting.args[0], ast.Constant)
+    assert 0 < client_module.KEEPALIVE_S < setting.args[0].value

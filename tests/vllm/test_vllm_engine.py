@@ -78,6 +78,19 @@ def _post(url: str, path: str, body: dict) -> dict:
         return json.load(response)
 
 
+def _wait_generating(url: str, timeout_s: float = 60.0) -> None:
+    """Until vLLM's own metrics (GET /metrics, updated at every engine step) count a request
+    running: its tokens are being generated."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
+                    return
+        time.sleep(0.01)
+    raise AssertionError(f"no request running on {url} after {timeout_s} s")
+
+
 def _reference_log_probs(model, ids: list[int], temperature: float) -> list[float]:
     tokens = torch.tensor([PROMPT + ids])
     with torch.no_grad():
@@ -121,7 +134,7 @@ def test_a_request_in_flight_survives_a_pause_and_a_version_change(vllm_server) 
     answers: list[dict] = []
     request = threading.Thread(target=lambda: answers.append(_post(url, wire.GENERATE_PATH, body)))
     request.start()
-    time.sleep(0.5)
+    _wait_generating(url)  # a fixed sleep raced a quiet machine: 3,000 tokens came first
     _post(url, wire.PAUSE_PATH + "?mode=keep", {})
     try:
         paused = json.load(urllib.request.urlopen(url + wire.IS_PAUSED_PATH, timeout=30))
