@@ -339,14 +339,6 @@ ALLOWED_DIFFERENCES: dict[str, Allowed] = {
     "continue_not_paused": _CONTROL,
     "abort_all": _ABORT,
     "abort_unknown_rid": _ABORT,
-    "begin_unknown_selector": Allowed(
-        "SGLang refuses a selector outside target/draft/all at validation "
-        "(managers/io_struct.py:2200, Literal); the CPU engine's /begin_weight_update reads no "
-        "field of its body and opens the session (cpu/server.py). The project always sends "
-        "'all' (protocol.begin_weight_update_request); not fixed here (server.py)",
-        status=True,
-        keys=frozenset({"success", "code", "object", "param", "type"}),
-    ),
 }
 """Case name -> why its answers may differ, and in what (module docstring). Error bodies are
 not compared (an error's body is read by the project only as text for its message: engine/

@@ -641,3 +641,18 @@ def _encode(value: object, out: list[str]) -> None:
         out.append("]")
     else:
         out.append(json.dumps(value))
+
+
+SESSION_SELECTORS = ("target", "draft", "all")
+
+
+def session_selector(body: dict[str, object]) -> str:
+    """A session call's `selector`, refused outside SGLang's Literal (io_struct.py's
+    BeginWeightUpdateReqInput and EndWeightUpdateReqInput: target, draft or all; "all" when
+    absent). The engine has no draft model: every selector means its one model."""
+    selector = field(body, "selector", str, "all")
+    if selector not in SESSION_SELECTORS:
+        raise BadRequest(
+            f"selector must be one of {', '.join(SESSION_SELECTORS)}, got {selector!r}"
+        )
+    return selector
