@@ -28,7 +28,7 @@ from megatron_fr.learner.step_metrics import StepMetrics
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.orchestrator.rollout_process import Hello, RunRollout, start_rollout_process
-from megatron_fr.parallel.state import FirstRankFailed, broadcast_from_rank0, run_on_rank0
+from megatron_fr.parallel.state import run_on_rank0, share_from_rank0
 from megatron_fr.utils.process_proxy import ProcessProxy
 
 T = TypeVar("T")
@@ -48,7 +48,8 @@ class Rank(ABC):
 
     @abstractmethod
     def share(self, ask: Callable[[Leader], T]) -> T:
-        """Every rank: what `ask` returns on the leader (a collective)."""
+        """Every rank: what `ask` returns on the leader (a collective); an error of `ask` is
+        raised on the leader, and as FirstRankFailed on the others (share_from_rank0)."""
 
     @abstractmethod
     def act(self, work: Callable[[Leader], object]) -> None:
@@ -116,16 +117,7 @@ class Leader(Rank):
             raise
 
     def share(self, ask: Callable[[Leader], T]) -> T:
-        """`ask`'s answer, on every rank; when it raises, the others are told (they raise
-        FirstRankFailed) before it is raised here, so no rank is left in the broadcast to
-        meet the first rank's exit as a lost connection."""
-        try:
-            answer = ask(self)
-        except Exception as error:
-            broadcast_from_rank0(("error", f"{type(error).__name__}: {error}"))
-            raise
-        broadcast_from_rank0(("done", answer))
-        return answer
+        return share_from_rank0(lambda: ask(self))
 
     def act(self, work: Callable[[Leader], object]) -> None:
         work(self)
@@ -171,11 +163,7 @@ class Follower(Rank):
     leads = False
 
     def share(self, ask: Callable[[Leader], T]) -> T:
-        shared: tuple[str, T] = broadcast_from_rank0(None)  # the leader's ("done", answer)
-        kind, answer = shared
-        if kind == "error":
-            raise FirstRankFailed(f"the first rank failed: {answer}")
-        return answer
+        return share_from_rank0(None)
 
     def act(self, work: Callable[[Leader], object]) -> None:
         pass

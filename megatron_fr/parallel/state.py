@@ -134,7 +134,37 @@ def broadcast_from_rank0(value: T | None, group: dist.ProcessGroup | None = None
 
 
 class FirstRankFailed(RuntimeError):
-    """What the other ranks raise when the first rank's work (run_on_rank0) failed."""
+    """What the other ranks raise when the first rank's work (run_on_rank0, share_from_rank0)
+    failed."""
+
+
+def _failed(error: BaseException) -> tuple[str, str]:
+    """The outcome rank 0 broadcasts when its work raised `error`."""
+    return ("error", f"{type(error).__name__}: {error}")
+
+
+def _outcome(received: tuple[str, T]) -> T:
+    """A non-first rank's side of rank 0's ("done", value) or ("error", message)."""
+    kind, value = received
+    if kind == "error":
+        raise FirstRankFailed(f"the first rank failed: {value}")
+    return value
+
+
+def share_from_rank0(ask: Callable[[], T] | None, group: dist.ProcessGroup | None = None) -> T:
+    """Rank 0's answer to `ask` (the other ranks pass None) on every rank, for a question
+    answered at once (a slow one: run_on_rank0). When `ask` raises, the other ranks are told
+    first (they raise FirstRankFailed naming the error) and it is raised on rank 0, so no rank
+    is left in the broadcast to meet rank 0's exit as a lost connection."""
+    if ask is None:
+        return _outcome(broadcast_from_rank0(None, group))
+    try:
+        answer = ask()
+    except Exception as error:
+        broadcast_from_rank0(_failed(error), group)
+        raise
+    broadcast_from_rank0(("done", answer), group)
+    return answer
 
 
 def run_on_rank0(
@@ -163,15 +193,13 @@ def run_on_rank0(
             thread.join(slice_s)
             if not thread.is_alive():
                 kind, value = outcome[0]
-                status = (kind, value if kind == "done" else f"{type(value).__name__}: {value}")
+                status = (kind, value) if kind == "done" else _failed(cast(BaseException, value))
         received: tuple[str, object] | None = broadcast_from_rank0(status, group)
         if received is None:
             continue
-        if received[0] == "done":
-            return cast(T, received[1])
-        if thread is not None:
+        if received[0] != "done" and thread is not None:
             raise cast(BaseException, outcome[0][1])
-        raise FirstRankFailed(f"the first rank failed: {received[1]}")
+        return cast(T, _outcome(received))
 
 
 def destroy() -> None:

@@ -62,7 +62,7 @@ def first_rank_works_longer_than_a_collective_may_wait(rank: int, world_size: in
     import datetime
     import time
 
-    from megatron_fr.parallel.state import FirstRankFailed, run_on_rank0
+    from megatron_fr.parallel.state import FirstRankFailed, run_on_rank0, share_from_rank0
 
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
 
@@ -81,6 +81,16 @@ def first_rank_works_longer_than_a_collective_may_wait(rank: int, world_size: in
         failed = None
     except (ValueError, FirstRankFailed) as error:
         failed = (type(error).__name__, str(error))
+    shared = share_from_rank0((lambda: ["pool", 3]) if rank == 0 else None, group=short)
+
+    def refused() -> None:
+        raise KeyError("no engine")
+
+    try:  # a question that raises on rank 0: the others are told, not left in the broadcast
+        share_from_rank0(refused if rank == 0 else None, group=short)
+        share_failed = None
+    except (KeyError, FirstRankFailed) as error:
+        share_failed = (type(error).__name__, str(error))
     try:  # the same wait in one collective: the timeout fires
         box = [None]
         if rank == 0:
@@ -89,14 +99,15 @@ def first_rank_works_longer_than_a_collective_may_wait(rank: int, world_size: in
         unsliced = "returned"
     except RuntimeError:
         unsliced = "timed out"
-    return dict(got=got, failed=failed, unsliced=unsliced)
+    return dict(got=got, failed=failed, shared=shared, share_failed=share_failed, unsliced=unsliced)
 
 
 @pytest.mark.distributed
 def test_the_other_ranks_wait_for_the_first_ranks_work_in_slices_below_the_timeout():
     """run_on_rank0: work longer than the group's collective timeout finishes on every rank
     (the others meet rank 0 in a broadcast every slice); the work's error is rank 0's own and
-    named on the others; the same wait in one collective times out (the control)."""
+    named on the others; the same wait in one collective times out (the control).
+    share_from_rank0, the quick question's twin, answers and fails the same way."""
     first, second = run_on_ranks(first_rank_works_longer_than_a_collective_may_wait, 2)
     assert first["got"] == second["got"] == "evaluated"
     assert first["failed"] == ("ValueError", "engine pool empty")
@@ -105,3 +116,11 @@ def test_the_other_ranks_wait_for_the_first_ranks_work_in_slices_below_the_timeo
         "the first rank failed: ValueError: engine pool empty",
     )
     assert second["unsliced"] == "timed out"
+    # share_from_rank0: the answer on every rank; a raising question raises there as it was
+    # and as FirstRankFailed naming it on the others
+    assert first["shared"] == second["shared"] == ["pool", 3]
+    assert first["share_failed"] == ("KeyError", "'no engine'")
+    assert second["share_failed"] == (
+        "FirstRankFailed",
+        "the first rank failed: KeyError: 'no engine'",
+    )
