@@ -57,11 +57,11 @@ from megatron_fr.engine.cpu.wire import (
     answer_json,
     bool_flags,
     bucket_metadata,
+    check_session_selector,
     field,
     generate_response,
     join_args,
     parse_generate,
-    session_selector,
     sglang_base_request,
     version_field,
 )
@@ -322,12 +322,12 @@ class CpuServer:
         return web.json_response({"success": True, "message": f"joined {name} as {rank}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        session_selector(await json_object(request, empty_ok=True))
+        check_session_selector(await json_object(request, empty_ok=True))
         self.engine.weights.begin_update()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
-        session_selector(await json_object(request, empty_ok=True))
+        check_session_selector(await json_object(request, empty_ok=True))
         count = await self._control(self.engine.weights.end_update)
         return web.json_response({"success": True, "message": f"applied {count} tensors"})
 

@@ -646,8 +646,8 @@ def _encode(value: object, out: list[str]) -> None:
 SESSION_SELECTORS = ("target", "draft", "all")
 
 
-def session_selector(body: dict[str, object]) -> str:
-    """A session call's `selector`, refused outside SGLang's Literal (io_struct.py's
+def check_session_selector(body: dict[str, object]) -> None:
+    """Refuse a session call's `selector` outside SGLang's Literal (io_struct.py's
     BeginWeightUpdateReqInput and EndWeightUpdateReqInput: target, draft or all; "all" when
     absent). The engine has no draft model: every selector means its one model."""
     selector = field(body, "selector", str, "all")
@@ -655,4 +655,3 @@ def session_selector(body: dict[str, object]) -> str:
         raise BadRequest(
             f"selector must be one of {', '.join(SESSION_SELECTORS)}, got {selector!r}"
         )
-    return selector
