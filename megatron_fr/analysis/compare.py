@@ -20,8 +20,12 @@ name, the optional topk adds "_topk").
 
 With --lrs each configuration first runs every learning rate on --selection-seeds seeds of
 its own (1000 and up, DIR/<configuration>-lr<lr>-select<s>) and is then compared at the one
-with the highest mean accuracy over the budget: a method is compared at its best, and the
-choice is not fitted to the seeds it is judged on (choose_learning_rates).
+with the highest --select-by score (final held-out accuracy, or the mean over the budget): a
+method is compared at its best, and the choice is not fitted to the seeds it is judged on
+(choose_learning_rates). A rate at either end of the grid is not shown to be the best (the
+score may still rise past it), so the comparison stops there, writes the sweep to
+DIR/sweep.md and asks for a wider grid (GridEdgeError); --allow-grid-edge compares anyway and
+marks that rate as an edge in the tables.
 
 --jobs N trains N runs at once (an interrupted comparison keeps every run that finished).
 A run that already finished is read, not trained again, so an interrupted comparison is
@@ -257,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     with one line on stderr (exit 2), never a traceback."""
     try:
         return _compare(args)
-    except (ValueError, OSError, OtherModelError) as error:
+    except (ValueError, OSError, OtherModelError, GridEdgeError) as error:
         print(f"megatron-fr compare: error: {error}", file=sys.stderr)
         return 2
     except subprocess.CalledProcessError as error:
@@ -293,7 +297,15 @@ def _compare(args: argparse.Namespace) -> int:
     variants = variants_for(args, config.buffer.batch_size)
     check_variants(args.recipe, overrides, variants)
     out.mkdir(parents=True, exist_ok=True)
-    scores, chosen = choose_learning_rates(runs, variants, args.lrs, args.selection_seeds)
+    scores, chosen = choose_learning_rates(
+        runs, variants, args.lrs, args.selection_seeds, SELECT_BY[args.select_by]
+    )
+    edges = grid_edges(chosen, args.lrs) if args.lrs else {}
+    sweep = report.sweep_table(scores, chosen, edges) if scores else ""
+    if sweep:
+        (out / "sweep.md").write_text(f"{_sweep_title(args)}\n\n{sweep}")
+    if not args.allow_grid_edge:
+        refuse_grid_edges(edges, chosen, out / "sweep.md")
     # Seed-major, so that an interrupted comparison already covers every configuration.
     planned = [
         PlannedRun(variant, f"{variant.name}-seed{seed}", seed, chosen.get(variant.name))
@@ -311,9 +323,8 @@ def _compare(args: argparse.Namespace) -> int:
     if reference:
         table += f"\nAccuracy minus {reference}'s at each budget:\n\n"
         table += report.gap_table(by_variant, reference, args.x)
-    if scores:
-        table += f"\nLearning rates (mean accuracy over the budget, seeds {args.selection_seeds}):"
-        table += "\n\n" + report.sweep_table(scores, chosen)
+    if sweep:
+        table += f"\n{_sweep_title(args)}\n\n{sweep}"
     (out / "results.md").write_text(table)
     results = {name: [run.__dict__ for run in runs] for name, runs in by_variant.items()}
     (out / "results.json").write_text(json.dumps({"runs": results, "sweep": scores}, indent=1))
@@ -324,6 +335,44 @@ def _compare(args: argparse.Namespace) -> int:
 
 class OtherModelError(Exception):
     """A finished run in the comparison's directory was trained from another starting model."""
+
+
+class GridEdgeError(Exception):
+    """A configuration's best learning rate of the sweep is the grid's lowest or highest."""
+
+
+SELECT_BY = {"final": stats.final_accuracy, "mean": stats.area_under_curve}
+"""--select-by: the score a learning rate is chosen by, over its selection seeds' curves:
+the final held-out accuracy (mean over seeds), or the mean accuracy over the budget."""
+
+
+def grid_edges(chosen: dict[str, float], lrs: tuple[float, ...]) -> dict[str, str]:
+    """{configuration: "lowest" | "highest"} for each chosen rate at an end of the grid (a
+    grid of one rate is both ends: nothing was shown)."""
+    edges = {}
+    for name, lr in chosen.items():
+        if lr == min(lrs):
+            edges[name] = "lowest"
+        elif lr == max(lrs):
+            edges[name] = "highest"
+    return edges
+
+
+def refuse_grid_edges(edges: dict[str, str], chosen: dict[str, float], sweep: Path) -> None:
+    """GridEdgeError naming every configuration whose best rate is at an edge, and which way
+    to widen the grid."""
+    if not edges:
+        return
+    named = "; ".join(
+        f"{name}'s best is {chosen[name]:g}, the grid's {end} (add rates "
+        f"{'below' if end == 'lowest' else 'above'} it)"
+        for name, end in edges.items()
+    )
+    raise GridEdgeError(
+        f"{named}: a rate at the grid's edge is not shown to be the best, so nothing is "
+        f"compared. Widen the grid (--lrs); the sweep so far is in {sweep} "
+        "(--allow-grid-edge compares at the edge anyway)."
+    )
 
 
 @dataclass(frozen=True)
@@ -402,26 +451,40 @@ class Runs:
             )
 
 
+def _sweep_title(args: argparse.Namespace) -> str:
+    what = {"final": "final held-out accuracy", "mean": "mean accuracy over the budget"}
+    last = SELECTION_SEED + args.selection_seeds - 1
+    return (
+        f"Learning rates ({what[args.select_by]}, mean of selection seeds {SELECTION_SEED}-{last}):"
+    )
+
+
 def choose_learning_rates(
-    runs: Runs, variants: list[Variant], lrs: tuple[float, ...], seeds: int
+    runs: Runs,
+    variants: list[Variant],
+    lrs: tuple[float, ...],
+    seeds: int,
+    score: Callable[[list[stats.Curve]], float] = stats.final_accuracy,
 ) -> tuple[dict[str, dict[float, float]], dict[str, float]]:
-    """Each configuration's best learning rate of `lrs`: the highest mean accuracy over the
-    budget (trained rollouts) on `seeds` selection seeds, SELECTION_SEED and up, which the
+    """Each configuration's best learning rate of `lrs`: the highest `score` of its curves
+    (trained rollouts) on `seeds` selection seeds, SELECTION_SEED and up, which the
     comparison's own seeds (0 and up) never use, so the choice is not fitted to the seeds it
     is judged on. ({name: {lr: score}}, {name: chosen lr}); both empty without `lrs`."""
     selection = range(SELECTION_SEED, SELECTION_SEED + seeds)
+    # Seed-major: an interrupted sweep already has the whole grid on its first seeds.
     planned = [
         PlannedRun(variant, f"{variant.name}-lr{lr:g}-select{seed}", seed, lr)
-        for variant in variants
-        for lr in lrs
         for seed in selection
+        for lr in lrs
+        for variant in variants
     ]
-    summaries = iter(runs.summaries(planned))
+    curves: dict[tuple[str, float], list[stats.Curve]] = {}
+    for run, summary in zip(planned, runs.summaries(planned), strict=True):
+        curves.setdefault((run.variant.name, run.lr or 0.0), []).append(summary.curve)
     scores: dict[str, dict[float, float]] = {}
     for variant in variants:
         for lr in lrs:
-            curves = [next(summaries).curve for _ in selection]
-            scores.setdefault(variant.name, {})[lr] = stats.area_under_curve(curves)
+            scores.setdefault(variant.name, {})[lr] = score(curves[variant.name, lr])
     chosen = {name: max(by_lr, key=lambda lr: by_lr[lr]) for name, by_lr in scores.items()}
     return scores, chosen
 
@@ -493,6 +556,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=bounded_int(1, MAX_SEEDS),
         default=2,
         help=f"seeds per learning rate of the sweep ({SELECTION_SEED} and up)",
+    )
+    parser.add_argument(
+        "--select-by",
+        choices=tuple(SELECT_BY),
+        default="final",
+        help="the sweep's score: final held-out accuracy, or the mean over the budget",
+    )
+    parser.add_argument(
+        "--allow-grid-edge",
+        action="store_true",
+        help="compare at a best rate at the grid's edge (refused by default: widen the grid)",
     )
     parser.add_argument(
         "--x",

@@ -134,15 +134,21 @@ def gap_table(by_variant: dict[str, list[RunSummary]], reference: str, axis: str
     return "\n".join(lines) + "\n"
 
 
-def sweep_table(scores: dict[str, dict[float, float]], chosen: dict[str, float]) -> str:
-    """The learning-rate sweep: each configuration's mean accuracy over the budget on the
-    selection seeds at each learning rate, and the one chosen."""
+def sweep_table(
+    scores: dict[str, dict[float, float]],
+    chosen: dict[str, float],
+    edges: dict[str, str] | None = None,
+) -> str:
+    """The learning-rate sweep: each configuration's selection score on the selection seeds
+    at each learning rate, and the one chosen (marked where it is the grid's `edges`)."""
+    edges = edges or {}
     lrs = sorted({lr for by_lr in scores.values() for lr in by_lr})
     header = "| run | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |"
     lines = [header, "|" + "---|" * (2 + len(lrs))]
     for name, by_lr in scores.items():
         cells = [f"{by_lr[lr]:.3f}" if lr in by_lr else "-" for lr in lrs]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chosen[name]:g} |")
+        edge = f" (the grid's {edges[name]}: widen it)" if name in edges else ""
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {chosen[name]:g}{edge} |")
     return "\n".join(lines) + "\n"
 
 

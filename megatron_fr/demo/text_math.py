@@ -192,9 +192,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", type=int, default=200, help="held-out prompts")
     parser.add_argument("--digits", type=int, default=2, help="operand digits (1-3)")
     parser.add_argument("--operations", default="+", help='drawn from: "+", "-" or "+-"')
+    parser.add_argument(
+        "--commuted-together",
+        action="store_true",
+        help="a + b and b + a in the same split (ArithmeticConfig.commuted_together)",
+    )
     args = parser.parse_args(argv)
     config = TextMathConfig(
-        problems=ArithmeticConfig(digits=args.digits, operations=tuple(args.operations))
+        problems=ArithmeticConfig(
+            digits=args.digits,
+            operations=tuple(args.operations),
+            commuted_together=args.commuted_together,
+        )
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     splits: tuple[tuple[Split, int], ...] = (("train", args.train), ("eval", args.eval))

@@ -290,3 +290,42 @@ def test_jobs_train_runs_at_once_and_report_them_in_the_planned_order(tmp_path, 
     assert sorted(calls) == [f"fr-seed{seed}" for seed in range(4)]
     calls.clear()
     assert [s.seed for s in runs.summaries(planned)] == [0, 1, 2, 3] and calls == []
+
+
+def test_a_sweep_whose_best_rate_is_at_the_edge_stops_before_the_compared_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """`compare --lrs` through run(): the stand-in's accuracy does not depend on the rate,
+    so the first (lowest) rate wins its tie and sits at the grid's edge; the comparison ends
+    with exit 2 and "widen the grid", writes the sweep, and trains none of its own seeds.
+    --allow-grid-edge then compares, reusing the sweep's runs."""
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAIN)
+    trained: list[str] = []
+
+    def fake_command(recipe: Path, run_dir: Path, overrides: list[str]) -> list[str]:
+        trained.append(run_dir.name)
+        seed = next(item for item in overrides if item.startswith("seed=")).split("=")[1]
+        return [sys.executable, str(script), str(run_dir), str(int(seed) % 10)]
+
+    monkeypatch.setattr(compare, "train_command", fake_command)
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    argv = ["methods", str(REPO / "examples/cpu_demo.yaml"), f"model.hf_dir={tmp_path}"]
+    argv += ["--out", str(tmp_path / "out"), "--seeds", "1", "--steps", "1"]
+    argv += ["--estimators", "flash_reinforce", "--lrs", "1e-4,3e-4,1e-3", "--selection-seeds", "1"]
+    assert compare.run(parser.parse_args(argv)) == 2
+    error = capsys.readouterr().err
+    assert "flash_reinforce's best is 0.0001, the grid's lowest" in error
+    assert "Widen the grid" in error
+    assert sorted(trained) == sorted(
+        f"flash_reinforce-lr{lr}-select1000" for lr in ("0.0001", "0.0003", "0.001")
+    )
+    sweep = (tmp_path / "out" / "sweep.md").read_text()
+    assert "final held-out accuracy" in sweep and "(the grid's lowest: widen it)" in sweep
+    assert not (tmp_path / "out" / "results.md").exists()
+
+    trained.clear()
+    assert compare.run(parser.parse_args([*argv, "--allow-grid-edge"])) == 0
+    assert trained == ["flash_reinforce-seed0"]
+    assert "(the grid's lowest: widen it)" in (tmp_path / "out" / "results.md").read_text()

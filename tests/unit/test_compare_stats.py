@@ -109,13 +109,64 @@ class SweepRuns:
 def test_each_configuration_gets_its_best_learning_rate_on_separate_seeds() -> None:
     runs = SweepRuns()
     variants = [compare.Variant("a", ()), compare.Variant("b", ())]
-    scores, chosen = compare.choose_learning_rates(runs, variants, (1e-4, 3e-4, 1e-3), 2)  # type: ignore[arg-type]
+    lrs = (1e-4, 3e-4, 1e-3)
+    by_mean = compare.SELECT_BY["mean"]
+    scores, chosen = compare.choose_learning_rates(runs, variants, lrs, 2, by_mean)  # type: ignore[arg-type]
     assert chosen == {"a": 3e-4, "b": 1e-3}
-    assert scores["a"] == pytest.approx({1e-4: 0.15, 3e-4: 0.25, 1e-3: 0.2})
+    assert scores["a"] == pytest.approx({1e-4: 0.15, 3e-4: 0.25, 1e-3: 0.2})  # area / width
+    final, _ = compare.choose_learning_rates(SweepRuns(), variants, lrs, 2)  # type: ignore[arg-type]
+    assert final["a"] == pytest.approx({1e-4: 0.3, 3e-4: 0.5, 1e-3: 0.4})  # the last evaluation
     assert "a-lr0.0003-select1000" in runs.names and "b-lr0.001-select1001" in runs.names
     assert all("select" in name for name in runs.names)  # never the comparison's own seeds
     table = sweep_table(scores, chosen)
     assert "| a | 0.150 | 0.250 | 0.200 | 0.0003 |" in table
+
+
+class CrossingRuns:
+    """Two learning rates whose curves cross: 1e-3 leads early and falls back, 3e-4 rises
+    slowly and ends higher (the final accuracy and the mean over the budget disagree)."""
+
+    def summaries(self, planned):
+        curves = {
+            1e-4: [(0, 0.3), (10, 0.3), (20, 0.35)],
+            3e-4: [(0, 0.3), (10, 0.35), (20, 0.6)],
+            1e-3: [(0, 0.3), (10, 0.7), (20, 0.5)],
+        }
+        return [RunSummary("a", r.seed, curves[r.lr], 1.0, None, None, lr=r.lr) for r in planned]
+
+
+def test_the_sweep_selects_by_the_metric_the_claim_is_about() -> None:
+    """--select-by final picks the rate that ends highest; --select-by mean the one with
+    the larger area (trapezoids over the width, written out here)."""
+    variants = [compare.Variant("a", ())]
+    lrs = (1e-4, 3e-4, 1e-3)
+    final, chosen_final = compare.choose_learning_rates(CrossingRuns(), variants, lrs, 1)  # type: ignore[arg-type]
+    mean, chosen_mean = compare.choose_learning_rates(
+        CrossingRuns(),
+        variants,
+        lrs,
+        1,
+        compare.SELECT_BY["mean"],  # type: ignore[arg-type]
+    )
+    assert chosen_final == {"a": 3e-4} and final["a"][3e-4] == pytest.approx(0.6)
+    assert mean["a"][1e-3] == pytest.approx(((0.3 + 0.7) / 2 * 10 + (0.7 + 0.5) / 2 * 10) / 20)
+    assert chosen_mean == {"a": 1e-3}
+
+
+def test_a_best_rate_at_the_grids_edge_is_refused_with_the_way_to_widen_it(tmp_path) -> None:
+    chosen = {"fr": 1e-4, "grpo": 3e-4, "rloo": 1e-3}
+    edges = compare.grid_edges(chosen, (1e-4, 3e-4, 1e-3))
+    assert edges == {"fr": "lowest", "rloo": "highest"}
+    assert compare.grid_edges({"fr": 3e-4}, (3e-4,)) == {"fr": "lowest"}  # one rate shows nothing
+    with pytest.raises(compare.GridEdgeError) as refused:
+        compare.refuse_grid_edges(edges, chosen, tmp_path / "sweep.md")
+    message = str(refused.value)
+    assert "Widen the grid" in message and str(tmp_path / "sweep.md") in message
+    assert "fr's best is 0.0001, the grid's lowest (add rates below it)" in message
+    assert "rloo's best is 0.001, the grid's highest (add rates above it)" in message
+    compare.refuse_grid_edges({}, chosen, tmp_path / "sweep.md")  # interior: nothing raised
+    table = sweep_table({"fr": {1e-4: 0.5, 3e-4: 0.4}}, {"fr": 1e-4}, {"fr": "lowest"})
+    assert "| fr | 0.500 | 0.400 | 0.0001 (the grid's lowest: widen it) |" in table
 
 
 def test_learning_rates_argument() -> None:

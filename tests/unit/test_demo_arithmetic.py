@@ -53,6 +53,33 @@ def test_a_problem_keeps_its_split_when_digits_or_operations_change():
     assert any("-" in i for i in all_ids(both, "eval"))
 
 
+def _split_ids(config: ArithmeticConfig) -> dict[str, set[str]]:
+    problems = ArithmeticProblems(config)
+    return {
+        split: {p.id for p in problems.problems(split, problems.split_size(split))}
+        for split in ("train", "eval")
+    }
+
+
+def _swapped(problem_id: str, width: int) -> str:
+    return problem_id[width + 1 :] + problem_id[width] + problem_id[:width]
+
+
+def test_commuted_together_puts_both_orders_of_a_sum_in_one_split():
+    """Every held-out a + b has b + a held out too (none trained with its terms swapped);
+    a difference keeps its order (a - b and b - a are different problems); without the
+    option about a tenth of the held-out sums are trained on in the other order."""
+    config = ArithmeticConfig(digits=2, operations=("+", "-"), commuted_together=True)
+    ids = _split_ids(config)
+    sums = [i for i in ids["eval"] if "+" in i]
+    assert sums and all(_swapped(i, 2) in ids["eval"] for i in sums)
+    differences = [i for i in ids["eval"] if "-" in i and i[:2] != i[3:]]
+    assert sum(_swapped(i, 2) in ids["train"] for i in differences) > len(differences) / 2
+    plain = _split_ids(ArithmeticConfig(digits=2))
+    leaked = sum(_swapped(i, 2) in plain["train"] for i in plain["eval"])
+    assert 0.8 * len(plain["eval"]) < leaked < len(plain["eval"])  # 1 - 0.1 of them
+
+
 def test_a_request_longer_than_the_split_continues_with_fresh_shuffles():
     task = ArithmeticProblems(ArithmeticConfig(digits=1))
     size = task.split_size("train")
