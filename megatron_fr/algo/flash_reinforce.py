@@ -26,6 +26,7 @@ from torch import Tensor
 
 from megatron_fr.algo import checks
 from megatron_fr.algo.advantages import flash_reinforce_advantages
+from megatron_fr.algo.precision import in_loss_dtype
 
 PROBABILITY_CLAMP = 1e-6
 """p = exp(mu) and q = exp(pi) are clamped to [1e-6, 1 - 1e-6] inside the Bernoulli KL (and
@@ -91,7 +92,7 @@ def trust_region_gate(
     must return its sum over every rank holding tokens of the same trajectories (context
     parallelism); by default the tokens given are the whole trajectories.
     """
-    kl = bernoulli_kl(behavior_log_probs.detach(), log_probs.detach())
+    kl = bernoulli_kl(in_loss_dtype(behavior_log_probs.detach()), in_loss_dtype(log_probs.detach()))
     return sequence_gate(kl, action_mask, segment_ids, num_trajectories, delta, reduce_segments)
 
 
@@ -181,11 +182,14 @@ def segment_policy_loss(
     keep: Tensor,
     segment_ids: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-(1/B) sum over kept tokens of (m_i A_i / T_i) rho pi.
+    """-(1/B) sum over kept tokens of (m_i A_i / T_i) rho pi, in float32 at least whatever
+    the inputs' dtype (algo/precision.py; the loss is returned in that dtype).
 
     Returns (loss, ratios, contributing): ratios are 0 off the contributing tokens, which are
     the kept policy tokens of admitted trajectories.
     """
+    log_probs, behavior_log_probs = in_loss_dtype(log_probs), in_loss_dtype(behavior_log_probs)
+    advantages = advantages.to(log_probs.dtype)
     num_trajectories = advantages.numel()
     weight = torch.where(gate.admitted, advantages / gate.token_count.clamp_min(1), 0)
     segment = segment_ids.clamp_min(0)
@@ -196,10 +200,17 @@ def segment_policy_loss(
     return loss, ratios, contributing
 
 
-def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict[str, Tensor]:
-    """Diagnostics (docs/algorithm.md) for the trajectories in ``gate`` (NaN where none are)."""
+def gate_metrics(
+    gate: GateResult, ratios: Tensor, contributing: Tensor, segment_ids: Tensor
+) -> dict[str, Tensor]:
+    """Diagnostics (docs/algorithm.md) for the trajectories in ``gate`` (NaN where none are);
+    retained_per_trajectory [B]: each trajectory's tokens that carry gradient here (the
+    per-row statistic the paper's reference loss reports, beside the total)."""
     present, kl = gate.present, gate.sequence_kl
     return {
+        "retained_per_trajectory": tokens_per_trajectory(
+            contributing, segment_ids, gate.admitted.numel()
+        ),
         "acceptance_rate": _masked_mean(gate.admitted.double(), present),
         "sequence_kl": kl,
         "sequence_kl_mean": _masked_mean(kl, present),
@@ -209,6 +220,13 @@ def gate_metrics(gate: GateResult, ratios: Tensor, contributing: Tensor) -> dict
         "ratio_mean": _masked_mean(ratios, contributing),
         "ratio_max": _masked_max(ratios, contributing),
     }
+
+
+def tokens_per_trajectory(mask: Tensor, segment_ids: Tensor, num_trajectories: int) -> Tensor:
+    """[B] int64: how many tokens of `mask` each trajectory has (fixed shapes)."""
+    counts = torch.zeros(num_trajectories, dtype=torch.int64, device=mask.device)
+    segment = torch.where(mask, segment_ids, 0).flatten()
+    return counts.index_add_(0, segment, mask.flatten().to(torch.int64))
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -257,8 +275,9 @@ def flash_reinforce_loss(
 
     log_probs: current-policy log-probs of the sampled tokens (carries the gradient);
     behavior_log_probs: the inference engine's log-probs of the same tokens; rewards: [B];
-    action_mask: bool [B, T], True on policy tokens. Returns (loss, metrics); metrics include
-    acceptance_rate, sequence_kl [B], admitted [B], advantages [B], retained_tokens.
+    action_mask: bool [B, T], True on policy tokens. Returns (loss, metrics), computed in
+    float32 at least; metrics include acceptance_rate, sequence_kl [B], admitted [B],
+    advantages [B], retained_tokens and retained_per_trajectory [B].
     """
     checks.check_policy_log_probs(
         action_mask, log_probs=log_probs, behavior_log_probs=behavior_log_probs
@@ -269,7 +288,7 @@ def flash_reinforce_loss(
 
     batch, length = action_mask.shape
     segment_ids = torch.arange(batch, device=action_mask.device)[:, None].expand(batch, length)
-    advantages = flash_reinforce_advantages(rewards).to(log_probs.dtype)
+    advantages = flash_reinforce_advantages(in_loss_dtype(rewards))
     gate = trust_region_gate(log_probs, behavior_log_probs, action_mask, segment_ids, batch, delta)
     keep = action_mask
     if negative_token_fraction < 1.0:
@@ -281,6 +300,6 @@ def flash_reinforce_loss(
     loss, ratios, contributing = segment_policy_loss(
         log_probs, behavior_log_probs, gate, advantages, keep, segment_ids
     )
-    metrics = gate_metrics(gate, ratios, contributing)
+    metrics = gate_metrics(gate, ratios, contributing, segment_ids)
     metrics["advantages"] = advantages.detach()
     return loss, metrics

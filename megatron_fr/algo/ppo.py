@@ -39,7 +39,12 @@ from torch import Tensor
 
 from megatron_fr.algo import checks
 from megatron_fr.algo.corrections import correction_keep_mask
-from megatron_fr.algo.flash_reinforce import RatioOverflowError, trust_region_gate
+from megatron_fr.algo.flash_reinforce import (
+    RatioOverflowError,
+    tokens_per_trajectory,
+    trust_region_gate,
+)
+from megatron_fr.algo.precision import in_loss_dtype
 from megatron_fr.config.algo import PPOClipConfig
 
 AGGREGATIONS = ("token_mean", "sequence_mean", "token_sum_norm")
@@ -119,11 +124,14 @@ def ppo_clip_loss(
     tokens), segment_ids (each token's trajectory in [0, B), -1 for padding): same shape, any
     layout; advantages and token_counts: [B], the whole batch's (T_i counted over all of a
     trajectory's tokens, wherever they are). config.aggregation must be resolved (not None).
-    Metrics: clipped_tokens and policy_tokens (counts here), ratio_max, admitted [B] (kept a
-    token here), present [B] (has a policy token here), sequence_kl [B] (the FlashREINFORCE
-    gate's D_i, as a diagnostic: it gates nothing).
+    Computed in float32 at least (algo/precision.py). Metrics: clipped_tokens and
+    policy_tokens (counts here), retained_per_trajectory [B] (tokens kept here, each
+    trajectory's), ratio_max, admitted [B] (kept a token here), present [B] (has a policy
+    token here), sequence_kl [B] (the FlashREINFORCE gate's D_i, as a diagnostic: it gates
+    nothing).
     """
     _check_inputs(log_probs, behavior_log_probs, advantages, action_mask, segment_ids, token_counts)
+    log_probs, behavior_log_probs = in_loss_dtype(log_probs), in_loss_dtype(behavior_log_probs)
     if config.aggregation is None:
         raise ValueError("ppo_clip.aggregation is unset (LearnerConfig resolves it)")
     num_trajectories = advantages.numel()
@@ -191,6 +199,7 @@ def _metrics(
         "admitted": admitted,
         "present": present,
         "clipped_tokens": (clipped & policy).sum().detach(),
+        "retained_per_trajectory": tokens_per_trajectory(kept, segment_ids, trajectories),
         "policy_tokens": policy.sum(),
         "ratio_max": ratios.max() if ratios.numel() else ratios.new_tensor(math.nan),
     }

@@ -323,6 +323,10 @@ def _compare(args: argparse.Namespace) -> int:
     if reference:
         table += f"\nAccuracy minus {reference}'s at each budget:\n\n"
         table += report.gap_table(by_variant, reference, args.x)
+    tools = report.tool_table(by_variant)
+    if tools:
+        table += f"\nTool use (share of trajectories with a call below {report.STOPPED_CALLING} "
+        table += f"over the last {report.TOOL_WINDOW} steps: stopped):\n\n{tools}"
     if sweep:
         table += f"\n{_sweep_title(args)}\n\n{sweep}"
     (out / "results.md").write_text(table)

@@ -18,6 +18,13 @@ from megatron_fr.analysis.axes import X_AXES, logged_key
 from megatron_fr.analysis.compare_reader import read_records
 from megatron_fr.analysis.run_files import has_accuracy
 
+TOOL_FIGURES = ("tool_calls_mean", "tool_use_rate", "tool_success_rate")
+"""The step figures a tool-use comparison reads (rollout/episodes.py episode_metrics)."""
+TOOL_WINDOW = 10
+"""Steps averaged at the start and at the end of a run for its tool use."""
+STOPPED_CALLING = 0.05
+"""A run whose last steps call the tool in fewer trajectories than this has stopped."""
+
 
 @dataclass(frozen=True)
 class RunSummary:
@@ -34,6 +41,9 @@ class RunSummary:
     """The same evaluations against each other budget of axes.BUDGETS."""
     lr: float | None = None
     """The learning rate the run trained at (None: the recipe's)."""
+    tool_use: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Tool-using tasks: each of TOOL_FIGURES as (mean over the first, over the last
+    TOOL_WINDOW steps); empty where the run logged none."""
 
     def on(self, axis: str) -> stats.Curve:
         return self.curve if axis == "trained" else self.curves[axis]
@@ -74,7 +84,42 @@ def summarise(
             "tokens": [(tokens_by_step.get(step, total), accuracy) for step, accuracy in trained],
         },
         lr=lr,
+        tool_use=_tool_use(steps),
     )
+
+
+def _tool_use(steps: list[dict]) -> dict[str, tuple[float, float]]:
+    """TOOL_FIGURES over the first and the last TOOL_WINDOW steps that logged each."""
+    windows = {}
+    for key in TOOL_FIGURES:
+        values = [r[key] for r in steps if _finite(r.get(key))]
+        if values:
+            first, last = values[:TOOL_WINDOW], values[-TOOL_WINDOW:]
+            windows[key] = (statistics.fmean(first), statistics.fmean(last))
+    return windows
+
+
+def tool_table(by_variant: dict[str, list[RunSummary]]) -> str:
+    """Tool use at the start and the end of the runs, per configuration (mean over seeds),
+    and how many of its runs stopped calling the tool; empty when no run used one."""
+    if not any(run.tool_use for runs in by_variant.values() for run in runs):
+        return ""
+    labels = ("tool calls per trajectory", "trajectories with a call", "calls that ran")
+    header = "| run | " + " | ".join(
+        f"{label}: first -> last {TOOL_WINDOW} steps" for label in labels
+    )
+    lines = [header + " | runs that stopped calling |", "|" + "---|" * (len(labels) + 2)]
+    for name, runs in by_variant.items():
+        cells = []
+        for key in TOOL_FIGURES:
+            pairs = [run.tool_use[key] for run in runs if key in run.tool_use]
+            first = statistics.fmean(p[0] for p in pairs) if pairs else math.nan
+            last = statistics.fmean(p[1] for p in pairs) if pairs else math.nan
+            cells.append(f"{first:.2f} -> {last:.2f}" if pairs else "-")
+        use = [run.tool_use.get("tool_use_rate", (0.0, 0.0))[1] for run in runs]
+        stopped = sum(rate < STOPPED_CALLING for rate in use)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {stopped} of {len(runs)} |")
+    return "\n".join(lines) + "\n"
 
 
 def _finite(value: object) -> bool:

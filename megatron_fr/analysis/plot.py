@@ -36,8 +36,11 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("policy lag (versions)", ("lag_mean", "lag_max")),
     ("eval accuracy", ("eval_accuracy",)),
 )
-EPISODE_KEYS = ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_rate")
+EPISODE_KEYS = ("turns_mean", "truncated_rate")
 """Text tasks' per-step figures, drawn in an "episodes" panel when the run logged them."""
+TOOL_KEYS = ("tool_calls_mean", "tool_errors_mean", "tool_use_rate", "tool_success_rate")
+"""Tool use per step (python_tool), drawn in a "tool use" panel: calls and failed calls per
+trajectory, the share of trajectories with a call and the share of calls that ran."""
 POOL_KEYS = ("engines_total", "engines_serving", "engines_out_total", "engine_seconds_lost")
 """The pool of engines (rollout/supervisor.py), drawn in an "engines" panel: how many there
 are and serve, how many times one left, and the engine-seconds lost out of the pool."""
@@ -52,11 +55,16 @@ def _spread_key(key: str) -> str | None:
 
 
 def panels_of(records: Sequence[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
-    """PANELS, with one accuracy line per named eval set, and the episodes, engines and sync
-    check panels when the run has those figures."""
+    """PANELS, with one accuracy line per named eval set, and the episodes, tool use, engines
+    and sync check panels when the run has those figures."""
     sets = sorted({key for r in records for key in r if _spread_key(key)} - {"eval_accuracy"})
     panels = [*PANELS[:-1], ("eval accuracy", tuple(sets) or PANELS[-1][1])]
-    optional = (("episodes", EPISODE_KEYS), ("engines", POOL_KEYS), ("sync check", SYNC_CHECK_KEYS))
+    optional = (
+        ("episodes", EPISODE_KEYS),
+        ("tool use", TOOL_KEYS),
+        ("engines", POOL_KEYS),
+        ("sync check", SYNC_CHECK_KEYS),
+    )
     for title, keys in optional:
         logged = tuple(key for key in keys if any(key in r for r in records))
         panels += [(title, logged)] if logged else []

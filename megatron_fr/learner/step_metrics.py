@@ -27,8 +27,12 @@ class Reduced:
     acceptance_rate: float
     clip_fraction: float
     sequence_kl_mean: float
+    retained_tokens_mean: float
+    """Tokens that carried gradient per trajectory, mean over the batch's trajectories."""
     admitted: list[bool]
     sequence_kl: list[float]
+    retained_tokens: list[float]
+    """Per trajectory: its tokens that carried gradient (0 where the gate held it out)."""
 
     @staticmethod
     def width(size: int) -> int:
@@ -49,6 +53,7 @@ class Reduced:
             **scalars,
             admitted=[bool(a) for a in lists["admitted"].tolist()],
             sequence_kl=lists["sequence_kl"].tolist(),
+            retained_tokens=lists["retained_tokens"].tolist(),
         )
 
 
@@ -65,6 +70,9 @@ class StepMetrics(TypedDict):
     """Per trajectory, in batch order: whether the gate let it train."""
     sequence_kl: list[float]
     """Per trajectory, in batch order: the gate's KL."""
+    retained_tokens_mean: float
+    retained_tokens: list[float]
+    """Per trajectory, in batch order: its tokens that carried gradient."""
     adam_step_min: float
     adam_step_max: float
     grad_norm: float

@@ -299,6 +299,7 @@ class Learner:
         )
         reported = {"loss": loss.detach(), "admitted": metrics["admitted"]}
         reported["present"] = metrics["present"]
+        reported["retained"] = metrics["retained_per_trajectory"]
         reported["clipped"] = metrics.get("clipped_tokens", torch.zeros((), device=loss.device))
         kl = metrics.get("sequence_kl")
         reported["sequence_kl"] = (
@@ -563,6 +564,8 @@ class Learner:
             sequence_kl_mean=reduced.sequence_kl_mean,
             admitted=reduced.admitted,
             sequence_kl=reduced.sequence_kl,
+            retained_tokens_mean=reduced.retained_tokens_mean,
+            retained_tokens=reduced.retained_tokens,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             update_successful=float(bool(updated)),
             lr=self.optimizer.param_groups[0]["lr"],
@@ -587,6 +590,10 @@ class Learner:
         # group has the whole value): the sum over DP ranks is the batch's
         kl = torch.stack([m["sequence_kl"].double() for m in per_micro]).sum(0)
         dist.all_reduce(kl, group=self.groups.dp)
+        # a trajectory's tokens are split over its CP group's ranks: the sum over DP x CP
+        retained = torch.stack([m["retained"].double() for m in per_micro]).sum(0)
+        dist.all_reduce(retained, group=dp_cp)
         figures = {"loss": sums[0], "acceptance_rate": acceptance, "admitted": admitted}
         figures |= {"clip_fraction": sums[1] / max(step.policy_tokens, 1)}
+        figures |= {"retained_tokens": retained, "retained_tokens_mean": retained.mean()}
         return Reduced.pack(figures | {"sequence_kl_mean": kl.mean(), "sequence_kl": kl})

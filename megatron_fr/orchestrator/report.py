@@ -4,8 +4,9 @@
                             with the progress bar, TensorBoard and W&B: sinks.py)
     run_dir/batches.jsonl   a line per step: the prompt ids, response lengths, rewards, the
                             advantages the learner used, and per trajectory the gate's KL
-                            D_i and whether it was admitted (which trajectories a gate holds
-                            out, and of which sign, is what explains a gated run's course);
+                            D_i, whether it was admitted and its tokens that carried gradient
+                            (which trajectories a gate holds out, and of which sign, is what
+                            explains a gated run's course);
                             the policy tokens made context as too old (stale_policy
                             mask_stale_tokens), and the response lengths generated and
                             dropped as stale since the previous step (whether the stale
@@ -82,6 +83,7 @@ class RunReport:
                 padding_fraction=learner["padding_fraction"],
                 dp_imbalance=learner["dp_imbalance"],
                 sequence_kl_mean=learner["sequence_kl_mean"],
+                retained_tokens_mean=learner["retained_tokens_mean"],
                 lag_mean=statistics.fmean(lags),
                 lag_max=max(lags),
                 tokens_per_s=sum(t.length for t in batch) / seconds,
@@ -122,6 +124,7 @@ class RunReport:
                 "advantages": learner["advantages"],
                 "admitted": learner["admitted"],
                 "sequence_kl": learner["sequence_kl"],
+                "retained_tokens": learner["retained_tokens"],
                 "generated_lengths": lengths.generated,
                 "dropped_stale_lengths": lengths.dropped_stale,
             },

@@ -47,6 +47,7 @@ from megatron_fr.algo.flash_reinforce import (
     trust_region_gate,
 )
 from megatron_fr.algo.ppo import ppo_clip_loss
+from megatron_fr.algo.precision import in_loss_dtype, loss_dtype
 from megatron_fr.config.algo import FlashReinforceConfig, PPOClipConfig
 from megatron_fr.parallel.vocab_parallel import vocab_parallel_log_probs
 
@@ -212,17 +213,17 @@ def flash_reinforce_scored_loss(
     fraction = config.negative_token_fraction
     if fraction < 1.0 and (global_batch.failures is None or entropies is None):
         raise ValueError("negative_token_fraction < 1 needs GlobalBatch.failures and entropies")
-    behavior = batch.behavior_log_probs.to(log_probs.dtype)
+    # the engine's log-probs, never rounded to the model's bf16 (algo/precision.py)
+    behavior = batch.behavior_log_probs.to(loss_dtype(log_probs.dtype))
     gate = _gate(log_probs, behavior, batch, global_batch, config, cp_group, topk_log_probs)
     keep = batch.action_mask & (batch.segment_ids >= 0)
     if fraction < 1.0:
         assert entropies is not None and global_batch.failures is not None  # checked above
         keep = _keep_mask(entropies, batch, global_batch.failures, fraction, cp_group)
-    advantages = global_batch.advantages.to(log_probs.dtype)
     loss, ratios, contributing = segment_policy_loss(
-        log_probs, behavior, gate, advantages, keep, batch.segment_ids
+        log_probs, behavior, gate, global_batch.advantages, keep, batch.segment_ids
     )
-    metrics = gate_metrics(gate, ratios, contributing)
+    metrics = gate_metrics(gate, ratios, contributing, batch.segment_ids)
     metrics["present"] = gate.present
     return loss, metrics
 
@@ -249,7 +250,7 @@ def _gate(
     checks.check_same_shape(
         "LossBatch.topk_log_probs", batch.topk_log_probs, topk_log_probs=topk_log_probs
     )
-    token_kl = topk_kl(batch.topk_log_probs.to(log_probs.dtype), topk_log_probs.detach())
+    token_kl = topk_kl(in_loss_dtype(batch.topk_log_probs), in_loss_dtype(topk_log_probs.detach()))
     return sequence_gate(token_kl, *where, reduce_segments=sum_over(cp_group))
 
 
@@ -267,8 +268,8 @@ def ppo_clip_scored_loss(
     if global_batch.token_counts is None:
         raise ValueError("the PPO-clip loss needs GlobalBatch.token_counts")
     return ppo_clip_loss(
-        log_probs,
-        batch.behavior_log_probs.to(log_probs.dtype),
+        in_loss_dtype(log_probs),
+        batch.behavior_log_probs.to(loss_dtype(log_probs.dtype)),
         global_batch.advantages,
         batch.action_mask,
         batch.segment_ids,

@@ -157,7 +157,10 @@ class TruncationHandling:
 
 
 def episode_metrics(batch: list[TrajectorySummary]) -> dict[str, float]:
-    """Per-batch figures of text tasks: turns, truncation, and tool use (python_tool)."""
+    """Per-batch figures of text tasks: turns, truncation, and tool use (python_tool): calls
+    and failed calls per trajectory, the share of trajectories that call the tool at least
+    once (a policy that stops using its tool shows here first), and the share of calls that
+    ran ("ok"; logged only when the batch made a call)."""
     infos = [t.info for t in batch if "turns" in t.info]
     if not infos:
         return {}
@@ -165,9 +168,14 @@ def episode_metrics(batch: list[TrajectorySummary]) -> dict[str, float]:
         [s for step in info.get("steps", []) for s in step.get("tool_statuses", [])]
         for info in infos
     ]
-    return {
+    calls = [status for per_trajectory in statuses for status in per_trajectory]
+    figures = {
         "turns_mean": statistics.fmean(info["turns"] for info in infos),
         "truncated_rate": statistics.fmean(bool(info.get("truncated")) for info in infos),
         "tool_calls_mean": statistics.fmean(len(s) for s in statuses),
         "tool_errors_mean": statistics.fmean(sum(x != "ok" for x in s) for s in statuses),
+        "tool_use_rate": statistics.fmean(bool(s) for s in statuses),
     }
+    if calls:
+        figures["tool_success_rate"] = statistics.fmean(status == "ok" for status in calls)
+    return figures

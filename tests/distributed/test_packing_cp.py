@@ -158,6 +158,8 @@ def test_packed_and_context_parallel_steps_equal_the_padded_step(tmp_path):
             assert metrics["grad_norm"] == pytest.approx(
                 reference_metrics["grad_norm"], rel=TOLERANCE
             ), where
+            # each trajectory's gradient-carrying tokens, summed over its CP slices
+            assert metrics["retained_tokens"] == reference_metrics["retained_tokens"], where
             for ours, theirs in zip(log_probs, reference_log_probs, strict=True):
                 assert len(ours) == len(theirs)
                 assert torch.allclose(torch.tensor(ours), torch.tensor(theirs), atol=TOLERANCE)

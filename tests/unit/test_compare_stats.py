@@ -223,3 +223,35 @@ def test_runs_that_spend_their_own_budgets_are_averaged_on_one_grid() -> None:
 def test_runs_whose_budgets_do_not_overlap_are_refused() -> None:
     with pytest.raises(ValueError, match="do not overlap"):
         stats.mean_curve([[(0, 0.1), (10, 0.2)], [(20, 0.3), (30, 0.4)]])
+
+
+def test_tool_use_is_read_at_the_start_and_the_end_and_a_run_that_stops_is_counted() -> None:
+    """Two runs of a tool task: one keeps calling (use rate 1.0 throughout), one stops after
+    its first 10 steps; the table shows each figure first -> last 10 steps, mean over seeds,
+    and counts the run that stopped."""
+    from megatron_fr.analysis.compare_report import summarise, tool_table
+
+    def records(use_after_10: float) -> list[dict]:
+        rows: list[dict] = [{"step": 0, "eval_accuracy": 0.2, "rollouts_total": 0}]
+        for step in range(1, 31):
+            use = 1.0 if step <= 10 else use_after_10
+            rows.append(
+                {
+                    "step": step,
+                    "reward_mean": 0.5,
+                    "acceptance_rate": 1.0,
+                    "tool_calls_mean": 2.0 * use,
+                    "tool_use_rate": use,
+                    **({"tool_success_rate": 0.5} if use else {}),
+                }
+            )
+        return [*rows, {"step": 30, "eval_accuracy": 0.3, "rollouts_total": 0}]
+
+    keeps = summarise("grpo", 0, Path("unused"), 8, records=records(1.0))
+    stops = summarise("grpo", 1, Path("unused"), 8, records=records(0.0))
+    assert keeps.tool_use["tool_use_rate"] == (1.0, 1.0)
+    assert stops.tool_use["tool_use_rate"] == (1.0, 0.0)
+    assert stops.tool_use["tool_success_rate"] == (0.5, 0.5)  # over the steps that called
+    table = tool_table({"grpo": [keeps, stops]})
+    assert "| grpo | 2.00 -> 1.00 | 1.00 -> 0.50 | 0.50 -> 0.50 | 1 of 2 |" in table
+    assert tool_table({"fr": [summarise("fr", 0, Path("u"), 8, records=records(1.0)[:1])]}) == ""

@@ -160,6 +160,51 @@ def test_float32_matches_float64_reference():
     assert loss32.item() == pytest.approx(expected.item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_are_computed_in_float32_as_the_reference_loss_is(dtype):
+    """The loss of bfloat16 / float16 log-probs is float32 arithmetic on those values: it
+    equals the float64 reference of the same (rounded) numbers to float32's precision, where
+    arithmetic in the half type would be off by ~1e-3 relative; the gradient comes back in
+    the model's dtype."""
+    pi, mu, rewards, mask, *_ = random_batch(5, batch=8, length=12)
+    pi_half, mu_half = pi.to(dtype), mu.to(dtype)
+    leaf = pi_half.clone().requires_grad_(True)
+    loss, _ = flash_reinforce_loss(leaf, mu_half, rewards.to(dtype), mask, delta=math.inf)
+    expected, *_ = reference_loss(
+        pi_half.double(), mu_half.double(), rewards.to(dtype), mask, math.inf
+    )
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    loss.backward()
+    assert leaf.grad is not None and leaf.grad.dtype == dtype
+
+
+def test_retained_tokens_are_reported_per_trajectory():
+    """retained_per_trajectory: each admitted row's kept policy tokens, 0 for a row the gate
+    holds out, summing to retained_tokens (counted here from the mask and the decisions)."""
+    pi, mu, rewards, mask, entropies, failures = random_batch(3, batch=8, length=10)
+    delta = threshold_between(pi, mu, rewards, mask, 4)
+    _, metrics = flash_reinforce_loss(pi, mu, rewards, mask, delta=delta)
+    expected = [int(mask[i].sum()) if metrics["admitted"][i] else 0 for i in range(8)]
+    assert metrics["retained_per_trajectory"].tolist() == expected
+    assert 0 < sum(expected) == int(metrics["retained_tokens"])
+    _, filtered = flash_reinforce_loss(
+        pi,
+        mu,
+        rewards,
+        mask,
+        delta=math.inf,
+        negative_token_fraction=0.5,
+        entropies=entropies,
+        failures=failures,
+    )
+    kept = [
+        math.ceil(round(0.5 * int(mask[i].sum()), 9)) if failures[i] else int(mask[i].sum())
+        for i in range(8)
+    ]
+    assert filtered["retained_per_trajectory"].tolist() == kept
+
+
 def test_ratio_overflow_on_admitted_token_raises_and_rejected_one_does_not():
     mu = torch.tensor([[-200.0, -0.1]])
     pi = torch.tensor([[-1e-3, -0.1]])

@@ -31,6 +31,8 @@ def learner_metrics(batch: int) -> dict:
         sequence_kl_mean=0.0,
         admitted=[True] * batch,
         sequence_kl=[0.0] * batch,
+        retained_tokens_mean=4.0,
+        retained_tokens=[4.0] * batch,
         adam_step_min=0.0,
         adam_step_max=0.0,
         grad_norm=1.0,

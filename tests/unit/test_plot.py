@@ -124,8 +124,10 @@ def test_named_eval_sets_and_episode_figures_get_their_own_lines_and_panel():
     ]
     panels = dict(plot.panels_of(records))
     assert panels["eval accuracy"] == ("eval_seen_accuracy", "eval_unseen_accuracy")
-    assert panels["episodes"] == ("turns_mean", "tool_calls_mean")
+    assert panels["episodes"] == ("turns_mean",)
+    assert panels["tool use"] == ("tool_calls_mean",)
     assert "episodes" not in dict(plot.panels_of(records[1:]))  # arithmetic runs: no panel
+    assert "tool use" not in dict(plot.panels_of(records[1:]))
     ax: Axes = Figure().subplots()
     plot._draw_panel(ax, records, "step", panels["eval accuracy"])
     assert [line.get_label() for line in ax.lines] == list(panels["eval accuracy"])

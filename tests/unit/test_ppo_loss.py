@@ -127,6 +127,7 @@ def test_random_batches_match_reference(seed, aggregation):
         assert int(metrics["clipped_tokens"]) == clipped
         assert int(metrics["policy_tokens"]) == int(mask.sum())
         assert metrics["admitted"].tolist() == [any(row) for row in kept]
+        assert metrics["retained_per_trajectory"].tolist() == [sum(row) for row in kept]
         clipped_any += clipped
     # eps = 0 clips every token on one side of ratio 1, so the clipped branch is exercised.
     assert clipped_any > 0

@@ -11,9 +11,10 @@ from megatron_fr.learner.step_metrics import PER_TRAJECTORY, SCALARS, Reduced
 
 
 def test_the_layout_is_the_fields_scalars_first() -> None:
-    assert SCALARS == ("loss", "acceptance_rate", "clip_fraction", "sequence_kl_mean")
-    assert PER_TRAJECTORY == ("admitted", "sequence_kl")
-    assert Reduced.width(5) == 4 + 2 * 5
+    scalars = ("loss", "acceptance_rate", "clip_fraction", "sequence_kl_mean")
+    assert (*scalars, "retained_tokens_mean") == SCALARS
+    assert PER_TRAJECTORY == ("admitted", "sequence_kl", "retained_tokens")
+    assert Reduced.width(5) == 5 + 3 * 5
 
 
 @pytest.mark.parametrize("size", [1, 3])
@@ -28,6 +29,8 @@ def test_pack_then_unpack_gives_every_figure_back_by_name(size: int) -> None:
             "clip_fraction": torch.tensor(0.125),
             "acceptance_rate": torch.tensor(0.5),
             "sequence_kl_mean": kl.mean(),
+            "retained_tokens": torch.arange(size) * 3,
+            "retained_tokens_mean": torch.tensor(1.5),
         }
     )
     assert values.dtype == torch.float64 and values.shape == (Reduced.width(size),)
@@ -38,4 +41,6 @@ def test_pack_then_unpack_gives_every_figure_back_by_name(size: int) -> None:
         sequence_kl_mean=kl.mean().item(),
         admitted=[i % 2 == 0 for i in range(size)],
         sequence_kl=[i / 8 for i in range(size)],
+        retained_tokens_mean=1.5,
+        retained_tokens=[3.0 * i for i in range(size)],
     )
