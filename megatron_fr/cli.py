@@ -1,6 +1,8 @@
 """The `megatron-fr` command: one subcommand per job.
 
 megatron-fr train RECIPE --run-dir DIR [key=value ...]   train (resumes an existing run)
+megatron-fr check RECIPE [key=value ...]     validate a recipe without GPUs; start nothing
+megatron-fr rehearse RECIPE [...]            a learner step's memory at real shapes, no GPU
 megatron-fr serve --engine cpu|sglang --model-path D --port P   one inference server
 megatron-fr demo prepare RECIPE [key=value ...]          make a CPU demo recipe's tiny model
 megatron-fr plot RUN_DIR [--out FILE]    reward / acceptance / lag / eval accuracy plot
@@ -18,9 +20,14 @@ import importlib
 import os
 import sys
 
-SUBCOMMANDS = (  # name, module with add_arguments and the function to run, help
+# name, module with add_arguments (or "module:the function that adds them"), function, help
+SUBCOMMANDS = (
     ("train", "megatron_fr.orchestrator.train_cli", "main",
      "train from a recipe (starts the learner ranks, engines and rollouts)"),
+    ("check", "megatron_fr.orchestrator.train_cli:add_check_arguments", "main",
+     "validate a recipe, its model, data and layout without GPUs (train --check)"),
+    ("rehearse", "megatron_fr.orchestrator.train_cli:add_rehearse_arguments", "main",
+     "rehearse a learner step's memory at the recipe's real shapes, no GPU (train --rehearse)"),
     ("serve", "megatron_fr.engine.serve_cli", "main",
      "run one inference server in the foreground (SGLang, or the CPU engine)"),
     ("plot", "megatron_fr.analysis.plot", "main",
@@ -37,7 +44,7 @@ SUBCOMMANDS = (  # name, module with add_arguments and the function to run, help
      "a recipe's resolved settings with their docs (show), every setting's (reference)"),
 )  # fmt: skip
 
-COMPUTES = frozenset({"train", "serve", "demo", "compare", "convert"})
+COMPUTES = frozenset({"train", "rehearse", "serve", "demo", "compare", "convert"})
 """Commands whose process, or the processes it starts, compute tensors: they pin the CPU
 kernels first (utils/cpu_kernels.py); plot, lengths and config only read files."""
 
@@ -51,8 +58,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, module_name, function, help_text in SUBCOMMANDS:
         sub = commands.add_parser(name, help=help_text)
         if command is None or name == command:
+            module_name, _, adder = module_name.partition(":")
             module = importlib.import_module(module_name)
-            module.add_arguments(sub)
+            getattr(module, adder or "add_arguments")(sub)
             sub.set_defaults(run=getattr(module, function))
     return parser
 
@@ -92,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def runs_megatron(args: argparse.Namespace) -> bool:
-    """Whether this process runs megatron: a learner rank of `train` (started by torchrun or
-    srun; the command started by hand only checks the recipe and re-executes itself under
-    torchrun), a rehearsal of one (`train --rehearse`) and checkpoint conversion. Those
-    install the CPU shims megatron needs without CUDA first (a no-op with CUDA), here at the
-    program's entry point."""
+    """Whether this process runs megatron: a learner rank of `train` started as `train` by
+    torchrun (the project's launchers start orchestrator/rank_main.py, which installs them
+    itself; the command started by hand only checks the recipe and re-executes itself under
+    torchrun), a rehearsal of one (`rehearse`, `train --rehearse`) and checkpoint
+    conversion. Those install the CPU shims megatron needs without CUDA first (a no-op with
+    CUDA), here at the program's entry point."""
+    if args.command == "rehearse":
+        return True
     if args.command == "train":
         return args.rehearse or ("WORLD_SIZE" in os.environ and not args.check)
     return args.command == "convert"

@@ -181,7 +181,7 @@ learner_rank() {
     exec >>"$log_dir/rank-$RANK-$SLURMD_NODENAME.log" 2>&1
     echo "rank $RANK of $WORLD_SIZE (local $LOCAL_RANK) on $SLURMD_NODENAME" \
         "restart ${SLURM_RESTART_COUNT:-0}"
-    exec "$python" -m megatron_fr train "$@"
+    exec "$python" -m megatron_fr.orchestrator.rank_main "$@"
 }
 
 # --- the job ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""`megatron-fr train RECIPE --rehearse`: the recipe's learner step rehearsed on this machine
-(launch/rehearsal.py), per rank, beside the planner's figures (launch/plan.py), and a verdict
-against the GPU's memory less the planner's reserve. Exit status 0 when every rehearsed rank
-fits, 3 when one does not (tools/plan_layout.py's status for a layout too big).
+"""`megatron-fr rehearse RECIPE` (also `train RECIPE --rehearse`): the recipe's learner step
+rehearsed on this machine (launch/rehearsal.py), per rank, beside the planner's figures
+(launch/plan.py), and a verdict against the GPU's memory less the planner's reserve. Exit
+status 0 when every rehearsed rank fits, 3 when one does not (tools/plan_layout.py's status
+for a layout too big).
 
 The model: model.hf_dir's config.json when the directory is there (its safetensors' tensor
 names and shapes checked against each rank's shards, from the headers alone, unless --layers
@@ -38,15 +39,21 @@ DEFAULT_GPU_MEM_GIB = 80.0
 """An H100's memory, the verdict's default when --gpu-mem-gb is not given."""
 
 
+REHEARSE_HELP = (
+    "rehearse one learner step at the recipe's real shapes under fake tensors on this "
+    "machine (no GPU), print its memory per part beside the planner's; start nothing"
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The rehearsal's options of `megatron-fr train` (--world-size and --gpu-mem-gb are
-    shared with --check)."""
-    parser.add_argument(
-        "--rehearse",
-        action="store_true",
-        help="rehearse one learner step at the recipe's real shapes under fake tensors on "
-        "this machine (no GPU), print its memory per part beside the planner's; start nothing",
-    )
+    shared with --check): --rehearse, and the flags only it reads."""
+    parser.add_argument("--rehearse", action="store_true", help=REHEARSE_HELP)
+    add_rehearsal_flags(parser)
+
+
+def add_rehearsal_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags only a rehearsal reads (`megatron-fr rehearse`, `train --rehearse`)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, help="--rehearse: this rank only")
     which.add_argument(

@@ -1,10 +1,11 @@
 """`megatron-fr train RECIPE --run-dir DIR [dotted.key=value ...]` (also `python -m megatron_fr`).
 
-Started by hand, the command re-executes itself under torchrun with `learner_ranks` processes
-(same PID, so stopping it stops the run); started by torchrun (RANK, WORLD_SIZE and
-TORCHELASTIC_RUN_ID set; the Slurm job starts torchrun on each learner node), each process is
-one learner rank and runs the training loop; launcher variables set by hand are refused
-(orchestrator/preflight.py). The same command resumes a run that was stopped.
+Started by hand, the command checks the recipe once and re-executes itself as torchrun with
+`learner_ranks` processes of orchestrator/rank_main.py, the learner ranks' own entry point
+(same PID, so stopping it stops the run; the Slurm job starts the same module under torchrun
+on each learner node); launcher variables set by hand are refused (orchestrator/preflight.py).
+The same command resumes a run that was stopped. `megatron-fr check` and `megatron-fr
+rehearse` are `train --check` and `train --rehearse` as commands of their own.
 """
 
 from __future__ import annotations
@@ -20,47 +21,87 @@ if TYPE_CHECKING:
     from megatron_fr.config.run import RunConfig
 
 
+CHECK_HELP = (
+    "validate the recipe, model, data, chat template, lengths and layout without GPUs, print "
+    "a summary; start nothing"
+)
+EPILOG = (
+    "The settings a recipe resolves to, with their defaults and docs: `megatron-fr config "
+    "show RECIPE [KEY] [key=value ...]`; every setting: `megatron-fr config reference`."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = (
-        "The settings a recipe resolves to, with their defaults and docs: `megatron-fr config "
-        "show RECIPE [KEY] [key=value ...]`; every setting: `megatron-fr config reference`."
-    )
-    parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
+    """`megatron-fr train`: a run, or (aliases) `--check` and `--rehearse`."""
+    parser.epilog = EPILOG
+    _add_recipe(parser)
     parser.add_argument(
         "--run-dir", type=Path, help="outputs; resumed if present (required unless --check)"
     )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="validate the recipe, model, data, chat template, lengths and "
-        "layout without GPUs, print a summary; start nothing",
-    )
+    parser.add_argument("--check", action="store_true", help=f"{CHECK_HELP} (`megatron-fr check`)")
+    _add_layout_flags(parser)
+    from megatron_fr.launch import rehearse_cli
+
+    rehearse_cli.add_arguments(parser)
+    _add_overrides(parser)
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    """`megatron-fr check RECIPE`: what `train --check` does."""
+    parser.description = CHECK_HELP
+    parser.epilog = EPILOG
+    _add_recipe(parser)
+    _add_layout_flags(parser)
+    _add_overrides(parser)
+    parser.set_defaults(check=True, rehearse=False, run_dir=None)
+
+
+def add_rehearse_arguments(parser: argparse.ArgumentParser) -> None:
+    """`megatron-fr rehearse RECIPE`: what `train --rehearse` does."""
+    from megatron_fr.launch import rehearse_cli
+
+    parser.description = rehearse_cli.REHEARSE_HELP
+    _add_recipe(parser)
+    _add_layout_flags(parser)
+    rehearse_cli.add_rehearsal_flags(parser)
+    _add_overrides(parser)
+    parser.set_defaults(check=False, rehearse=True, run_dir=None)
+
+
+def _add_recipe(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe file (YAML), e.g. examples/cpu_demo.yaml")
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value (value read as YAML)")
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--world-size",
         type=int,
         default=0,
-        help="--check, --rehearse: learner ranks of the layout (default: the recipe's "
+        help="check, rehearse: learner ranks of the layout (default: the recipe's "
         "cluster.learner_nodes x learner_ranks)",
     )
     parser.add_argument(
         "--gpu-mem-gb",
         type=float,
         default=None,
-        help="--check: judge the per-GPU memory against this size",
+        help="check, rehearse: judge the per-GPU memory against this size",
     )
-    from megatron_fr.launch import rehearse_cli
-
-    rehearse_cli.add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value (value read as YAML)")
 
 
 def main(args: argparse.Namespace) -> int:
+    """`train` (and `check`, `rehearse`: the same namespace with their flag set). Started by
+    hand it checks the recipe and re-executes itself under torchrun; started by torchrun (a
+    rank; the project's launchers start orchestrator/rank_main.py instead) it is one rank."""
     from megatron_fr.config.run import load_run_config
-    from megatron_fr.engine.launcher import check_engine_environment
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
+    command = "check" if args.check else "rehearse" if args.rehearse else "train"
     try:
         launched = preflight.launch_environment()  # (rank, world) under torchrun
         _check_arguments(args)
@@ -83,21 +124,30 @@ def main(args: argparse.Namespace) -> int:
                 "node: submit it with slurm/launch.sh, or run torchrun on each node"
             )
         preflight.check_run_dir(args.run_dir)
-        # before any process: everything, once (the ranks repeat only what is quick)
-        check_recipe(config, world, gpu_mem_gb=None, render=launched is None)
-        if config.rollout.engine.started:
-            remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
-            engine = config.rollout.engine
-            check_engine_environment(engine.kind, "rollout.engine.kind", remedy, engine.python)
+        check_before_start(config, world, render=launched is None)
         if launched is None:
             preflight.check_resume(args.run_dir, world)
             preflight.check_engines(config)
     except (ValueError, OSError) as error:
-        print(f"megatron-fr train: error: {error}", file=sys.stderr)
+        print(f"megatron-fr {command}: error: {error}", file=sys.stderr)
         return 2
     if launched is None:
         _exec_torchrun(config.learner_ranks, args)
-    return _run_rank(config, args.run_dir)
+    return run_rank(config, args.run_dir)
+
+
+def check_before_start(config: RunConfig, world: int, render: bool) -> None:
+    """What is checked before a run starts anything: the recipe (rendered prompts too where
+    `render`: the parent does it once, the ranks repeat only what is quick) and the engines'
+    environment when the run starts them. ValueError naming the first problem."""
+    from megatron_fr.engine.launcher import check_engine_environment
+    from megatron_fr.orchestrator.check import check_recipe
+
+    check_recipe(config, world, gpu_mem_gb=None, render=render)
+    if config.rollout.engine.started:
+        remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
+        engine = config.rollout.engine
+        check_engine_environment(engine.kind, "rollout.engine.kind", remedy, engine.python)
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -111,7 +161,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     check_flags(args)  # the world's bound; the rehearsal's flags only with --rehearse
 
 
-def _run_rank(config: RunConfig, run_dir: Path) -> int:
+def run_rank(config: RunConfig, run_dir: Path) -> int:
     """This process's learner rank, to the end of the run; a run that fails on its storage
     (disk full, quota) ends with one line naming the file, one that ends well with the first
     rank's summary of its metrics (orchestrator/summary.py)."""
@@ -171,8 +221,7 @@ def _exec_torchrun(ranks: int, args: argparse.Namespace) -> None:
         "--master-port",
         str(free_port()),
         "-m",
-        "megatron_fr",
-        "train",
+        "megatron_fr.orchestrator.rank_main",
         str(args.recipe),
         "--run-dir",
         str(args.run_dir),

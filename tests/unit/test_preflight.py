@@ -48,7 +48,7 @@ def test_a_rank_that_runs_out_of_disk_ends_with_one_line(tmp_path, monkeypatch, 
     monkeypatch.setattr(controller, "train", train)
     monkeypatch.setattr(parent_watch, "exit_when_parent_dies", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
-    assert train_cli._run_rank(None, tmp_path / "run") == 1
+    assert train_cli.run_rank(None, tmp_path / "run") == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"megatron-fr train: error: {tmp_path / 'run' / 'metrics.jsonl'}: ")
 
