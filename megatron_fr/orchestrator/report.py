@@ -29,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_fr.analysis.run_files import BATCHES_FILE, METRICS_FILE
 from megatron_fr.buffer.lag_buffer import LengthRecord
-from megatron_fr.buffer.stale_tokens import STALE_TOKENS_MASKED
 from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import RunConfig
 from megatron_fr.orchestrator import checkpoints as ckpt
 from megatron_fr.orchestrator.run_log import RunLogger, save_resolved_config
 from megatron_fr.orchestrator.sinks import build_sinks
-from megatron_fr.rollout.episodes import episode_metrics
+from megatron_fr.orchestrator.step_record import StepRecord
 from megatron_fr.rollout.service import Evaluation
+from megatron_fr.rollout.stats import RolloutStats
 from megatron_fr.utils.provenance import run_provenance
 
 if TYPE_CHECKING:
@@ -65,70 +65,20 @@ class RunReport:
         learner: StepMetrics,
         figures: Mapping[str, float],
         sync_s: float,
-        rollout: dict[str, Any],
+        rollout: RolloutStats,
         lengths: LengthRecord,
         seconds: float,
     ) -> None:
-        """The step's line of metrics.jsonl (and the sinks) and of batches.jsonl; `figures`:
-        the step's other figures by name (every rank's GPUs, the sync check's); `lengths`:
-        the buffer's record since the previous step."""
-        lags = [step - 1 - t.oldest_version for t in batch]
-        self.logger.log_step(
-            dict(
-                step=step,
-                policy_version=step,
-                reward_mean=statistics.fmean(t.reward for t in batch),
-                acceptance_rate=learner["acceptance_rate"],
-                clip_fraction=learner["clip_fraction"],
-                padding_fraction=learner["padding_fraction"],
-                dp_imbalance=learner["dp_imbalance"],
-                sequence_kl_mean=learner["sequence_kl_mean"],
-                retained_tokens_mean=learner["retained_tokens_mean"],
-                lag_mean=statistics.fmean(lags),
-                lag_max=max(lags),
-                tokens_per_s=sum(t.length for t in batch) / seconds,
-                response_length_mean=statistics.fmean(t.num_policy_tokens for t in batch),
-                rollouts_total=rollout["rollouts_total"],
-                batch_rollouts=len(batch),
-                loss=learner["loss"],
-                grad_norm=learner["grad_norm"],
-                adam_step_min=learner["adam_step_min"],
-                adam_step_max=learner["adam_step_max"],
-                lr=learner["lr"],
-                sync_s=sync_s,
-                step_s=seconds,
-                buffer_occupancy=rollout["occupancy"],
-                dropped_total=rollout["dropped_total"],
-                stale_tokens_masked_total=rollout["stale_tokens_masked_total"],
-                discarded_total=rollout["discarded_total"],
-                abandoned_total=rollout["abandoned_total"],
-                groups_failed_total=rollout["groups_failed_total"],
-                rollout_failures_total=rollout["rollout_failures_total"],
-                checkpoints_set_aside=self.checkpoints_set_aside,
-                step_skipped=learner["step_skipped"],
-                skipped_steps_total=learner["skipped_steps_total"],
-                **rollout["engines"],
-                **figures,
-                **episode_metrics(batch),
-            )
-        )
-        _append_line(
-            self.run_dir / BATCHES_FILE,
-            {
-                "step": step,
-                "prompt_ids": [t.prompt_id for t in batch],
-                "response_lengths": [t.num_policy_tokens for t in batch],
-                "stale_tokens_masked": [t.info.get(STALE_TOKENS_MASKED, 0) for t in batch],
-                "oldest_versions": [t.oldest_version for t in batch],
-                "rewards": [t.reward for t in batch],
-                "advantages": learner["advantages"],
-                "admitted": learner["admitted"],
-                "sequence_kl": learner["sequence_kl"],
-                "retained_tokens": learner["retained_tokens"],
-                "generated_lengths": lengths.generated,
-                "dropped_stale_lengths": lengths.dropped_stale,
-            },
-        )
+        """The step's line of metrics.jsonl (and the sinks) and of batches.jsonl, from its
+        record (orchestrator/step_record.py); `figures`: the step's other figures by name
+        (every rank's GPUs, the sync check's); `lengths`: the buffer's record since the
+        previous step."""
+        record = StepRecord.build(
+            step, batch, learner, rollout, figures, lengths, sync_s, seconds,
+            self.checkpoints_set_aside,
+        )  # fmt: skip
+        self.logger.log_step(record.metrics_line())
+        _append_line(self.run_dir / BATCHES_FILE, record.batch_line())
 
     def evaluation(self, step: int, evaluation: Evaluation, rollouts_total: int) -> None:
         """One eval line: eval_accuracy (mean over the sets) plus each set's mean and spread,

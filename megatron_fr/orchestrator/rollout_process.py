@@ -139,4 +139,4 @@ class RolloutHost(RolloutService):
 
     def held_out_evaluation(self, wait_s: float) -> tuple[Evaluation, int] | None:
         results = self.evaluation_result(wait_s)
-        return None if results is None else (results, self.stats()["rollouts_total"])
+        return None if results is None else (results, self.stats().rollouts_total)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from megatron_fr.buffer.lag_buffer import LengthRecord
+    from megatron_fr.rollout.stats import RolloutStats
 
 
 class RolloutControl(Protocol):
@@ -46,7 +47,7 @@ class RolloutControl(Protocol):
         it)."""
         ...
 
-    def stats(self) -> dict:
+    def stats(self) -> RolloutStats:
         """The buffer's, the rollouts' and the engines' figures for the step's metrics."""
         ...
 

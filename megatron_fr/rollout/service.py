@@ -42,6 +42,7 @@ from megatron_fr.buffer.trajectory import Trajectory
 from megatron_fr.engine.client import RolloutClient, RolloutClientConfig, RolloutError
 from megatron_fr.engine.types import MalformedResponse, SamplingParams
 from megatron_fr.rollout.episodes import EpisodeFailed, EpisodeProducer
+from megatron_fr.rollout.stats import RolloutStats
 from megatron_fr.rollout.supervisor import EngineSupervisor
 
 log = logging.getLogger("megatron_fr.rollout")
@@ -336,20 +337,27 @@ class RolloutService:
 
     # --- state ------------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        """The buffer's stats plus rollouts completed (over resumes), failures by reason, and
-        the engines' figures (under "engines": engines_total, and per engine of the pool,
-        engine<i> in its order, generate requests sent, failed and timed out since this start,
-        and the requests it may have in flight now)."""
+    def stats(self) -> RolloutStats:
+        """Rollouts completed (over resumes) and failed by reason, the buffer's figures and
+        the engines' (engines_total, and per engine of the pool, engine<i> in its order,
+        generate requests sent, failed and timed out since this start, and the requests it
+        may have in flight now)."""
         with self._counts_lock:
             completed, failures = self.completed, dict(self.failures)
-        return {
-            **self.buffer.stats(),
-            "rollouts_total": completed,
-            "rollout_failures_total": sum(failures.values()),
-            "rollout_failures": failures,
-            "engines": self._engine_stats(),
-        }
+        buffer = self.buffer.stats()
+        return RolloutStats(
+            rollouts_total=completed,
+            rollout_failures_total=sum(failures.values()),
+            rollout_failures=failures,
+            occupancy=buffer.pop("occupancy"),
+            dropped_total=buffer.pop("dropped_total"),
+            stale_tokens_masked_total=buffer.pop("stale_tokens_masked_total"),
+            discarded_total=buffer.pop("discarded_total"),
+            abandoned_total=buffer.pop("abandoned_total"),
+            groups_failed_total=buffer.pop("groups_failed_total"),
+            engines=self._engine_stats(),
+            buffer=buffer,
+        )
 
     def take_lengths(self) -> LengthRecord:
         return self.buffer.take_lengths()

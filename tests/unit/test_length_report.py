@@ -19,6 +19,7 @@ from megatron_fr.buffer.trajectory import TrajectorySummary
 from megatron_fr.config.run import load_run_config
 from megatron_fr.orchestrator.report import RunReport
 from megatron_fr.rollout.service import Evaluation
+from megatron_fr.rollout.stats import RolloutStats
 
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "cpu_demo.yaml"
 
@@ -48,14 +49,18 @@ def learner_metrics(batch: int) -> dict:
     )
 
 
-def rollout_stats() -> dict:
-    names = ("dropped", "discarded", "abandoned", "groups_failed", "stale_tokens_masked")
-    return dict(
+def rollout_stats() -> RolloutStats:
+    return RolloutStats(
         rollouts_total=10,
-        occupancy=0,
         rollout_failures_total=0,
+        rollout_failures={},
+        occupancy=0,
+        dropped_total=0,
+        stale_tokens_masked_total=0,
+        discarded_total=0,
+        abandoned_total=0,
+        groups_failed_total=0,
         engines={},
-        **{f"{name}_total": 0 for name in names},
     )
 
 

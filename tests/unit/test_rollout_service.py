@@ -134,7 +134,7 @@ def test_batches_flow_and_close_leaves_nothing_behind(tokenizer):
             )
             assert results.accuracies == {"small": (0.5, 0.0)}  # p0, p2 of p0..p3 score 1
             assert (results.failed_episodes, results.incomplete) == (0, None)
-            assert service.stats()["rollouts_total"] >= 4
+            assert service.stats().rollouts_total >= 4
         finally:
             service.close()
     assert not rollout_threads() and service._loop.is_closed() and producer.closed
@@ -157,7 +157,7 @@ def test_failed_eval_episodes_are_retried_and_an_outage_never_scores_0(
                 {"small": EvalSet(PROBLEMS[:4], samples=1)}, producer.sampling(0.7), timeout_s
             )
             elapsed = time.monotonic() - started
-            failures = service.stats()["rollout_failures"]
+            failures = service.stats().rollout_failures
         finally:
             service.close()
     if outage == 3:
@@ -199,9 +199,9 @@ def test_failed_generations_are_counted_and_back_off(tokenizer, caplog):
     finally:
         service.close()
     assert service.backoff.delay_s == service.backoff.max_s, "no backoff after many failures"
-    assert stats["rollout_failures_total"] >= 7  # 0.05 s doubling to 5 s takes 8 failures
-    assert stats["abandoned_total"] == stats["rollout_failures_total"]
-    assert stats["requeued_total"] == stats["groups_failed_total"] >= 7
+    assert stats.rollout_failures_total >= 7  # 0.05 s doubling to 5 s takes 8 failures
+    assert stats.abandoned_total == stats.rollout_failures_total
+    assert stats.buffer["requeued_total"] == stats.groups_failed_total >= 7
     warnings = [r for r in caplog.records if "rollout(s) failed" in r.getMessage()]
     assert 1 <= len(warnings) <= 3, "failures are logged at most once per 10 s"
 
