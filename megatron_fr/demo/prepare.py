@@ -67,11 +67,14 @@ def describe_warm_start(report: WarmStartReport, hf_dir: Path) -> str:
 
 def demo_model_config(config: RunConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
     """The demo model's config.json for `tokenizer`: the tiny Qwen3-MoE, or its dense variant
-    with wider heads when the recipe's engines are vLLM (demo/tiny_models.py: dense_variant)."""
+    with wider heads for the engine kinds that want it (vLLM: config/engine_kinds.py
+    dense_demo_model; demo/tiny_models.py: dense_variant)."""
+    from megatron_fr.config.engine_kinds import capabilities
     from megatron_fr.demo.tiny_models import dense_variant, tiny_chat_model_config
 
     model = tiny_chat_model_config(tokenizer)
-    return dense_variant(model) if config.rollout.engine.kind == "vllm" else model
+    dense = capabilities(config.rollout.engine.kind).dense_demo_model
+    return dense_variant(model) if dense else model
 
 
 def _env_config(config: RunConfig, name: str, kind: type[EnvConfig]) -> EnvConfig:

@@ -74,6 +74,7 @@ from pydantic import (
 )
 
 from megatron_fr.config.algo import MAX_GATE_TOP_K
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.routing import RoutedExperts
 from megatron_fr.engine.server_info import EngineKind
 from megatron_fr.engine.sglang.protocol import decode_routed_experts
@@ -86,7 +87,6 @@ from megatron_fr.engine.types import (
     RoutedExpertsLayout,
     SamplingParams,
 )
-from megatron_fr.engine.wire import wire_for
 
 
 class RolloutClientConfig(BaseModel):
@@ -307,7 +307,7 @@ class RolloutClient:
     def __init__(self, config: RolloutClientConfig) -> None:
         self.config = config
         self.metrics = ClientMetrics()
-        self._wire = wire_for(config.engine_kind)
+        self._wire = backend_for(config.engine_kind).wire
         self._servers = {url: self._new_server(url) for url in config.urls}
         self._sessions: dict[str, str] = {}
         self._http: aiohttp.ClientSession | None = None

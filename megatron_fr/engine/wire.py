@@ -12,8 +12,8 @@ engine (join a weight-update group, name the tensors the next broadcasts hold, r
 directory, open and close an update session) are the wire's too, so no code outside engine/
 speaks an engine's own routes.
 
-One run speaks to engines of one kind: `wire_for` picks the implementation from
-rollout.engine.kind, or from what the engines given by URL say they are (engine/server_info.py).
+One run speaks to engines of one kind: its backend (engine/backends.py) holds the wire, chosen
+by rollout.engine.kind, or by what the engines given by URL say they are (engine/server_info.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from megatron_fr.engine.server_info import EngineKind
 from megatron_fr.engine.types import GenerateOutput, PauseMode, SamplingParams, TensorSerializer
 
 
@@ -147,14 +146,3 @@ class EngineWire(Protocol):
         session ended (paused in `mode` first; `session` False: none can be open) and the
         weight-update `groups` left; nothing to end or leave is no error."""
         ...
-
-
-def wire_for(kind: EngineKind) -> EngineWire:
-    """The wire engines of `kind` speak (the CPU engine speaks SGLang's)."""
-    if kind == "vllm":
-        from megatron_fr.engine.vllm.wire import VLLM_WIRE
-
-        return VLLM_WIRE
-    from megatron_fr.engine.sglang.wire import SGLANG_WIRE
-
-    return SGLANG_WIRE

@@ -21,10 +21,10 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
+from megatron_fr.config.engine_kinds import EngineKind, capabilities
 from megatron_fr.config.run import RunConfig, load_run_config
 from megatron_fr.launch.plan import DEFAULT_RESERVE_GIB, LayoutError, Plan, describe, plan_layout
 from megatron_fr.models.hf_config import HFModelSpec, load_hf_config
@@ -66,7 +66,7 @@ class SlurmOptions(BaseModel):
     server_gpus: NonNegativeInt | None = None
     """GPUs per inference server (its SGLang TP size); None: the recipe's cluster.server_gpus
     (None there: all of a node's GPUs)."""
-    engine: Literal["cpu", "sglang", "vllm"] | None = None
+    engine: EngineKind | None = None
     """The servers' engine; None: the recipe's rollout.engine.kind."""
     server_threads: PositiveInt = 1
     """torch threads of the CPU engine."""
@@ -126,7 +126,7 @@ class SlurmJob:
     options: SlurmOptions
     config: RunConfig
     plan: Plan
-    engine: Literal["cpu", "sglang", "vllm"]
+    engine: EngineKind
     procs_per_node: int
     server_gpus: int
     servers_per_node: int
@@ -180,15 +180,16 @@ def resolve_job(
     _check_node_share(options, procs)
     server_gpus, servers_per_node = _servers(options)
     engine = options.engine or config.rollout.engine.kind
-    if engine == "cpu" and server_gpus:
+    wants = capabilities(engine).server_gpus
+    if wants == "none" and server_gpus:
         raise LaunchError(
-            "the CPU engine (rollout.engine.kind, or --engine) takes no GPUs: server_gpus must "
-            "be 0, or serve with --engine sglang"
+            f"{capabilities(engine).name} (rollout.engine.kind, or --engine) takes no GPUs: "
+            "server_gpus must be 0, or serve with --engine sglang"
         )
-    if engine == "sglang" and not server_gpus:
+    if wants == "required" and not server_gpus:
         raise LaunchError(
-            "SGLang needs GPUs and gpus_per_node is 0: give --gpus-per-node, or serve with "
-            "--engine cpu (or rollout.engine.kind=cpu)"
+            f"{capabilities(engine).name} needs GPUs and gpus_per_node is 0: give "
+            "--gpus-per-node, or serve with --engine cpu (or rollout.engine.kind=cpu)"
         )
     last_port = options.port_base + SERVER_PORT_OFFSET + cluster.rollout_nodes * servers_per_node
     if last_port > 65535:

@@ -64,7 +64,7 @@ def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
         f"model       {hf_dir}: {spec.model_type}, {spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, vocab {spec.vocab_size}, context {context}"
     )
-    _sglang_readback(config, spec)
+    _weight_readback(config, spec)
     budget, _ = _row_tokens(config.task)
     if budget > context:
         raise CheckFailed(
@@ -74,22 +74,20 @@ def _model(config: RunConfig, lines: list[str]) -> HFModelSpec:
     return spec
 
 
-def _sglang_readback(config: RunConfig, spec: HFModelSpec) -> None:
-    """weights.spot_check reads weights back through SGLang's /get_weights_by_name, which only
-    a few model families implement: refused here for the SGLang engines the run starts, not
-    at the first sync minutes later (engines given by URL are told apart only when they
+def _weight_readback(config: RunConfig, spec: HFModelSpec) -> None:
+    """weights.spot_check reads weights back, which SGLang's /get_weights_by_name does for a
+    few model families only and vLLM not at all: refused here for the engines the run starts,
+    not at the first sync minutes later (engines given by URL are told apart only when they
     answer, and the sync refuses them then)."""
-    from megatron_fr.engine.wire import wire_for
+    from megatron_fr.engine.backends import backend_for
 
     engine = config.rollout.engine
-    families = wire_for("sglang").readback_families
-    reads_back = spec.model_type in families or config.weights.spot_check == 0
-    if engine.started and engine.kind == "sglang" and not reads_back:
+    refusal = backend_for(engine.kind).readback_refusal(spec.model_type)
+    if engine.started and config.weights.spot_check and refusal:
         raise CheckFailed(
-            f"weights.spot_check {config.weights.spot_check}: SGLang does not read back "
-            f"the weights of {spec.model_type} (/get_weights_by_name exists for "
-            f"{', '.join(families)} only): set weights.spot_check=0 (the sync check, "
-            "weights.verify_every, checks the engines by their log-probs)"
+            f"weights.spot_check {config.weights.spot_check}: {refusal}: set "
+            "weights.spot_check=0 (the sync check, weights.verify_every, checks the engines by "
+            "their log-probs)"
         )
 
 

@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
     from megatron_fr.orchestrator.check import check_recipe
     from megatron_fr.orchestrator.workload import resolve_task
 
-    command = "check" if args.check else "rehearse" if args.rehearse else "train"
+    command = getattr(args, "command", "train")  # as typed: train (its aliases too), check
     try:
         launched = preflight.launch_environment()  # (rank, world) under torchrun
         _check_arguments(args)
@@ -140,14 +140,14 @@ def check_before_start(config: RunConfig, world: int, render: bool) -> None:
     """What is checked before a run starts anything: the recipe (rendered prompts too where
     `render`: the parent does it once, the ranks repeat only what is quick) and the engines'
     environment when the run starts them. ValueError naming the first problem."""
-    from megatron_fr.engine.launcher import check_engine_environment
+    from megatron_fr.engine.launcher import check_engine_machine
     from megatron_fr.orchestrator.check import check_recipe
 
     check_recipe(config, world, gpu_mem_gb=None, render=render)
     if config.rollout.engine.started:
         remedy = "set rollout.engine.kind=cpu, or give rollout.engine.urls and count 0"
         engine = config.rollout.engine
-        check_engine_environment(engine.kind, "rollout.engine.kind", remedy, engine.python)
+        check_engine_machine(engine.kind, "rollout.engine.kind", remedy, engine.python)
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

@@ -84,13 +84,10 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from megatron_fr.config.rollout import EngineSettings
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.http import SERVER_INFO_PATH, EngineRequestError, get_json
-from megatron_fr.engine.launcher import (
-    ServerExited,
-    ServerLaunchConfig,
-    ServerProcess,
-    launch_server,
-)
+from megatron_fr.engine.launcher import ServerExited, ServerProcess, launch_server
+from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.server_info import (
     INFO_QUERY,
     EngineKind,
@@ -99,7 +96,7 @@ from megatron_fr.engine.server_info import (
     parse_server_info,
 )
 from megatron_fr.engine.types import SamplingParams
-from megatron_fr.engine.wire import EngineWire, wire_for
+from megatron_fr.engine.wire import EngineWire
 from megatron_fr.rollout.engines_file import EnginesFile
 from megatron_fr.utils.net import free_port
 
@@ -185,7 +182,7 @@ class EngineSupervisor:
 
     @property
     def wire(self) -> EngineWire:
-        return wire_for(self.kind)
+        return backend_for(self.kind).wire
 
     @property
     def urls(self) -> list[str]:
@@ -244,7 +241,7 @@ class EngineSupervisor:
         url = info.url
         if not self._kind_known:
             self.kind, self._kind_known = info.kind, True
-        elif wire_for(info.kind) is not self.wire:
+        elif backend_for(info.kind).wire is not self.wire:
             raise EngineRefused(
                 f"inference engine {url} refused: it is a {info.kind} server and the pool's "
                 f"engines are {self.kind}; one run speaks to engines of one kind"

@@ -20,7 +20,7 @@ Protocol, run by every learner rank together (resharding exchanges shards betwee
 The pause, the version, the cache flush and the resume are the engines' wire's
 (engine/wire.py; vLLM: /pause, /update_weight_version, /reset_prefix_cache, /resume), the
 session and the push the transport's, through the same wire (vLLM's transports:
-weights/transports/vllm.py); so are connect's clean-up and the read-back. Every engine call
+engine/vllm/backend.py); so are connect's clean-up and the read-back. Every engine call
 has a deadline. If any step fails the error names the engine and step and
 the engines stay paused: they hold weights from two versions, and serving them would put
 mixed-version tokens into training data.
@@ -64,8 +64,9 @@ import torch.distributed as dist
 
 from megatron_fr.config.weights import WeightSyncConfig
 from megatron_fr.convert.shard import groups_or_megatron
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.http import EngineRequestError
-from megatron_fr.engine.wire import EngineWire, wire_for
+from megatron_fr.engine.wire import EngineWire
 from megatron_fr.models.hf_config import HFModelSpec
 from megatron_fr.weights.pipeline import BucketSender
 from megatron_fr.weights.plan import ReshardPlan, build_plan
@@ -228,7 +229,7 @@ class WeightSync:
         bound = self._regroup_bound()
         resolved = resolve_engine(engine, bound)
         session = engine.url not in self.closed  # a session may be open: end it, paused
-        wire = wire_for(resolved.kind or "sglang")
+        wire = backend_for(resolved.kind).wire
         wire.release(engine.url, leftovers, session, self.config.pause_mode, bound)
         return resolved
 
@@ -245,23 +246,24 @@ class WeightSync:
             partial.replace(self.groups_file)
 
     def _check_spot_check(self, engines: list[Engine]) -> None:
-        model_type = self.spec.model_type
-        vllm = [engine.url for engine in engines if engine.kind == "vllm"]
-        if self.config.spot_check and vllm:
+        """weights.spot_check needs engines that read the model's weights back: ValueError
+        naming the ones that cannot (told apart by kind once they answered)."""
+        if not self.config.spot_check:
+            return
+        refusals: dict[str, list[str]] = {}
+        for engine in engines:
+            if engine.kind is None:  # not identified: nothing to go by
+                continue
+            refusal = backend_for(engine.kind).readback_refusal(self.spec.model_type)
+            if refusal:
+                refusals.setdefault(refusal, []).append(engine.url)
+        if refusals:
+            refusal, urls = next(iter(refusals.items()))
             raise ValueError(
-                f"spot_check {self.config.spot_check}: vLLM has no route to read weights back "
-                f"and {vllm} are vLLM servers: set weights.spot_check=0 (the sync check, "
-                "weights.verify_every, checks them by their log-probs)"
+                f"spot_check {self.config.spot_check}: {refusal}, and {urls} are such "
+                "servers: set weights.spot_check=0 (the sync check, weights.verify_every, "
+                "checks them by their log-probs)"
             )
-        families = wire_for("sglang").readback_families
-        if self.config.spot_check and model_type not in families:
-            sglang = [engine.url for engine in engines if engine.kind == "sglang"]
-            if sglang:
-                raise ValueError(
-                    f"spot_check {self.config.spot_check}: SGLang 0.5.23 does not implement "
-                    f"/get_weights_by_name for {model_type} (only {families}); "
-                    f"{sglang} are SGLang servers: set weights.spot_check=0"
-                )
 
     def sync(self, model: torch.nn.Module, version: str | int) -> SyncReport:
         """Every learner rank calls this; all of them return, or all raise WeightSyncError."""
@@ -332,7 +334,7 @@ class WeightSync:
     @property
     def wire(self) -> EngineWire:
         """How the engines are paused, labelled and resumed (one kind per run)."""
-        return wire_for(self.engines[0].kind or "sglang")
+        return backend_for(self.engines[0].kind).wire
 
     def _pause(self) -> None:
         mode = self.config.pause_mode

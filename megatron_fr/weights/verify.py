@@ -26,9 +26,10 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_fr.buffer.trajectory import NON_POLICY_VERSION, Trajectory
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.engine.types import MalformedResponse, SamplingParams
-from megatron_fr.engine.wire import EngineWire, wire_for
+from megatron_fr.engine.wire import EngineWire
 from megatron_fr.parallel.state import broadcast_from_rank0
 
 PROBE_PROMPT_TOKENS = 16
@@ -86,7 +87,7 @@ class SyncCheck:
         """Every rank: rank 0 passes the pool's engines (the others None), which speak `wire`
         (None: SGLang's, which the CPU engine speaks too), and gets each one's check; the
         others get []. Every rank takes part in the learner's forward."""
-        wire = wire or wire_for("sglang")
+        wire = wire or backend_for(None).wire
         probed = self._probe(urls, version, wire) if urls is not None else None
         probes = broadcast_from_rank0(probed)
         trajectories = [p for p in probes if isinstance(p, Trajectory)]

@@ -31,10 +31,7 @@ from megatron_fr.engine.sglang import protocol as p
 from megatron_fr.engine.sglang.source import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_SIDE = (
-    REPO / "megatron_fr/engine/vllm",
-    REPO / "megatron_fr/weights/transports/vllm.py",
-)
+VLLM_SIDE = (REPO / "megatron_fr/engine/vllm",)
 """Code that speaks vLLM's wire, not SGLang's: its routes are checked against vLLM's source
 (tests/vllm/test_vllm_contract.py)."""
 SCANNED = [

@@ -43,8 +43,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from tiny_qwen import tiny_checkpoint
 
+from megatron_fr.engine.cpu.backend import server_command as cpu_server_command
 from megatron_fr.engine.cpu.engine import CpuEngine
-from megatron_fr.engine.launcher import ServerLaunchConfig, ServerProcess, cpu_engine_command
+from megatron_fr.engine.launcher import ServerProcess
+from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.utils.net import free_port
 
 DEADLINE_S = 30.0
@@ -769,7 +771,8 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
         return_routed_experts=True,
         log_dir=tmp_path,
     )
-    command = cpu_engine_command(launch) + [arg for pair in LIMITS.items() for arg in pair]
+    limits = [arg for pair in LIMITS.items() for arg in pair]
+    command = cpu_server_command(launch, cuda=False) + limits
     server = ServerProcess.start(command, "127.0.0.1", port, tmp_path)
     dead_master = socket.socket()  # accepts connections (kernel backlog), never answers
     dead_master.bind(("127.0.0.1", 0))

@@ -21,20 +21,31 @@ import torch
 from pydantic import ValidationError
 
 from megatron_fr.cli import build_parser
+from megatron_fr.engine.cpu.backend import server_command as cpu_server_command
 from megatron_fr.engine.group import NCCL_CUMEM, match_sglang_nccl_env
 from megatron_fr.engine.launcher import (
-    SGLANG_ENV,
     ServerExited,
-    ServerLaunchConfig,
     ServerProcess,
-    cpu_engine_command,
     launch_server,
     server_command,
     server_env,
     server_gpus,
-    sglang_command,
 )
+from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.sglang import source as src
+from megatron_fr.engine.sglang.backend import SGLANG_ENV
+from megatron_fr.engine.sglang.backend import server_command as sglang_server_command
+
+
+def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
+    """SGLang's command on GPUs."""
+    return sglang_server_command(cfg, cuda=True)
+
+
+def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
+    """The CPU engine's command, started as a child (it watches its parent)."""
+    return cpu_server_command(cfg, cuda=False)
+
 
 MOE_MULTI_NODE = ServerLaunchConfig(
     model_path="/models/Qwen3-30B-A3B",

@@ -15,14 +15,14 @@ import pytest
 from megatron_fr.config.rollout import EngineSettings
 from megatron_fr.config.run import load_run_config
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine.backends import BACKENDS, backend_for
 from megatron_fr.engine.server_info import ServerInfo, UnknownServer, parse_server_info
 from megatron_fr.engine.sglang.wire import SGLANG_WIRE
 from megatron_fr.engine.vllm.wire import VLLM_WIRE, UnsupportedByVllm
-from megatron_fr.engine.wire import wire_for
 from megatron_fr.rollout.supervisor import EngineRefused, EngineSupervisor
 from megatron_fr.weights.transports import Engine, build_transport
+from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport
-from megatron_fr.weights.transports.vllm import VllmDiskTransport, VllmTransport
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_dense_vllm.yaml"
@@ -56,8 +56,9 @@ def test_a_vllm_server_info_is_read_into_its_sizes():
 
 
 def test_the_wire_is_chosen_by_kind_and_refuses_what_vllm_lacks():
-    assert wire_for("vllm") is VLLM_WIRE
-    assert wire_for("sglang") is SGLANG_WIRE and wire_for("cpu") is SGLANG_WIRE
+    assert backend_for("vllm").wire is VLLM_WIRE and backend_for("sglang").wire is SGLANG_WIRE
+    assert backend_for("cpu").wire is SGLANG_WIRE and backend_for(None).wire is SGLANG_WIRE
+    assert set(BACKENDS) == {"sglang", "vllm", "cpu"}
     assert VLLM_WIRE.version_path == "/weight_info" and SGLANG_WIRE.version_path == "/model_info"
     with pytest.raises(UnsupportedByVllm, match="retract"):
         VLLM_WIRE.pause("http://127.0.0.1:9", "retract", 1.0)
@@ -70,9 +71,12 @@ def test_the_wire_is_chosen_by_kind_and_refuses_what_vllm_lacks():
 
 
 def test_vllm_engines_get_the_vllm_transport_and_nothing_else():
+    """vLLM's servers take the broadcast over gloo whatever weights.backend says, and the
+    disk reload, each through vLLM's wire; the tensor transport is refused."""
     engines = [Engine("http://h:1", tp_size=2, kind="vllm")]
-    transport = build_transport(WeightSyncConfig(), engines)
-    assert isinstance(transport, VllmTransport) and transport.backend == "gloo"
+    transport = build_transport(WeightSyncConfig(backend="nccl"), engines)
+    assert type(transport) is DistributedTransport and transport.backend == "gloo"
+    assert transport.wire is VLLM_WIRE
     path, bodies = transport.join_requests("10.0.0.1", 29500, 3, [1])
     assert path == "/init_weight_transfer_engine"
     assert bodies[0]["init_info"] == {
@@ -86,10 +90,10 @@ def test_vllm_engines_get_the_vllm_transport_and_nothing_else():
     sglang = build_transport(WeightSyncConfig(), [Engine("http://h:1", tp_size=2, kind="sglang")])
     assert type(sglang) is DistributedTransport
     disk = build_transport(WeightSyncConfig(transport="disk", directory="/tmp/w"), engines)
-    assert isinstance(disk, VllmDiskTransport)
-    with pytest.raises(ValueError, match="by broadcast \\(distributed\\) or from disk"):
+    assert type(disk) is DiskTransport and disk.wire is VLLM_WIRE
+    with pytest.raises(ValueError, match="vLLM engines receive weights by distributed or disk"):
         build_transport(WeightSyncConfig(transport="tensor"), engines)
-    with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
+    with pytest.raises(ValueError, match="vLLM with pp_size 2"):
         build_transport(
             WeightSyncConfig(), [Engine("http://h:1", tp_size=1, kind="vllm", pp_size=2)]
         ).check_engines()

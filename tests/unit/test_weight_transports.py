@@ -426,7 +426,7 @@ def test_spot_check_is_refused_for_sglang_serving_the_projects_model_families():
     spec = load_hf_config("qwen3-30b-a3b")
     checked = sync_module.WeightSync(WeightSyncConfig(spot_check=2), [Engine("u")], spec)
     checked._check_spot_check([Engine("http://cpu", 1, "cpu")])  # the CPU engine: allowed
-    with pytest.raises(ValueError, match="does not implement /get_weights_by_name for qwen3_moe"):
+    with pytest.raises(ValueError, match="SGLang does not read back the weights of qwen3_moe"):
         checked._check_spot_check([Engine("http://gpu", 4, "sglang")])
 
 

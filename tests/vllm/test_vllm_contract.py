@@ -5,7 +5,7 @@ in its own environment, .venv-vllm): every route the project's vLLM wire calls
 generate request is a field of vLLM's GenerateRequest, every sampling key a field of its
 SamplingParams, the sizes engine/server_info.py reads of a vLLM server are fields of its
 ParallelConfig, the pause modes the wire sends are vLLM's PauseMode, and the project's code
-that speaks vLLM's wire (engine/vllm/, weights/transports/vllm.py) names no route outside
+that speaks vLLM's wire (engine/vllm/) names no route outside
 ROUTES. Skipped, saying why, where vLLM is not installed (failed under
 MEGATRON_FR_REQUIRE_VLLM=1, tests/vllm/conftest.py)."""
 
@@ -22,10 +22,7 @@ from megatron_fr.engine.vllm import launch, wire
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
-VLLM_SIDE = [
-    *sorted((REPO / "megatron_fr/engine/vllm").glob("*.py")),
-    REPO / "megatron_fr/weights/transports/vllm.py",
-]
+VLLM_SIDE = sorted((REPO / "megatron_fr/engine/vllm").glob("*.py"))
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ from megatron_fr.engine.vllm.push import push_tensors
 from megatron_fr.engine.vllm.wire import VLLM_WIRE
 from megatron_fr.utils.net import free_port
 from megatron_fr.weights.transports import Engine, build_transport
-from megatron_fr.weights.transports.vllm import VllmDiskTransport
+from megatron_fr.weights.transports.disk import DiskTransport
 
 pytestmark = pytest.mark.vllm
 
@@ -211,7 +211,7 @@ def test_a_disk_sync_reloads_the_files_in_place(vllm_server, tmp_path) -> None:
     transport = build_transport(
         WeightSyncConfig(transport="disk", directory=str(tmp_path)), engines
     )
-    assert isinstance(transport, VllmDiskTransport)
+    assert type(transport) is DiskTransport and transport.wire is VLLM_WIRE
     transport.connect(0)
     transport.send(list(other.state_dict().items()))
     transport.finish_stage()

@@ -95,7 +95,7 @@ def vllm_command(
     if not cuda:  # no graph capture on CPU
         command.append("--enforce-eager")
     # vLLM's own weight-transfer backends need its trainer-side code in the learner's
-    # environment: the project pushes through its gloo backend (weights/transports/vllm.py).
+    # environment: the project pushes through its gloo backend (engine/vllm/backend.py).
     command += ["--worker-extension-cls", GLOO_EXTENSION]
     command += ["--weight-transfer-config", json.dumps({"backend": GLOO_BACKEND})]
     return command + list(extra_args)

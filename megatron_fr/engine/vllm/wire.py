@@ -51,7 +51,7 @@ RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
 SERVER_INFO_PATH = "/server_info"
 COLLECTIVE_RPC_PATH = "/collective_rpc"
 """POST {"method", "args", "kwargs"}: a method of every worker (dev mode); the disk sync's
-reload (weights/transports/vllm.py)."""
+reload (engine/vllm/backend.py)."""
 PAUSE_MODES: dict[str, str] = {"abort": "abort", "in_place": "keep"}
 """The project's pause modes in vLLM's (/pause?mode=): "abort" ends requests in flight with
 finish_reason "abort" and the tokens so far, "keep" freezes them in the queue. SGLang's

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.weights.transports.base import Engine, WeightTransport, resolve_engine
 from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import DistributedTransport
 from megatron_fr.weights.transports.tensor import TensorTransport
-from megatron_fr.weights.transports.vllm import VllmDiskTransport, VllmTransport
 
 __all__ = ["Engine", "WeightTransport", "build_transport", "resolve_engine"]
 
@@ -18,22 +18,21 @@ def build_transport(
     config: WeightSyncConfig, engines: list[Engine], group_name: str = "weight_update_group"
 ) -> WeightTransport:
     """The transport `config` names, for resolved engines (tp_size and kind known); a broadcast
-    one forms its groups under `group_name` (one per stage: group_name_pp<stage>). vLLM
-    engines take the broadcast and the disk reload through their own routes
-    (weights/transports/vllm.py)."""
-    if any(engine.kind == "vllm" for engine in engines):
-        if config.transport == "tensor":
+    one forms its groups under `group_name` (one per stage: group_name_pp<stage>). Each kind
+    reaches its engines through its own wire (the transport's `wire`); a transport the kind
+    does not take is refused, and a kind whose servers receive over a backend of their own
+    (vLLM's gloo extension) gets it whatever weights.backend says (config/engine_kinds.py)."""
+    backends = {backend_for(engine.kind) for engine in engines}
+    for engine_backend in backends:
+        accepted = engine_backend.capabilities.weight_transports
+        if config.transport not in accepted:
             raise ValueError(
-                "weights.transport 'tensor': vLLM engines receive weights by broadcast "
-                "(distributed) or from disk"
+                f"weights.transport {config.transport!r}: {engine_backend.name} engines receive "
+                f"weights by {' or '.join(accepted)} only"
             )
-        if config.transport == "disk":
-            return VllmDiskTransport(engines, _directory(config), config.timeout_s)
-        return VllmTransport(
-            engines, config.master_address, config.master_port, config.timeout_s, group_name
-        )
     if config.transport == "distributed":
-        backend = config.backend
+        forced = [b.capabilities.weight_group_backend for b in backends]
+        backend: str = next((name for name in forced if name), config.backend)
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         return DistributedTransport(

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.http import EngineRequestError
 from megatron_fr.engine.server_info import EngineKind, identify
-from megatron_fr.engine.wire import EngineWire, wire_for
+from megatron_fr.engine.wire import EngineWire
 from megatron_fr.weights.reshard import Bucket
 
 
@@ -66,14 +67,12 @@ def resolve_engine(engine: Engine, timeout_s: float) -> Engine:
 
 
 class WeightTransport(ABC):
-    kind: EngineKind | None = None
-    """The engines' kind a transport is for, where it is for one (else the engines')."""
-
     def __init__(self, engines: list[Engine], timeout_s: float):
         if not engines:
             raise ValueError("a weight transport needs at least one engine")
         self.engines, self.timeout_s = engines, timeout_s
-        self.wire: EngineWire = wire_for(self.kind or engines[0].kind or "sglang")
+        self.wire: EngineWire = backend_for(engines[0].kind).wire
+        """The engines' wire (one run speaks to engines of one kind)."""
 
     @property
     def urls(self) -> list[str]:

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from megatron_fr.engine.backends import backend_for
 from megatron_fr.engine.group import CollectiveFailed, WeightUpdateGroup, create_weight_update_group
 from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.utils.net import address_towards
@@ -75,11 +76,12 @@ class DistributedTransport(WeightTransport):
     def check_engines(self) -> None:
         for engine in self.engines:
             if engine.pp_size > 1 or engine.dp_replicas > 1:
+                name = backend_for(engine.kind).name
                 raise ValueError(
-                    f"{engine.url}: SGLang with pp_size {engine.pp_size} and "
+                    f"{engine.url}: {name} with pp_size {engine.pp_size} and "
                     f"{engine.dp_replicas} data-parallel replica(s): their ranks would join "
                     "the weight-update group at the same rank (rank_offset + tp_rank); "
-                    "serve with pp_size 1 and dp_size 1 (or --enable-dp-attention)"
+                    "serve with pp_size 1 and dp_size 1 (SGLang: or --enable-dp-attention)"
                 )
 
     def sender_address(self, stage: int) -> str:
