@@ -25,7 +25,8 @@ method is compared at its best, and the choice is not fitted to the seeds it is 
 (choose_learning_rates). A rate at either end of the grid is not shown to be the best (the
 score may still rise past it), so the comparison stops there, writes the sweep to
 DIR/sweep.md and asks for a wider grid (GridEdgeError); --allow-grid-edge compares anyway and
-marks that rate as an edge in the tables.
+marks that rate as an edge in the tables. --sweep-only stops after the sweep (its table in
+DIR/sweep.md, edges marked), to look at it before the compared runs are trained.
 
 --jobs N trains N runs at once (an interrupted comparison keeps every run that finished).
 A run that already finished is read, not trained again, so an interrupted comparison is
@@ -304,6 +305,11 @@ def _compare(args: argparse.Namespace) -> int:
     sweep = report.sweep_table(scores, chosen, edges) if scores else ""
     if sweep:
         (out / "sweep.md").write_text(f"{_sweep_title(args)}\n\n{sweep}")
+    if args.sweep_only:
+        if not args.lrs:
+            raise ValueError("--sweep-only needs --lrs (the grid to sweep)")
+        print(f"{_sweep_title(args)}\n\n{sweep}")
+        return 0
     if not args.allow_grid_edge:
         refuse_grid_edges(edges, chosen, out / "sweep.md")
     # Seed-major, so that an interrupted comparison already covers every configuration.
@@ -566,6 +572,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=tuple(SELECT_BY),
         default="final",
         help="the sweep's score: final held-out accuracy, or the mean over the budget",
+    )
+    parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="train (or read) the learning-rate sweep only, write DIR/sweep.md and stop",
     )
     parser.add_argument(
         "--allow-grid-edge",

@@ -326,6 +326,8 @@ def test_a_sweep_whose_best_rate_is_at_the_edge_stops_before_the_compared_runs(
     assert not (tmp_path / "out" / "results.md").exists()
 
     trained.clear()
+    assert compare.run(parser.parse_args([*argv, "--sweep-only"])) == 0  # reads, trains nothing
+    assert trained == [] and "(the grid's lowest: widen it)" in capsys.readouterr().out
     assert compare.run(parser.parse_args([*argv, "--allow-grid-edge"])) == 0
     assert trained == ["flash_reinforce-seed0"]
     assert "(the grid's lowest: widen it)" in (tmp_path / "out" / "results.md").read_text()
