@@ -93,7 +93,12 @@ def test_the_loss_gets_the_global_batch_on_the_logits_device(monkeypatch):
     def recording_loss(log_probs, entropies, loss_batch, global_batch, config, **groups):
         seen.update({name: t.device for name, t in tensors_of(global_batch)})
         present = torch.zeros(3, dtype=torch.bool, device=log_probs.device)
-        return log_probs.sum(), {"admitted": present, "present": present}
+        retained = torch.zeros(3, dtype=torch.int64, device=log_probs.device)
+        return log_probs.sum(), {
+            "admitted": present,
+            "present": present,
+            "retained_per_trajectory": retained,
+        }
 
     monkeypatch.setattr(policy_loss, "flash_reinforce_scored_loss", recording_loss)
     cpu_batch = GlobalBatch(
