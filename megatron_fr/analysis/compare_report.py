@@ -89,7 +89,10 @@ def summarise(
 
 
 def _tool_use(steps: list[dict]) -> dict[str, tuple[float, float]]:
-    """TOOL_FIGURES over the first and the last TOOL_WINDOW steps that logged each."""
+    """TOOL_FIGURES over the first and the last TOOL_WINDOW steps that logged each; empty
+    for a run that never called a tool (a text task without one logs 0 calls a step)."""
+    if not any(_finite(r.get("tool_calls_mean")) and r["tool_calls_mean"] > 0 for r in steps):
+        return {}
     windows = {}
     for key in TOOL_FIGURES:
         values = [r[key] for r in steps if _finite(r.get(key))]

@@ -255,3 +255,5 @@ def test_tool_use_is_read_at_the_start_and_the_end_and_a_run_that_stops_is_count
     table = tool_table({"grpo": [keeps, stops]})
     assert "| grpo | 2.00 -> 1.00 | 1.00 -> 0.50 | 0.50 -> 0.50 | 1 of 2 |" in table
     assert tool_table({"fr": [summarise("fr", 0, Path("u"), 8, records=records(1.0)[:1])]}) == ""
+    never = [{**r, "tool_calls_mean": 0.0, "tool_use_rate": 0.0} for r in records(1.0)]
+    assert summarise("math", 0, Path("u"), 8, records=never).tool_use == {}  # no tool task
