@@ -20,13 +20,17 @@ from megatron_fr.config.engine_kinds import ENGINE_KINDS, EngineCapabilities, En
 from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.wire import EngineWire
 
-Command = Callable[[ServerLaunchConfig, bool, bool], list[str]]
-"""(settings, whether CUDA is there, whether the server exits with its parent) -> argv."""
-Environment = Callable[[dict[str, str], bool], dict[str, str]]
-"""(the launcher's environment, whether CUDA is there) -> the server's."""
-MachineCheck = Callable[[str, str, str | None, bool], None]
-"""(the setting that chose the kind, its remedy, the interpreter asked for, CUDA) -> None,
-or ValueError naming the setting and the remedy."""
+HasCuda = Callable[[], bool]
+"""Whether this machine has CUDA, asked only by a kind whose answer depends on it: asking
+imports torch, seconds that a CPU engine's launcher (or `megatron-fr serve`, which then
+replaces itself with the server) would spend for nothing."""
+Command = Callable[[ServerLaunchConfig, HasCuda, bool], list[str]]
+"""(settings, has_cuda, whether the server exits with its parent) -> argv."""
+Environment = Callable[[dict[str, str], HasCuda], dict[str, str]]
+"""(the launcher's environment, has_cuda) -> the server's."""
+MachineCheck = Callable[[str, str, str | None, HasCuda], None]
+"""(the setting that chose the kind, its remedy, the interpreter asked for, has_cuda) ->
+None, or ValueError naming the setting and the remedy."""
 
 
 @dataclass(frozen=True)
@@ -65,5 +69,5 @@ class EngineBackend:
         )
 
 
-def check_nothing(where: str, remedy: str, python: str | None, cuda: bool) -> None:
+def check_nothing(where: str, remedy: str, python: str | None, has_cuda: HasCuda) -> None:
     """A kind that runs on any machine the project runs on."""

@@ -51,7 +51,7 @@ def server_command(cfg: ServerLaunchConfig, watch_parent: bool = True) -> list[s
     """argv of the server `cfg` names (its kind's backend: engine/backends.py); watch_parent:
     the CPU engine exits with this process (SGLang's and vLLM's own processes are stopped
     through their process group instead)."""
-    return backend_for(cfg.engine).command(cfg, _has_cuda(), watch_parent)
+    return backend_for(cfg.engine).command(cfg, _has_cuda, watch_parent)
 
 
 def _has_cuda() -> bool:
@@ -66,7 +66,7 @@ def check_engine_machine(
     """Before engines of kind `engine` start: what this machine must have for them (SGLang:
     CUDA or its CPU environment; vLLM: an interpreter that has it), ValueError naming the
     setting `where` and the `remedy`."""
-    backend_for(engine).check_machine(where, remedy, python, _has_cuda())
+    backend_for(engine).check_machine(where, remedy, python, _has_cuda)
 
 
 def server_gpus(cfg: ServerLaunchConfig, environ: dict[str, str], device_count: int) -> list[str]:
@@ -107,7 +107,7 @@ def server_env(cfg: ServerLaunchConfig) -> dict[str, str]:
 def serve_env(engine: str, environ: dict[str, str]) -> dict[str, str]:
     """The environment `megatron-fr serve` runs a server in: the launcher step's own (its GPUs
     placed by Slurm), with its kind's settings (SGLang's SGLANG_ENV, vLLM's own)."""
-    return backend_for(engine).environment(environ, _has_cuda())
+    return backend_for(engine).environment(environ, _has_cuda)
 
 
 def live_group_members(pgid: int) -> list[int]:

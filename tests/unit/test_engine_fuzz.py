@@ -772,7 +772,7 @@ def test_a_real_engine_refuses_a_corpus_of_bad_requests_and_keeps_answering(tmp_
         log_dir=tmp_path,
     )
     limits = [arg for pair in LIMITS.items() for arg in pair]
-    command = cpu_server_command(launch, cuda=False) + limits
+    command = cpu_server_command(launch, has_cuda=lambda: False) + limits
     server = ServerProcess.start(command, "127.0.0.1", port, tmp_path)
     dead_master = socket.socket()  # accepts connections (kernel backlog), never answers
     dead_master.bind(("127.0.0.1", 0))

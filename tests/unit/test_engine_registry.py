@@ -96,3 +96,18 @@ def test_the_scan_finds_a_switch_on_a_kind(tmp_path) -> None:
         "    return param.device.type == 'cpu'\n"
     )
     assert _kind_comparisons(code) == [2, 4]
+
+
+def test_the_cpu_engine_is_started_without_asking_for_cuda() -> None:
+    """Asking imports torch; the CPU engine's command, environment and machine check never
+    need the answer, so `megatron-fr serve --engine cpu` does not pay for it."""
+    from megatron_fr.engine.server_config import ServerLaunchConfig
+
+    def asked() -> bool:
+        raise AssertionError("the CPU engine's launch asked whether CUDA is there")
+
+    cpu = backend_for("cpu")
+    cfg = ServerLaunchConfig(model_path="m", engine="cpu")
+    assert cpu.command(cfg, asked, False)[-2:] == ["--threads", "1"]
+    assert cpu.environment({"A": "1"}, asked) == {"A": "1"}
+    cpu.check_machine("rollout.engine.kind", "remedy", None, asked)

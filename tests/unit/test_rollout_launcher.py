@@ -39,12 +39,12 @@ from megatron_fr.engine.sglang.backend import server_command as sglang_server_co
 
 def sglang_command(cfg: ServerLaunchConfig) -> list[str]:
     """SGLang's command on GPUs."""
-    return sglang_server_command(cfg, cuda=True)
+    return sglang_server_command(cfg, has_cuda=lambda: True)
 
 
 def cpu_engine_command(cfg: ServerLaunchConfig) -> list[str]:
     """The CPU engine's command, started as a child (it watches its parent)."""
-    return cpu_server_command(cfg, cuda=False)
+    return cpu_server_command(cfg, has_cuda=lambda: False)
 
 
 MOE_MULTI_NODE = ServerLaunchConfig(

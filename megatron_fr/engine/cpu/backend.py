@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_fr.engine.backend import EngineBackend, check_nothing
+from megatron_fr.engine.backend import EngineBackend, HasCuda, check_nothing
 from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.sglang.wire import SGLANG_WIRE
 
 
-def server_command(cfg: ServerLaunchConfig, cuda: bool, watch_parent: bool = True) -> list[str]:
+def server_command(
+    cfg: ServerLaunchConfig, has_cuda: HasCuda, watch_parent: bool = True
+) -> list[str]:
     """argv of the CPU engine, which runs one process with no parallel layout and takes no other
     flags: settings it cannot honour are refused rather than silently dropped. With
     watch_parent the engine exits when this process does (it was started as a child)."""
@@ -37,7 +39,7 @@ def server_command(cfg: ServerLaunchConfig, cuda: bool, watch_parent: bool = Tru
     return [*command, "--parent-pid", str(os.getpid())] if watch_parent else command
 
 
-def server_env(environ: dict[str, str], cuda: bool) -> dict[str, str]:
+def server_env(environ: dict[str, str], has_cuda: HasCuda) -> dict[str, str]:
     """The launcher's environment as it is."""
     return environ
 

