@@ -20,6 +20,8 @@ import importlib
 import os
 import sys
 
+from megatron_fr.utils.arguments import parse_with_trailing_overrides
+
 # name, module with add_arguments (or "module:the function that adds them"), function, help
 SUBCOMMANDS = (
     ("train", "megatron_fr.orchestrator.train_cli", "main",
@@ -73,17 +75,8 @@ def chosen_command(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(chosen_command(argv))
-    # train's dotted overrides may follow --run-dir, which argparse's positional matching
-    # does not allow; they come back as unknown arguments and are appended here.
-    args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "overrides", None) is None:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        unknown = [item for item in extra if "=" not in item or item.startswith("-")]
-        if unknown:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        args.overrides = [*args.overrides, *extra]
+    # train's dotted overrides may follow --run-dir (utils/arguments.py)
+    args = parse_with_trailing_overrides(build_parser(chosen_command(argv)), argv)
     if args.command in COMPUTES:
         from megatron_fr.utils.cpu_kernels import pin_cpu_kernels
 

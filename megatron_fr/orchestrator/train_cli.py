@@ -95,7 +95,7 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """`train` (and `check`, `rehearse`: the same namespace with their flag set). Started by
     hand it checks the recipe and re-executes itself under torchrun; started by torchrun (a
-    rank; the project's launchers start orchestrator/rank_main.py instead) it is one rank."""
+    rank, through orchestrator/rank_main.py) it is one rank."""
     from megatron_fr.config.run import load_run_config
     from megatron_fr.orchestrator import preflight
     from megatron_fr.orchestrator.check import check_recipe
