@@ -280,6 +280,8 @@ def _compare(args: argparse.Namespace) -> int:
             "--gates applies to `compare lag` (methods compares estimators with the "
             "recipe's gate; set learner.flash_reinforce.gate_kl to change it)"
         )
+    if args.sweep_only and not args.lrs:
+        raise ValueError("--sweep-only needs --lrs (the grid to sweep)")
     out: Path = args.out
     overrides = [item for item in args.overrides if item != "--"]
     if args.steps:
@@ -306,8 +308,6 @@ def _compare(args: argparse.Namespace) -> int:
     if sweep:
         (out / "sweep.md").write_text(f"{_sweep_title(args)}\n\n{sweep}")
     if args.sweep_only:
-        if not args.lrs:
-            raise ValueError("--sweep-only needs --lrs (the grid to sweep)")
         print(f"{_sweep_title(args)}\n\n{sweep}")
         return 0
     if not args.allow_grid_edge:
