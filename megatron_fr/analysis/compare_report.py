@@ -116,9 +116,11 @@ def tool_table(by_variant: dict[str, list[RunSummary]]) -> str:
         cells = []
         for key in TOOL_FIGURES:
             pairs = [run.tool_use[key] for run in runs if key in run.tool_use]
-            first = statistics.fmean(p[0] for p in pairs) if pairs else math.nan
-            last = statistics.fmean(p[1] for p in pairs) if pairs else math.nan
-            cells.append(f"{first:.2f} -> {last:.2f}" if pairs else "-")
+            if not pairs:
+                cells.append("-")
+                continue
+            first, last = (statistics.fmean(window) for window in zip(*pairs, strict=True))
+            cells.append(f"{first:.2f} -> {last:.2f}")
         use = [run.tool_use.get("tool_use_rate", (0.0, 0.0))[1] for run in runs]
         stopped = sum(rate < STOPPED_CALLING for rate in use)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {stopped} of {len(runs)} |")

@@ -180,15 +180,15 @@ def resolve_job(
     _check_node_share(options, procs)
     server_gpus, servers_per_node = _servers(options)
     engine = options.engine or config.rollout.engine.kind
-    wants = capabilities(engine).server_gpus
-    if wants == "none" and server_gpus:
+    kind = capabilities(engine)
+    if kind.server_gpus == "none" and server_gpus:
         raise LaunchError(
-            f"{capabilities(engine).name} (rollout.engine.kind, or --engine) takes no GPUs: "
+            f"{kind.name} (rollout.engine.kind, or --engine) takes no GPUs: "
             "server_gpus must be 0, or serve with --engine sglang"
         )
-    if wants == "required" and not server_gpus:
+    if kind.server_gpus == "required" and not server_gpus:
         raise LaunchError(
-            f"{capabilities(engine).name} needs GPUs and gpus_per_node is 0: give "
+            f"{kind.name} needs GPUs and gpus_per_node is 0: give "
             "--gpus-per-node, or serve with --engine cpu (or rollout.engine.kind=cpu)"
         )
     last_port = options.port_base + SERVER_PORT_OFFSET + cluster.rollout_nodes * servers_per_node
