@@ -133,7 +133,10 @@ def test_six_bad_engines_files_while_the_run_trains(tmp_path, demo_model):
     assert len(refused) == 40, refused
     assert all(f"no answer on GET /server_info within {UNREACHABLE_S} s" in c for c in refused)
     outs = [f for f in faults if f["event"] == "out"]
-    assert [(f["engine"], f["cause"]) for f in outs] == [(victim, "exited with code -9")]
+    # The watch may see the exit first, or a weight sync's probe of the dead engine may: the
+    # cause then names that symptom after the exit code.
+    assert [f["engine"] for f in outs] == [victim], outs
+    assert outs[0]["cause"].startswith("exited with code -9"), outs
     last = steps[-1]
     assert last["engines_total"] == 2 and last["engines_serving"] == 2, last
     # Its exit is seen at the next watch pass (0.5 s); one probe at a time, the 40 would have
