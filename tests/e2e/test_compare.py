@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from training_runs import run_megatron_fr
 
 from megatron_fr.analysis import compare, compare_reader
 from megatron_fr.analysis import compare_report as report
@@ -107,16 +106,9 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
     }
     recipe = REPO / "examples/cpu_demo.yaml"
     for mode, (steps, options, names) in modes.items():
-        command = [sys.executable, "-m", "megatron_fr", "compare", mode, str(recipe)]
-        command += ["--out", str(out), "--seeds", "1", "--steps", str(steps), *options, *TINY]
-        result = subprocess.run(
-            [*command, f"model.hf_dir={demo_model}"],
-            capture_output=True,
-            text=True,
-            timeout=1500,
-            env=os.environ | {"PYTHONPATH": str(REPO)},
-        )
-        assert result.returncode == 0, result.stderr[-12000:]
+        command = ["compare", mode, str(recipe), "--out", str(out), "--seeds", "1"]
+        command += ["--steps", str(steps), *options, *TINY, f"model.hf_dir={demo_model}"]
+        run_megatron_fr(*command, timeout_s=1500)
         table = (out / "results.md").read_text()
         made = json.loads((Path(demo_model) / "warm_start.json").read_text())
         model_hash = made["report"]["model_sha256"]

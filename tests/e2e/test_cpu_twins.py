@@ -8,32 +8,15 @@ less the batch mean, FlashREINFORCE's baseline written out here)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import records, run_megatron_fr, step_rows, train_args
 
 from megatron_fr.buffer.trajectory import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 TWINS = ["cpu_python_tool", "cpu_alfworld", "cpu_textworld"]
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def megatron_fr(*args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", *args],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        env=os.environ | {"PYTHONPATH": str(REPO)},
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
 
 
 SCORED_PROBLEMS = "2"
@@ -46,14 +29,14 @@ def run_twin(name: str, run_dir: Path, *overrides: str) -> None:
     """`demo prepare` (the twin's tiny model, in the run's directory) then `train`."""
     from megatron_fr.demo.config import DEFAULTS
 
-    recipe = str(REPO / "examples" / f"{name}.yaml")
+    recipe = REPO / "examples" / f"{name}.yaml"
     model = f"model.hf_dir={run_dir.parent / 'model'}"
     demo = []
     if name.removeprefix("cpu_") in DEFAULTS:  # warm-started: python_tool
         demo = [f"demo.warm_start.eval_problems={SCORED_PROBLEMS}"]
-    megatron_fr("demo", "prepare", recipe, model, *demo)
+    run_megatron_fr("demo", "prepare", str(recipe), model, *demo, timeout_s=1500)
     scored = f"eval.problems={SCORED_PROBLEMS}"
-    megatron_fr("train", recipe, "--run-dir", str(run_dir), model, scored, *overrides)
+    run_megatron_fr(*train_args(recipe, run_dir, model, scored, *overrides), timeout_s=1500)
 
 
 def queued_trajectories(run_dir: Path) -> list[Trajectory]:
@@ -77,12 +60,12 @@ def environment_reward(steps: list[dict]) -> float:
 def test_twin_trains_three_steps_multi_turn_with_the_environments_reward(tmp_path, name):
     run_dir = tmp_path / name
     run_twin(name, run_dir, "buffer.capacity=16")  # room for trajectories left queued
-    steps = [r for r in records(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    steps = step_rows(run_dir)
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["turns_mean"] > 1 for r in steps), "episodes must run several turns"
     if name == "cpu_python_tool":
         assert sum(r["tool_calls_mean"] for r in steps) > 0, "the warm-started model calls"
-    for batch in records(run_dir / "batches.jsonl"):
+    for batch in records(run_dir, "batches.jsonl"):
         mean = sum(batch["rewards"]) / len(batch["rewards"])
         expected = [reward - mean for reward in batch["rewards"]]
         assert batch["advantages"] == pytest.approx(expected, abs=1e-6)

@@ -32,11 +32,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import run_megatron_fr, step_rows, train_args
 
 from megatron_fr.utils.cpu_kernels import PINNED
 from megatron_fr.utils.provenance import weights_sha256
@@ -105,28 +104,12 @@ def test_the_first_ten_steps_match_the_golden_file(
             f"CPU kernels are not the pinned ones ({ {n: os.environ.get(n) for n in PINNED} })"
         )
     run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "megatron_fr",
-        "train",
-        str(REPO / "examples/cpu_demo.yaml"),
-        "--run-dir",
-        str(run_dir),
-        f"model.hf_dir={demo_model}",
-        *settings,
-        *prompt_files(tmp_path / "data"),
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=os.environ | {"PYTHONPATH": str(REPO)},
+    recipe = REPO / "examples/cpu_demo.yaml"
+    model = f"model.hf_dir={demo_model}"
+    run_megatron_fr(
+        *train_args(recipe, run_dir, model, *settings, *prompt_files(tmp_path / "data"))
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [row for row in steps if "reward_mean" in row]
+    steps = step_rows(run_dir)
     measured = {key: [row[key] for row in steps] for key in (*exact, *approximate)}
     if updating:
         golden = {"settings": settings, "demo_model_sha256": model_hash, **measured}

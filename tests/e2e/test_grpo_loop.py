@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from training_runs import records, run_megatron_fr, served_cpu_engine, train_args
 
 from megatron_fr.utils.net import free_port
 
@@ -105,69 +103,30 @@ def grpo_advantages_written_out(rewards: list[float], eps: float = 1e-6) -> list
 
 @pytest.mark.distributed
 def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, demo_model):
-    hf_dir = str(demo_model)
-    port = free_port()
-    engine = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "megatron_fr",
-            "serve",
-            "--model-path",
-            hf_dir,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--engine",
-            "cpu",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     run_dir = tmp_path / "run"
-    try:
-        with FlakyProxy(f"http://127.0.0.1:{port}") as proxy:
-            command = [
-                sys.executable,
-                "-m",
-                "megatron_fr",
-                "train",
-                str(RECIPE),
-                "--run-dir",
-                str(run_dir),
-                "steps=3",
-                "learner.estimator=grpo",
-                f"buffer.group_size={G}",
-                "buffer.batch_size=16",
-                "buffer.capacity=64",
-                "buffer.max_in_flight=32",
-                "eval.problems=8",
-                "eval.samples=1",
-                "eval.every_steps=0",
-                f"model.hf_dir={hf_dir}",
-                f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
-                "rollout.engine.start_timeout_s=120",
-                "rollout.max_attempts=1",
-                "rollout.engine.count=1",
-            ]
-            result = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                timeout=900,
-                env=os.environ | {"PYTHONPATH": str(REPO)},
-            )
-            assert result.returncode == 0, result.stderr[-4000:]
-            assert proxy.failed >= 1, "no failure was injected"
-    finally:
-        engine.terminate()
-        engine.wait(30)
+    with served_cpu_engine(demo_model) as url, FlakyProxy(url) as proxy:
+        settings = [
+            "steps=3",
+            "learner.estimator=grpo",
+            f"buffer.group_size={G}",
+            "buffer.batch_size=16",
+            "buffer.capacity=64",
+            "buffer.max_in_flight=32",
+            "eval.problems=8",
+            "eval.samples=1",
+            "eval.every_steps=0",
+            f"model.hf_dir={demo_model}",
+            f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
+            "rollout.engine.start_timeout_s=120",
+            "rollout.max_attempts=1",
+            "rollout.engine.count=1",
+        ]
+        run_megatron_fr(*train_args(RECIPE, run_dir, *settings))
+        assert proxy.failed >= 1, "no failure was injected"
 
     config = (run_dir / "config.yaml").read_text()
     assert "policy_loss: ppo_clip" in config and "aggregation: sequence_mean" in config
-    batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
+    batches = records(run_dir, "batches.jsonl")
     assert [b["step"] for b in batches] == [1, 2, 3]
     for batch in batches:
         groups = defaultdict(list)

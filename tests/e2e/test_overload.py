@@ -14,18 +14,13 @@ faults are tested in tests/faults). Run with -s to print the figures."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from test_grpo_loop import FlakyProxy
-
-from megatron_fr.utils.net import free_port
+from training_runs import records, run_megatron_fr, served_cpu_engine, step_rows, train_args
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
@@ -51,47 +46,22 @@ OVERLOAD = [
 GRPO = ["learner.estimator=grpo", f"buffer.group_size={G}"]
 
 
-def records(run_dir: Path, name: str) -> list[dict]:
-    path = run_dir / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 @pytest.mark.distributed
 @pytest.mark.faults
 def test_a_run_whose_requests_time_out_finishes_every_step_without_a_restart(tmp_path, demo_model):
-    port = free_port()
-    serve = [sys.executable, "-m", "megatron_fr", "serve", "--model-path", str(demo_model)]
-    engine = subprocess.Popen(
-        [*serve, "--port", str(port), "--host", "127.0.0.1", "--engine", "cpu"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     run_dir = tmp_path / "run"
-    try:
-        with FlakyProxy(f"http://127.0.0.1:{port}", every=0, pace_s=PACE_S) as proxy:
-            command = [
-                *(sys.executable, "-m", "megatron_fr", "train", str(RECIPE)),
-                *("--run-dir", str(run_dir), f"model.hf_dir={demo_model}", *OVERLOAD),
-                f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']",
-                *GRPO,
-            ]
-            started = time.monotonic()
-            result = subprocess.run(
-                command,
-                capture_output=True,
-                text=True,
-                timeout=900,
-                env=os.environ | {"PYTHONPATH": str(REPO)},
-            )
-    finally:
-        engine.terminate()
-        engine.wait(30)
-    wall_s = time.monotonic() - started
-    assert result.returncode == 0, result.stderr[-4000:]
+    with (
+        served_cpu_engine(demo_model) as url,
+        FlakyProxy(url, every=0, pace_s=PACE_S) as proxy,
+    ):
+        settings = [f"model.hf_dir={demo_model}", *OVERLOAD, *GRPO]
+        settings.append(f"rollout.engine.urls=['http://127.0.0.1:{proxy.port}']")
+        started = time.monotonic()
+        run_megatron_fr(*train_args(RECIPE, run_dir, *settings))
+        wall_s = time.monotonic() - started
 
-    metrics = records(run_dir, "metrics.jsonl")
-    steps = [r for r in metrics if "reward_mean" in r]
+    metrics = records(run_dir)
+    steps = step_rows(run_dir)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     last = steps[-1]
     assert records(run_dir, "faults.jsonl") == []  # no engine taken out, none restarted

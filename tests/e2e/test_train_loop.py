@@ -5,13 +5,10 @@ tests/faults; GRPO with whole groups under injected failures in test_grpo_loop.p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import records, run_megatron_fr, step_rows, train_args
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
@@ -35,43 +32,18 @@ REQUIRED = (
 )
 
 
-def train_command(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "megatron_fr",
-        "train",
-        str(RECIPE),
-        "--run-dir",
-        str(run_dir),
-        *QUICK,
-        *overrides,
-    ]
-
-
-def run_env() -> dict:
-    return os.environ | {"PYTHONPATH": str(REPO)}
-
-
-def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    return [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line]
-
-
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, demo_model):
     """One short run from the quickly warm-started demo model."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    command = train_command(
-        run_dir, "steps=5", "checkpoint.every_steps=5", f"model.hf_dir={demo_model}"
-    )
-    result = subprocess.run(command, capture_output=True, text=True, env=run_env(), timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    settings = ["steps=5", "checkpoint.every_steps=5", f"model.hf_dir={demo_model}"]
+    run_megatron_fr(*train_args(RECIPE, run_dir, *QUICK, *settings))
     return run_dir
 
 
 @pytest.mark.distributed
 def test_demo_runs_through_the_real_chain_and_keeps_lag_bounded(demo_run):
-    steps = [r for r in records(demo_run) if "reward_mean" in r]
+    steps = step_rows(demo_run)
     evals = [r for r in records(demo_run) if "eval_accuracy" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert [r["policy_version"] for r in steps] == [1, 2, 3, 4, 5]
@@ -89,11 +61,5 @@ def test_demo_runs_through_the_real_chain_and_keeps_lag_bounded(demo_run):
     assert [r["step"] for r in evals] == [0, 5] and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
     assert (demo_run / "config.yaml").exists() and any((demo_run / "tensorboard").iterdir())
     assert (demo_run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
-    plot = subprocess.run(
-        [sys.executable, "-m", "megatron_fr", "plot", str(demo_run)],
-        capture_output=True,
-        text=True,
-        env=run_env(),
-        timeout=120,
-    )
-    assert plot.returncode == 0 and (demo_run / "metrics.png").stat().st_size > 10_000
+    run_megatron_fr("plot", str(demo_run), timeout_s=120)
+    assert (demo_run / "metrics.png").stat().st_size > 10_000

@@ -33,14 +33,12 @@ from pathlib import Path
 
 import pytest
 from test_fault_injection import (
-    Run,
     assert_each_problem_once_per_epoch,
     prompt_files,
-    records,
-    run_processes,
+    start,
     url_engine,
-    wait_until,
 )
+from training_runs import Run, records, run_processes, step_rows, wait_until
 
 MAX_LAG = 2  # the recipe's
 EVAL_EVERY = 15
@@ -62,13 +60,13 @@ SEED = 7
 class Fleet:
     """The run under test and what the test can see of its pool."""
 
-    def __init__(self, run: Run, run_dir: Path, marker: str) -> None:
-        self.run, self.run_dir, self.marker = run, run_dir, marker
+    def __init__(self, run: Run, run_dir: Path) -> None:
+        self.run, self.run_dir = run, run_dir
 
     def started(self) -> dict[str, int]:
         """URL -> pid of the engines the run started (CPU servers carrying its marker)."""
         engines = {}
-        for process in run_processes(self.marker):
+        for process in run_processes(self.run.marker):
             command = process.cmdline()
             if "megatron_fr.engine.cpu.server" in command:
                 engines[f"http://127.0.0.1:{command[command.index('--port') + 1]}"] = process.pid
@@ -80,15 +78,12 @@ class Fleet:
     def wait_back(self, url: str, what: str) -> None:
         """Until `url` is in the pool one more time than it was out before this fault."""
         ins = self.events().count((url, "in"))
-        wait_until(
-            lambda: self.events().count((url, "in")) > ins or self.run.process.poll() is not None,
-            300,
-            f"{url} back in after {what}",
+        self.run.wait_for(
+            lambda: self.events().count((url, "in")) > ins, 300, f"{url} back in after {what}"
         )
-        assert self.run.process.poll() is None, self.run.output()[-4000:]
 
     def steps(self) -> list[dict]:
-        return [r for r in records(self.run_dir, "metrics.jsonl") if "reward_mean" in r]
+        return step_rows(self.run_dir)
 
     def last_step(self) -> int:
         return max((r["step"] for r in self.steps()), default=0)
@@ -127,11 +122,10 @@ def test_an_elastic_fleet_of_three_rides_out_six_engine_faults(tmp_path, demo_mo
         *SETTINGS,
         f'rollout.engine.urls=["{url}"]',
     ]
-    fleet = Fleet(Run(run_dir, marker, settings), run_dir, marker)
+    fleet = Fleet(start(run_dir, marker, settings), run_dir)
     run = fleet.run
     try:
-        wait_until(lambda: fleet.last_step() >= 3 or run.process.poll() is not None, 600, "step 3")
-        assert run.process.poll() is None, run.output()[-4000:]
+        run.wait_for(lambda: fleet.last_step() >= 3, 600, "step 3")
         started = sorted(fleet.started())
 
         victim = rng.choice(started)  # 1. SIGKILL while it trains
@@ -171,18 +165,15 @@ def test_an_elastic_fleet_of_three_rides_out_six_engine_faults(tmp_path, demo_mo
         fleet.wait_back(extra, "listed in engines.txt")
         joined_at = fleet.last_step()
         wait_until(lambda: fleet.last_step() >= joined_at + 3, 300, "three steps with four")
-        (run_dir / "STOP").touch()
-        assert run.wait(300) == 0, run.output()[-4000:]
+        run.stop_cleanly(run_dir)
     finally:
-        if run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
-            run.wait(60)
+        run.kill()
         for process in spawned:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()
             process.wait(30)
-    wait_until(lambda: not run_processes(marker), 30, "no process of the run left")
+    run.wait_gone()
 
     steps = fleet.steps()
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), run.output()[-3000:]

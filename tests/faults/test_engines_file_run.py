@@ -27,7 +27,8 @@ import uuid
 import pytest
 from stub_server import mute_listeners
 from test_elastic_fleet import Fleet
-from test_fault_injection import Run, prompt_files, records, run_processes, wait_until
+from test_fault_injection import prompt_files, start
+from training_runs import records, wait_until
 
 UNREACHABLE_S = 4
 SETTINGS = [
@@ -47,7 +48,7 @@ SETTINGS = [
 def test_six_bad_engines_files_while_the_run_trains(tmp_path, demo_model):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     settings = [f"model.hf_dir={demo_model}", *prompt_files(tmp_path / "data"), *SETTINGS]
-    fleet = Fleet(Run(run_dir, marker, settings), run_dir, marker)
+    fleet = Fleet(start(run_dir, marker, settings), run_dir)
     run, engines, mute = fleet.run, run_dir / "engines.txt", []
 
     def count(event: str) -> int:
@@ -55,61 +56,51 @@ def test_six_bad_engines_files_while_the_run_trains(tmp_path, demo_model):
 
     def recorded(expected: int, event: str = "skipped") -> None:
         """Until `expected` lines of `event` are in faults.jsonl, the run going on meanwhile."""
-        wait_until(
-            lambda: count(event) >= expected or run.process.poll() is not None,
-            120,
-            f"{expected} {event} lines in faults.jsonl",
-        )
-        assert run.process.poll() is None, run.output()[-4000:]
+        run.wait_for(lambda: count(event) >= expected, 120, f"{expected} {event} lines")
 
     try:
-        wait_until(lambda: fleet.last_step() >= 3 or run.process.poll() is not None, 600, "step 3")
-        assert run.process.poll() is None, run.output()[-4000:]
-        own, victim = sorted(fleet.started())
-        port = own.rsplit(":", 1)[1]
-        steps_before = fleet.last_step()
+        with run:
+            run.wait_for(lambda: fleet.last_step() >= 3, 600, "step 3")
+            own, victim = sorted(fleet.started())
+            port = own.rsplit(":", 1)[1]
+            steps_before = fleet.last_step()
 
-        engines.write_text("http://[::1\n")  # 1
-        recorded(1)
-        engines.write_bytes(b"\xff\xfe\n")  # 2
-        recorded(2)
-        engines.unlink()
-        engines.mkdir()  # 3
-        recorded(3)
-        engines.rmdir()
-        engines.write_text(f"http://localhost:{port}\nhttp://0.0.0.0:{port}/\n")  # 4
-        recorded(5)
-        mute.extend(mute_listeners(40))  # 5
-        engines.write_text("".join(f"http://127.0.0.1:{s.getsockname()[1]}\n" for s in mute))
-        time.sleep(0.5)  # the probes are under way
-        ins = fleet.events().count((victim, "in"))
-        os.kill(fleet.started()[victim], signal.SIGKILL)
-        killed = time.monotonic()
-        wait_until(lambda: (victim, "out") in fleet.events(), 60, f"{victim} out")
-        out_after = time.monotonic() - killed
-        recorded(40, "refused")
-        # Back in: its restart may have finished before the last refusal, or after it.
-        wait_until(
-            lambda: fleet.events().count((victim, "in")) > ins or run.process.poll() is not None,
-            300,
-            f"{victim} back in after SIGKILL during the flood",
-        )
-        assert run.process.poll() is None, run.output()[-4000:]
-        engines.unlink()
-        os.mkfifo(engines)  # 6
-        recorded(6)
+            engines.write_text("http://[::1\n")  # 1
+            recorded(1)
+            engines.write_bytes(b"\xff\xfe\n")  # 2
+            recorded(2)
+            engines.unlink()
+            engines.mkdir()  # 3
+            recorded(3)
+            engines.rmdir()
+            engines.write_text(f"http://localhost:{port}\nhttp://0.0.0.0:{port}/\n")  # 4
+            recorded(5)
+            mute.extend(mute_listeners(40))  # 5
+            engines.write_text("".join(f"http://127.0.0.1:{s.getsockname()[1]}\n" for s in mute))
+            time.sleep(0.5)  # the probes are under way
+            ins = fleet.events().count((victim, "in"))
+            os.kill(fleet.started()[victim], signal.SIGKILL)
+            killed = time.monotonic()
+            wait_until(lambda: (victim, "out") in fleet.events(), 60, f"{victim} out")
+            out_after = time.monotonic() - killed
+            recorded(40, "refused")
+            # Back in: its restart may have finished before the last refusal, or after it.
+            run.wait_for(
+                lambda: fleet.events().count((victim, "in")) > ins,
+                300,
+                f"{victim} back in after SIGKILL during the flood",
+            )
+            engines.unlink()
+            os.mkfifo(engines)  # 6
+            recorded(6)
 
-        after = fleet.last_step()
-        wait_until(lambda: fleet.last_step() >= after + 3, 300, "three steps after the FIFO")
-        (run_dir / "STOP").touch()
-        assert run.wait(300) == 0, run.output()[-4000:]
+            after = fleet.last_step()
+            wait_until(lambda: fleet.last_step() >= after + 3, 300, "three steps after the FIFO")
+            run.stop_cleanly(run_dir)
     finally:
-        if run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
-            run.wait(60)
         for listener in mute:
             listener.close()
-    wait_until(lambda: not run_processes(marker), 30, "no process of the run left")
+    run.wait_gone()
 
     steps = fleet.steps()
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1)), run.output()[-3000:]

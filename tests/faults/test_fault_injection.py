@@ -25,6 +25,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from training_runs import (
+    Run,
+    last_step,
+    records,
+    run_env,
+    run_processes,
+    step_rows,
+    train_args,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_demo.yaml"
@@ -46,39 +56,6 @@ TRAIN_PROBLEMS = 100
 """The train file's size: 14 steps of B = 16 cover more than two epochs of it, so the epoch
 accounting is exercised."""
 FAULTS = ["kill_launcher", "kill_rank", "kill_engine", "stop", "stop"]
-MARKER = "MEGATRON_FR_FAULT_TEST_RUN"
-
-
-def records(run_dir: Path, name: str) -> list[dict]:
-    path = run_dir / name
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip().endswith("}")]
-
-
-def last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in records(run_dir, "metrics.jsonl")), default=0)
-
-
-def run_processes(marker: str) -> list[psutil.Process]:
-    """Every live process whose environment carries this run's marker."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(MARKER) == marker and process.status() != "zombie":
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def prompt_files(directory: Path) -> list[str]:
@@ -90,41 +67,30 @@ def prompt_files(directory: Path) -> list[str]:
     return [f"task.train.path={train}"]
 
 
-class Run:
-    """One start of the training command, in a session of its own."""
+def start(run_dir: Path, marker: str, settings: list[str]) -> Run:
+    """One start of the demo's training with SETTINGS and `settings`, its log beside
+    `run_dir`; every start of one run shares its marker."""
+    return Run(train_args(RECIPE, run_dir, *SETTINGS, *settings), run_dir.parent, marker)
 
-    def __init__(self, run_dir: Path, marker: str, settings: list[str]) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "megatron_fr",
-            "train",
-            str(RECIPE),
-            "--run-dir",
-            str(run_dir),
-            *SETTINGS,
-            *settings,
-        ]
-        env = os.environ | {"PYTHONPATH": str(REPO), MARKER: marker}
-        self.log = open(run_dir.parent / f"start-{uuid.uuid4().hex[:6]}.log", "w+")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
 
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+def engine_process(marker: str) -> psutil.Process:
+    """The CPU engine the run started."""
+    return next(p for p in run_processes(marker) if "engine.cpu.server" in " ".join(p.cmdline()))
 
-    def wait(self, timeout_s: float) -> int:
-        return self.process.wait(timeout=timeout_s)
+
+def has_engine(marker: str) -> bool:
+    return any("engine.cpu.server" in " ".join(p.cmdline()) for p in run_processes(marker))
+
+
+def port_of(engine: psutil.Process) -> str:
+    command = engine.cmdline()
+    return command[command.index("--port") + 1]
 
 
 def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
     """Apply one fault to a running start and check how that start ends."""
     if fault == "stop":
-        (run_dir / "STOP").touch()
-        assert run.wait(300) == 0, run.output()[-3000:]
+        run.stop_cleanly(run_dir)
         assert "stopped on request at step" in run.output()
         return
     if fault == "kill_launcher":
@@ -132,11 +98,8 @@ def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
     elif fault == "kill_rank":
         victim = next(p.pid for p in run_processes(marker) if p.environ().get("RANK") == "1")
     else:
-        engine = next(
-            p for p in run_processes(marker) if "engine.cpu.server" in " ".join(p.cmdline())
-        )
-        victim, command = engine.pid, engine.cmdline()
-        port = command[command.index("--port") + 1]
+        engine = engine_process(marker)
+        victim, port = engine.pid, port_of(engine)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     code = run.wait(120)
@@ -150,20 +113,10 @@ def inject(fault: str, run: Run, run_dir: Path, marker: str) -> None:
 
 def strike(fault: str, rng: random.Random, run_dir: Path, marker: str, settings: list[str]) -> None:
     """Start the run and hit it with `fault` 1 or 2 steps past the furthest step logged."""
-    run = Run(run_dir, marker, settings)
     target = min(last_step(run_dir) + rng.randint(1, 2), STEPS - 1)
-    try:
-        wait_until(
-            lambda: last_step(run_dir) >= target or run.process.poll() is not None,
-            600,
-            f"step {target}",
-        )
-        assert run.process.poll() is None, run.output()[-3000:]
+    with start(run_dir, marker, settings) as run:
+        run.wait_for(lambda: last_step(run_dir) >= target, 600, f"step {target}")
         inject(fault, run, run_dir, marker)
-    finally:
-        if run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
-            run.wait(60)
 
 
 @pytest.mark.distributed
@@ -178,11 +131,11 @@ def test_seeded_faults_then_resume_finish_the_run_as_if_uninterrupted(tmp_path, 
         strike(fault, rng, run_dir, marker, settings)
         wait_until(lambda: not run_processes(marker), 30, f"no process left after {fault}")
         print(f"fault {number + 1} {fault}: struck at step {last_step(run_dir)}, run fully gone")
-    final = Run(run_dir, marker, settings)
-    assert final.wait(900) == 0, final.output()[-4000:]
-    wait_until(lambda: not run_processes(marker), 30, "no process left after the last start")
+    with start(run_dir, marker, settings) as final:
+        assert final.wait(900) == 0, final.output()[-4000:]
+    final.wait_gone()
 
-    steps = [r for r in records(run_dir, "metrics.jsonl") if "reward_mean" in r]
+    steps = step_rows(run_dir)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for record in steps:  # an uninterrupted run: Adam's step equals the optimizer step
         assert record["adam_step_min"] == record["adam_step_max"] == record["step"], record
@@ -244,9 +197,7 @@ def url_engine(
         "1",
     ]
     log = open(log_path, "w")  # noqa: SIM115 (the process holds it)
-    engine = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": str(REPO)}
-    )
+    engine = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=run_env())
     return engine, f"http://127.0.0.1:{port}"
 
 
@@ -284,14 +235,8 @@ def leave_as_a_sync_cut_short(url: str) -> None:
 
 def kill_at_step(run: Run, run_dir: Path, target: int) -> None:
     """SIGKILL to every process of the start once it has logged step `target`."""
-    wait_until(
-        lambda: last_step(run_dir) >= target or run.process.poll() is not None,
-        600,
-        f"step {target}",
-    )
-    assert run.process.poll() is None, run.output()[-3000:]
-    os.killpg(run.process.pid, signal.SIGKILL)
-    run.wait(60)
+    with run:
+        run.wait_for(lambda: last_step(run_dir) >= target, 600, f"step {target}")
 
 
 @pytest.mark.distributed
@@ -307,20 +252,10 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     nothing is left."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     settings = [f"model.hf_dir={demo_model}", "eval.problems=200", "eval.samples=3"]
-    run = Run(run_dir, marker, [*settings, *prompt_files(tmp_path / "data")])
-    try:
-        wait_until(
-            lambda: (
-                any("engine.cpu.server" in " ".join(p.cmdline()) for p in run_processes(marker))
-                or run.process.poll() is not None
-            ),
-            300,
-            "the engine",
-        )
-        engine = next(
-            p for p in run_processes(marker) if "engine.cpu.server" in " ".join(p.cmdline())
-        )
-        url = f"http://127.0.0.1:{engine.cmdline()[engine.cmdline().index('--port') + 1]}"
+    with start(run_dir, marker, [*settings, *prompt_files(tmp_path / "data")]) as run:
+        run.wait_for(lambda: has_engine(marker), 300, "the engine")
+        engine = engine_process(marker)
+        url = f"http://127.0.0.1:{port_of(engine)}"
         wait_until(lambda: served_version(url) == "0", 300, "the learner's weights served")
         time.sleep(3.0)  # the step-0 evaluation is under way
         assert not records(run_dir, "metrics.jsonl"), "the evaluation ended before the kill"
@@ -328,10 +263,6 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
         os.kill(engine.pid, signal.SIGKILL)
         code = run.wait(120)
         assert code != 0 and time.monotonic() - killed_at < 60, run.output()[-3000:]
-    finally:
-        if run.process.poll() is None:
-            os.killpg(run.process.pid, signal.SIGKILL)
-            run.wait(60)
     output = run.output()
     named = f"inference engine {url} (pid {engine.pid}) exited"
     assert named in output, output[-3000:]
@@ -342,7 +273,7 @@ def test_an_engine_killed_during_an_evaluation_ends_the_run_within_60_s_naming_i
     # traceback and no task left pending at the rollout loop's close
     assert "Traceback" not in output and "Task was destroyed" not in output, output[-3000:]
     assert re.search(r"megatron-fr train: learner rank \d ended with code 1", output), output
-    wait_until(lambda: not run_processes(marker), 30, "no process left")
+    run.wait_gone()
 
 
 @pytest.mark.distributed
@@ -364,13 +295,13 @@ def test_learner_killed_twice_reconnects_to_the_same_long_lived_url_engine(tmp_p
     names: list[str] = []
     try:
         for target in (2, 4):
-            kill_at_step(Run(run_dir, marker, settings), run_dir, target)
+            kill_at_step(start(run_dir, marker, settings), run_dir, target)
             wait_until(lambda: not run_processes(marker), 30, "no process of the learner left")
             names += json.loads(groups_file.read_text())["groups"]
             # its group is still there: the dead learner never destroyed it
             leave_as_a_sync_cut_short(url)
-        final = Run(run_dir, marker, settings)
-        assert final.wait(900) == 0, final.output()[-4000:]
+        with start(run_dir, marker, settings) as final:
+            assert final.wait(900) == 0, final.output()[-4000:]
         assert engine.poll() is None, "the URL engine must outlive every learner"
         names += json.loads(groups_file.read_text())["groups"]
         assert len(set(names)) == 3, names  # a fresh group name at every start
@@ -379,5 +310,4 @@ def test_learner_killed_twice_reconnects_to_the_same_long_lived_url_engine(tmp_p
     finally:
         engine.kill()
         engine.wait(60)
-    steps = [r["step"] for r in records(run_dir, "metrics.jsonl") if "reward_mean" in r]
-    assert steps == list(range(1, 7))
+    assert [r["step"] for r in step_rows(run_dir)] == list(range(1, 7))

@@ -17,32 +17,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+from training_runs import Run, last_step, run_megatron_fr, step_rows, train_args
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "cpu_dense_vllm.yaml"
 STEPS = 6
 KILL_AFTER_STEP = 2
-
-
-def megatron_fr(*args: str, timeout_s: float, cwd: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "megatron_fr", *args]
-    env = os.environ | {"PYTHONPATH": str(REPO)}
-    return subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def vllm_server(train: psutil.Process) -> psutil.Process | None:
@@ -58,50 +43,23 @@ def vllm_server(train: psutil.Process) -> psutil.Process | None:
 @pytest.fixture(scope="module")
 def model_dir(vllm_python, tmp_path_factory) -> Path:
     hf_dir = tmp_path_factory.mktemp("vllm-model") / "hf"
-    prepare = megatron_fr(
-        "demo",
-        "prepare",
-        str(RECIPE),
-        f"model.hf_dir={hf_dir}",
-        "demo.warm_start.steps=300",
-        timeout_s=600,
-        cwd=REPO,
+    run_megatron_fr(
+        "demo", "prepare", str(RECIPE), f"model.hf_dir={hf_dir}", "demo.warm_start.steps=300"
     )
-    assert prepare.wait(timeout=600) == 0
     return hf_dir
 
 
 def test_train_through_vllm_with_syncs_checked_and_the_engine_killed(model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    train = megatron_fr(
-        "train",
-        str(RECIPE),
-        "--run-dir",
-        str(run_dir),
-        f"model.hf_dir={model_dir}",
-        f"steps={STEPS}",
-        "eval.every_steps=0",
-        "checkpoint.every_steps=100",
-        "rollout.engine.restart_backoff_s=0.5",
-        timeout_s=1500,
-        cwd=REPO,
-    )
-    try:
-        deadline = time.monotonic() + 1200
-        while not any(
-            m.get("step") == KILL_AFTER_STEP and "policy_version" in m for m in metrics(run_dir)
-        ):
-            assert train.poll() is None, f"the run ended with {train.returncode} before step 2"
-            assert time.monotonic() < deadline, "no step 2 within 20 minutes"
-            time.sleep(0.5)
-        server = vllm_server(psutil.Process(train.pid))
+    settings = [f"model.hf_dir={model_dir}", f"steps={STEPS}", "eval.every_steps=0"]
+    settings += ["checkpoint.every_steps=100", "rollout.engine.restart_backoff_s=0.5"]
+    with Run(train_args(RECIPE, run_dir, *settings), tmp_path) as train:
+        train.wait_for(lambda: last_step(run_dir) >= KILL_AFTER_STEP, 1200, "step 2")
+        server = vllm_server(psutil.Process(train.process.pid))
         assert server is not None, "no vLLM server among the run's processes"
         os.kill(server.pid, signal.SIGKILL)
-        assert train.wait(timeout=1200) == 0
-    finally:
-        if train.poll() is None:
-            os.killpg(train.pid, signal.SIGKILL)
-    steps = [m for m in metrics(run_dir) if "policy_version" in m]
+        assert train.wait(1200) == 0, train.output()[-4000:]
+    steps = step_rows(run_dir)
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     first = steps[0]
     assert first["lag_max"] == 0 and first["acceptance_rate"] == 1.0
