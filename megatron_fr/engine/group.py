@@ -154,6 +154,18 @@ def match_sglang_nccl_env(environ: MutableMapping[str, str] = os.environ) -> str
     return environ.setdefault(NCCL_CUMEM, SGLANG_NCCL_CUMEM)
 
 
+def create_group_store(master_address: str, master_port: int, timeout_s: float) -> dist.TCPStore:
+    """The TCP store the sender hosts its weight-update groups on (the engines' ranks are its
+    clients; several groups share one store, each under its own name)."""
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def create_weight_update_group(
     master_address: str,
     master_port: int,
@@ -162,23 +174,29 @@ def create_weight_update_group(
     backend: str = "gloo",
     timeout_s: float = 300.0,
 ) -> WeightUpdateGroup:
-    """Host the weight-update group as its rank 0; blocks until all world_size ranks joined
-    (the engines join after POST /init_weights_update_group with the same address, port,
-    name and world size)."""
+    """Host the weight-update group as its rank 0 on a store of its own at the address and
+    port; blocks until all world_size ranks joined (the engines join after POST
+    /init_weights_update_group with the same address, port, name and world size)."""
+    store = create_group_store(master_address, master_port, timeout_s)
+    return host_weight_update_group(store, world_size, group_name, backend, timeout_s)
+
+
+def host_weight_update_group(
+    store: dist.TCPStore,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> WeightUpdateGroup:
+    """Host the weight-update group as its rank 0 on `store` (create_group_store), which may
+    host other groups (each is told apart by its name); blocks until all world_size ranks
+    joined."""
     if backend not in BACKENDS:
         raise ValueError(f"weight-update backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     # NCCL: the watchdog's own timeout past the wait's bound (WATCHDOG_MARGIN_S)
     margin = WATCHDOG_MARGIN_S if backend == "nccl" else 0.0
     group_timeout = datetime.timedelta(seconds=timeout_s + margin)
-    store = dist.TCPStore(
-        master_address,
-        master_port,
-        world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
     prefixed = dist.PrefixStore(group_name, store)  # as init_custom_process_group after rendezvous
     with construction_environment(backend):
         group, _ = _new_process_group_helper(

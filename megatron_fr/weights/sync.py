@@ -30,8 +30,9 @@ killed and restarted). A learner that died mid-sync leaves them paused, with an 
 open (SGLang's /begin_weight_update then refuses to open another) and members of its weight-
 update groups. So connect ends any session that may be open (/end_weight_update; "none open" is
 fine) and destroys the groups the previous start recorded in GROUPS_FILE, and every connect
-forms its groups under a fresh name (weight_update_group_<tag>_pp<stage>, the tag drawn by rank
-0): torch refuses a second group of a name it holds, and SGLang answers that with 400.
+forms its groups under fresh names (weight_update_group_<tag>_pp<stage>_e<engine>, a group per
+engine and stage, the tag drawn by rank 0): torch refuses a second group of a name it holds, and
+SGLang answers that with 400.
 
 A session call is never sent to an engine that serves: SGLang 0.5.23 runs begin/end on an
 unpaused engine under model_update_lock's writer lock (tokenizer_control_mixin.py:

@@ -2,8 +2,9 @@
 processes: SGLang's init_custom_process_group and WeightUpdater receive methods, read from
 the installed sglang package (engine/sglang/source.py), on gloo.
 
-Two servers at TP2 make a group of 1 + 2 + 2 = 5 ranks; SGLang's TP rank t of a server joins
-at that server's rank_offset + t, so the offsets are 1 and 3. A hand-built sender
+Two servers at TP2 each join a group of their own, 1 + 2 = 3 ranks (the sender rank 0; SGLang's
+TP rank t of a server joins at rank_offset + t, rank_offset 1), both groups hosted by the
+sender on one TCP store and told apart by name, as the transport forms them. A hand-built sender
 (TCPStore -> PrefixStore -> ProcessGroupGloo) waits on other keys than SGLang's ranks: the
 negative control shows the test can tell the two apart.
 """
@@ -18,10 +19,14 @@ import os
 import pytest
 import torch
 
-from megatron_fr.engine.group import create_weight_update_group
+from megatron_fr.engine.group import (
+    create_group_store,
+    create_weight_update_group,
+    host_weight_update_group,
+)
 from megatron_fr.utils.net import free_port
 from megatron_fr.weights.transports.base import Engine
-from megatron_fr.weights.transports.distributed import flatten_bucket, group_layout
+from megatron_fr.weights.transports.distributed import flatten_bucket, group_size
 
 GROUP = "weight_update_group_pp0"
 
@@ -69,23 +74,24 @@ def assert_is_the_bucket(got: list) -> None:
         assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
 
 
-def sglang_tp_rank(offset: int, tp_rank: int, world: int, port: int, results) -> None:
-    """One TP rank of an SGLang server: joins with SGLang's function, receives one bucket
-    tensor by tensor and one flattened, with SGLang's receive code."""
+def sglang_tp_rank(group: str, tp_rank: int, world: int, port: int, results) -> None:
+    """One TP rank of an SGLang server in its group: joins with SGLang's function at
+    rank_offset 1, receives one bucket tensor by tensor and one flattened, with SGLang's
+    receive code."""
     from megatron_fr.engine.sglang.source import DistributedReceiver
 
     receiver = DistributedReceiver(tp_rank=tp_rank)
     try:
-        rank = receiver.join("127.0.0.1", port, offset, world, GROUP, "gloo")
+        rank = receiver.join("127.0.0.1", port, 1, world, group, "gloo")
         names = [name for name, _ in bucket()]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket()]
         shapes = [list(t.shape) for _, t in bucket()]
-        per_tensor = receiver.receive(names, dtypes, shapes, GROUP, None)
-        flat = receiver.receive(names, dtypes, shapes, GROUP, "flattened_bucket")
-        results.put((rank, portable(per_tensor), portable(flat)))
-        receiver.destroy(GROUP)
+        per_tensor = receiver.receive(names, dtypes, shapes, group, None)
+        flat = receiver.receive(names, dtypes, shapes, group, "flattened_bucket")
+        results.put((group, rank, portable(per_tensor), portable(flat)))
+        receiver.destroy(group)
     except Exception as error:  # reported, so the test fails with the cause
-        results.put((f"offset {offset} tp {tp_rank}", repr(error), None))
+        results.put((group, f"tp {tp_rank}", repr(error), None))
 
 
 def sglang_rank_alone(port: int, results) -> None:
@@ -106,15 +112,16 @@ def sglang_rank_alone(port: int, results) -> None:
 
 
 @pytest.mark.distributed
-def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monkeypatch):
+def test_two_servers_at_tp2_each_join_a_group_of_their_own_on_one_store(monkeypatch):
     engines = [Engine("http://a", tp_size=2, kind="sglang"), Engine("http://b", tp_size=2)]
-    world, offsets = group_layout(engines)
-    assert (world, offsets) == (5, [1, 3])
+    world = group_size(engines[0])
+    assert [group_size(engine) for engine in engines] == [3, 3]
+    groups = [f"{GROUP}_e{index}" for index in range(len(engines))]
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [
-        ctx.Process(target=sglang_tp_rank, args=(offset, tp, world, port, results))
-        for offset in offsets
+        ctx.Process(target=sglang_tp_rank, args=(group, tp, world, port, results))
+        for group in groups
         for tp in range(2)
     ]
     for proc in procs:
@@ -124,23 +131,29 @@ def test_sender_and_sglang_receivers_form_one_group_for_two_servers_at_tp2(monke
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        group = create_weight_update_group("127.0.0.1", port, world, GROUP, "gloo", timeout_s=120)
-        for _, tensor in bucket():
-            group.broadcast(tensor)
-        group.broadcast(flatten_bucket(bucket()))
-        received = sorted((results.get(timeout=120) for _ in procs), key=lambda r: str(r[0]))
-        group.destroy()
+        store = create_group_store("127.0.0.1", port, 120)
+        hosted = [host_weight_update_group(store, world, name, "gloo", 120) for name in groups]
+        for group in hosted:  # engine after engine, as the transport sends
+            for _, tensor in bucket():
+                group.broadcast(tensor)
+            group.broadcast(flatten_bucket(bucket()))
+        received = sorted((results.get(timeout=120) for _ in procs), key=str)
+        for group in hosted:
+            group.destroy()
     finally:
         for proc in procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    assert [rank for rank, _, _ in received] == [1, 2, 3, 4], received
-    for _, per_tensor, flat in received:
+    assert [(group, rank) for group, rank, _, _ in received] == [
+        (groups[0], 1),
+        (groups[0], 2),
+        (groups[1], 1),
+        (groups[1], 2),
+    ], received
+    for _, _, per_tensor, flat in received:
         for got in (restored(per_tensor), restored(flat)):
-            assert [name for name, _ in got] == [name for name, _ in bucket()]
-            for (_, tensor), (_, sent) in zip(got, bucket(), strict=True):
-                assert tensor.dtype == sent.dtype and torch.equal(tensor, sent)
+            assert_is_the_bucket(got)
 
 
 def sglang_regroup_rank(role: str, ports: tuple[int, int], regroup, results) -> None:

@@ -77,14 +77,14 @@ def test_vllm_engines_get_the_vllm_transport_and_nothing_else():
     transport = build_transport(WeightSyncConfig(backend="nccl"), engines)
     assert type(transport) is DistributedTransport and transport.backend == "gloo"
     assert transport.wire is VLLM_WIRE
-    path, bodies = transport.join_requests("10.0.0.1", 29500, 3, [1])
+    path, bodies = transport.join_requests("10.0.0.1", 29500, ["weight_update_group_pp0_e0"])
     assert path == "/init_weight_transfer_engine"
     assert bodies[0]["init_info"] == {
         "master_address": "10.0.0.1",
         "master_port": 29500,
         "rank_offset": 1,
         "world_size": 3,
-        "group_name": "weight_update_group",
+        "group_name": "weight_update_group_pp0_e0",
         "timeout_s": transport.timeout_s,
     }
     sglang = build_transport(WeightSyncConfig(), [Engine("http://h:1", tp_size=2, kind="sglang")])

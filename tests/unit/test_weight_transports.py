@@ -44,7 +44,7 @@ from megatron_fr.weights.transports.disk import DiskTransport
 from megatron_fr.weights.transports.distributed import (
     DistributedTransport,
     flatten_bucket,
-    group_layout,
+    group_size,
 )
 from megatron_fr.weights.transports.tensor import TensorTransport
 
@@ -92,14 +92,13 @@ class Recorder:
 # --- the broadcast transport ------------------------------------------------------------------
 
 
-def test_group_layout_gives_each_sglang_tp_rank_its_own_rank():
+def test_each_engine_has_a_group_of_its_own_sized_by_sglangs_rank_rule():
     source = src.function_source(src.WEIGHT_UPDATER, "init_weights_update_group", "WeightUpdater")
     assert "rank = rank_offset + self.tp_rank" in source  # SGLang's rule
-    engines = [Engine("u", tp_size=tp) for tp in (4, 1, 2)]
-    world, offsets = group_layout(engines)
-    assert (world, offsets) == (8, [1, 5, 6])
-    ranks = [o + t for o, e in zip(offsets, engines, strict=True) for t in range(e.tp_size)]
-    assert sorted(ranks) == list(range(1, world))
+    for tp in (1, 2, 4):  # the sender is rank 0; the engine's TP ranks 1..tp at offset 1
+        engine = Engine("u", tp_size=tp)
+        assert group_size(engine) == 1 + tp
+        assert sorted(1 + rank for rank in range(tp)) == list(range(1, group_size(engine)))
 
 
 def test_flattened_bucket_is_sglangs_layout_and_misaligned_buckets_go_tensor_by_tensor():
@@ -118,39 +117,88 @@ def test_flattened_bucket_is_sglangs_layout_and_misaligned_buckets_go_tensor_by_
         bucket_class.empty(["x", "y"], ["bfloat16", "float32"], [[3], [2]], "cpu")
 
 
+class GroupRecorder(Recorder):
+    """One group of the transport's: its broadcasts go to the shared record, tagged."""
+
+    def __init__(self, shared: Recorder, name: str):
+        super().__init__()
+        self.shared, self.name = shared, name
+
+    def broadcast(self, tensor):
+        self.shared.posts.append(("", "broadcast", {"group": self.name}))
+        self.shared.broadcasts.append(tensor.clone())
+
+    def abort(self):
+        pass
+
+
 @pytest.mark.parametrize("flatten", [False, True])
 def test_distributed_transport_requests_are_sglang_requests(flatten, monkeypatch, io_struct):
-    recorder = Recorder()
+    """Each engine joins a group of its own (the sender rank 0, its TP ranks from 1), all of a
+    stage's groups on the stage's one store; each bucket goes engine after engine, an engine's
+    update call posted only when its turn comes, then the broadcasts on its group."""
+    recorder, stores = Recorder(), []
     monkeypatch.setattr(dist_module, "post_json", recorder.post_json)
-    monkeypatch.setattr(dist_module, "create_weight_update_group", lambda *a, **k: recorder)
+    monkeypatch.setattr(dist_module, "create_group_store", lambda *a: stores.append(a) or "store")
+    monkeypatch.setattr(
+        dist_module,
+        "host_weight_update_group",
+        lambda store, world, name, *a: GroupRecorder(recorder, name),
+    )
     monkeypatch.setattr(dist_module, "address_towards", lambda host: "10.0.0.7")
-    engines = [Engine(f"http://e{i}:1", tp_size=2, kind="sglang") for i in range(2)]
+    engines = [Engine(f"http://e{i}:1", tp_size=tp, kind="sglang") for i, tp in enumerate((2, 1))]
     transport = DistributedTransport(engines, "10.0.0.1", 29600, "nccl", flatten=flatten)
-    transport.connect(stage=1)  # stage 1: its own port, group and address
-    inits = [body for _, path, body in recorder.posts if path == "/init_weights_update_group"]
-    for body in inits:
+    transport.connect(stage=1)  # stage 1: its own port, groups and address
+    assert [store[:2] for store in stores] == [("10.0.0.7", 29601)]  # one store for the stage
+    inits = [
+        (url, body) for url, path, body in recorder.posts if path == "/init_weights_update_group"
+    ]
+    for _, body in inits:
         assert_request_of(body, "InitWeightsUpdateGroupReqInput", io_struct)
-    assert [(b["rank_offset"], b["world_size"]) for b in inits] == [(1, 5), (3, 5)]
-    assert {(b["master_address"], b["master_port"], b["group_name"]) for b in inits} == {
-        ("10.0.0.7", 29601, "weight_update_group_pp1")
-    }
+    assert [(url, b["rank_offset"], b["world_size"], b["group_name"]) for url, b in inits] == [
+        ("http://e0:1", 1, 3, "weight_update_group_pp1_e0"),
+        ("http://e1:1", 1, 2, "weight_update_group_pp1_e1"),
+    ]
+    assert {(b["master_address"], b["master_port"]) for _, b in inits} == {("10.0.0.7", 29601)}
+    assert transport.group_names(2) == [
+        "weight_update_group_pp0_e0",
+        "weight_update_group_pp0_e1",
+        "weight_update_group_pp1_e0",
+        "weight_update_group_pp1_e1",
+    ]
     recorder.posts.clear()
     transport.send(mixed_bucket())
-    (update,) = {json.dumps(body) for _, _, body in recorder.posts}
-    update = json.loads(update)
+    per_engine = 1 if flatten else len(mixed_bucket())  # broadcasts per engine and bucket
+    records = [
+        (url, path, body.get("group_name", body.get("group"))) for url, path, body in recorder.posts
+    ]
+    groups = [group for _, _, group in records]
+    assert groups == sorted(groups)  # engine e1's turn starts once e0's bucket is in
+    for index, url in enumerate(["http://e0:1", "http://e1:1"]):
+        group = f"weight_update_group_pp1_e{index}"
+        mine = sorted(record for record in records if record[2] == group)
+        broadcasts = [("", "broadcast", group)] * per_engine
+        assert mine == sorted([(url, "/update_weights_from_distributed", group), *broadcasts])
+    update = next(body for _, path, body in recorder.posts if path != "broadcast")
     assert_request_of(update, "UpdateWeightsFromDistributedReqInput", io_struct)
     assert update["flush_cache"] is False
     assert update["dtypes"] == ["float32", "bfloat16", "float32"]
-    if flatten:  # one broadcast per bucket
-        assert update["load_format"] == "flattened_bucket" and len(recorder.broadcasts) == 1
-        assert torch.equal(recorder.broadcasts[0], flatten_bucket(mixed_bucket()))
+    if flatten:  # one broadcast per bucket and engine
+        assert update["load_format"] == "flattened_bucket"
+        assert all(torch.equal(b, flatten_bucket(mixed_bucket())) for b in recorder.broadcasts)
     else:  # SGLang's default: tensor by tensor, in the order the request names them
         assert update["load_format"] is None
-        sent = [tensor for _, tensor in mixed_bucket()]
+        sent = [tensor for _, tensor in mixed_bucket()] * 2
         assert all(torch.equal(a, b) for a, b in zip(recorder.broadcasts, sent, strict=True))
+    recorder.posts.clear()
     transport.close()
-    destroy = recorder.posts[-1][2]
-    assert_request_of(destroy, "DestroyWeightsUpdateGroupReqInput", io_struct)
+    leaves = [(url, body) for url, _, body in recorder.posts]
+    for _, body in leaves:
+        assert_request_of(body, "DestroyWeightsUpdateGroupReqInput", io_struct)
+    assert [(url, body["group_name"]) for url, body in leaves] == [
+        ("http://e0:1", "weight_update_group_pp1_e0"),
+        ("http://e1:1", "weight_update_group_pp1_e1"),
+    ]
     transport.master_address = None
     assert transport.sender_address(0) == "10.0.0.7"  # no address configured: its own
 

@@ -1,4 +1,4 @@
-"""Broadcast transport: NCCL between GPUs, gloo on CPU, one process group per stage."""
+"""Broadcast transport: NCCL between GPUs, gloo on CPU, one process group per engine and stage."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_fr.engine.backends import backend_for
-from megatron_fr.engine.group import CollectiveFailed, WeightUpdateGroup, create_weight_update_group
+from megatron_fr.engine.group import (
+    CollectiveFailed,
+    WeightUpdateGroup,
+    create_group_store,
+    host_weight_update_group,
+)
 from megatron_fr.engine.http import EngineRequestError, post_json
 from megatron_fr.utils.net import address_towards
 from megatron_fr.weights.reshard import Bucket
@@ -19,15 +24,11 @@ CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("megatron_fr.weights")
 
 
-def group_layout(engines: list[Engine]) -> tuple[int, list[int]]:
-    """(world size, rank offset of each engine) of a weight-update group: the sender is rank
-    0, and SGLang's TP rank t of an engine joins at that engine's offset + t
-    (WeightUpdater.init_weights_update_group), so offsets are cumulative TP sizes."""
-    offsets, next_rank = [], 1
-    for engine in engines:
-        offsets.append(next_rank)
-        next_rank += engine.known_tp_size()
-    return next_rank, offsets
+def group_size(engine: Engine) -> int:
+    """World size of an engine's weight-update group: the sender (rank 0) and the engine's TP
+    ranks, which SGLang places at rank_offset + tp_rank (WeightUpdater.init_weights_update_
+    group) with rank_offset 1."""
+    return 1 + engine.known_tp_size()
 
 
 def flatten_bucket(bucket: Bucket) -> torch.Tensor | None:
@@ -49,11 +50,17 @@ def dtype_name(tensor: torch.Tensor) -> str:
 
 
 class DistributedTransport(WeightTransport):
-    """Broadcast from the stage's sending rank (group rank 0) to every engine rank: NCCL on
-    GPUs, gloo on CPU. One group per pipeline stage, hosted by that stage's sending rank on
-    port ``master_port + stage``. For each bucket the engines are told what is coming
-    (/update_weights_from_distributed) and receive it while that request is in flight: tensor
-    by tensor, or with ``flatten`` as one buffer (load_format "flattened_bucket")."""
+    """Broadcast from the stage's sending rank (rank 0 of each group) to the engines: NCCL on
+    GPUs, gloo on CPU. One group per engine and pipeline stage, so that an engine that dies
+    inside a broadcast holds only its own group's collective: every other engine has received
+    that bucket already or has not been asked for it, answers the regroup, and stays in the
+    pool (docs/weight-sync.md, "One group or a group per engine", has the timelines and the
+    cost: the sender sends each bucket once per engine). A stage's groups are hosted by its
+    sending rank on one TCP store at ``master_port + stage``, told apart by their names. For
+    each bucket the engines are served one after the other: an engine is told what is coming
+    (/update_weights_from_distributed) only when its turn comes, and receives it while that
+    request is in flight: tensor by tensor, or with ``flatten`` as one buffer (load_format
+    "flattened_bucket")."""
 
     def __init__(
         self,
@@ -69,8 +76,8 @@ class DistributedTransport(WeightTransport):
         self.flatten = flatten
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.base_group_name = group_name
-        self.group: WeightUpdateGroup | None = None
-        self.group_name = group_name
+        self.groups: list[WeightUpdateGroup] = []
+        """The stage's groups, in engine order, once connected."""
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(engines)))
 
     def check_engines(self) -> None:
@@ -91,8 +98,12 @@ class DistributedTransport(WeightTransport):
             return self.master_address
         return address_towards(urlparse(self.engines[0].url).hostname or "127.0.0.1")
 
+    def stage_group_names(self, stage: int) -> list[str]:
+        """The names of a stage's groups, one per engine, in engine order."""
+        return [f"{self.base_group_name}_pp{stage}_e{index}" for index in range(len(self.engines))]
+
     def group_names(self, stages: int) -> list[str]:
-        return [f"{self.base_group_name}_pp{stage}" for stage in range(stages)]
+        return [name for stage in range(stages) for name in self.stage_group_names(stage)]
 
     def begin(self) -> None:
         self.on_every_engine(lambda url: self.wire.begin_update(url, self.timeout_s))
@@ -103,62 +114,72 @@ class DistributedTransport(WeightTransport):
     def end(self) -> None:
         self.on_every_engine(lambda url: self.wire.end_update(url, self.timeout_s))
 
-    def join_requests(
-        self, address: str, port: int, world_size: int, offsets: list[int]
-    ) -> tuple[str, list[dict]]:
-        """The call that makes each engine join the group at its rank offset: path, bodies."""
+    def join_requests(self, address: str, port: int, names: list[str]) -> tuple[str, list[dict]]:
+        """The calls that make each engine join its own group (`names`, in engine order) as
+        ranks 1 and up: path, bodies."""
         bodies = [
             self.wire.join_group_request(
-                address, port, offset, world_size, self.group_name, self.backend, self.timeout_s
+                address, port, 1, group_size(engine), name, self.backend, self.timeout_s
             )
-            for offset in offsets
+            for engine, name in zip(self.engines, names, strict=True)
         ]
         return self.wire.join_group_path, bodies
 
-    def update_request(self, bucket: Bucket, flat: torch.Tensor | None) -> tuple[str, dict]:
-        """The call that tells every engine what the next broadcasts hold: path, body."""
+    def update_request(
+        self, bucket: Bucket, flat: torch.Tensor | None, group_name: str
+    ) -> tuple[str, dict]:
+        """The call that tells an engine what the next broadcasts on its group hold: path,
+        body."""
         body = self.wire.receive_request(
             [name for name, _ in bucket],
             [dtype_name(tensor) for _, tensor in bucket],
             [list(tensor.shape) for _, tensor in bucket],
-            self.group_name,
+            group_name,
             flattened=flat is not None,
         )
         return self.wire.receive_path, body
 
-    def leave_request(self) -> tuple[str, dict]:
-        """The call that makes every engine leave the group: path, body."""
-        return self.wire.leave_group_path, self.wire.leave_group_request(self.group_name)
+    def leave_request(self, group_name: str) -> tuple[str, dict]:
+        """The call that makes an engine leave its group: path, body."""
+        return self.wire.leave_group_path, self.wire.leave_group_request(group_name)
 
     def connect(self, stage: int) -> None:
-        self.group_name = self.group_names(stage + 1)[stage]
+        """The stage's groups formed one after the other, each engine's join call in flight
+        meanwhile (a join returns once the sender's end is built)."""
+        names = self.stage_group_names(stage)
         address, port = self.sender_address(stage), self.master_port + stage
-        world_size, offsets = group_layout(self.engines)
-        joins = self._submit(*self.join_requests(address, port, world_size, offsets))
-        try:
-            self.group = create_weight_update_group(
-                address, port, world_size, self.group_name, self.backend, self.timeout_s
-            )
-        except (RuntimeError, TimeoutError) as error:
-            _raise_first_engine_error(joins, self.timeout_s)
-            raise EngineRequestError(
-                f"engines {self.urls} did not join weight group {self.group_name} at "
-                f"{address}:{port} within {self.timeout_s:g} s: {error}"
-            ) from error
+        joins = self._submit(*self.join_requests(address, port, names))
+        store = create_group_store(address, port, self.timeout_s)
+        for engine, name, join in zip(self.engines, names, joins, strict=True):
+            try:
+                group = host_weight_update_group(
+                    store, group_size(engine), name, self.backend, self.timeout_s
+                )
+            except (RuntimeError, TimeoutError) as error:
+                self.leave()
+                if join.done():
+                    join.result(timeout=0)  # the engine's own refusal says more
+                raise EngineRequestError(
+                    f"engine {engine.url} did not join weight group {name} at "
+                    f"{address}:{port} within {self.timeout_s:g} s: {error}"
+                ) from error
+            self.groups.append(group)
         _raise_first_engine_error(joins, self.timeout_s)
 
     def send(self, bucket: Bucket) -> None:
-        if self.group is None:
+        if len(self.groups) != len(self.engines):
             raise RuntimeError("DistributedTransport.send before connect")
         flat = flatten_bucket(bucket) if self.flatten else None
-        path, body = self.update_request(bucket, flat)
-        calls = self._submit(path, [body] * len(self.urls))
-        try:
-            for tensor in [flat] if flat is not None else [t.contiguous() for _, t in bucket]:
-                self.group.broadcast(tensor)
-        except CollectiveFailed as error:  # the group is aborted; say which engines failed
-            raise CollectiveFailed(f"{error}{_engine_errors(self.urls, calls)}") from None
-        _raise_first_engine_error(calls, self.timeout_s)
+        tensors = [flat] if flat is not None else [t.contiguous() for _, t in bucket]
+        for url, group in zip(self.urls, self.groups, strict=True):
+            path, body = self.update_request(bucket, flat, group.name)
+            call = self._pool.submit(post_json, url, path, body, self.timeout_s)
+            try:
+                for tensor in tensors:
+                    group.broadcast(tensor)
+            except CollectiveFailed as error:  # its group is aborted; say what the engine said
+                raise CollectiveFailed(f"{error}{_engine_errors([url], [call])}") from None
+            call.result(timeout=self.timeout_s)
 
     def _submit(
         self, path: str, bodies: list[dict], timeout_s: float | None = None
@@ -170,26 +191,27 @@ class DistributedTransport(WeightTransport):
         ]
 
     def leave(self) -> None:
-        """Abort this end of the group: an engine may have died in a collective, and a
+        """Abort this end of every group: an engine may have died in a collective, and a
         graceful destroy would wait for it (engine/group.py)."""
-        if self.group is not None:
-            self.group.abort()
-            self.group = None
+        for group in self.groups:
+            group.abort()
+        self.groups = []
 
     def close(self) -> None:
-        """The engines are asked to leave the group, for CLOSE_TIMEOUT_S at most: one that
-        does not answer (it died or hung since the last sync) is logged, not raised over,
-        since the next connect destroys the group on it anyway (sync.py's GROUPS_FILE)."""
-        if self.group is not None:
-            path, body = self.leave_request()
-            calls = self._submit(path, [body] * len(self.urls), CLOSE_TIMEOUT_S)
-            self.group.destroy()
-            self.group = None
-            for url, call in zip(self.urls, calls, strict=True):
+        """Each engine is asked to leave its group, for CLOSE_TIMEOUT_S at most: one that does
+        not answer (it died or hung since the last sync) is logged, not raised over, since the
+        next connect destroys the group on it anyway (sync.py's GROUPS_FILE)."""
+        if self.groups:
+            bodies = [self.leave_request(group.name)[1] for group in self.groups]
+            calls = self._submit(self.wire.leave_group_path, bodies, CLOSE_TIMEOUT_S)
+            for group in self.groups:
+                group.destroy()
+            for url, group, call in zip(self.urls, self.groups, calls, strict=True):
                 try:
                     call.result(timeout=CLOSE_TIMEOUT_S)
                 except (EngineRequestError, TimeoutError) as error:
-                    log.warning("%s did not leave weight group %s: %s", url, self.group_name, error)
+                    log.warning("%s did not leave weight group %s: %s", url, group.name, error)
+            self.groups = []
         self._pool.shutdown(wait=False)
 
 
