@@ -291,7 +291,7 @@ class Allowed:
     Each must still differ (a stale entry fails)."""
 
 
-_SGLANG_ONLY_META = frozenset(
+SGLANG_ONLY_META = frozenset(
     f"meta_info.{name}"
     for name in (
         "cached_tokens",
@@ -310,7 +310,7 @@ _GENERATE = Allowed(
     "num_retractions the scheduler's retractions (:2512; the CPU engine does not count its "
     "retract-pause re-encodings), dp_rank the data-parallel rank (:2617; one process), "
     "response_sent_to_client_ts a wall-clock stamp (:2027)",
-    keys=_SGLANG_ONLY_META,
+    keys=SGLANG_ONLY_META,
 )
 _CONTROL = Allowed(
     "SGLang answers {message, status: 'ok'} (entrypoints/http_server.py:1831-1856); the CPU "

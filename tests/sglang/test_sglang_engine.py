@@ -19,9 +19,13 @@ import urllib.request
 
 import pytest
 import torch
+from test_sglang_differential import SGLANG_ONLY_META
 from vllm_servers import PROMPT, TINY_QWEN3
 
 from megatron_fr.config.weights import WeightSyncConfig
+from megatron_fr.engine.cpu.engine import Output
+from megatron_fr.engine.cpu.wire import waiting_abort_response
+from megatron_fr.engine.sglang import launch as sglang_launch
 from megatron_fr.engine.sglang import protocol
 from megatron_fr.engine.sglang.wire import SGLANG_WIRE
 from megatron_fr.utils.net import free_port
@@ -49,11 +53,15 @@ def _generate(url: str, max_new_tokens: int, temperature: float = 0.0, **extra) 
     return _post(url, protocol.GENERATE_PATH, body)
 
 
-def _in_background(url: str, max_new_tokens: int) -> tuple[threading.Thread, list[dict]]:
+def _in_background(
+    url: str, max_new_tokens: int, settle_s: float = 2.0
+) -> tuple[threading.Thread, list[dict]]:
+    """A sampled request in a thread of its own (its answer lands in the list), given
+    `settle_s` to be admitted and decoding."""
     answers: list[dict] = []
     thread = threading.Thread(target=lambda: answers.append(_generate(url, max_new_tokens, 1.0)))
     thread.start()
-    time.sleep(2.0)  # admitted and decoding
+    time.sleep(settle_s)
     return thread, answers
 
 
@@ -109,6 +117,40 @@ def test_pause_and_continue_with_a_request_in_flight(sglang_server, mode) -> Non
     thread.join(timeout=120)
     out = protocol.parse_generate_response(answers[0])
     assert out.finish_reason == "abort" and 0 < len(out.output_ids) < LONG
+
+
+def test_requests_aborted_in_the_waiting_queue_are_read_as_aborts(sglang_server) -> None:
+    """More long requests than SGLang runs at once (the launcher's --max-running-requests),
+    then a pause with abort: the requests still in SGLang's waiting queue come back with its
+    own waiting-queue answer (no token), which the project's wire reads as an abort with no
+    tokens (the client continues it like any abort), and whose fields are those of the CPU
+    engine's imitation of it (engine/cpu/wire.py: waiting_abort_response)."""
+    url, _ = sglang_server
+    flags = {flag[0]: flag[1:] for flag in sglang_launch.CPU_FLAGS}
+    running = int(flags["--max-running-requests"][0])
+    started = [_in_background(url, LONG, settle_s=0.0) for _ in range(running + 2)]
+    time.sleep(3.0)  # the first `running` admitted and decoding, the others waiting
+    SGLANG_WIRE.pause(url, "abort", 60.0)
+    SGLANG_WIRE.resume(url, 60.0)
+    answers = []
+    for thread, answered in started:
+        thread.join(timeout=120)
+        answers += answered
+    assert len(answers) == running + 2
+    waited = [a for a in answers if not a["output_ids"]]
+    assert waited, [len(a["output_ids"]) for a in answers]  # some never ran
+    for answer in waited:
+        out = protocol.parse_generate_response(answer)
+        assert out.finish_reason == "abort" and out.output_ids == [] == out.output_logprobs
+    imitation = waiting_abort_response(
+        Output([], [], {"type": "abort", "message": "x"}, "0", 0, waiting_abort=True), "rid"
+    )
+    assert {key for a in waited for key in a} == set(imitation)
+    # less the scheduler's bookkeeping SGLang adds to every answer and the project never reads
+    # (test_sglang_differential.py: SGLANG_ONLY_META, each with its reason)
+    bookkeeping = {name.removeprefix("meta_info.") for name in SGLANG_ONLY_META}
+    sent = {key for a in waited for key in a["meta_info"]}
+    assert sent - bookkeeping == set(imitation["meta_info"]), sent
 
 
 def test_an_update_outside_a_session_is_refused_cleanly(sglang_server) -> None:
