@@ -83,28 +83,28 @@ def served_cpu_engine(model: Path) -> Iterator[str]:
         engine.wait(30)
 
 
-def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The rows of a run's JSON-lines file, read while the run may still write it: none before
-    the file exists, and a last line not yet ended by its newline is left for the next read.
-    Any other line that is not JSON fails the read."""
+def records(run_dir: Path, name: str = "metrics.jsonl", *, running: bool = False) -> list[dict]:
+    """The rows of a run's JSON-lines file (none before the file exists); every line must be
+    JSON. A run still `running` may be in the middle of a line: then a last line not yet ended
+    by its newline is left for the next read."""
     path = run_dir / name
     if not path.exists():
         return []
     text = path.read_text()
     lines = text.split("\n")
-    if not text.endswith("\n"):
+    if running and not text.endswith("\n"):
         lines = lines[:-1]  # being written
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def step_rows(run_dir: Path) -> list[dict]:
+def step_rows(run_dir: Path, *, running: bool = False) -> list[dict]:
     """metrics.jsonl's rows of optimizer steps (evaluations have rows of their own)."""
-    return [row for row in records(run_dir) if "reward_mean" in row]
+    return [row for row in records(run_dir, running=running) if "reward_mean" in row]
 
 
 def last_step(run_dir: Path) -> int:
-    """The last optimizer step the run logged (0: none yet)."""
-    return max((row["step"] for row in step_rows(run_dir)), default=0)
+    """The last optimizer step the run logged so far (0: none yet), read while it runs."""
+    return max((row["step"] for row in step_rows(run_dir, running=True)), default=0)
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from training_runs import run_megatron_fr
+from training_runs import records, run_megatron_fr
 
 from megatron_fr.analysis import compare, compare_reader
 from megatron_fr.analysis import compare_report as report
@@ -136,17 +136,14 @@ def test_short_modes_run_every_configuration_end_to_end(tmp_path, demo_model):
         "grpo_g4_lag2": [0, 1, 2],
     }
     for name, lags in expected.items():
-        assert [r["lag_max"] for r in records_of(out, name) if "lag_max" in r] == lags, name
-        assert [r["lag_mean"] for r in records_of(out, name) if "lag_mean" in r] == lags, name
+        rows = records(out / f"{name}-seed0")
+        assert [r["lag_max"] for r in rows if "lag_max" in r] == lags, name
+        assert [r["lag_mean"] for r in rows if "lag_mean" in r] == lags, name
     # On-policy (lag 0), the engine's top-K log-probs and the learner's of the same ids agree:
     # the top-K gate's KL is rounding noise and it admits every trajectory.
-    steps = [r for r in records_of(out, "flash_reinforce_lag0_topk") if "acceptance_rate" in r]
+    steps = [r for r in records(out / "flash_reinforce_lag0_topk-seed0") if "acceptance_rate" in r]
     assert len(steps) == 3 and all(r["acceptance_rate"] == 1.0 for r in steps)
     assert max(r["sequence_kl_mean"] for r in steps) < 1e-6
-
-
-def records_of(out: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (out / f"{name}-seed0" / "metrics.jsonl").open()]
 
 
 def test_lag_variants_run_flash_reinforce_once_per_gate():

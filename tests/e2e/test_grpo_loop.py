@@ -9,7 +9,6 @@ GRPO's group formula, written out here, on the rewards of the batch."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -139,7 +138,7 @@ def test_grpo_batches_hold_whole_groups_with_their_group_advantages(tmp_path, de
             expected = grpo_advantages_written_out([reward for reward, _ in members])
             for (_, advantage), want in zip(members, expected, strict=True):
                 assert abs(advantage - want) <= 1e-5, (members, expected)
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = records(run_dir)
     last = [s for s in steps if "reward_mean" in s][-1]
     assert last["rollout_failures_total"] >= 1 and last["groups_failed_total"] >= 1
     assert last["abandoned_total"] >= 1 and last["discarded_total"] >= 1

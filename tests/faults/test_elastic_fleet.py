@@ -38,7 +38,7 @@ from test_fault_injection import (
     start,
     url_engine,
 )
-from training_runs import Run, records, run_processes, step_rows, wait_until
+from training_runs import Run, last_step, records, run_processes, step_rows, wait_until
 
 MAX_LAG = 2  # the recipe's
 EVAL_EVERY = 15
@@ -73,7 +73,8 @@ class Fleet:
         return engines
 
     def events(self) -> list[tuple[str, str]]:
-        return [(f["engine"], f["event"]) for f in records(self.run_dir, "faults.jsonl")]
+        faults = records(self.run_dir, "faults.jsonl", running=True)
+        return [(f["engine"], f["event"]) for f in faults]
 
     def wait_back(self, url: str, what: str) -> None:
         """Until `url` is in the pool one more time than it was out before this fault."""
@@ -86,11 +87,11 @@ class Fleet:
         return step_rows(self.run_dir)
 
     def last_step(self) -> int:
-        return max((r["step"] for r in self.steps()), default=0)
+        return last_step(self.run_dir)
 
     def evaluating(self) -> bool:
         """The last step logged is one that evaluates, and its evaluation is not logged yet."""
-        rows = records(self.run_dir, "metrics.jsonl")
+        rows = records(self.run_dir, running=True)
         step = max((r["step"] for r in rows if "reward_mean" in r), default=0)
         evaluated = {r["step"] for r in rows if "eval_accuracy" in r}
         return step > 0 and step % EVAL_EVERY == 0 and step not in evaluated

@@ -55,7 +55,7 @@ def test_an_engine_killed_or_stopped_while_the_learner_waits_never_stalls_the_ru
         pid, url = engine_of(marker)
         wait_until(lambda: served_version(url) == "0", 300, "the learner's weights served")
         time.sleep(2.0)  # the step-0 evaluation is under way
-        assert not records(run_dir, "metrics.jsonl"), "the evaluation ended before the kill"
+        assert not records(run_dir, running=True), "the evaluation ended before the kill"
         os.kill(pid, signal.SIGKILL)
         assert run.wait(600) == 0, run.output()[-4000:]
     metrics = records(run_dir, "metrics.jsonl")

@@ -52,7 +52,7 @@ def test_six_bad_engines_files_while_the_run_trains(tmp_path, demo_model):
     run, engines, mute = fleet.run, run_dir / "engines.txt", []
 
     def count(event: str) -> int:
-        return sum(f["event"] == event for f in records(run_dir, "faults.jsonl"))
+        return sum(f["event"] == event for f in records(run_dir, "faults.jsonl", running=True))
 
     def recorded(expected: int, event: str = "skipped") -> None:
         """Until `expected` lines of `event` are in faults.jsonl, the run going on meanwhile."""

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import threading
-import time
 
 import pytest
+from training_runs import records, wait_until
 
 from megatron_fr.config.rollout import EngineSettings
 from megatron_fr.rollout.supervisor import (
@@ -40,12 +39,10 @@ def test_the_pool_reads_real_sglang_and_refuses_it_for_routing_replay(sglang_ser
         (tmp_path / ENGINES_FILE).write_text(f"http://localhost:{port}/\n")
         watch = threading.Thread(target=_watch_for, args=(supervisor, 10.0), daemon=True)
         watch.start()
-        deadline = time.monotonic() + 10
-        while not _faults(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: records(tmp_path, FAULTS_FILE, running=True), 10, "the line's fate")
     finally:
         supervisor.stop()
-    (fault,) = _faults(tmp_path)
+    (fault,) = records(tmp_path, FAULTS_FILE)
     assert fault["event"] == "skipped", fault
     expected = f"http://localhost:{port} is at the address of {url}, already in the pool"
     assert expected in fault["cause"], fault
@@ -59,8 +56,3 @@ def _watch_for(supervisor: EngineSupervisor, seconds: float) -> None:
             await asyncio.wait_for(supervisor.watch(), seconds)
 
     asyncio.run(bounded())
-
-
-def _faults(run_dir) -> list[dict]:
-    path = run_dir / FAULTS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -14,14 +14,13 @@ Skipped, saying why, where vLLM is not installed."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import psutil
 import pytest
-from training_runs import Run, last_step, run_megatron_fr, step_rows, train_args
+from training_runs import Run, last_step, records, run_megatron_fr, step_rows, train_args
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -68,8 +67,7 @@ def test_train_through_vllm_with_syncs_checked_and_the_engine_killed(model_dir, 
     gaps = [m["sync_logprob_gap"] for m in steps if "sync_logprob_gap" in m]
     assert len(gaps) >= STEPS - 1 and max(gaps) < 1e-4, gaps
     assert all(m["sync_checks_failed"] == 0 for m in steps if "sync_checks_failed" in m)
-    faults = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
-    events = [(f["event"], f["cause"]) for f in faults]
+    events = [(f["event"], f["cause"]) for f in records(run_dir, "faults.jsonl")]
     assert any(e == "out" and "exited" in c for e, c in events), events
     assert any(e == "in" for e, _ in events), events
     assert steps[-1]["engines_restarted_total"] >= 1

@@ -139,10 +139,6 @@ class DistributedTransport(WeightTransport):
         )
         return self.wire.receive_path, body
 
-    def leave_request(self, group_name: str) -> tuple[str, dict]:
-        """The call that makes an engine leave its group: path, body."""
-        return self.wire.leave_group_path, self.wire.leave_group_request(group_name)
-
     def connect(self, stage: int) -> None:
         """The stage's groups formed one after the other, each engine's join call in flight
         meanwhile (a join returns once the sender's end is built)."""
@@ -202,7 +198,7 @@ class DistributedTransport(WeightTransport):
         not answer (it died or hung since the last sync) is logged, not raised over, since the
         next connect destroys the group on it anyway (sync.py's GROUPS_FILE)."""
         if self.groups:
-            bodies = [self.leave_request(group.name)[1] for group in self.groups]
+            bodies = [self.wire.leave_group_request(group.name) for group in self.groups]
             calls = self._submit(self.wire.leave_group_path, bodies, CLOSE_TIMEOUT_S)
             for group in self.groups:
                 group.destroy()
